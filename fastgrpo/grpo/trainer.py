@@ -1,0 +1,424 @@
+"""The GRPO training loop: rollout with the batched engine, rewards, group advantages, clipped policy update."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+
+from fastgrpo.config import GRPOConfig, config_to_dict
+from fastgrpo.data import load_dataset
+from fastgrpo.grpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_loss
+from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
+from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutBatch:
+    """One step's completions as training tensors (``N = prompts * num_generations`` rows).
+
+    ``input_ids`` is ``[N, P + C]``: the prompt left-padded to ``P``, the completion right-padded to ``C``;
+    ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+def build_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, advantages: torch.Tensor
+) -> RolloutBatch:
+    """Pack prompts (one per completion) and completions into left/right padded tensors."""
+    n = len(completion_ids)
+    p_len = max(map(len, prompt_ids))
+    c_len = max(max(map(len, completion_ids)), 1)
+    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, p_len + c_len, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=False)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(c)] = 1
+    return RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
+
+
+def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
+    """Some rows of a batch (``rows``: ``[n]`` indices), trimmed to the prompt and completion columns they use."""
+    attn = batch.attention_mask[rows]
+    c_len = batch.completion_mask.shape[1]
+    p_len = attn.shape[1] - c_len
+    used = attn.any(dim=0).nonzero().squeeze(-1)
+    start = min(int(used.min()), p_len - 1)
+    keep = max(int(used.max()) + 1 - p_len, 1)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows, :keep]
+
+    return RolloutBatch(
+        input_ids=batch.input_ids[rows, start : p_len + keep],
+        attention_mask=attn[:, start : p_len + keep],
+        completion_mask=batch.completion_mask[rows, :keep],
+        advantages=batch.advantages[rows],
+        old_logps=cut(batch.old_logps),
+        ref_logps=cut(batch.ref_logps),
+    )
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of the process so far: allocated device memory on CUDA, max resident set size on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
+
+
+class GRPOTrainer:
+    """Trains ``config.model`` with GRPO on ``config.dataset``.
+
+    Args:
+        config: a validated `GRPOConfig`.
+        model, tokenizer: optional already-loaded policy and tokenizer (otherwise loaded from ``config.model``).
+        dataset: optional rows (otherwise loaded from ``config.dataset``).
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        model: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        dataset: list[dict[str, Any]] | None = None,
+        resume: bool = False,
+    ):
+        config.validate()
+        self.config = config
+        self.output_dir = Path(config.output_dir)
+        self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
+        self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
+        if len(self.dataset) < config.prompts_per_step:
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} rows, fewer than the {config.prompts_per_step} prompts per step"
+            )
+        self.start_step = 0
+        checkpoint = latest_checkpoint(self.output_dir) if resume else None
+        if resume and checkpoint is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {self.output_dir}")
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        source = str(checkpoint) if checkpoint else config.model
+        self.tokenizer = tokenizer or load_tokenizer(source)
+        self.model = model or load_model(source, dtype=config.dtype)
+        self.device = next(self.model.parameters()).device
+        self.ref_model = self._load_reference() if config.beta > 0 else None
+        if config.use_peft:
+            self.model = self._wrap_peft(self.model)
+        self.engine = RolloutEngine(self.model, eos_token_ids(self.model, self.tokenizer), self.tokenizer)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = get_scheduler(
+            config.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=int(config.warmup_ratio * config.max_steps * config.num_iterations),
+            num_training_steps=config.max_steps * config.num_iterations,
+        )
+        if checkpoint is not None:
+            self._restore(checkpoint)
+        self.sampling = SamplingParams(
+            max_new_tokens=config.max_completion_length,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            min_p=config.min_p,
+            stop=tuple(config.stop),
+        )
+        self.prompt_cache: dict[int, list[int]] = {}
+        self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to else None
+
+    # -- set-up -------------------------------------------------------------------------------------------
+    def _load_reference(self) -> PreTrainedModel | None:
+        """A frozen copy of the initial policy for the KL penalty (none with LoRA: adapters are disabled)."""
+        if self.config.use_peft:
+            return None
+        ref = load_model(self.config.model, dtype=self.config.dtype).to(self.device).eval()
+        ref.requires_grad_(False)
+        return ref
+
+    def _wrap_peft(self, model: PreTrainedModel) -> PreTrainedModel:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=self.config.lora_r,
+            lora_alpha=self.config.lora_alpha,
+            lora_dropout=self.config.lora_dropout,
+            target_modules=self.config.lora_target_modules or "all-linear",
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, lora)
+
+    def _tensorboard(self) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("report_to: tensorboard needs `pip install tensorboard`") from e
+        return SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def _restore(self, checkpoint: Path) -> None:
+        state = load_state(checkpoint)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.start_step = state["step"]
+        logger.info("resumed from %s at step %d", checkpoint, self.start_step)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def step_rows(self, step: int) -> list[dict[str, Any]]:
+        """The prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones."""
+        per_step = self.config.prompts_per_step
+        rows = []
+        for k in range(step * per_step, (step + 1) * per_step):
+            epoch, index = divmod(k, len(self.dataset))
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.config.seed + epoch))
+            rows.append(self.dataset[int(order[index])])
+        return rows
+
+    def _encode(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+        out = []
+        for row in rows:
+            key = id(row)
+            if key not in self.prompt_cache:
+                self.prompt_cache[key] = encode_prompts(self.tokenizer, [row["prompt"]], self.config.max_prompt_length)[
+                    0
+                ]
+            out.append(self.prompt_cache[key])
+        return out
+
+    def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:
+        """Sample ``num_generations`` completions per prompt with a generator seeded by (seed, step)."""
+        prompt_ids = self._encode(rows)
+        generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1_000_003 + step)
+        out = self.engine.generate(prompt_ids, self.sampling, self.config.num_generations, generator)
+        return prompt_ids, out
+
+    def _logps(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+            return completion_logprobs(
+                model,
+                batch.input_ids.to(self.device),
+                batch.attention_mask.to(self.device),
+                batch.completion_mask.shape[1],
+                temperature=self.config.temperature or 1.0,
+                chunk_tokens=self.config.logprob_chunk_tokens,
+            )
+
+    @torch.no_grad()
+    def _batch_logps(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+        """``[N, C]`` completion log-probs of the whole batch, computed micro-batch by micro-batch."""
+        mb = self.config.per_device_train_batch_size
+        n, width = batch.completion_mask.shape
+        chunks = [
+            self._logps(model, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
+        ]
+        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
+
+    def _fixed_logps(self, batch: RolloutBatch) -> None:
+        """Old-policy log-probs (needed when the batch is reused) and reference log-probs (when beta > 0)."""
+        if self.config.num_iterations > 1:
+            batch.old_logps = self._batch_logps(self.model, batch)
+        if self.config.beta > 0:
+            if self.ref_model is not None:
+                batch.ref_logps = self._batch_logps(self.ref_model, batch)
+            else:
+                with self.model.disable_adapter():
+                    batch.ref_logps = self._batch_logps(self.model, batch)
+
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Row indices of each micro-batch of ``per_device_train_batch_size`` rows.
+
+        For ``grpo``, ``dr_grpo`` and ``dapo`` the loss is a sum of per-row terms over a normaliser fixed by the
+        whole batch, so rows can be regrouped freely: they are sorted by length (less padding), and rows whose
+        advantage is 0 are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo``
+        normalises by each micro-batch's token count, so its micro-batches keep TRL's consecutive order.
+        """
+        cfg = self.config
+        mb = cfg.per_device_train_batch_size
+        rows = torch.arange(batch.input_ids.shape[0])
+        if cfg.loss_type != "bnpo":
+            if cfg.beta == 0:
+                rows = rows[batch.advantages != 0]
+            lengths = batch.attention_mask[rows].sum(dim=1)
+            rows = rows[torch.argsort(lengths, descending=True, stable=True)]
+        return [rows[i : i + mb] for i in range(0, rows.numel(), mb)]
+
+    def optimize(self, batch: RolloutBatch) -> dict[str, float]:
+        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches."""
+        cfg = self.config
+        n = batch.input_ids.shape[0]
+        total_tokens = batch.completion_mask.sum().clamp(min=1)
+        groups = self.micro_batches(batch)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sums: dict[str, float] = {"loss": 0.0}
+        grad_norms: list[float] = []
+        count = 0
+        self.model.train()
+        for _ in range(cfg.num_iterations):
+            for rows in groups:
+                part = select_rows(batch, rows)
+                mask = part.completion_mask.to(self.device)
+                logps = self._logps(self.model, part)
+                old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
+                ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
+                loss, metrics = grpo_loss(
+                    logps,
+                    old,
+                    part.advantages.to(self.device),
+                    mask,
+                    loss_type=cfg.loss_type,
+                    epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    beta=cfg.beta,
+                    ref_logps=ref,
+                    max_completion_length=cfg.max_completion_length,
+                    num_items_in_batch=total_tokens,
+                )
+                # Scale each micro-batch's loss to its share of the whole batch's loss.
+                if cfg.loss_type in ("grpo", "dr_grpo"):
+                    loss = loss * rows.numel() / n
+                elif cfg.loss_type == "bnpo":
+                    loss = loss / len(groups)
+                loss.backward()
+                sums["loss"] += float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+            for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v / max(count, 1) for k, v in sums.items() if k != "loss"}
+        out["loss"] = sums["loss"] / cfg.num_iterations
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["learning_rate"] = self.scheduler.get_last_lr()[0]
+        out["train/rows_trained"] = float(sum(g.numel() for g in groups))
+        return out
+
+    def train_step(self, step: int) -> dict[str, float]:
+        """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
+        cfg = self.config
+        rows = self.step_rows(step)
+        t0 = time.perf_counter()
+        prompt_ids, out = self.rollout(step, rows)
+        t1 = time.perf_counter()
+        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        full_rows = [row for row in rows for _ in range(cfg.num_generations)]
+        rewards, reward_metrics = compute_rewards(
+            self.reward_funcs,
+            cfg.reward_weights,
+            [r["prompt"] for r in full_rows],
+            completions,
+            out.completion_ids,
+            full_rows,
+        )
+        advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        t2 = time.perf_counter()
+        prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
+        batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
+        truncated = torch.tensor([r == "length" for r in out.finish_reasons])
+        if cfg.mask_truncated_completions:
+            batch.completion_mask[truncated] = 0
+        self._fixed_logps(batch)
+        train_metrics = self.optimize(batch)
+        t3 = time.perf_counter()
+        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float)
+        terminated = lengths[~truncated]
+        metrics = {
+            "step": step + 1,
+            "reward": float(rewards.mean()),
+            "reward_std": float(group_std.mean()),
+            "frac_reward_zero_std": float((group_std.view(-1, cfg.num_generations)[:, 0] < 1e-6).float().mean()),
+            **reward_metrics,
+            "completions/mean_length": float(lengths.mean()),
+            "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()),
+            "completions/clipped_ratio": float(truncated.float().mean()),
+            "completions/mean_terminated_length": float(terminated.mean()) if terminated.numel() else 0.0,
+            **train_metrics,
+            "time/rollout": t1 - t0,
+            "time/reward": t2 - t1,
+            "time/train": t3 - t2,
+            "time/step": t3 - t0,
+            "rollout/tokens_per_second": out.stats.tokens_per_second,
+            "rollout/target_forwards": out.stats.target_forwards,
+            "rollout/concurrency_mean": out.stats.concurrency_mean,
+            "memory/peak_mb": peak_memory_mb(self.device),
+        }
+        self._last_samples = list(zip([r["prompt"] for r in full_rows], completions, rewards.tolist(), strict=False))
+        return metrics
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        def write_model(path: Path) -> None:
+            self.model.save_pretrained(path)
+            self.tokenizer.save_pretrained(path)
+
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
+
+    def train(self) -> list[dict[str, float]]:
+        """Run until ``max_steps``; returns the metrics of the steps run by this call."""
+        cfg = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+        history = []
+        bar = tqdm(
+            range(self.start_step, cfg.max_steps),
+            initial=self.start_step,
+            total=cfg.max_steps,
+            desc="GRPO",
+            disable=not cfg.progress_bar,
+        )
+        with (self.output_dir / "metrics.jsonl").open("a") as log:
+            for step in bar:
+                metrics = self.train_step(step)
+                history.append(metrics)
+                if (step + 1) % cfg.logging_steps == 0:
+                    log.write(json.dumps(metrics) + "\n")
+                    log.flush()
+                    if self.tb_writer is not None:
+                        for k, v in metrics.items():
+                            self.tb_writer.add_scalar(k, v, step + 1)
+                bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}")
+                if cfg.log_completions and (step + 1) % cfg.log_completions_steps == 0:
+                    self._print_samples(step + 1)
+                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                    self.save(step + 1)
+        return history
+
+    def _print_samples(self, step: int) -> None:
+        for prompt, completion, reward in self._last_samples[: self.config.num_completions_to_print]:
+            text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}")

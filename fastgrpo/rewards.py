@@ -1,0 +1,328 @@
+"""Reward functions with TRL's calling convention, answer extraction helpers and reward aggregation.
+
+A reward function is called as ``f(prompts=..., completions=..., completion_ids=..., **columns)``: every
+dataset column except ``prompt`` arrives as a list aligned with ``completions``. Completions are strings,
+or lists of ``{"role": "assistant", "content": ...}`` messages for conversational prompts
+(see :func:`completion_text`). A function returns one ``float`` per completion, or ``None`` for a row it
+cannot score.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import torch
+
+RewardFunc = Callable[..., list[float | None]]
+
+MATH_VERIFY_TIMEOUT_S = 5
+_UNICODE_MINUS = "\u2212"
+_NUMBER = r"(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|\.\d+"
+# A leading "-" is a sign only when it does not follow a word, a digit or a closing bracket ("10-3" is 3).
+_ANY_NUMBER_RE = re.compile(rf"(?:(?<![\w)\]])-)?(?<![\w.])(?:{_NUMBER})")
+_HASH_NUMBER_RE = re.compile(rf"\s*\$?\s*(-?(?:{_NUMBER}))")
+_BOX_COMMANDS = ("\\boxed{", "\\fbox{")
+_EXCERPT_CHARS = 80
+
+
+def completion_text(completion: str | list[dict[str, Any]] | dict[str, Any]) -> str:
+    """Text of a completion given as a string or as (a list of) assistant chat messages."""
+    if isinstance(completion, str):
+        return completion
+    messages = [completion] if isinstance(completion, dict) else completion
+    if not isinstance(messages, list):
+        raise TypeError(f"a completion must be a string or a list of messages, got {type(completion).__name__}")
+    return "".join(_content_text(message.get("content")) for message in messages if message.get("role") == "assistant")
+
+
+def _content_text(content: Any) -> str:
+    """Text of a message ``content``: a string, or a list of ``{"type": "text", "text": ...}`` parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict))
+
+
+def normalize_number(s: str) -> str:
+    """Canonical form of a number so equal values compare equal as strings.
+
+    Drops ``$``, thousands commas, blanks and a trailing period; integral values lose their decimals
+    (``"1,000.00"`` -> ``"1000"``, ``"7.0"`` -> ``"7"``); other decimals lose trailing zeros. Text that
+    is not a number is returned stripped but otherwise unchanged.
+    """
+    text = s.strip().replace(_UNICODE_MINUS, "-")
+    cleaned = re.sub(r"[\s$,]", "", text).rstrip(".")
+    try:
+        value = Decimal(cleaned)
+    except InvalidOperation:
+        return text
+    if not value.is_finite():
+        return text
+    if value == value.to_integral_value():
+        return str(int(value))
+    return format(value.normalize(), "f")
+
+
+def extract_hash_answer(text: str) -> str | None:
+    """Strict GSM8K answer: the number right after the last ``####``, normalised; None if there is none."""
+    if "####" not in text:
+        return None
+    tail = text.rsplit("####", 1)[1].replace(_UNICODE_MINUS, "-")
+    match = _HASH_NUMBER_RE.match(tail)
+    return normalize_number(match.group(1)) if match else None
+
+
+def extract_last_number(text: str) -> str | None:
+    """Flexible answer: the last number in ``text`` (signs, decimals, thousands commas), normalised."""
+    matches = _ANY_NUMBER_RE.findall(text.replace(_UNICODE_MINUS, "-"))
+    return normalize_number(matches[-1]) if matches else None
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) (balanced braces); None if absent."""
+    start = max(text.rfind(command) for command in _BOX_COMMANDS)
+    if start < 0:
+        return None
+    opening = text.index("{", start)
+    depth = 0
+    for position in range(opening, len(text)):
+        if text[position] == "{":
+            depth += 1
+        elif text[position] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[opening + 1 : position].strip()
+    return None
+
+
+def _gold_number(answer: Any) -> str | None:
+    """Normalised gold number; a full GSM8K solution (``... #### 72``) is reduced to its final answer."""
+    if answer is None:
+        return None
+    text = str(answer)
+    gold = extract_hash_answer(text) if "####" in text else normalize_number(text)
+    return gold or None
+
+
+def _score_numbers(
+    completions: Sequence[Any], answer: Sequence[Any], extract: Callable[[str], str | None]
+) -> list[float | None]:
+    """1.0 where ``extract`` finds the gold number in the completion, 0.0 where not, None without gold."""
+    scores: list[float | None] = []
+    for completion, gold_answer in zip(completions, answer, strict=True):
+        gold = _gold_number(gold_answer)
+        scores.append(None if gold is None else float(extract(completion_text(completion)) == gold))
+    return scores
+
+
+def gsm8k_strict(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 when the number after the completion's last ``####`` equals the gold answer, else 0.0."""
+    return _score_numbers(completions, answer, extract_hash_answer)
+
+
+def gsm8k_flexible(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 when the last number in the completion equals the gold answer, else 0.0."""
+    return _score_numbers(completions, answer, extract_last_number)
+
+
+def _math_verify_timeout() -> int | None:
+    """math_verify's timeout: it uses SIGALRM, which only works in the main thread on POSIX systems."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    return MATH_VERIFY_TIMEOUT_S if in_main_thread and os.name == "posix" else None
+
+
+def _verify_math(text: str, gold_answer: Any, timeout: int | None) -> float | None:
+    """1.0/0.0 for a completion against a gold answer with math_verify; None if the gold does not parse."""
+    from math_verify import parse, verify
+
+    gold_text = "" if gold_answer is None else str(gold_answer).strip()
+    if gold_text and "\\boxed" not in gold_text and "$" not in gold_text:
+        gold_text = f"\\boxed{{{gold_text}}}"
+    gold = parse(gold_text, parsing_timeout=timeout) if gold_text else []
+    if not gold:
+        return None
+    prediction = parse(text, parsing_timeout=timeout)
+    return float(verify(gold, prediction, timeout_seconds=timeout))
+
+
+def math_accuracy(completions: Sequence[Any], answer: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 when math_verify finds the completion's final (boxed) answer equivalent to the gold answer.
+
+    Plain gold answers (``"0.5"``, ``"\\frac{1}{2}"``) are boxed before parsing. Rows whose gold answer
+    cannot be parsed score None. The timeout is disabled outside the main thread, where signals fail.
+    """
+    timeout = _math_verify_timeout()
+    return [
+        _verify_math(completion_text(completion), gold, timeout)
+        for completion, gold in zip(completions, answer, strict=True)
+    ]
+
+
+def format_reward(completions: Sequence[Any], **kwargs: Any) -> list[float | None]:
+    """1.0 when the completion states a final answer as ``#### N`` or ``\\boxed{...}``, else 0.0."""
+    scores: list[float | None] = []
+    for completion in completions:
+        text = completion_text(completion)
+        scores.append(float(extract_hash_answer(text) is not None or bool(extract_boxed(text))))
+    return scores
+
+
+REWARD_FUNCS: dict[str, RewardFunc] = {
+    "gsm8k_strict": gsm8k_strict,
+    "gsm8k_flexible": gsm8k_flexible,
+    "accuracy": gsm8k_flexible,
+    "math_accuracy": math_accuracy,
+    "format": format_reward,
+}
+
+
+def _import_reward(spec: str) -> RewardFunc:
+    """Import a reward function given as ``"module.path:function"``."""
+    module_name, _, attribute = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"cannot import module {module_name!r} for reward function {spec!r}: {exc}") from exc
+    func = getattr(module, attribute, None)
+    if not callable(func):
+        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attribute!r}")
+    return func
+
+
+def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list[RewardFunc]:
+    """Turn registry names, ``"module.path:function"`` strings and callables into reward functions."""
+    funcs: list[RewardFunc] = []
+    for spec in names_or_callables:
+        if callable(spec):
+            funcs.append(spec)
+        elif spec in REWARD_FUNCS:
+            funcs.append(REWARD_FUNCS[spec])
+        elif isinstance(spec, str) and ":" in spec:
+            funcs.append(_import_reward(spec))
+        else:
+            valid = ", ".join(REWARD_FUNCS)
+            raise ValueError(f"unknown reward function {spec!r}; valid names: {valid} (or 'module.path:function')")
+    return funcs
+
+
+def reward_name(func: RewardFunc) -> str:
+    """Name used in metrics: the function's ``__name__``, else its class name."""
+    return getattr(func, "__name__", None) or type(func).__name__
+
+
+def _row_slice(batch: dict[str, Any], index: int) -> dict[str, Any]:
+    """Keyword arguments restricted to the row ``index`` (each list cut to one element)."""
+    return {key: None if value is None else value[index : index + 1] for key, value in batch.items()}
+
+
+def _excerpt(prompt: Any) -> str:
+    """Short text of a prompt (a string or chat messages) for error messages."""
+    if isinstance(prompt, str):
+        text = prompt
+    elif isinstance(prompt, list) and prompt and isinstance(prompt[-1], dict):
+        text = _content_text(prompt[-1].get("content"))
+    else:
+        text = repr(prompt)
+    return text if len(text) <= _EXCERPT_CHARS else text[:_EXCERPT_CHARS] + "..."
+
+
+def _call_reward(func: RewardFunc, batch: dict[str, Any], size: int) -> Any:
+    """Call ``func`` on the batch; if it raises, raise a RuntimeError naming the first failing row."""
+    try:
+        return func(**batch)
+    except Exception as batch_error:
+        name = reward_name(func)
+        for index in range(size):
+            try:
+                func(**_row_slice(batch, index))
+            except Exception as row_error:
+                prompts = batch["prompts"]
+                where = f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
+                raise RuntimeError(
+                    f"reward function {name!r} failed on {where}: {type(row_error).__name__}: {row_error}"
+                ) from row_error
+        raise RuntimeError(
+            f"reward function {name!r} failed on a batch of {size} completions (no single row fails alone): "
+            f"{type(batch_error).__name__}: {batch_error}"
+        ) from batch_error
+
+
+def _as_tensor(name: str, values: Any, size: int) -> torch.Tensor:
+    """Check a reward function's output and turn it into a float32 tensor with NaN for None."""
+    if not isinstance(values, (list, tuple)) or len(values) != size:
+        got = f"length {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
+        raise ValueError(f"reward function {name!r} must return a list of {size} floats or None, got {got}")
+    try:
+        floats = [math.nan if value is None else float(value) for value in values]
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"reward function {name!r} returned a value that is not a number: {exc}") from exc
+    return torch.tensor(floats, dtype=torch.float32)
+
+
+def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
+    """Mean and (unbiased) standard deviation over the non-NaN entries; NaN when there are none."""
+    valid = values[~torch.isnan(values)]
+    if valid.numel() == 0:
+        return math.nan, math.nan
+    std = valid.std().item() if valid.numel() > 1 else 0.0
+    return valid.mean().item(), std
+
+
+def _resolve_weights(weights: Sequence[float] | None, count: int) -> torch.Tensor:
+    """Weights as a tensor; None means 1.0 for every reward function."""
+    if weights is None:
+        return torch.ones(count)
+    if len(weights) != count:
+        raise ValueError(f"got {len(weights)} reward weights for {count} reward functions")
+    return torch.tensor([float(weight) for weight in weights], dtype=torch.float32)
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Every column except ``prompt`` as a list aligned with ``rows`` (None where a row lacks it)."""
+    keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
+    return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def compute_rewards(
+    funcs: Sequence[RewardFunc],
+    weights: Sequence[float] | None,
+    prompts: Sequence[Any] | None,
+    completions: Sequence[Any],
+    completion_ids: Sequence[Any] | None,
+    rows: Sequence[dict[str, Any]],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Score completions with every reward function and combine them.
+
+    Returns the weighted sum per completion (float32, shape ``[len(completions)]``; a None reward counts
+    as 0 in the sum, as TRL's ``nansum``) and the metrics ``rewards/<name>/mean`` and ``rewards/<name>/std``
+    computed over the rows each function could score.
+    """
+    if not funcs:
+        raise ValueError("at least one reward function is needed")
+    size = len(completions)
+    for label, values in (("prompts", prompts), ("completion_ids", completion_ids), ("rows", rows)):
+        if values is not None and len(values) != size:
+            raise ValueError(f"got {len(values)} {label} for {size} completions")
+    weight_tensor = _resolve_weights(weights, len(funcs))
+    batch = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        **_columns(rows),
+    }
+    per_func = torch.stack([_as_tensor(reward_name(f), _call_reward(f, batch, size), size) for f in funcs])
+    total = (per_func * weight_tensor.unsqueeze(1)).nansum(dim=0)
+    metrics: dict[str, float] = {}
+    for func, values in zip(funcs, per_func, strict=True):
+        mean, std = _nan_mean_std(values)
+        metrics[f"rewards/{reward_name(func)}/mean"] = mean
+        metrics[f"rewards/{reward_name(func)}/std"] = std
+    return total, metrics

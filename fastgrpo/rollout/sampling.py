@@ -1,0 +1,75 @@
+"""Sampling parameters and the one logits-processing function shared by autoregressive and speculative steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How completions are sampled. ``temperature == 0`` means greedy."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the sampling distribution.
+
+    Args:
+        logits: ``[..., V]`` raw logits.
+
+    Returns:
+        ``[..., V]`` log-probabilities (at least float32) after temperature, top-k, top-p and min-p, in that
+        order; filtered tokens get ``-inf``. For greedy decoding the plain softmax is returned (its argmax is
+        the greedy token, and it scores the emitted tokens).
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if params.greedy:
+        return torch.log_softmax(logits, dim=-1)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop_sorted = mass_before >= params.top_p
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        floor = params.min_p * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    return torch.log_softmax(logits, dim=-1)
+
+
+def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Draw one token per row from ``[N, V]`` log-probabilities (argmax when greedy); returns ``[N]`` ids."""
+    if params.greedy:
+        return logprobs.argmax(dim=-1)
+    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
