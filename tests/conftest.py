@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random float64 causal LMs of the supported families, built once per session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+VOCAB = 128
+
+_COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def make_tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
+    """A seeded random float64 model of ``family`` with SDPA attention, in eval mode.
+
+    Initialisation is widened (std 0.2 instead of 0.02) so the logits are far from uniform: the models then
+    emit a few favourite tokens, which gives greedy decoding natural early stops on a chosen EOS id.
+    """
+    if family == "llama":
+        config, cls = LlamaConfig(**_COMMON), LlamaForCausalLM
+    elif family == "qwen2":
+        config, cls = Qwen2Config(**_COMMON), Qwen2ForCausalLM
+    elif family == "qwen3":
+        config, cls = Qwen3Config(**_COMMON, head_dim=16), Qwen3ForCausalLM
+    else:
+        raise ValueError(f"unknown family {family!r}")
+    config.initializer_range = 0.2
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = cls(config).double().eval()
+    return model
+
+
+_MODELS: dict[str, PreTrainedModel] = {}
+
+
+def tiny_model(family: str) -> PreTrainedModel:
+    """The session-wide tiny model of ``family`` (built on first use)."""
+    if family not in _MODELS:
+        _MODELS[family] = make_tiny_model(family)
+    return _MODELS[family]
+
+
+@pytest.fixture(params=FAMILIES)
+def family_model(request: pytest.FixtureRequest) -> PreTrainedModel:
+    """The tiny model of each supported family in turn."""
+    return tiny_model(request.param)
+
+
+@pytest.fixture
+def llama_model() -> PreTrainedModel:
+    """The tiny Llama model."""
+    return tiny_model("llama")

@@ -1,0 +1,75 @@
+"""Configuration: YAML and command-line overrides, validated with errors that name the option."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.cli import main
+from fastgrpo.config import GRPOConfig, load_config, parse_overrides
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides_merge(tmp_path: Path) -> None:
+    path = write(tmp_path, "learning_rate: 1.0e-5\ndataset:\n  name: arithmetic\n  digits: 2\n")
+    config = load_config(path, ["--dataset.operands", "3", "--max_steps=7", "--reward_funcs", "format"])
+    assert config.learning_rate == 1e-5
+    assert (config.dataset.digits, config.dataset.operands) == (2, 3)
+    assert config.max_steps == 7
+    assert config.reward_funcs == ["format"]
+
+
+def test_int_is_accepted_for_float_options() -> None:
+    assert load_config(None, ["--learning_rate", "1"]).learning_rate == 1.0
+
+
+def test_parse_overrides_nests_dotted_keys() -> None:
+    assert parse_overrides(["--a.b", "2", "--c=x", "--use-peft", "true"]) == {"a": {"b": 2}, "c": "x", "use_peft": True}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--learnig_rate", "1e-5"], "unknown option learnig_rate (did you mean learning_rate?)"),
+        (["--dataset.digitz", "2"], "unknown option dataset.digitz (did you mean dataset.digits?)"),
+        (["--loss_type", "ppo"], "loss_type must be one of ['grpo', 'bnpo', 'dr_grpo', 'dapo'], got 'ppo'"),
+        (["--scale_rewards", "rank"], "scale_rewards must be one of"),
+        (["--max_steps", "ten"], "max_steps must be of type int, got 'ten'"),
+        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--top_p", "0"], "top_p must be in (0, 1]"),
+        (["--num_generations", "3"], "must be a multiple of num_generations (3)"),
+        (["--reward_funcs", "nope"], "nope"),
+        (["--reward_weights", "[1.0, 2.0]"], "reward_weights has 2 entries but reward_funcs has 1"),
+        (["--dataset.digits", "0"], "dataset.digits"),
+        (["--dataset", "gsm8k"], "dataset must be a mapping of options"),
+    ],
+)
+def test_invalid_options_name_the_option(overrides: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        load_config(None, overrides)
+    assert message in str(excinfo.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_cli_reports_bad_option_before_loading_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["train", "--loss_type", "ppo"])
+    assert excinfo.value.code == 2
+    assert "loss_type must be one of" in capsys.readouterr().err
+
+
+def test_default_config_file_is_valid() -> None:
+    config = load_config(Path(__file__).parents[1] / "configs" / "default.yaml")
+    assert config.model == "smollm2"
+    assert config.prompts_per_step * config.num_generations == config.generation_batch_size == 16
+    assert isinstance(config, GRPOConfig)

@@ -1,0 +1,39 @@
+"""The command line on the embedded SmolLM2-135M-Instruct: train two short steps, then eval and generate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.cli import main
+
+ROOT = Path(__file__).parents[1]
+GSM8K_TEST = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+def test_train_eval_generate_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "run"
+    main(
+        ["train", "--config", str(ROOT / "configs" / "default.yaml"), "--output_dir", str(out), "--max_steps", "2"]
+        + ["--max_completion_length", "16", "--num_generations", "4", "--per_device_train_batch_size", "4"]
+        + ["--gradient_accumulation_steps", "1", "--save_steps", "2", "--progress_bar", "false"]
+    )
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(metrics) == 2
+    assert all(0.0 <= m["reward"] <= 1.0 and m["completions/max_length"] <= 16 for m in metrics)
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / "config.json").is_file() and (checkpoint / "trainer_state.pt").is_file()
+    capsys.readouterr()
+
+    main(
+        ["eval", "--model", str(checkpoint), "--dataset.name", "gsm8k", "--dataset.path", str(GSM8K_TEST)]
+        + ["--dataset.limit", "3", "--max_completion_length", "8", "--temperature", "0"]
+    )
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["examples"] == 3 and 0.0 <= result["reward"] <= 1.0
+
+    main(["generate", "--model", str(checkpoint), "--prompt", "What is 2 + 2?", "--max-new-tokens", "8"])
+    printed = capsys.readouterr().out
+    assert "--- What is 2 + 2?" in printed and len(printed.splitlines()) >= 2

@@ -1,0 +1,144 @@
+"""GRPO trainer: a short run updates weights and writes loadable checkpoints; resume continues exactly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.data import DataConfig, make_arithmetic
+from fastgrpo.grpo.trainer import GRPOTrainer, build_batch
+from fastgrpo.models import load_tokenizer
+
+
+def length_reward(completions: list[str], **kwargs) -> list[float]:
+    """A reward that varies across random completions, so advantages are non-zero."""
+    return [float(len(c) % 7) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved like any Hugging Face model directory."""
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    path = tmp_path_factory.mktemp("tiny")
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:
+    values = dict(
+        model=str(model_dir),
+        dataset=DataConfig(num_examples=32),
+        reward_funcs=["accuracy"],
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=12,
+        learning_rate=1e-3,
+        max_steps=2,
+        save_steps=2,
+        output_dir=str(out),
+        progress_bar=False,
+        log_completions=False,
+    )
+    values.update(overrides)
+    return GRPOConfig(**values)
+
+
+def make_trainer(config: GRPOConfig, resume: bool = False) -> GRPOTrainer:
+    trainer = GRPOTrainer(config, dataset=make_arithmetic(config.dataset), resume=resume)
+    trainer.reward_funcs = [length_reward]
+    return trainer
+
+
+def test_two_steps_change_weights_and_write_loadable_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path))
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    history = trainer.train()
+    assert len(history) == 2
+    changed = [k for k, v in trainer.model.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed, "training did not change any weight"
+
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2]
+    for name in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean"):
+        assert name in lines[0]
+    assert lines[0]["time/rollout"] > 0 and lines[0]["memory/peak_mb"] > 0
+
+    checkpoint = tmp_path / "checkpoint-2"
+    loaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    for k, v in loaded.state_dict().items():
+        torch.testing.assert_close(v, trainer.model.state_dict()[k])
+    assert not list(tmp_path.glob(".checkpoint-*")), "a temporary checkpoint directory was left behind"
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    full = make_trainer(make_config(tiny_model_dir, tmp_path / "full", max_steps=3, save_steps=2)).train()
+
+    interrupted = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=3, save_steps=2))
+    step_fn = interrupted.train_step
+
+    def crash_on_third(step: int) -> dict[str, float]:
+        if step == 2:
+            raise Interrupt
+        return step_fn(step)
+
+    interrupted.train_step = crash_on_third
+    with pytest.raises(Interrupt):
+        interrupted.train()
+    resumed = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=3, save_steps=2), resume=True)
+    assert resumed.start_step == 2
+    (third,) = resumed.train()
+    assert third["step"] == full[2]["step"] == 3
+    assert third["reward"] == full[2]["reward"]
+    assert third["loss"] == pytest.approx(full[2]["loss"], rel=1e-6, abs=1e-9)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
+    tiny_model_dir: Path, tmp_path: Path, loss_type: str
+) -> None:
+    """Rows with advantage 0 are skipped and rows regrouped by length; the optimizer step must not change."""
+    torch.manual_seed(1)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]] * 2
+    completions = [[11 + i] * (1 + (3 * i) % 5) for i in range(8)]
+    advantages = torch.tensor([0.5, 0.0, -1.0, 0.0, 0.0, 2.0, -0.3, 0.0])
+    results = []
+    for regroup in (True, False):
+        trainer = make_trainer(make_config(tiny_model_dir, tmp_path / str(regroup), loss_type=loss_type))
+        if not regroup:
+            size = trainer.config.per_device_train_batch_size
+            trainer.micro_batches = lambda b, size=size: list(torch.arange(b.input_ids.shape[0]).split(size))
+        batch = build_batch(prompts, completions, trainer.tokenizer.pad_token_id, advantages)
+        metrics = trainer.optimize(batch)
+        results.append((metrics["loss"], [p.detach().clone() for p in trainer.model.parameters()]))
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
