@@ -1,9 +1,10 @@
 """Batched rollout engine with continuous batching over a static per-row KV cache.
 
 A call prefills each distinct prompt once, replicates its cache rows for the ``num_generations`` samples, then
-decodes. Every step runs one target forward over the active rows; a row that ends (EOS, a stop string or the
-length limit) leaves the batch at once, so the concurrency falls during the call and is recorded per step.
-A step emits a variable number of tokens per row, which is what speculative steps plug into.
+decodes. Every step runs one target forward over the active rows and emits a variable number of tokens per row:
+one for an autoregressive step, the accepted path plus one for a speculative step, where a draft head proposes a
+tree per row and the target verifies all trees in one forward. A row that ends (EOS, a stop string or the length
+limit) leaves the batch at once, so the concurrency falls during the call; it is recorded per step.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.runner import decoder_and_head, forward_block
+from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.verify import accept
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.tree import TreeShape, expand_tree
 
 
 @dataclass
@@ -24,15 +28,26 @@ class GenerationStats:
     """What one generation call did. Per-step lists have one entry per target forward after the prefill."""
 
     target_forwards: int = 0
+    draft_forwards: int = 0
     tokens_emitted: int = 0
+    decode_tokens: int = 0  # emitted by decoding forwards (the first token of each row comes from the prefill)
     prefill_time: float = 0.0
     decode_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)
+    depth_offered: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
 
     @property
     def total_time(self) -> float:
         return self.prefill_time + self.decode_time
+
+    @property
+    def bookkeeping_time(self) -> float:
+        return self.decode_time - self.draft_time - self.verify_time
 
     @property
     def tokens_per_second(self) -> float:
@@ -41,6 +56,25 @@ class GenerationStats:
     @property
     def concurrency_mean(self) -> float:
         return sum(self.concurrency) / max(len(self.concurrency), 1)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per row per decoding forward (1.0 for autoregressive decoding)."""
+        return self.decode_tokens / max(sum(self.concurrency), 1)
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
+        return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
+
+    def record_depths(self, tree_depth: torch.Tensor, accepted: torch.Tensor) -> None:
+        """``tree_depth`` ``[B]`` deepest node per row, ``accepted`` ``[B]`` accepted draft tokens per row."""
+        for d in range(1, int(tree_depth.max()) + 1):
+            if len(self.depth_offered) < d:
+                self.depth_offered.append(0)
+                self.depth_accepted.append(0)
+            self.depth_offered[d - 1] += int((tree_depth >= d).sum())
+            self.depth_accepted[d - 1] += int((accepted >= d).sum())
 
 
 @dataclass
@@ -51,15 +85,44 @@ class GenerationOutput:
     logprobs: list[list[float]]
     finish_reasons: list[str]
     stats: GenerationStats
+    hidden_states: list[torch.Tensor] | None = None
+    """With ``capture_hidden``: per row ``[prompt + completion - 1, H]`` target final hidden states of every token
+    that was fed to the target (all but the last), from the forwards the decoding ran anyway."""
 
 
 @dataclass
 class _Batch:
-    """State of the active rows; row ``i`` of every tensor is cache row ``i``."""
+    """State of the active rows; row ``i`` of every tensor is cache row ``i`` (target and draft caches).
+
+    With a draft, ``pend_tok``/``pend_hid`` ``[B, P]``/``[B, P, H]`` hold the (token, preceding target hidden
+    state) pairs that the draft cache has not consumed yet, ``pend_n[b]`` of them per row.
+    """
 
     ids: torch.Tensor  # [B] index of the completion this row produces
-    row_len: torch.Tensor  # [B] filled cache slots
-    pending: torch.Tensor  # [B] sampled token not yet written to the cache
+    row_len: torch.Tensor  # [B] filled target cache slots
+    pending: torch.Tensor  # [B] emitted token not yet written to the target cache
+    draft_len: torch.Tensor | None = None  # [B] filled draft cache slots
+    pend_tok: torch.Tensor | None = None
+    pend_hid: torch.Tensor | None = None
+    pend_n: torch.Tensor | None = None
+
+    def select(self, rows: torch.Tensor) -> _Batch:
+        return _Batch(*(None if t is None else t[rows] for t in vars(self).values()))
+
+    def push_pairs(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
+        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs."""
+        b, e = tokens.shape
+        width = int((self.pend_n + count).max())
+        new_tok = torch.zeros(b, width + 1, dtype=tokens.dtype, device=tokens.device)
+        new_hid = hidden.new_zeros(b, width + 1, hidden.shape[-1])
+        old = self.pend_tok.shape[1]
+        new_tok[:, :old] = self.pend_tok
+        new_hid[:, :old] = self.pend_hid
+        steps = torch.arange(e, device=tokens.device)[None, :]
+        index = torch.where(steps < count[:, None], self.pend_n[:, None] + steps, width)  # the spare column
+        new_tok.scatter_(1, index, tokens)
+        new_hid.scatter_(1, index[:, :, None].expand(b, e, hidden.shape[-1]), hidden)
+        self.pend_tok, self.pend_hid, self.pend_n = new_tok[:, :width], new_hid[:, :width], self.pend_n + count
 
 
 class RolloutEngine:
@@ -69,6 +132,8 @@ class RolloutEngine:
         model: the policy; its weights are used as they are (no copy).
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
+        draft: an EAGLE-style draft head for speculative steps (None: autoregressive only).
+        tree: the static tree shape of speculative steps; ``nodes == 1`` is a plain autoregressive step.
     """
 
     def __init__(
@@ -76,24 +141,37 @@ class RolloutEngine:
         model: PreTrainedModel,
         eos_token_ids: list[int],
         tokenizer: PreTrainedTokenizerBase | None = None,
+        draft: DraftHead | None = None,
+        tree: TreeShape | None = None,
     ):
+        if (draft is None) != (tree is None):
+            raise ValueError("speculative decoding needs both a draft and a tree shape")
         self.model = model
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.tokenizer = tokenizer
+        self.draft = draft
+        self.tree = tree
         self.cache: RowCache | None = None
+        self.draft_cache: RowCache | None = None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _cache_for(self, rows: int, length: int) -> RowCache:
-        """Reuse the cache buffers when they are big enough (zeroed once at allocation, always finite)."""
-        c = self.cache
-        if c is None or c.max_rows < rows or c.max_len < length:
+    def _caches(self, rows: int, length: int) -> RowCache:
+        """Reuse the cache buffers when big enough (zeroed once at allocation, so always finite)."""
+        extra = self.tree.nodes if self.tree else 1
+        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
             self.cache = None
-            c = RowCache(self.model.config, rows, length, self.model.dtype, self.device)
-            self.cache = c
-        return c
+            self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device)
+        if self.draft is not None:
+            # Room for the context, a catch-up block as long as the longest row's pending pairs, and a tree.
+            need = 2 * length + self.tree.depth * self.tree.top_k
+            c = self.draft_cache
+            if c is None or c.max_rows < rows or c.max_len < need:
+                self.draft_cache = None
+                self.draft_cache = RowCache(self.draft.body.config, rows, need, self.model.dtype, self.device)
+        return self.cache
 
     @torch.no_grad()
     def generate(
@@ -102,8 +180,11 @@ class RolloutEngine:
         params: SamplingParams,
         num_generations: int = 1,
         generator: torch.Generator | None = None,
+        capture_hidden: bool = False,
     ) -> GenerationOutput:
-        """Sample ``num_generations`` completions for each prompt (token id lists, no padding)."""
+        """Sample ``num_generations`` completions for each prompt (token id lists, no padding).
+
+        ``capture_hidden`` also returns the target's hidden states (for draft training)."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt must have at least one token")
         if params.stop and self.tokenizer is None:
@@ -111,7 +192,7 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompt_ids, params, num_generations, generator)
+            return self._generate(prompt_ids, params, num_generations, generator, capture_hidden)
         finally:
             self.model.train(was_training)
 
@@ -121,109 +202,188 @@ class RolloutEngine:
         params: SamplingParams,
         num_generations: int,
         generator: torch.Generator | None,
+        capture_hidden: bool,
     ) -> GenerationOutput:
         stats = GenerationStats()
         n_rows = len(prompt_ids) * num_generations
-        out_ids: list[list[int]] = [[] for _ in range(n_rows)]
-        out_lp: list[list[float]] = [[] for _ in range(n_rows)]
-        reasons = ["length"] * n_rows
-        cache = self._cache_for(n_rows, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
+        out = GenerationOutput([[] for _ in range(n_rows)], [[] for _ in range(n_rows)], ["length"] * n_rows, stats)
+        cache = self._caches(n_rows, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
 
         t0 = time.perf_counter()
-        batch, logprobs = self._prefill(cache, prompt_ids, num_generations)
+        batch, logits, hidden, prompt_hidden = self._prefill(cache, prompt_ids, num_generations)
+        captured = None
+        if capture_hidden:
+            captured = [
+                [prompt_hidden[i // num_generations, : len(prompt_ids[i // num_generations])]] for i in range(n_rows)
+            ]
+        logprobs = process_logits(logits, params)
+        first = sample(logprobs, params, generator)
+        if self.draft is not None:
+            batch.push_pairs(first[:, None], hidden[:, None], torch.ones_like(first))
         stats.prefill_time = time.perf_counter() - t0
         t0 = time.perf_counter()
-        self._emit(batch, logprobs, params, generator, out_ids, out_lp, reasons, stats)
-        batch = self._drop_finished(cache, batch, out_ids, reasons, params)
+        ones = torch.ones_like(first)
+        batch = self._emit(batch, first[:, None], logprobs.gather(1, first[:, None]), ones, params, out)
+        prefill_tokens = stats.tokens_emitted
         while batch.ids.numel():
             stats.concurrency.append(batch.ids.numel())
-            stats.tokens_per_forward.append(batch.ids.numel())
-            logprobs = self._decode_step(cache, batch)
+            if self.tree is not None and self.tree.speculative:
+                tokens, lps, count, fed = self._speculative_step(batch, params, generator, stats)
+            else:
+                tokens, lps, count, fed = self._autoregressive_step(batch, params, generator, stats)
             stats.target_forwards += 1
-            self._emit(batch, logprobs, params, generator, out_ids, out_lp, reasons, stats)
-            batch = self._drop_finished(cache, batch, out_ids, reasons, params)
+            if captured is not None:
+                for b, (i, n) in enumerate(zip(batch.ids.tolist(), count.tolist(), strict=True)):
+                    captured[i].append(fed[b, :n])
+            batch = self._emit(batch, tokens, lps, count, params, out)
         stats.decode_time = time.perf_counter() - t0
-        return GenerationOutput(out_ids, out_lp, reasons, stats)
+        stats.decode_tokens = stats.tokens_emitted - prefill_tokens
+        if captured is not None:
+            out.hidden_states = [
+                torch.cat(parts)[: len(prompt_ids[i // num_generations]) + len(out.completion_ids[i]) - 1]
+                for i, parts in enumerate(captured)
+            ]
+        return out
 
     def _prefill(
         self, cache: RowCache, prompt_ids: list[list[int]], num_generations: int
-    ) -> tuple[_Batch, torch.Tensor]:
-        """Prefill each prompt once (right-padded at slot 0), then replicate rows; returns last-position logits."""
+    ) -> tuple[_Batch, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Prefill each prompt once (right-padded at slot 0), then replicate rows.
+
+        Returns the batch, ``[R, V]`` last-position logits, ``[R, H]`` last-position hidden states and the
+        ``[P, T, H]`` hidden states of every prompt position.
+        """
         dev = self.device
         lens = torch.tensor([len(p) for p in prompt_ids], device=dev)
-        width = int(lens.max())
-        ids = torch.zeros(len(prompt_ids), width, dtype=torch.long, device=dev)
+        ids = torch.zeros(len(prompt_ids), int(lens.max()), dtype=torch.long, device=dev)
         for i, p in enumerate(prompt_ids):
             ids[i, : len(p)] = torch.tensor(p, device=dev)
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
-        zeros = torch.zeros(len(prompt_ids), dtype=torch.long, device=dev)
-        hidden = forward_block(self.model, cache, ids, zeros, torch.arange(width, device=dev), causal)
+        decoder, head = decoder_and_head(self.model)
+        hidden = forward_chain(decoder, cache, torch.zeros_like(lens), input_ids=ids)
         last = hidden[torch.arange(len(prompt_ids), device=dev), lens - 1]
-        logits = decoder_and_head(self.model)[1](last)
         rows = torch.arange(len(prompt_ids), device=dev).repeat_interleave(num_generations)
         if num_generations > 1:
-            cache.select_rows(rows)
-        batch = _Batch(
-            ids=torch.arange(rows.numel(), device=dev),
-            row_len=lens[rows],
-            pending=torch.zeros(rows.numel(), dtype=torch.long, device=dev),
-        )
-        return batch, logits[rows]
+            cache.select_rows(rows, upto=ids.shape[1])
+        batch = _Batch(ids=torch.arange(rows.numel(), device=dev), row_len=lens[rows], pending=torch.zeros_like(rows))
+        if self.draft is not None:
+            # Pairs (x_{j+1}, h_j) of the prompt; the pair of the first sampled token is pushed by the caller.
+            pairs = lens - 1
+            batch.draft_len = torch.zeros_like(batch.row_len)
+            batch.pend_tok, batch.pend_hid, batch.pend_n = ids[rows, 1:], hidden[rows, :-1], pairs[rows]
+        return batch, head(last)[rows], last[rows], hidden
 
-    def _decode_step(self, cache: RowCache, batch: _Batch) -> torch.Tensor:
-        """One autoregressive forward: write each row's pending token; returns ``[B, V]`` next-token logits."""
-        dev = self.device
-        one = torch.ones(1, 1, dtype=torch.bool, device=dev)
-        zero = torch.zeros(1, dtype=torch.long, device=dev)
-        hidden = forward_block(self.model, cache, batch.pending[:, None], batch.row_len, zero, one)
+    def _autoregressive_step(
+        self, batch: _Batch, params: SamplingParams, generator: torch.Generator | None, stats: GenerationStats
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One target forward over each row's pending token.
+
+        Returns ``[B, 1]`` tokens and log-probs, ``[B]`` counts (ones) and the ``[B, 1, H]`` hidden state of the
+        fed token."""
+        t0 = time.perf_counter()
+        decoder, head = decoder_and_head(self.model)
+        hidden = forward_chain(decoder, self.cache, batch.row_len, input_ids=batch.pending[:, None])
+        logprobs = process_logits(head(hidden[:, -1]), params)
+        tokens = sample(logprobs, params, generator)
         batch.row_len = batch.row_len + 1
-        return decoder_and_head(self.model)[1](hidden[:, -1])
+        ones = torch.ones_like(tokens)
+        if self.draft is not None:
+            batch.push_pairs(tokens[:, None], hidden, ones)
+        stats.verify_time += time.perf_counter() - t0
+        return tokens[:, None], logprobs.gather(1, tokens[:, None]), ones, hidden
+
+    def _draft_catch_up(self, batch: _Batch) -> torch.Tensor:
+        """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last
+        pair (the root of the next tree)."""
+        embed = self.model.get_input_embeddings()
+        x = self.draft.features(embed(batch.pend_tok), batch.pend_hid)
+        out = forward_chain(self.draft.decoder, self.draft_cache, batch.draft_len, inputs_embeds=x, position_offset=1)
+        root = out[torch.arange(out.shape[0], device=out.device), batch.pend_n - 1]
+        batch.draft_len = batch.draft_len + batch.pend_n
+        batch.pend_tok, batch.pend_hid = batch.pend_tok[:, :0], batch.pend_hid[:, :0]
+        batch.pend_n = torch.zeros_like(batch.pend_n)
+        return root
+
+    def _speculative_step(
+        self, batch: _Batch, params: SamplingParams, generator: torch.Generator | None, stats: GenerationStats
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft a tree per row, verify all trees in one target forward, accept a path per row.
+
+        Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts and ``[B, D, H]`` hidden states of the
+        accepted path (the tokens now in the cache)."""
+        t0 = time.perf_counter()
+        shape = self.tree
+        root_hidden = self._draft_catch_up(batch)
+        embed = self.model.get_input_embeddings()
+        decoder, head = decoder_and_head(self.model)
+        tree = expand_tree(
+            self.draft, embed, head, self.draft_cache, batch.draft_len, batch.pending, root_hidden, batch.row_len, shape
+        )
+        stats.draft_forwards += shape.depth
+        t1 = time.perf_counter()
+        n = tree.tokens.shape[1]
+        offsets = torch.arange(n, device=tree.tokens.device)
+        positions = batch.row_len[:, None] + tree.depth
+        hidden = forward_block(
+            decoder, self.cache, batch.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
+        )
+        logprobs = process_logits(head(hidden), params)
+        result = accept(tree, logprobs, params, generator)
+        t2 = time.perf_counter()
+        # Move the accepted path's cache entries to contiguous slots right after the row's context.
+        path = result.path
+        steps = torch.arange(path.shape[1], device=path.device)[None, :]
+        src = batch.row_len[:, None] + torch.where(path >= 0, path, steps)
+        self.cache.move_slots(src, batch.row_len[:, None] + steps)
+        batch.row_len = batch.row_len + result.length
+        path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
+        batch.push_pairs(result.tokens, path_hidden, result.length)
+        stats.draft_time += t1 - t0
+        stats.verify_time += t2 - t1
+        stats.tree_nodes.append(n)
+        stats.record_depths(tree.depth.max(dim=1).values, result.length - 1)
+        return result.tokens, result.logprobs, result.length, path_hidden
 
     def _emit(
         self,
         batch: _Batch,
-        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        count: torch.Tensor,
         params: SamplingParams,
-        generator: torch.Generator | None,
-        out_ids: list[list[int]],
-        out_lp: list[list[float]],
-        reasons: list[str],
-        stats: GenerationStats,
-    ) -> None:
-        """Sample one token per active row from ``[B, V]`` logits and append it to the row's completion."""
-        logprobs = process_logits(logits, params)
-        tokens = sample(logprobs, params, generator)
-        chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-        batch.pending = tokens
-        is_eos = torch.isin(tokens, self.eos.to(tokens.device))
-        for i, tok, lp, eos in zip(batch.ids.tolist(), tokens.tolist(), chosen.tolist(), is_eos.tolist(), strict=False):
-            out_ids[i].append(tok)
-            out_lp[i].append(lp)
-            if eos:
-                reasons[i] = "stop"
-        stats.tokens_emitted += tokens.numel()
-
-    def _drop_finished(
-        self,
-        cache: RowCache,
-        batch: _Batch,
-        out_ids: list[list[int]],
-        reasons: list[str],
-        params: SamplingParams,
+        out: GenerationOutput,
     ) -> _Batch:
-        """Remove rows that hit EOS, a stop string or the length limit; compact the cache to the survivors."""
+        """Append the first ``count[b]`` of ``[B, E]`` tokens to each row's completion, stopping a row at EOS, a
+        stop string or the length limit (even inside an accepted path); drop finished rows from the batch."""
+        is_eos = torch.isin(tokens, self.eos.to(tokens.device)).tolist()
         keep = []
-        for pos, i in enumerate(batch.ids.tolist()):
-            if reasons[i] != "stop" and params.stop and self._hit_stop(out_ids[i], params.stop):
-                reasons[i] = "stop"
-            if reasons[i] != "stop" and len(out_ids[i]) < params.max_new_tokens:
+        emitted = 0
+        for pos, (i, toks, lps, n) in enumerate(
+            zip(batch.ids.tolist(), tokens.tolist(), logprobs.tolist(), count.tolist(), strict=True)
+        ):
+            ids, done = out.completion_ids[i], False
+            for j in range(n):
+                ids.append(toks[j])
+                out.logprobs[i].append(lps[j])
+                emitted += 1
+                if is_eos[pos][j] or (params.stop and self._hit_stop(ids, params.stop)):
+                    out.finish_reasons[i] = "stop"
+                    done = True
+                if done or len(ids) >= params.max_new_tokens:
+                    done = True
+                    break
+            if not done:
                 keep.append(pos)
+        out.stats.tokens_emitted += emitted
+        last = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+        batch.pending = last
         if len(keep) == batch.ids.numel():
             return batch
         rows = torch.tensor(keep, dtype=torch.long, device=batch.ids.device)
         if keep:
-            cache.select_rows(rows, upto=int(batch.row_len.max()))
-        return _Batch(ids=batch.ids[rows], row_len=batch.row_len[rows], pending=batch.pending[rows])
+            self.cache.select_rows(rows, upto=int(batch.row_len.max()))
+            if self.draft is not None:
+                self.draft_cache.select_rows(rows, upto=int(batch.draft_len.max()))
+        return batch.select(rows)
 
     def _hit_stop(self, completion: list[int], stop: tuple[str, ...]) -> bool:
         """Whether the decoded tail of a completion contains a stop string."""

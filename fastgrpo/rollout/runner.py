@@ -1,4 +1,10 @@
-"""Runs the transformers decoder over per-row token blocks written into a `RowCache`."""
+"""Runs a transformers decoder over per-row token blocks written into a `RowCache`.
+
+Each row ``b`` has ``base_len[b]`` filled slots that every new token sees, then a *window* of ``W`` slots
+starting at ``base_len[b]``; the new block's ``T`` tokens are written into the window at ``offsets`` and see
+the window slots their ``window_mask`` allows. A chain is a window of ``T`` slots with a causal mask; a draft
+tree is a window with the ancestor mask; a draft-tree level sees the levels written before it.
+"""
 
 from __future__ import annotations
 
@@ -13,62 +19,83 @@ def decoder_and_head(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.
     return model.get_decoder(), model.get_output_embeddings()
 
 
-def block_mask(row_len: torch.Tensor, tree_mask: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D attention mask for a block of ``T`` new tokens per row.
+def window_attention_mask(base_len: torch.Tensor, window_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Additive 4D attention mask.
 
     Args:
-        row_len: ``[B]`` slots already filled per row; the block occupies slots ``row_len[b] + t``.
-        tree_mask: ``[B, T, T]`` or ``[T, T]`` bool, ``True`` where new token ``i`` may see new token ``j``
-            (causal for a chain, the ancestor mask for a draft tree).
-        kv_len: key length the cache returns.
+        base_len: ``[B]`` slots every query sees.
+        window_mask: ``[B, T, W]`` (or broadcastable) bool, query ``t`` sees slot ``base_len + w``.
 
     Returns:
-        ``[B, 1, T, kv_len]`` mask: 0 where attention is allowed, the dtype's minimum elsewhere.
+        ``[B, 1, T, max(base_len) + W]``: 0 where attention is allowed, the dtype's minimum elsewhere.
     """
-    b, t = row_len.shape[0], tree_mask.shape[-1]
-    slots = torch.arange(kv_len, device=row_len.device)
-    prefix = slots[None, None, :] < row_len[:, None, None]  # [B, 1, kv]
-    offset = slots[None, :] - row_len[:, None]  # [B, kv]: block index of each slot
-    in_block = (offset >= 0) & (offset < t)
-    tree = tree_mask.expand(b, t, t)
-    seen = torch.gather(tree, 2, offset.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len)) & in_block[:, None, :]
-    allowed = prefix | seen
-    mask = torch.zeros(b, 1, t, kv_len, dtype=dtype, device=row_len.device)
-    return mask.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
+    b = base_len.shape[0]
+    t, w = window_mask.shape[-2:]
+    kv_len = int(base_len.max()) + w
+    slots = torch.arange(kv_len, device=base_len.device)
+    offset = slots[None, :] - base_len[:, None]  # [B, kv]: window index of each slot
+    prefix = (offset < 0)[:, None, :]
+    in_window = (offset < w)[:, None, :] & ~prefix
+    window = window_mask.expand(b, t, w)
+    seen = torch.gather(window, 2, offset.clamp(0, w - 1)[:, None, :].expand(b, t, kv_len)) & in_window
+    mask = torch.zeros(b, 1, t, kv_len, dtype=dtype, device=base_len.device)
+    return mask.masked_fill_(~(prefix | seen)[:, None], torch.finfo(dtype).min)
 
 
 def forward_block(
-    model: PreTrainedModel,
+    decoder: torch.nn.Module,
     cache: RowCache,
-    input_ids: torch.Tensor,
-    row_len: torch.Tensor,
-    depth: torch.Tensor,
-    tree_mask: torch.Tensor,
+    base_len: torch.Tensor,
+    offsets: torch.Tensor,
+    positions: torch.Tensor,
+    window_mask: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decoder forward over ``[B, T]`` new tokens placed after each row's ``row_len`` filled slots.
+    """One decoder forward over ``T`` new tokens per row.
 
     Args:
-        input_ids: ``[B, T]`` token ids.
-        row_len: ``[B]`` filled slots per row (the block is written at ``row_len[b] + arange(T)``).
-        depth: ``[B, T]`` or ``[T]`` depth of each token (position = ``row_len + depth``); ``arange(T)``
-            for a chain.
-        tree_mask: see `block_mask`.
+        decoder: a transformers base model (``model.get_decoder()``, or a draft's body).
+        base_len: ``[B]`` filled slots per row.
+        offsets: ``[B, T]`` or ``[T]`` window slot of each new token (written at ``base_len + offset``).
+        positions: ``[B, T]`` position ids.
+        window_mask: ``[B, T, W]`` or ``[T, W]`` bool, see `window_attention_mask`.
+        input_ids / inputs_embeds: ``[B, T]`` ids or ``[B, T, hidden]`` embeddings (exactly one).
 
     Returns:
-        ``[B, T, hidden]`` final hidden states (apply the LM head to the positions you need).
+        ``[B, T, hidden]`` final hidden states.
     """
-    b, t = input_ids.shape
-    decoder, _ = decoder_and_head(model)
-    slots = row_len[:, None] + torch.arange(t, device=input_ids.device)[None, :]
-    kv_len = int(row_len.max()) + t
-    cache.prepare(slots, kv_len)
-    positions = row_len[:, None] + depth.expand(b, t)
-    mask = block_mask(row_len, tree_mask, kv_len, model.dtype)
+    b = base_len.shape[0]
+    t = positions.shape[-1]
+    cache.prepare(base_len[:, None] + offsets.expand(b, t), int(base_len.max()) + window_mask.shape[-1])
+    dtype = inputs_embeds.dtype if inputs_embeds is not None else next(decoder.parameters()).dtype
+    mask = window_attention_mask(base_len, window_mask, dtype)
     out = decoder(
         input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
         attention_mask=mask,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
     )
     return out.last_hidden_state
+
+
+def forward_chain(
+    decoder: torch.nn.Module,
+    cache: RowCache,
+    base_len: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    position_offset: int = 0,
+) -> torch.Tensor:
+    """A causal block of ``T`` tokens per row appended after ``base_len`` (prefill, AR step, draft catch-up).
+
+    Token ``t`` of row ``b`` goes to slot ``base_len[b] + t`` at position ``base_len[b] + t + position_offset``.
+    """
+    ref = input_ids if input_ids is not None else inputs_embeds
+    t = ref.shape[1]
+    steps = torch.arange(t, device=ref.device)
+    causal = torch.ones(t, t, dtype=torch.bool, device=ref.device).tril()
+    positions = base_len[:, None] + steps[None, :] + position_offset
+    return forward_block(decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds)

@@ -1,0 +1,136 @@
+"""EAGLE-style draft head: one decoder layer of the target's own architecture, fed the target's features.
+
+For a sequence ``x_0 .. x_n`` with target final hidden states ``h_0 .. h_n`` (``lm_head(h_i)`` predicts
+``x_{i+1}``), the draft reads the pair ``(embed(x_{i+1}), h_i)`` at position ``i + 1``, projects the
+concatenation back to the hidden size, runs one decoder layer (built from the target's config, so Llama, Qwen2,
+Qwen3 and Mistral all work) and predicts ``h_{i+1}``; the target's LM head turns that into next-token logits.
+The embedding and LM head are the target's own modules, passed in at call time: shared, never copied.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_CONFIG = "draft_config.json"
+# Architecture fields a draft must share with its target.
+TARGET_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+
+
+def target_signature(config: PretrainedConfig) -> dict[str, object]:
+    """What identifies the target a draft belongs to (architecture, not weights: the policy keeps training)."""
+    text = config.get_text_config()
+    return {name: getattr(text, name, None) for name in TARGET_FIELDS}
+
+
+def _body_config(target_config: PretrainedConfig) -> PretrainedConfig:
+    """The target's config cut to one decoder layer, without a vocabulary of its own."""
+    cfg = copy.deepcopy(target_config.get_text_config())
+    cfg.num_hidden_layers = 1
+    cfg.vocab_size = 1  # the body is fed embeddings; its own embedding table is never used
+    cfg.pad_token_id = None
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = ["full_attention"]
+    if hasattr(cfg, "use_sliding_window"):
+        cfg.use_sliding_window = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+class DraftHead(nn.Module):
+    """The draft model's own parameters: the input projection and one decoder layer (with its final norm).
+
+    Args:
+        target_config: config of the target model.
+        target_name: a human-readable name of the target, stored with the draft.
+        draft_vocab: optional ``[V_d]`` target token ids the draft may propose (a reduced vocabulary); the LM
+            head is then evaluated on those rows only.
+    """
+
+    def __init__(self, target_config: PretrainedConfig, target_name: str = "", draft_vocab: torch.Tensor | None = None):
+        super().__init__()
+        self.signature = target_signature(target_config)
+        self.target_name = target_name
+        hidden = self.signature["hidden_size"]
+        self.fc = nn.Linear(2 * hidden, hidden, bias=True)
+        self.body = AutoModel.from_config(_body_config(target_config))
+        self.register_buffer("draft_vocab", draft_vocab)  # None (full vocabulary) is kept out of the state dict
+
+    @property
+    def decoder(self) -> nn.Module:
+        """The transformers base model the rollout engine runs with a `RowCache` of one layer."""
+        return self.body
+
+    def features(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """``[B, T, 2H] -> [B, T, H]`` input features from token embeddings and (target or draft) hidden states."""
+        return self.fc(torch.cat([token_embeds, target_hidden.to(token_embeds.dtype)], dim=-1))
+
+    def forward(
+        self,
+        token_embeds: torch.Tensor,
+        target_hidden: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Plain causal forward over whole sequences (training): ``[B, T, H]`` predicted next hidden states.
+
+        Pair ``j`` is ``(embed(x_{j+1}), h_j)`` at position ``j + 1``; ``attention_mask`` is the ``[B, T]`` padding
+        mask (right padding).
+        """
+        x = self.features(token_embeds, target_hidden)
+        out = self.body(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Next-token logits over the draft vocabulary: ``[..., V]`` (or ``[..., V_d]`` with a reduced one)."""
+        if self.draft_vocab is None:
+            return lm_head(hidden)
+        return hidden @ lm_head.weight[self.draft_vocab].t()
+
+    def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""
+        return ids if self.draft_vocab is None else self.draft_vocab[ids]
+
+    # -- persistence ---------------------------------------------------------------------------------------
+    def save(self, directory: str | Path) -> Path:
+        """Write ``draft.safetensors`` and ``draft_config.json`` (naming the target) into ``directory``."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / DRAFT_WEIGHTS))
+        meta = {
+            "target": self.signature,
+            "target_name": self.target_name,
+            "body_config": self.body.config.to_dict(),
+            "draft_vocab_size": None if self.draft_vocab is None else int(self.draft_vocab.numel()),
+        }
+        (directory / DRAFT_CONFIG).write_text(json.dumps(meta, indent=2))
+        return directory
+
+    @classmethod
+    def load(cls, directory: str | Path, target: PreTrainedModel) -> DraftHead:
+        """Load a draft saved by `save` for ``target``; a draft made for another architecture is refused."""
+        directory = Path(directory)
+        config_path = directory / DRAFT_CONFIG
+        if not config_path.is_file():
+            raise FileNotFoundError(f"{config_path} not found: {directory} is not a saved draft")
+        meta = json.loads(config_path.read_text())
+        expected = target_signature(target.config)
+        if meta["target"] != expected:
+            diff = {k: (meta["target"].get(k), v) for k, v in expected.items() if meta["target"].get(k) != v}
+            raise ValueError(
+                f"draft in {directory} was made for target {meta.get('target_name') or meta['target']}, not for "
+                f"this model; mismatching fields (draft, target): {diff}"
+            )
+        tensors = load_file(str(directory / DRAFT_WEIGHTS))
+        draft = cls(target.config, meta.get("target_name", ""), tensors.get("draft_vocab"))
+        draft.load_state_dict(tensors)
+        param = next(target.parameters())
+        return draft.to(device=param.device, dtype=param.dtype)

@@ -1,0 +1,123 @@
+"""Training the draft head on target hidden states captured while the target runs anyway (rollouts or the GRPO
+training forward), never with an extra target forward. Used offline (``fastgrpo draft train``) and online.
+
+Loss per trained position: ``hidden_loss_weight * SmoothL1(predicted h_{j+1}, target h_{j+1})`` plus
+``token_loss_weight * CE(target's next-token distribution, draft's)``, averaged over completion positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastgrpo.spec.draft import DraftHead
+
+
+@dataclass
+class DraftSample:
+    """One sequence for draft training.
+
+    tokens: ``[T + 1]`` token ids ``x_0 .. x_T`` (prompt then completion).
+    hidden: ``[T, H]`` the target's final hidden states ``h_0 .. h_{T-1}`` (the last token was never fed).
+    prompt_len: tokens of the prompt; positions predicting completion tokens are trained.
+    """
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    prompt_len: int
+
+
+@dataclass
+class DraftTrainConfig:
+    learning_rate: float = 1e-4
+    hidden_loss_weight: float = 2.0
+    token_loss_weight: float = 0.1
+    token_budget: int = 2048
+    epochs: int = 1
+    max_grad_norm: float = 1.0
+
+    def validate(self) -> None:
+        for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"draft.{name} must be > 0, got {getattr(self, name)}")
+        if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
+            raise ValueError("draft loss weights must be >= 0")
+
+
+def pack_by_budget(lengths: list[int], budget: int) -> list[list[int]]:
+    """Group sample indices (longest first) so that rows x longest length stays within ``budget`` tokens."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+class DraftTrainer:
+    """Fits a `DraftHead` with AdamW; the target's embedding and LM head are used frozen (no gradient)."""
+
+    def __init__(self, draft: DraftHead, embed: nn.Module, lm_head: nn.Module, config: DraftTrainConfig):
+        config.validate()
+        self.draft, self.embed, self.lm_head, self.config = draft, embed, lm_head, config
+        self.optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate)
+
+    def _batch(self, samples: list[DraftSample]) -> tuple[torch.Tensor, ...]:
+        """Right-padded ``[B, T]`` next tokens, ``[B, T, H]`` hidden states, ``[B, T]`` attention and loss masks."""
+        dev = next(self.draft.parameters()).device
+        width = max(s.hidden.shape[0] for s in samples)
+        b, h = len(samples), samples[0].hidden.shape[-1]
+        nxt = torch.zeros(b, width, dtype=torch.long, device=dev)
+        hid = torch.zeros(b, width, h, dtype=samples[0].hidden.dtype, device=dev)
+        attn = torch.zeros(b, width, dtype=torch.long, device=dev)
+        train = torch.zeros(b, width, dtype=torch.bool, device=dev)
+        for i, s in enumerate(samples):
+            t = s.hidden.shape[0]
+            nxt[i, :t] = s.tokens[1 : t + 1]
+            hid[i, :t] = s.hidden
+            attn[i, :t] = 1
+            # Pair j predicts h_{j+1} (known for j < t - 1), whose LM head gives x_{j+2}: train on completions.
+            train[i, max(s.prompt_len - 2, 0) : t - 1] = True
+        return nxt, hid, attn, train
+
+    def loss(self, samples: list[DraftSample]) -> torch.Tensor:
+        """The weighted draft loss over the trained positions of a batch of samples."""
+        nxt, hid, attn, train = self._batch(samples)
+        positions = torch.arange(1, nxt.shape[1] + 1, device=nxt.device).expand_as(nxt)
+        with torch.no_grad():
+            embeds = self.embed(nxt)
+        pred = self.draft(embeds, hid, attention_mask=attn, position_ids=positions)[:, :-1][train[:, :-1]]
+        target = hid[:, 1:][train[:, :-1]].to(pred.dtype)
+        hidden_loss = F.smooth_l1_loss(pred, target)
+        with torch.no_grad():
+            target_logits = self.lm_head(target)
+            if self.draft.draft_vocab is not None:
+                target_logits = target_logits[:, self.draft.draft_vocab]
+            target_probs = torch.softmax(target_logits.float(), dim=-1)
+        draft_logp = torch.log_softmax(self.draft.logits(pred, self.lm_head).float(), dim=-1)
+        token_loss = -(target_probs * draft_logp).sum(-1).mean()
+        return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss
+
+    def fit(self, samples: list[DraftSample], progress: bool = False) -> list[float]:
+        """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update."""
+        from tqdm.auto import tqdm
+
+        usable = [s for s in samples if s.hidden.shape[0] >= 2]
+        batches = pack_by_budget([s.hidden.shape[0] for s in usable], self.config.token_budget)
+        self.draft.train()
+        losses = []
+        for _ in range(self.config.epochs):
+            for idx in tqdm(batches, desc="draft", disable=not progress):
+                loss = self.loss([usable[i] for i in idx])
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
+                self.optimizer.step()
+                losses.append(float(loss.detach()))
+        self.draft.eval()
+        return losses
