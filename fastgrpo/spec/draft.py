@@ -130,7 +130,8 @@ class DraftHead(nn.Module):
                 f"this model; mismatching fields (draft, target): {diff}"
             )
         tensors = load_file(str(directory / DRAFT_WEIGHTS))
-        draft = cls(target.config, meta.get("target_name", ""), tensors.get("draft_vocab"))
-        draft.load_state_dict(tensors)
         param = next(target.parameters())
-        return draft.to(device=param.device, dtype=param.dtype)
+        draft = cls(target.config, meta.get("target_name", ""), tensors.get("draft_vocab"))
+        draft = draft.to(device=param.device, dtype=param.dtype)  # before loading, so no precision is lost
+        draft.load_state_dict(tensors)
+        return draft

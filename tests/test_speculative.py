@@ -1,0 +1,245 @@
+"""Speculative rollouts are lossless: greedy output equals autoregressive output token for token, sampled output has
+the autoregressive distribution, and the emitted log-probs are the target's."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from fastgrpo.rollout import engine as engine_module
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.verify import Acceptance
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
+from fastgrpo.spec.tree import DraftTree, TreeShape
+
+EOS = 3
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    eos_token_id=EOS,
+    pad_token_id=0,
+    attn_implementation="sdpa",
+)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {}),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 8}),
+}
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4]]
+SHAPES = [TreeShape(1, 1, 1), TreeShape(4, 2, 2), TreeShape(8, 3, 4), TreeShape(16, 4, 5)]
+
+
+def tiny_model(family: str, seed: int = 0, sharpen: float = 1.0) -> PreTrainedModel:
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**COMMON, **extra)).double().eval()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(sharpen)
+    return model
+
+
+def trained_draft(model: PreTrainedModel, epochs: int = 30, seed: int = 0) -> DraftHead:
+    """A draft fitted for a few seconds on the model's own greedy and sampled continuations of random prompts."""
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    draft = DraftHead(model.config, "tiny").double()
+    prompts = [[rng.randrange(4, 96) for _ in range(rng.randrange(2, 8))] for _ in range(48)]
+    engine = RolloutEngine(model, [EOS])
+    samples = []
+    for temperature in (0.0, 1.0):
+        out = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=temperature), capture_hidden=True)
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True):
+            samples.append(DraftSample(torch.tensor(p + c), h, len(p)))
+    config = DraftTrainConfig(learning_rate=3e-3, epochs=epochs, token_budget=512, token_loss_weight=1.0)
+    DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config).fit(samples)
+    return draft
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def model_and_drafts(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, dict[str, DraftHead]]:
+    model = tiny_model(request.param)
+    torch.manual_seed(1)
+    return model, {"random": DraftHead(model.config).double(), "trained": trained_draft(model)}
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("draft_kind", ["random", "trained"])
+def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_kind: str) -> None:
+    model, drafts = model_and_drafts
+    params = SamplingParams(max_new_tokens=30, temperature=0)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params)
+    out = RolloutEngine(model, [EOS], draft=drafts[draft_kind], tree=shape).generate(PROMPTS, params, 2)
+    for i, expected in enumerate(reference.completion_ids):
+        assert out.completion_ids[2 * i] == expected
+        assert out.completion_ids[2 * i + 1] == expected
+    assert out.finish_reasons[::2] == reference.finish_reasons
+    if shape.speculative:
+        assert out.stats.draft_forwards == out.stats.target_forwards * shape.depth
+    else:
+        assert out.stats.draft_forwards == 0
+    if draft_kind == "trained" and shape.nodes >= 8:
+        assert out.stats.accept_length > 1.5, "a trained draft should be accepted often"
+        assert out.stats.target_forwards < reference.stats.target_forwards
+
+
+def test_emitted_logprobs_equal_a_fresh_forward(model_and_drafts) -> None:
+    model, drafts = model_and_drafts
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=30)
+    engine = RolloutEngine(model, [EOS], draft=drafts["trained"], tree=TreeShape(8, 3, 4))
+    out = engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(0))
+    for i, (completion, logprobs) in enumerate(zip(out.completion_ids, out.logprobs, strict=True)):
+        prompt = PROMPTS[i // 2]
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
+        expected = process_logits(logits, params).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-8, rtol=0)
+
+
+def test_eos_and_length_limit_inside_an_accepted_path(model_and_drafts) -> None:
+    """Rows end exactly where autoregressive decoding ends them, even when a longer path was accepted."""
+    model, drafts = model_and_drafts
+    greedy = RolloutEngine(model, [EOS]).generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0))
+    # Make a token from the middle of a completion an end-of-sequence token.
+    eos = greedy.completion_ids[0][6]
+    for max_new in (5, 30):
+        params = SamplingParams(max_new_tokens=max_new, temperature=0)
+        reference = RolloutEngine(model, [EOS, eos]).generate(PROMPTS, params)
+        out = RolloutEngine(model, [EOS, eos], draft=drafts["trained"], tree=TreeShape(16, 4, 5)).generate(
+            PROMPTS, params
+        )
+        assert out.completion_ids == reference.completion_ids
+        assert out.finish_reasons == reference.finish_reasons
+        assert all(len(c) <= max_new for c in out.completion_ids)
+        assert out.stats.tokens_emitted == sum(map(len, out.completion_ids))
+
+
+def test_draft_save_and_load_reproduces_outputs(model_and_drafts, tmp_path: Path) -> None:
+    model, drafts = model_and_drafts
+    draft = drafts["trained"]
+    draft.save(tmp_path)
+    loaded = DraftHead.load(tmp_path, model)
+    x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(loaded(x, x), draft(x, x), atol=0, rtol=0)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0)
+    outs = [
+        RolloutEngine(model, [EOS], draft=d, tree=TreeShape(8, 3, 4)).generate(
+            PROMPTS, params, generator=torch.Generator().manual_seed(3)
+        )
+        for d in (draft, loaded)
+    ]
+    assert outs[0].completion_ids == outs[1].completion_ids
+    assert outs[0].stats.accept_length == outs[1].stats.accept_length
+
+
+def test_a_draft_for_another_target_is_refused(tmp_path: Path) -> None:
+    llama = tiny_model("llama")
+    DraftHead(llama.config, "tiny-llama").save(tmp_path)
+    with pytest.raises(ValueError, match="made for target tiny-llama"):
+        DraftHead.load(tmp_path, tiny_model("qwen3"))
+    with pytest.raises(FileNotFoundError, match="not a saved draft"):
+        DraftHead.load(tmp_path / "absent", llama)
+
+
+# -- the sampling distribution ---------------------------------------------------------------------------------------
+
+
+def chi_square_p_value(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
+    """p-value of a chi-square test that two samples of categories come from one distribution (rare bins pooled)."""
+    n_a, n_b = sum(a.values()), sum(b.values())
+    cells = []
+    pooled = [0, 0]
+    for key in set(a) | set(b):
+        total = a[key] + b[key]
+        if total * min(n_a, n_b) / (n_a + n_b) < min_expected:
+            pooled[0] += a[key]
+            pooled[1] += b[key]
+        else:
+            cells.append((a[key], b[key]))
+    if sum(pooled):
+        cells.append(tuple(pooled))
+    stat = 0.0
+    for x, y in cells:
+        total = x + y
+        for observed, n in ((x, n_a), (y, n_b)):
+            expected = total * n / (n_a + n_b)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
+
+
+def stale_accept(tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, generator=None) -> Acceptance:
+    """A deliberately wrong rule with an off-by-one: after moving to a child, the next token is drawn from the
+    parent's distribution instead of the child's."""
+    b = logprobs.shape[0]
+    rows = torch.arange(b)
+    node = torch.zeros(b, dtype=torch.long)
+    previous = node.clone()
+    active = torch.ones(b, dtype=torch.bool)
+    path, tokens, lps = [], [], []
+    for _ in range(int(tree.depth.max()) + 1):
+        here = logprobs[rows, previous]
+        y = sample(here, params, generator)
+        path.append(torch.where(active, node, -1))
+        tokens.append(y)
+        lps.append(here.gather(1, y[:, None]).squeeze(1))
+        is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])
+        active = active & is_child.any(dim=1)
+        if not active.any():
+            break
+        previous = node
+        node = torch.where(active, is_child.int().argmax(dim=1), node)
+    path_t = torch.stack(path, 1)
+    return Acceptance(path_t, torch.stack(tokens, 1), torch.stack(lps, 1), (path_t >= 0).sum(dim=1))
+
+
+@pytest.fixture(scope="module")
+def peaked_model_and_draft() -> tuple[PreTrainedModel, DraftHead]:
+    """A bigram-like target (attention and MLP outputs zeroed, so logits depend on the current token only) with
+    sharpened logits (a few plausible tokens per step), and a draft that predicts it well."""
+    model = tiny_model("llama", seed=2, sharpen=60.0)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return model, trained_draft(model, epochs=20, seed=2)
+
+
+def first_tokens(model, draft, params: SamplingParams, draws: int, seed: int) -> tuple[Counter, float]:
+    shape = TreeShape(12, 3, 4) if draft is not None else None
+    engine = RolloutEngine(model, [EOS], draft=draft, tree=shape)
+    out = engine.generate([[7, 21, 40]], params, draws, generator=torch.Generator().manual_seed(seed))
+    return Counter(tuple(c) for c in out.completion_ids), out.stats.accept_length
+
+
+def test_speculative_sampling_has_the_autoregressive_distribution(peaked_model_and_draft, monkeypatch) -> None:
+    model, draft = peaked_model_and_draft
+    params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9)
+    reference, _ = first_tokens(model, None, params, 3000, seed=10)
+    speculative, accept_length = first_tokens(model, draft, params, 3000, seed=11)
+    assert accept_length > 1.5, "the test needs accepted paths to exercise the acceptance rule"
+    assert chi_square_p_value(reference, speculative) > 1e-3
+
+    # The same test catches an off-by-one in the acceptance rule.
+    monkeypatch.setattr(engine_module, "accept", stale_accept)
+    wrong, _ = first_tokens(model, draft, params, 3000, seed=11)
+    assert chi_square_p_value(reference, wrong) < 1e-6
