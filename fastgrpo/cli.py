@@ -95,21 +95,13 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.rollout.sampling import SamplingParams
 
     rows = load_dataset(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    params = SamplingParams(
-        max_new_tokens=config.max_completion_length,
-        temperature=config.temperature,
-        top_p=config.top_p,
-        top_k=config.top_k,
-        min_p=config.min_p,
-        stop=tuple(config.stop),
-    )
+    params = config.sampling_params()
     generator = torch.Generator().manual_seed(config.seed)
     total, n = 0.0, 0
     for start in tqdm(range(0, len(rows), batch_size), desc="eval"):
@@ -129,6 +121,33 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(args.config, overrides)
     result = evaluate(config, args.batch_size)
     print(json.dumps({"model": config.model, "dataset": config.dataset.name, **result}))
+
+
+def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    config = load_config(args.config, overrides)
+    from fastgrpo.data import load_dataset
+    from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.rollout.engine import RolloutEngine
+    from fastgrpo.spec.offline import train_offline
+
+    rows = load_dataset(config.dataset)
+    tokenizer = load_tokenizer(config.model)
+    model = load_model(config.model, dtype=config.dtype)
+    model.requires_grad_(False)
+    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
+    draft, report = train_offline(
+        engine,
+        tokenizer,
+        rows,
+        config.sampling_params(),
+        config.draft_training,
+        target_name=config.model,
+        batch_size=args.batch_size,
+        max_prompt_length=config.max_prompt_length,
+        draft_vocab_size=args.draft_vocab_size,
+    )
+    draft.save(args.output)
+    print(json.dumps({"draft": args.output, **report}))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,6 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="YAML config file (model, dataset, reward_funcs, sampling)")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.set_defaults(func=_eval)
+
+    draft = sub.add_parser("draft", help="draft-model commands").add_subparsers(dest="draft_command", required=True)
+    dt = draft.add_parser(
+        "train",
+        help="generate responses with the target for a dataset's prompts, then fit a draft head on them "
+        "(options: model, dataset.*, sampling, draft_training.*)",
+    )
+    dt.add_argument("--config", help="YAML config file")
+    dt.add_argument("--output", required=True, help="directory to save the draft in")
+    dt.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
+    dt.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
+    dt.set_defaults(func=_draft_train)
     return parser
 
 

@@ -18,13 +18,40 @@ import yaml
 from fastgrpo.data import DataConfig
 from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
 from fastgrpo.models import DTYPES
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 REPORT_TO = ("jsonl", "tensorboard")
 
 
+SPECULATION_MODES = ("off", "static")
+
+
 def _choice(*choices: Any) -> dict[str, Any]:
     return {"choices": choices}
+
+
+@dataclass
+class SpeculationConfig:
+    """Speculative rollouts. ``mode: static`` drafts trees of a fixed shape: ``nodes`` verified tokens per row
+    (the root included; 1 = a plain autoregressive step), ``top_k`` children per expanded node, ``depth`` levels.
+    ``draft`` is a directory saved by ``fastgrpo draft train`` (None: a fresh, untrained draft)."""
+
+    mode: str = field(default="off", metadata=_choice(*SPECULATION_MODES))
+    draft: str | None = None
+    nodes: int = 16
+    top_k: int = 4
+    depth: int = 5
+
+    def validate(self) -> None:
+        if self.mode not in SPECULATION_MODES:
+            raise ValueError(f"speculation.mode must be one of {list(SPECULATION_MODES)}, got {self.mode!r}")
+        for name in ("nodes", "top_k", "depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
+        if self.draft is not None and not Path(self.draft).is_dir():
+            raise ValueError(f"speculation.draft: {self.draft} is not a directory with a saved draft")
 
 
 @dataclass
@@ -51,6 +78,8 @@ class GRPOConfig:
     top_k: int = 0
     min_p: float = 0.0
     stop: list[str] = field(default_factory=list)
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    draft_training: DraftTrainConfig = field(default_factory=DraftTrainConfig)
     # optimisation
     learning_rate: float = 1e-6
     per_device_train_batch_size: int = 8
@@ -99,6 +128,16 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.generation_batch_size // self.num_generations
 
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=tuple(self.stop),
+        )
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
         for f in dataclasses.fields(self):
@@ -145,6 +184,8 @@ class GRPOConfig:
             if target not in REPORT_TO:
                 raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
         self.dataset.validate()
+        self.speculation.validate()
+        self.draft_training.validate()
         from fastgrpo.rewards import resolve_reward_funcs
 
         resolve_reward_funcs(self.reward_funcs)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, PreTrainedModel
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
-from fastgrpo.rollout.runner import block_mask, decoder_and_head, forward_block
+from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain, window_attention_mask
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 
 F64 = torch.float64
@@ -160,13 +160,15 @@ def test_update_writes_slots_and_returns_prefix() -> None:
     assert cache.get_seq_length() == 4
 
 
-def test_block_mask_tree() -> None:
-    # Row 0 has 2 filled slots, row 1 has 0; a 3-token tree: token 0 is the root of tokens 1 and 2.
-    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-    mask = block_mask(torch.tensor([2, 0]), tree, kv_len=5, dtype=F64)
+def test_window_attention_mask() -> None:
+    # Row 0 has 2 filled slots, row 1 has 0; a window of 4 slots holding a 3-token tree (token 0 is the root of
+    # tokens 1 and 2) and a spare slot that no query sees.
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0]], dtype=torch.bool)
+    mask = window_attention_mask(torch.tensor([2, 0]), tree, dtype=F64)
+    assert mask.shape == (2, 1, 3, 6)
     allowed = mask[:, 0] == 0
-    expected0 = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
-    expected1 = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0]], dtype=torch.bool)
+    expected0 = torch.tensor([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 0, 1, 0]], dtype=torch.bool)
+    expected1 = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0]], dtype=torch.bool)
     assert torch.equal(allowed[0], expected0)
     assert torch.equal(allowed[1], expected1)
     assert (mask[~allowed[:, None]] == torch.finfo(F64).min).all()
@@ -175,23 +177,26 @@ def test_block_mask_tree() -> None:
 # ---------------------------------------------------------------------------- forward_block through the cache
 
 
-def test_forward_block_matches_full_forward(family_model: PreTrainedModel) -> None:
+def prefill(model: PreTrainedModel, cache: RowCache, prompts: list[list[int]]) -> torch.Tensor:
+    """Prefill right-padded ragged prompts at slot 0 with one causal forward; returns ``[B, width, V]`` logits."""
+    ids = torch.zeros(len(prompts), max(map(len, prompts)), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    decoder = decoder_and_head(model)[0]
+    with torch.no_grad():
+        return head(model, forward_chain(decoder, cache, torch.zeros(len(prompts), dtype=torch.long), input_ids=ids))
+
+
+def test_forward_chain_matches_full_forward(family_model: PreTrainedModel) -> None:
     model = family_model
+    decoder = decoder_and_head(model)[0]
     lens = [5, 9, 3]
     seqs = make_prompts(tuple(n + 8 for n in lens), seed=7)  # prompt, then a block of 4, then 4 single tokens
-    width = max(lens)
     cache = RowCache(model.config, len(lens), 32, F64, torch.device("cpu"))
     refs = [full_logits(model, s) for s in seqs]
 
     # (a) ragged prompts prefilled together, right-padded at slot 0.
-    ids = torch.zeros(len(lens), width, dtype=torch.long)
-    for i, (s, n) in enumerate(zip(seqs, lens, strict=True)):
-        ids[i, :n] = torch.tensor(s[:n])
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
-    with torch.no_grad():
-        logits = head(
-            model, forward_block(model, cache, ids, torch.zeros(3, dtype=torch.long), torch.arange(width), causal)
-        )
+    logits = prefill(model, cache, [s[:n] for s, n in zip(seqs, lens, strict=True)])
     for i, n in enumerate(lens):
         torch.testing.assert_close(logits[i, :n], refs[i][:n], rtol=0, atol=ATOL)
 
@@ -199,44 +204,64 @@ def test_forward_block_matches_full_forward(family_model: PreTrainedModel) -> No
     row_len = torch.tensor(lens)
     block = torch.tensor([s[n : n + 4] for s, n in zip(seqs, lens, strict=True)])
     with torch.no_grad():
-        logits = head(model, forward_block(model, cache, block, row_len, torch.arange(4), causal[:4, :4]))
+        logits = head(model, forward_chain(decoder, cache, row_len, input_ids=block))
     for i, n in enumerate(lens):
         torch.testing.assert_close(logits[i], refs[i][n : n + 4], rtol=0, atol=ATOL)
     row_len = row_len + 4
 
     # (c) then one token per row, four times.
-    one, zero = torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, dtype=torch.long)
     for _ in range(4):
         tok = torch.tensor([[s[n]] for s, n in zip(seqs, row_len.tolist(), strict=True)])
         with torch.no_grad():
-            logits = head(model, forward_block(model, cache, tok, row_len, zero, one))
+            logits = head(model, forward_chain(decoder, cache, row_len, input_ids=tok))
         for i, n in enumerate(row_len.tolist()):
             torch.testing.assert_close(logits[i, 0], refs[i][n], rtol=0, atol=ATOL)
         row_len = row_len + 1
 
 
-def test_forward_block_tree_matches_chains(llama_model: PreTrainedModel) -> None:
+def test_forward_block_tree_matches_chains(family_model: PreTrainedModel) -> None:
     """A draft tree (root with two children) scores each branch as its own chain would."""
-    model = llama_model
+    model = family_model
+    decoder = decoder_and_head(model)[0]
     prompts = make_prompts((4, 6), seed=3)
     cache = RowCache(model.config, 2, 16, F64, torch.device("cpu"))
-    width = 6
-    ids = torch.zeros(2, width, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, : len(p)] = torch.tensor(p)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    prefill(model, cache, prompts)
     row_len = torch.tensor([len(p) for p in prompts])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    block = torch.tensor([[10, 20, 30], [40, 50, 60]])
+    positions = row_len[:, None] + torch.tensor([0, 1, 1])
     with torch.no_grad():
-        forward_block(model, cache, ids, torch.zeros(2, dtype=torch.long), torch.arange(width), causal)
-        tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
-        block = torch.tensor([[10, 20, 30], [40, 50, 60]])
-        logits = head(model, forward_block(model, cache, block, row_len, torch.tensor([0, 1, 1]), tree))
+        logits = head(model, forward_block(decoder, cache, row_len, torch.arange(3), positions, tree, input_ids=block))
     for i, p in enumerate(prompts):
         root, a, b = block[i].tolist()
         ref_a, ref_b = full_logits(model, p + [root, a]), full_logits(model, p + [root, b])
         torch.testing.assert_close(logits[i, 0], ref_a[len(p)], rtol=0, atol=ATOL)
         torch.testing.assert_close(logits[i, 1], ref_a[len(p) + 1], rtol=0, atol=ATOL)
         torch.testing.assert_close(logits[i, 2], ref_b[len(p) + 1], rtol=0, atol=ATOL)
+
+
+def test_forward_block_window_levels(llama_model: PreTrainedModel) -> None:
+    """Tokens written into a window by one forward are seen by a later forward's tokens in the same window."""
+    model = llama_model
+    decoder = decoder_and_head(model)[0]
+    prompts = make_prompts((3, 7), seed=4)
+    cache = RowCache(model.config, 2, 16, F64, torch.device("cpu"))
+    prefill(model, cache, prompts)
+    base = torch.tensor([len(p) for p in prompts])
+    level1 = torch.tensor([[11, 12], [13, 14]])  # a chain of two at window slots 0, 1
+    level2 = torch.tensor([[21, 22], [23, 24]])  # two children of the chain's end, at window slots 2 and 3
+    with torch.no_grad():
+        causal = torch.ones(2, 2, dtype=torch.bool).tril()
+        forward_block(decoder, cache, base, torch.arange(2), base[:, None] + torch.arange(2), causal, input_ids=level1)
+        sees = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+        hidden = forward_block(
+            decoder, cache, base, torch.tensor([2, 3]), base[:, None] + torch.tensor([2, 2]), sees, input_ids=level2
+        )
+    logits = head(model, hidden)
+    for i, p in enumerate(prompts):
+        for j in range(2):
+            ref = full_logits(model, p + level1[i].tolist() + [int(level2[i, j])])
+            torch.testing.assert_close(logits[i, j], ref[-1], rtol=0, atol=ATOL)
 
 
 # ---------------------------------------------------------------------------- greedy generation vs transformers
@@ -351,10 +376,27 @@ def test_concurrency_falls_as_rows_stop(llama_model: PreTrainedModel) -> None:
     assert conc[-1] < conc[0]
     # Before step s (0-based) the active rows are those with more than s + 1 tokens.
     assert conc == [2 * sum(len(r) > s + 1 for r in ref) for s in range(len(conc))]
-    assert stats.tokens_per_forward == conc
+    assert stats.tokens_per_forward == conc  # one token per row per autoregressive forward
+    assert stats.decode_tokens == sum(conc) and stats.accept_length == 1.0
     assert stats.tokens_emitted == sum(map(len, out.completion_ids)) == 2 * len(PROMPTS) + sum(conc)
     assert stats.total_time > 0 and stats.tokens_per_second > 0
     assert stats.concurrency_mean == pytest.approx(sum(conc) / len(conc))
+
+
+def test_capture_hidden_matches_decoder(llama_model: PreTrainedModel) -> None:
+    """Captured hidden states are the decoder's final hidden states of every token fed to the target."""
+    eos, _ = greedy_reference("llama")
+    out = RolloutEngine(llama_model, [eos]).generate(
+        PROMPTS, SAMPLED, num_generations=2, generator=torch.Generator().manual_seed(2), capture_hidden=True
+    )
+    assert out.hidden_states is not None and len(out.hidden_states) == len(out.completion_ids)
+    decoder = decoder_and_head(llama_model)[0]
+    for row, (ids, hidden) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True)):
+        seq = PROMPTS[row // 2] + ids
+        with torch.no_grad():
+            ref = decoder(torch.tensor([seq[:-1]])).last_hidden_state[0]
+        assert hidden.shape == ref.shape
+        torch.testing.assert_close(hidden, ref, rtol=0, atol=ATOL)
 
 
 class TagTokenizer:

@@ -24,9 +24,11 @@ from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_los
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.tree import TreeShape
 
 logger = logging.getLogger(__name__)
+DRAFT_DIR = "draft"
 
 
 @dataclass
@@ -130,7 +132,13 @@ class GRPOTrainer:
         self.ref_model = self._load_reference() if config.beta > 0 else None
         if config.use_peft:
             self.model = self._wrap_peft(self.model)
-        self.engine = RolloutEngine(self.model, eos_token_ids(self.model, self.tokenizer), self.tokenizer)
+        self.draft = self._load_draft(checkpoint)
+        tree = None
+        if self.draft is not None:
+            spec = config.speculation
+            tree = TreeShape(spec.nodes, spec.top_k, spec.depth)
+        eos = eos_token_ids(self.model, self.tokenizer)
+        self.engine = RolloutEngine(self.model, eos, self.tokenizer, draft=self.draft, tree=tree)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.learning_rate,
@@ -145,14 +153,7 @@ class GRPOTrainer:
         )
         if checkpoint is not None:
             self._restore(checkpoint)
-        self.sampling = SamplingParams(
-            max_new_tokens=config.max_completion_length,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            top_k=config.top_k,
-            min_p=config.min_p,
-            stop=tuple(config.stop),
-        )
+        self.sampling = config.sampling_params()
         self.prompt_cache: dict[int, list[int]] = {}
         self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to else None
 
@@ -164,6 +165,18 @@ class GRPOTrainer:
         ref = load_model(self.config.model, dtype=self.config.dtype).to(self.device).eval()
         ref.requires_grad_(False)
         return ref
+
+    def _load_draft(self, checkpoint: Path | None) -> DraftHead | None:
+        """The draft for speculative rollouts: from the checkpoint being resumed, a saved draft, or a fresh one."""
+        spec = self.config.speculation
+        if spec.mode == "off":
+            return None
+        if checkpoint is not None and (checkpoint / DRAFT_DIR).is_dir():
+            return DraftHead.load(checkpoint / DRAFT_DIR, self.model)
+        if spec.draft is not None:
+            return DraftHead.load(spec.draft, self.model)
+        param = next(self.model.parameters())
+        return DraftHead(self.model.config, self.config.model).to(device=param.device, dtype=param.dtype)
 
     def _wrap_peft(self, model: PreTrainedModel) -> PreTrainedModel:
         from peft import LoraConfig, get_peft_model
@@ -374,6 +387,9 @@ class GRPOTrainer:
             "rollout/tokens_per_second": out.stats.tokens_per_second,
             "rollout/target_forwards": out.stats.target_forwards,
             "rollout/concurrency_mean": out.stats.concurrency_mean,
+            "spec/accept_length": out.stats.accept_length,
+            "spec/draft_time": out.stats.draft_time,
+            "spec/verify_time": out.stats.verify_time,
             "memory/peak_mb": peak_memory_mb(self.device),
         }
         self._last_samples = list(zip([r["prompt"] for r in full_rows], completions, rewards.tolist(), strict=False))
@@ -384,6 +400,8 @@ class GRPOTrainer:
         def write_model(path: Path) -> None:
             self.model.save_pretrained(path)
             self.tokenizer.save_pretrained(path)
+            if self.draft is not None:
+                self.draft.save(path / DRAFT_DIR)
 
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
         return save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)

@@ -235,7 +235,9 @@ class RolloutEngine:
             if captured is not None:
                 for b, (i, n) in enumerate(zip(batch.ids.tolist(), count.tolist(), strict=True)):
                     captured[i].append(fed[b, :n])
+            emitted_before = stats.tokens_emitted
             batch = self._emit(batch, tokens, lps, count, params, out)
+            stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.decode_time = time.perf_counter() - t0
         stats.decode_tokens = stats.tokens_emitted - prefill_tokens
         if captured is not None:

@@ -38,13 +38,14 @@ class DraftTrainConfig:
     token_budget: int = 2048
     epochs: int = 1
     max_grad_norm: float = 1.0
+    bf16: bool = False  # autocast the draft's forward/backward to bfloat16
 
     def validate(self) -> None:
         for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"draft.{name} must be > 0, got {getattr(self, name)}")
+                raise ValueError(f"draft_training.{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
-            raise ValueError("draft loss weights must be >= 0")
+            raise ValueError("draft_training loss weights must be >= 0")
 
 
 def pack_by_budget(lengths: list[int], budget: int) -> list[list[int]]:
@@ -88,6 +89,10 @@ class DraftTrainer:
     def loss(self, samples: list[DraftSample]) -> torch.Tensor:
         """The weighted draft loss over the trained positions of a batch of samples."""
         nxt, hid, attn, train = self._batch(samples)
+        with torch.autocast(nxt.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+            return self._loss(nxt, hid, attn, train)
+
+    def _loss(self, nxt: torch.Tensor, hid: torch.Tensor, attn: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(1, nxt.shape[1] + 1, device=nxt.device).expand_as(nxt)
         with torch.no_grad():
             embeds = self.embed(nxt)

@@ -1,0 +1,147 @@
+"""Autoregressive throughput of the rollout engine against transformers' ``generate``.
+
+Runs the embedded SmolLM2-135M-Instruct greedily on GSM8K test prompts at several batch sizes and prints a
+markdown table. Throughput counts useful completion tokens (up to and including the first EOS) per second of
+wall time; each side is warmed up once per batch size, the two are timed alternately, and the median over
+repeats is reported.
+
+Usage::
+
+    python benchmarks/bench_engine.py --max-new-tokens 128 --batch-sizes 1,8,32,64 --repeats 3
+
+On a shared machine, pass ``--threads 1`` when other processes keep cores busy: an oversubscribed OpenMP pool
+makes the timings erratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastgrpo.data import load_gsm8k
+from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+MAX_PROMPT_LENGTH = 512
+
+
+def truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """The tokens up to and including the first EOS (all of them when there is none)."""
+    for i, tok in enumerate(ids):
+        if tok in eos:
+            return ids[: i + 1]
+    return ids
+
+
+def run_engine(engine: RolloutEngine, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[list[int]], float]:
+    """Greedy completions from the engine and the wall time they took."""
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params)
+    return out.completion_ids, time.perf_counter() - t0
+
+
+@torch.no_grad()
+def run_generate(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    eos: list[int],
+) -> tuple[list[list[int]], float]:
+    """Greedy completions from ``model.generate`` on the left-padded batch (cut at the first EOS), and wall time."""
+    t0 = time.perf_counter()
+    batch = tokenizer.pad({"input_ids": prompts}, padding=True, return_tensors="pt", padding_side="left")
+    out = model.generate(
+        input_ids=batch["input_ids"],
+        attention_mask=batch["attention_mask"],
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        temperature=None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    elapsed = time.perf_counter() - t0
+    width = batch["input_ids"].shape[1]
+    eos_set = set(eos)
+    return [truncate_at_eos(row, eos_set) for row in out[:, width:].tolist()], elapsed
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="completion length limit (both sides)")
+    parser.add_argument(
+        "--batch-sizes", type=str, default="1,8,32,64", help="comma-separated batch sizes (default 1,8,32,64)"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side and batch size (median)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads (default: all cores)"
+    )
+    parser.add_argument("--data", type=Path, default=GSM8K_TEST, help="GSM8K-format prompt file")
+    args = parser.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+    if not args.batch_sizes or min(args.batch_sizes) < 1:
+        parser.error("--batch-sizes needs positive integers")
+    if min(args.repeats, args.max_new_tokens, args.threads) < 1:
+        parser.error("--repeats, --max-new-tokens and --threads must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+
+    tokenizer = load_tokenizer("smollm2")
+    model = load_model("smollm2").eval()
+    eos = eos_token_ids(model, tokenizer)
+    engine = RolloutEngine(model, eos, tokenizer=tokenizer)
+    rows = load_gsm8k(args.data)[: max(args.batch_sizes)]
+    all_prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows], MAX_PROMPT_LENGTH)
+    print(
+        f"model smollm2 ({model.dtype}), threads {torch.get_num_threads()}, max_new_tokens {args.max_new_tokens}, "
+        f"repeats {args.repeats}, {len(all_prompts)} GSM8K prompts "
+        f"(mean length {statistics.mean(map(len, all_prompts)):.0f} tokens)",
+        flush=True,
+    )
+
+    results = []
+    for bs in args.batch_sizes:
+        prompts = all_prompts[:bs]
+        if len(prompts) < bs:
+            print(f"only {len(prompts)} prompts available for batch size {bs}", file=sys.stderr)
+        run_engine(engine, prompts, args.max_new_tokens)  # warm-up
+        run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
+        engine_rates, generate_rates = [], []
+        for _ in range(args.repeats):
+            e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
+            g_ids, g_time = run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
+            engine_rates.append(sum(map(len, e_ids)) / e_time)
+            generate_rates.append(sum(map(len, g_ids)) / g_time)
+        same = sum(a == b for a, b in zip(e_ids, g_ids, strict=True))
+        e_rate, g_rate = statistics.median(engine_rates), statistics.median(generate_rates)
+        results.append((bs, e_rate, g_rate, same, len(prompts)))
+        print(f"batch {bs}: engine {e_rate:.1f} tok/s, generate {g_rate:.1f} tok/s, identical {same}", flush=True)
+
+    print()
+    print("| batch | engine tok/s | generate tok/s | ratio (engine/generate) | identical completions |")
+    print("|---:|---:|---:|---:|---:|")
+    for bs, e_rate, g_rate, same, n in results:
+        print(f"| {bs} | {e_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | {same}/{n} |")
+    print(f"\ntotal wall time {time.perf_counter() - start:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""Offline draft training: generate responses with the target, capturing its hidden states on the way, then fit
+the draft on them (``fastgrpo draft train``)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.models import encode_prompts
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
+
+
+def collect_samples(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    params: SamplingParams,
+    batch_size: int,
+    max_prompt_length: int,
+    seed: int = 0,
+) -> list[DraftSample]:
+    """Generate one response per row and keep (tokens, target hidden states) for draft training."""
+    generator = torch.Generator(device=engine.device).manual_seed(seed)
+    samples = []
+    for start in tqdm(range(0, len(rows), batch_size), desc="generate"):
+        prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[start : start + batch_size]], max_prompt_length)
+        out = engine.generate(prompts, params, generator=generator, capture_hidden=True)
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True):
+            samples.append(DraftSample(torch.tensor(p + c), h.float().cpu(), len(p)))
+    return samples
+
+
+def frequent_tokens(samples: list[DraftSample], size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent completion tokens (plus ``always``, e.g. EOS), sorted: a reduced draft vocabulary."""
+    counts = Counter()
+    for s in samples:
+        counts.update(s.tokens[s.prompt_len :].tolist())
+    chosen = set(always)
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def train_offline(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    params: SamplingParams,
+    config: DraftTrainConfig,
+    target_name: str,
+    batch_size: int = 32,
+    max_prompt_length: int = 512,
+    draft_vocab_size: int | None = None,
+) -> tuple[DraftHead, dict[str, float]]:
+    """Generate, then fit a fresh draft. Returns the draft and timings/losses."""
+    model = engine.model
+    t0 = time.perf_counter()
+    samples = collect_samples(engine, tokenizer, rows, params, batch_size, max_prompt_length)
+    t1 = time.perf_counter()
+    vocab = None
+    if draft_vocab_size:
+        vocab = frequent_tokens(samples, draft_vocab_size, engine.eos.tolist())
+    param = next(model.parameters())
+    draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
+    trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
+    losses = trainer.fit(samples, progress=True)
+    t2 = time.perf_counter()
+    tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
+    report = {
+        "sequences": len(samples),
+        "completion_tokens": tokens,
+        "generate_seconds": t1 - t0,
+        "train_seconds": t2 - t1,
+        "first_loss": losses[0],
+        "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+    }
+    return draft, report
