@@ -173,7 +173,7 @@ class RolloutEngine:
                 self.draft_cache = RowCache(self.draft.body.config, rows, need, self.model.dtype, self.device)
         return self.cache
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[list[int]],
