@@ -142,3 +142,21 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for a, b in zip(results[0][1], results[1][1], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_lora_trains_only_adapters_and_kl_uses_the_base_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = make_config(tiny_model_dir, tmp_path, use_peft=True, lora_r=4, beta=0.1, max_steps=1, save_steps=1)
+    trainer = make_trainer(config)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    (metrics,) = trainer.train()
+    changed = {k for k, v in trainer.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
+
+
+def test_kl_penalty_with_a_reference_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path, beta=0.1, max_steps=2, learning_rate=1e-2))
+    history = trainer.train()
+    assert trainer.ref_model is not None
+    assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert history[1]["kl"] > 0.0  # the policy moved away from the reference after one update
