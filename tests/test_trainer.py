@@ -95,25 +95,28 @@ class Interrupt(Exception):
 
 
 def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir: Path, tmp_path: Path) -> None:
-    full = make_trainer(make_config(tiny_model_dir, tmp_path / "full", max_steps=3, save_steps=2)).train()
+    full = make_trainer(make_config(tiny_model_dir, tmp_path / "full", max_steps=4, save_steps=2)).train()
 
-    interrupted = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=3, save_steps=2))
+    interrupted = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=4, save_steps=2))
     step_fn = interrupted.train_step
 
-    def crash_on_third(step: int) -> dict[str, float]:
-        if step == 2:
+    def crash_on_fourth(step: int) -> dict[str, float]:
+        if step == 3:  # after step 3 was logged, past the checkpoint of step 2
             raise Interrupt
         return step_fn(step)
 
-    interrupted.train_step = crash_on_third
+    interrupted.train_step = crash_on_fourth
     with pytest.raises(Interrupt):
         interrupted.train()
-    resumed = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=3, save_steps=2), resume=True)
+    resumed = make_trainer(make_config(tiny_model_dir, tmp_path / "cut", max_steps=4, save_steps=2), resume=True)
     assert resumed.start_step == 2
-    (third,) = resumed.train()
-    assert third["step"] == full[2]["step"] == 3
-    assert third["reward"] == full[2]["reward"]
-    assert third["loss"] == pytest.approx(full[2]["loss"], rel=1e-6, abs=1e-9)
+    third, fourth = resumed.train()
+    for again, uninterrupted in ((third, full[2]), (fourth, full[3])):
+        assert again["step"] == uninterrupted["step"]
+        assert again["reward"] == uninterrupted["reward"]
+        assert again["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-6, abs=1e-9)
+    logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4]
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -419,7 +419,14 @@ class GRPOTrainer:
             desc="GRPO",
             disable=not cfg.progress_bar,
         )
-        with (self.output_dir / "metrics.jsonl").open("a") as log:
+        metrics_path = self.output_dir / "metrics.jsonl"
+        if metrics_path.exists():
+            # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
+            kept = [
+                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= self.start_step
+            ]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        with metrics_path.open("a") as log:
             for step in bar:
                 metrics = self.train_step(step)
                 history.append(metrics)

@@ -68,8 +68,13 @@ def forward_block(
     b = base_len.shape[0]
     t = positions.shape[-1]
     cache.prepare(base_len[:, None] + offsets.expand(b, t), int(base_len.max()) + window_mask.shape[-1])
-    dtype = inputs_embeds.dtype if inputs_embeds is not None else next(decoder.parameters()).dtype
-    mask = window_attention_mask(base_len, window_mask, dtype)
+    if t == 1 and window_mask.shape[-1] == 1 and bool(window_mask.all()) and bool((base_len == base_len[0]).all()):
+        # One token per row and equal lengths: every query sees every slot. Without a mask SDPA runs grouped-query
+        # attention directly instead of repeating the key/value heads.
+        mask = None
+    else:
+        dtype = inputs_embeds.dtype if inputs_embeds is not None else next(decoder.parameters()).dtype
+        mask = window_attention_mask(base_len, window_mask, dtype)
     out = decoder(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
