@@ -212,6 +212,11 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
         return [_coerce(f"{name}[{i}]", v, args[0]) for i, v in enumerate(value)]
     if annotation is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if annotation is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-5 (no decimal point) as a string
+            return float(value)
+        except ValueError:
+            pass
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):

@@ -29,6 +29,11 @@ def test_int_is_accepted_for_float_options() -> None:
     assert load_config(None, ["--learning_rate", "1"]).learning_rate == 1.0
 
 
+def test_exponent_without_decimal_point_is_a_float(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, "learning_rate: 1e-5\n"), ["--draft_training.learning_rate", "5e-4"])
+    assert (config.learning_rate, config.draft_training.learning_rate) == (1e-5, 5e-4)
+
+
 def test_parse_overrides_nests_dotted_keys() -> None:
     assert parse_overrides(["--a.b", "2", "--c=x", "--use-peft", "true"]) == {"a": {"b": 2}, "c": "x", "use_peft": True}
 

@@ -92,7 +92,17 @@ class DraftHead(nn.Module):
         """Next-token logits over the draft vocabulary: ``[..., V]`` (or ``[..., V_d]`` with a reduced one)."""
         if self.draft_vocab is None:
             return lm_head(hidden)
-        return hidden @ lm_head.weight[self.draft_vocab].t()
+        return hidden @ self._head_rows(lm_head.weight).t()
+
+    def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
+        """``[V_d, H]`` LM-head rows of the draft vocabulary. While drafting (no autograd) the gathered rows are kept
+        until the head's weights change, instead of being gathered again at every tree level."""
+        if torch.is_grad_enabled():
+            return weight[self.draft_vocab]
+        key = (weight.data_ptr(), weight._version)
+        if getattr(self, "_rows_key", None) != key:
+            self._rows, self._rows_key = weight[self.draft_vocab], key
+        return self._rows
 
     def to_target_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary ids to target ids (identity without a reduced vocabulary)."""

@@ -100,9 +100,8 @@ class DraftTrainer:
         target = hid[:, 1:][train[:, :-1]].to(pred.dtype)
         hidden_loss = F.smooth_l1_loss(pred, target)
         with torch.no_grad():
-            target_logits = self.lm_head(target)
-            if self.draft.draft_vocab is not None:
-                target_logits = target_logits[:, self.draft.draft_vocab]
+            # The target's distribution over the draft's vocabulary (the whole one unless reduced).
+            target_logits = self.draft.logits(target, self.lm_head)
             target_probs = torch.softmax(target_logits.float(), dim=-1)
         draft_logp = torch.log_softmax(self.draft.logits(pred, self.lm_head).float(), dim=-1)
         token_loss = -(target_probs * draft_logp).sum(-1).mean()
