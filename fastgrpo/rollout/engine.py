@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
@@ -192,7 +193,8 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._generate(prompt_ids, params, num_generations, generator, capture_hidden)
+            with rollout_attention(self.model):
+                return self._generate(prompt_ids, params, num_generations, generator, capture_hidden)
         finally:
             self.model.train(was_training)
 

@@ -1,0 +1,64 @@
+"""The attention function the rollout engine runs the model with: PyTorch SDPA with grouped-query attention.
+
+transformers' ``sdpa`` repeats the key/value heads for every query head whenever an attention mask is given, a copy
+of the whole cache per layer and step; ragged rows and draft trees always need a mask. SDPA takes the grouped heads
+directly (``enable_gqa``) with the same result, so rollouts switch the model to this function while they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ROLLOUT_ATTENTION = "fastgrpo_gqa_sdpa"
+
+
+def gqa_sdpa_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, S, D]`` -> ``[B, T, H, D]``."""
+    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+    causal = bool(causal and attention_mask is None and query.shape[2] > 1)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=causal,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ROLLOUT_ATTENTION, gqa_sdpa_attention)
+AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
+
+
+@contextmanager
+def rollout_attention(model: PreTrainedModel) -> Iterator[None]:
+    """Run ``model`` with `gqa_sdpa_attention` inside the block (only if it uses SDPA), then restore it."""
+    config = model.config.get_text_config()
+    previous = config._attn_implementation
+    if previous != "sdpa":
+        yield
+        return
+    config._attn_implementation = ROLLOUT_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = previous
