@@ -93,6 +93,7 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
         assert out.completion_ids[2 * i] == expected
         assert out.completion_ids[2 * i + 1] == expected
     assert out.finish_reasons[::2] == reference.finish_reasons
+    assert out.stats.n_verify_mean == min(shape.nodes, 1 + shape.top_k + (shape.depth - 1) * shape.top_k**2)
     if shape.speculative:
         assert out.stats.draft_forwards == out.stats.target_forwards * shape.depth
     else:

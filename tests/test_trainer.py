@@ -163,3 +163,16 @@ def test_kl_penalty_with_a_reference_model(tiny_model_dir: Path, tmp_path: Path)
     assert trainer.ref_model is not None
     assert history[0]["kl"] == pytest.approx(0.0, abs=1e-6)
     assert history[1]["kl"] > 0.0  # the policy moved away from the reference after one update
+
+
+def test_speculative_rollouts_in_training_save_the_draft(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fastgrpo.config import SpeculationConfig
+
+    spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=2)
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec))
+    (first, second) = trainer.train()
+    assert first["spec/n_verify_mean"] == 4.0 and first["spec/draft_time"] > 0
+    assert (tmp_path / "checkpoint-2" / "draft" / "draft.safetensors").is_file()
+    resumed = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec, max_steps=3), resume=True)
+    for a, b in zip(resumed.draft.parameters(), trainer.draft.parameters(), strict=True):
+        assert torch.equal(a, b)

@@ -388,6 +388,7 @@ class GRPOTrainer:
             "rollout/target_forwards": out.stats.target_forwards,
             "rollout/concurrency_mean": out.stats.concurrency_mean,
             "spec/accept_length": out.stats.accept_length,
+            "spec/n_verify_mean": out.stats.n_verify_mean,
             "spec/draft_time": out.stats.draft_time,
             "spec/verify_time": out.stats.verify_time,
             "memory/peak_mb": peak_memory_mb(self.device),

@@ -59,6 +59,12 @@ class GenerationStats:
         return sum(self.concurrency) / max(len(self.concurrency), 1)
 
     @property
+    def n_verify_mean(self) -> float:
+        """Mean tokens verified per row per target forward (1 for autoregressive steps)."""
+        steps = len(self.concurrency)
+        return (sum(self.tree_nodes) + steps - len(self.tree_nodes)) / max(steps, 1)
+
+    @property
     def accept_length(self) -> float:
         """Tokens emitted per row per decoding forward (1.0 for autoregressive decoding)."""
         return self.decode_tokens / max(sum(self.concurrency), 1)
