@@ -31,13 +31,12 @@ class GenerationStats:
     target_forwards: int = 0
     draft_forwards: int = 0
     tokens_emitted: int = 0
-    decode_tokens: int = 0  # emitted by decoding forwards (the first token of each row comes from the prefill)
     prefill_time: float = 0.0
     decode_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
     concurrency: list[int] = field(default_factory=list)
-    tokens_per_forward: list[int] = field(default_factory=list)
+    tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
     tree_nodes: list[int] = field(default_factory=list)
     depth_offered: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
@@ -57,6 +56,11 @@ class GenerationStats:
     @property
     def concurrency_mean(self) -> float:
         return sum(self.concurrency) / max(len(self.concurrency), 1)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens emitted by decoding forwards (the first token of each row comes from the prefill)."""
+        return sum(self.tokens_per_forward)
 
     @property
     def n_verify_mean(self) -> float:
@@ -226,13 +230,12 @@ class RolloutEngine:
             ]
         logprobs = process_logits(logits, params)
         first = sample(logprobs, params, generator)
+        ones = torch.ones_like(first)
         if self.draft is not None:
-            batch.push_pairs(first[:, None], hidden[:, None], torch.ones_like(first))
+            batch.push_pairs(first[:, None], hidden[:, None], ones)
         stats.prefill_time = time.perf_counter() - t0
         t0 = time.perf_counter()
-        ones = torch.ones_like(first)
         batch = self._emit(batch, first[:, None], logprobs.gather(1, first[:, None]), ones, params, out)
-        prefill_tokens = stats.tokens_emitted
         while batch.ids.numel():
             stats.concurrency.append(batch.ids.numel())
             if self.tree is not None and self.tree.speculative:
@@ -247,7 +250,6 @@ class RolloutEngine:
             batch = self._emit(batch, tokens, lps, count, params, out)
             stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.decode_time = time.perf_counter() - t0
-        stats.decode_tokens = stats.tokens_emitted - prefill_tokens
         if captured is not None:
             out.hidden_states = [
                 torch.cat(parts)[: len(prompt_ids[i // num_generations]) + len(out.completion_ids[i]) - 1]
