@@ -1,4 +1,4 @@
-"""Command line: ``fastgrpo train | generate | eval``.
+"""Command line: ``fastgrpo train | generate | eval | profile | draft train``.
 
 ``train`` and ``eval`` take a YAML config (``--config``) and any option as ``--name value`` (nested ones as
 ``--dataset.name gsm8k``); everything is validated before a model loads.
@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastgrpo.config import GRPOConfig, load_config
+from fastgrpo.spec.profiler import DEFAULT_TOKENS as DEFAULT_PROFILE_TOKENS
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -145,9 +146,45 @@ def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
         batch_size=args.batch_size,
         max_prompt_length=config.max_prompt_length,
         draft_vocab_size=args.draft_vocab_size,
+        greedy_fraction=args.greedy_fraction,
     )
     draft.save(args.output)
     print(json.dumps({"draft": args.output, **report}))
+
+
+def _parse_tokens(text: str) -> tuple[int, ...]:
+    try:
+        tokens = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
+    if min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
+        raise ValueError(f"--tokens must be increasing positive integers, got {text!r}")
+    return tokens
+
+
+def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
+    tokens = _parse_tokens(args.tokens)
+    if args.repeats < 1 or args.context_length < 2:
+        raise ValueError("--repeats must be >= 1 and --context-length >= 2")
+    if args.draft is not None and not Path(args.draft).is_dir():
+        raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
+    from fastgrpo.models import load_model
+    from fastgrpo.spec import profiler
+    from fastgrpo.spec.draft import DraftHead
+
+    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    model.requires_grad_(False)
+    draft = DraftHead.load(args.draft, model) if args.draft else None
+    profile = profiler.measure(model, draft, args.model, tokens, args.context_length, args.repeats, progress=True)
+    param = next(model.parameters())
+    path = profile.save(args.output or profiler.profile_path(args.model, param.device, param.dtype))
+    png = profiler.plot(profile, path.with_suffix(".png"))
+    print(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
+    print("| tokens | target forward ms | ms per token | draft level ms |")
+    print("|---|---|---|---|")
+    for t, target, draft_s in zip(profile.tokens, profile.target_seconds, profile.draft_seconds, strict=True):
+        print(f"| {t} | {1e3 * target:.1f} | {1e3 * target / t:.2f} | {1e3 * draft_s:.1f} |")
+    print(f"C_peak = {profile.c_peak} tokens; profile {path}; plot {png}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,6 +215,19 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--batch-size", type=int, default=32)
     ev.set_defaults(func=_eval)
 
+    prof = sub.add_parser(
+        "profile", help="measure forward latency against tokens per forward and find the verification capacity"
+    )
+    prof.add_argument("--model", default="smollm2")
+    prof.add_argument("--dtype", default="float32")
+    prof.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    prof.add_argument("--draft", help="a saved draft to time (default: a fresh draft of the same architecture)")
+    prof.add_argument("--tokens", default=",".join(map(str, DEFAULT_PROFILE_TOKENS)), help="token counts to time")
+    prof.add_argument("--context-length", type=int, default=256, help="cached tokens each row attends to")
+    prof.add_argument("--repeats", type=int, default=5, help="timed forwards per token count (median)")
+    prof.add_argument("--output", help="JSON path (default: the profile cache, where training finds it)")
+    prof.set_defaults(func=_profile)
+
     draft = sub.add_parser("draft", help="draft-model commands").add_subparsers(dest="draft_command", required=True)
     dt = draft.add_parser(
         "train",
@@ -188,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
     dt.add_argument("--output", required=True, help="directory to save the draft in")
     dt.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
     dt.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
+    dt.add_argument(
+        "--greedy-fraction",
+        type=float,
+        default=0.0,
+        help="share of the prompts answered greedily; the rest are sampled with the config's sampling options",
+    )
     dt.set_defaults(func=_draft_train)
     return parser
 

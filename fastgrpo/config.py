@@ -25,7 +25,7 @@ SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 REPORT_TO = ("jsonl", "tensorboard")
 
 
-SPECULATION_MODES = ("off", "static")
+SPECULATION_MODES = ("off", "static", "paper", "adaptive")
 
 
 def _choice(*choices: Any) -> dict[str, Any]:
@@ -34,22 +34,40 @@ def _choice(*choices: Any) -> dict[str, Any]:
 
 @dataclass
 class SpeculationConfig:
-    """Speculative rollouts. ``mode: static`` drafts trees of a fixed shape: ``nodes`` verified tokens per row
-    (the root included; 1 = a plain autoregressive step), ``top_k`` children per expanded node, ``depth`` levels.
-    ``draft`` is a directory saved by ``fastgrpo draft train`` (None: a fresh, untrained draft)."""
+    """Speculative rollouts (lossless: they change how fast completions come, not what they are).
 
-    mode: str = field(default="off", metadata=_choice(*SPECULATION_MODES))
+    ``mode``: ``off``; ``static`` (trees of a fixed shape: ``nodes`` verified tokens per row, the root included,
+    ``top_k`` children per expanded node, ``depth`` levels; ``nodes: 1`` is plain decoding); ``paper`` (FastGRPO's
+    rule: ``nodes = c_peak // active rows``, clamped by ``n_max``, ``k_max``, ``l_min``, ``l_max`` and ``alpha``);
+    ``adaptive`` (the tree of the highest predicted goodput at every step, plain steps when no tree pays).
+    ``c_peak``: the verification capacity in tokens, or ``auto`` to read this model's saved ``fastgrpo profile``
+    (a short calibration of a few forwards when there is none). ``draft``: a directory saved by ``fastgrpo draft
+    train`` (None: a fresh, untrained draft)."""
+
+    mode: str = field(default="adaptive", metadata=_choice(*SPECULATION_MODES))
     draft: str | None = None
     nodes: int = 16
     top_k: int = 4
     depth: int = 5
+    c_peak: int | str = "auto"
+    n_max: int = 64
+    k_max: int = 8
+    l_min: int = 3
+    l_max: int = 5
+    alpha: float = 0.75
 
     def validate(self) -> None:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"speculation.mode must be one of {list(SPECULATION_MODES)}, got {self.mode!r}")
-        for name in ("nodes", "top_k", "depth"):
+        for name in ("nodes", "top_k", "depth", "n_max", "k_max", "l_min", "l_max"):
             if getattr(self, name) < 1:
                 raise ValueError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
+        if self.l_max < self.l_min:
+            raise ValueError(f"speculation.l_max must be >= speculation.l_min, got {self.l_max} < {self.l_min}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"speculation.alpha must be in (0, 1], got {self.alpha}")
+        if self.c_peak != "auto" and not (isinstance(self.c_peak, int) and self.c_peak >= 1):
+            raise ValueError(f"speculation.c_peak must be 'auto' or an integer >= 1, got {self.c_peak!r}")
         if self.draft is not None and not Path(self.draft).is_dir():
             raise ValueError(f"speculation.draft: {self.draft} is not a directory with a saved draft")
 

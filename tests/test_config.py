@@ -53,6 +53,11 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--reward_weights", "[1.0, 2.0]"], "reward_weights has 2 entries but reward_funcs has 1"),
         (["--dataset.digits", "0"], "dataset.digits"),
         (["--dataset", "gsm8k"], "dataset must be a mapping of options"),
+        (["--speculation.mode", "fast"], "speculation.mode must be one of ['off', 'static', 'paper', 'adaptive']"),
+        (["--speculation.c_peak", "many"], "speculation.c_peak must be 'auto' or an integer >= 1, got 'many'"),
+        (["--speculation.c_peak", "0"], "speculation.c_peak must be 'auto' or an integer >= 1, got 0"),
+        (["--speculation.l_min", "6"], "speculation.l_max must be >= speculation.l_min"),
+        (["--speculation.alpha", "1.5"], "speculation.alpha must be in (0, 1]"),
     ],
 )
 def test_invalid_options_name_the_option(overrides: list[str], message: str) -> None:
@@ -78,3 +83,17 @@ def test_default_config_file_is_valid() -> None:
     assert config.model == "smollm2"
     assert config.prompts_per_step * config.num_generations == config.generation_batch_size == 16
     assert isinstance(config, GRPOConfig)
+
+
+def test_speculation_defaults_to_the_adaptive_controller_and_accepts_a_fixed_c_peak() -> None:
+    assert GRPOConfig().speculation.mode == "adaptive"
+    assert GRPOConfig().speculation.c_peak == "auto"
+    config = load_config(None, ["--speculation.mode", "paper", "--speculation.c_peak", "24"])
+    assert config.speculation.c_peak == 24
+
+
+def test_cli_profile_rejects_bad_token_counts_before_loading_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["profile", "--model", "no/such-model", "--tokens", "8,4"])
+    assert excinfo.value.code == 2
+    assert "--tokens must be increasing positive integers" in capsys.readouterr().err

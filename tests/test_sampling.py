@@ -191,6 +191,10 @@ def test_output_dtype_at_least_float32(dtype: torch.dtype, expected: torch.dtype
 # ---------------------------------------------------------------------------- sample
 
 
+def uniforms(n: int, seed: int) -> torch.Tensor:
+    return torch.rand(n, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
 def test_sample_greedy_is_argmax() -> None:
     logits = torch.randn(6, 20, dtype=F64, generator=torch.Generator().manual_seed(5))
     sp = SamplingParams(temperature=0)
@@ -201,16 +205,29 @@ def test_sample_reproducible_and_respects_filters() -> None:
     logits = torch.randn(8, 30, dtype=F64, generator=torch.Generator().manual_seed(6))
     sp = params(top_k=4)
     lp = process_logits(logits, sp)
-    draws = [sample(lp, sp, torch.Generator().manual_seed(s)) for s in (0, 0, 1)]
+    draws = [sample(lp, sp, uniforms(8, s)) for s in (0, 0, 1)]
     assert torch.equal(draws[0], draws[1])
     assert not torch.equal(draws[0], draws[2])
-    many = torch.stack([sample(lp, sp, torch.Generator().manual_seed(s)) for s in range(50)])
+    many = torch.stack([sample(lp, sp, uniforms(8, s)) for s in range(50)])
     assert lp.gather(-1, many.T).isfinite().all()  # filtered tokens are never drawn
+    edges = sample(lp, sp, torch.tensor([0.0, 1.0 - 1e-12] * 4, dtype=F64))
+    assert lp.gather(-1, edges[:, None]).isfinite().all()  # nor at the ends of the unit interval
+
+
+def test_sample_inverts_the_cdf() -> None:
+    lp = torch.tensor([[0.2, 0.0, 0.5, 0.3]], dtype=F64).log().expand(5, 4)
+    u = torch.tensor([0.0, 0.19, 0.21, 0.69, 0.71], dtype=F64)
+    assert sample(lp, params(), u).tolist() == [0, 0, 2, 2, 3]
+
+
+def test_sample_needs_one_uniform_per_row() -> None:
+    with pytest.raises(ValueError, match="uniform"):
+        sample(torch.zeros(3, 4, dtype=F64), params(), torch.zeros(2, dtype=F64))
 
 
 def test_sample_frequencies_follow_distribution() -> None:
     sp = params(top_p=0.8)  # keeps tokens 1, 3, 0 with probabilities 0.556, 0.278, 0.167
     lp = process_logits(logits_of(PROBS), sp).expand(20000, 4)
-    counts = torch.bincount(sample(lp, sp, torch.Generator().manual_seed(7)), minlength=4).double() / 20000
+    counts = torch.bincount(sample(lp, sp, uniforms(20000, 7)), minlength=4).double() / 20000
     expected = torch.tensor([0.15 / 0.9, 0.5 / 0.9, 0.0, 0.25 / 0.9], dtype=F64)
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)

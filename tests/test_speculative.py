@@ -103,6 +103,24 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
         assert out.stats.target_forwards < reference.stats.target_forwards
 
 
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
+def test_sampled_output_equals_autoregressive_for_the_same_seed(model_and_drafts, shape: TreeShape) -> None:
+    """Each position's token is drawn with that position's own uniform, so the trees drafted do not change what is
+    sampled: not only the distribution but the very tokens are those of autoregressive sampling."""
+    model, drafts = model_and_drafts
+    params = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9)
+
+    def run(draft: DraftHead | None, tree: TreeShape | None):
+        engine = RolloutEngine(model, [EOS], draft=draft, tree=tree)
+        return engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(4))
+
+    reference, out = run(None, None), run(drafts["trained"], shape)
+    assert out.completion_ids == reference.completion_ids
+    assert out.stats.accept_length > 1.0
+    for a, b in zip(out.logprobs, reference.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64))
+
+
 def test_emitted_logprobs_equal_a_fresh_forward(model_and_drafts) -> None:
     model, drafts = model_and_drafts
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=30)
@@ -188,7 +206,7 @@ def chi_square_p_value(a: Counter, b: Counter, min_expected: float = 5.0) -> flo
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
-def stale_accept(tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, generator=None) -> Acceptance:
+def stale_accept(tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, uniforms=None) -> Acceptance:
     """A deliberately wrong rule with an off-by-one: after moving to a child, the next token is drawn from the
     parent's distribution instead of the child's."""
     b = logprobs.shape[0]
@@ -197,9 +215,9 @@ def stale_accept(tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams
     previous = node.clone()
     active = torch.ones(b, dtype=torch.bool)
     path, tokens, lps = [], [], []
-    for _ in range(int(tree.depth.max()) + 1):
+    for step in range(int(tree.depth.max()) + 1):
         here = logprobs[rows, previous]
-        y = sample(here, params, generator)
+        y = sample(here, params, uniforms[:, step])
         path.append(torch.where(active, node, -1))
         tokens.append(y)
         lps.append(here.gather(1, y[:, None]).squeeze(1))

@@ -176,3 +176,23 @@ def test_speculative_rollouts_in_training_save_the_draft(tiny_model_dir: Path, t
     resumed = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec, max_steps=3), resume=True)
     for a, b in zip(resumed.draft.parameters(), trainer.draft.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["paper", "adaptive"])
+def test_concurrency_aware_speculation_changes_nothing_in_training(
+    tiny_model_dir: Path, tmp_path: Path, mode: str
+) -> None:
+    """Every position is sampled with its own uniform, so a speculative run trains on the very completions a plain
+    run samples: the rewards and the updated weights are those of ``mode: off``."""
+    from fastgrpo.config import SpeculationConfig
+
+    runs = {}
+    for name, spec in {"off": SpeculationConfig(mode="off"), mode: SpeculationConfig(mode=mode, c_peak=32)}.items():
+        trainer = make_trainer(make_config(tiny_model_dir, tmp_path / name, speculation=spec, save_steps=10))
+        runs[name] = (trainer.train(), trainer.model)
+    (plain, plain_model), (spec_history, spec_model) = runs["off"], runs[mode]
+    assert [m["reward"] for m in spec_history] == [m["reward"] for m in plain]
+    assert all(m["spec/concurrency_mean"] > 0 for m in spec_history)
+    assert spec_history[0]["spec/n_verify_mean"] > 1.0, "the first rollout drafts trees"
+    for a, b in zip(spec_model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b)

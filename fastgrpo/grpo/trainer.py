@@ -24,8 +24,8 @@ from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_los
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
+from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.tree import TreeShape
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
@@ -133,12 +133,11 @@ class GRPOTrainer:
         if config.use_peft:
             self.model = self._wrap_peft(self.model)
         self.draft = self._load_draft(checkpoint)
-        tree = None
+        controller = None
         if self.draft is not None:
-            spec = config.speculation
-            tree = TreeShape(spec.nodes, spec.top_k, spec.depth)
+            controller = controller_from_config(config.speculation, self.model, self.draft, config.model)
         eos = eos_token_ids(self.model, self.tokenizer)
-        self.engine = RolloutEngine(self.model, eos, self.tokenizer, draft=self.draft, tree=tree)
+        self.engine = RolloutEngine(self.model, eos, self.tokenizer, draft=self.draft, controller=controller)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.learning_rate,
@@ -386,9 +385,9 @@ class GRPOTrainer:
             "time/step": t3 - t0,
             "rollout/tokens_per_second": out.stats.tokens_per_second,
             "rollout/target_forwards": out.stats.target_forwards,
-            "rollout/concurrency_mean": out.stats.concurrency_mean,
             "spec/accept_length": out.stats.accept_length,
             "spec/n_verify_mean": out.stats.n_verify_mean,
+            "spec/concurrency_mean": out.stats.concurrency_mean,
             "spec/draft_time": out.stats.draft_time,
             "spec/verify_time": out.stats.verify_time,
             "memory/peak_mb": peak_memory_mb(self.device),

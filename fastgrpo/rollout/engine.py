@@ -20,6 +20,7 @@ from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import accept
+from fastgrpo.spec.controller import Controller, StaticController
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.tree import TreeShape, expand_tree
 
@@ -112,6 +113,7 @@ class _Batch:
     ids: torch.Tensor  # [B] index of the completion this row produces
     row_len: torch.Tensor  # [B] filled target cache slots
     pending: torch.Tensor  # [B] emitted token not yet written to the target cache
+    emitted: torch.Tensor  # [B] tokens of the completion so far
     draft_len: torch.Tensor | None = None  # [B] filled draft cache slots
     pend_tok: torch.Tensor | None = None
     pend_hid: torch.Tensor | None = None
@@ -144,7 +146,8 @@ class RolloutEngine:
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
         draft: an EAGLE-style draft head for speculative steps (None: autoregressive only).
-        tree: the static tree shape of speculative steps; ``nodes == 1`` is a plain autoregressive step.
+        tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
+        controller: instead of ``tree``, chooses each step's shape from the number of active rows.
     """
 
     def __init__(
@@ -154,14 +157,19 @@ class RolloutEngine:
         tokenizer: PreTrainedTokenizerBase | None = None,
         draft: DraftHead | None = None,
         tree: TreeShape | None = None,
+        controller: Controller | None = None,
     ):
-        if (draft is None) != (tree is None):
-            raise ValueError("speculative decoding needs both a draft and a tree shape")
+        if tree is not None and controller is not None:
+            raise ValueError("give a static tree shape or a controller, not both")
+        if tree is not None:
+            controller = StaticController(tree)
+        if (draft is None) != (controller is None):
+            raise ValueError("speculative decoding needs both a draft and a tree shape or controller")
         self.model = model
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.tokenizer = tokenizer
         self.draft = draft
-        self.tree = tree
+        self.controller = controller
         self.cache: RowCache | None = None
         self.draft_cache: RowCache | None = None
 
@@ -171,13 +179,14 @@ class RolloutEngine:
 
     def _caches(self, rows: int, length: int) -> RowCache:
         """Reuse the cache buffers when big enough (zeroed once at allocation, so always finite)."""
-        extra = self.tree.nodes if self.tree else 1
+        bound = self.controller.max_shape if self.controller else None
+        extra = bound.nodes if bound else 1
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
             self.cache = None
             self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device)
         if self.draft is not None:
             # Room for the context, a catch-up block as long as the longest row's pending pairs, and a tree.
-            need = 2 * length + self.tree.depth * self.tree.top_k
+            need = 2 * length + bound.depth * bound.top_k
             c = self.draft_cache
             if c is None or c.max_rows < rows or c.max_len < need:
                 self.draft_cache = None
@@ -228,8 +237,13 @@ class RolloutEngine:
             captured = [
                 [prompt_hidden[i // num_generations, : len(prompt_ids[i // num_generations])]] for i in range(n_rows)
             ]
+        noise = None
+        if not params.greedy:  # one uniform per (completion, position), see `sample`
+            where = generator.device if generator is not None else torch.device("cpu")
+            noise = torch.rand(n_rows, params.max_new_tokens, generator=generator, dtype=torch.float64, device=where)
+            noise = noise.to(batch.ids.device)
         logprobs = process_logits(logits, params)
-        first = sample(logprobs, params, generator)
+        first = sample(logprobs, params, None if noise is None else noise[:, 0])
         ones = torch.ones_like(first)
         if self.draft is not None:
             batch.push_pairs(first[:, None], hidden[:, None], ones)
@@ -237,18 +251,24 @@ class RolloutEngine:
         t0 = time.perf_counter()
         batch = self._emit(batch, first[:, None], logprobs.gather(1, first[:, None]), ones, params, out)
         while batch.ids.numel():
-            stats.concurrency.append(batch.ids.numel())
-            if self.tree is not None and self.tree.speculative:
-                tokens, lps, count, fed = self._speculative_step(batch, params, generator, stats)
+            rows = batch.ids.numel()
+            stats.concurrency.append(rows)
+            step_start = time.perf_counter()
+            shape = self.controller.choose(rows) if self.controller else None
+            if shape is not None and shape.speculative:
+                tokens, lps, count, fed = self._speculative_step(batch, shape, params, noise, stats)
             else:
-                tokens, lps, count, fed = self._autoregressive_step(batch, params, generator, stats)
+                tokens, lps, count, fed = self._autoregressive_step(batch, params, noise, stats)
             stats.target_forwards += 1
             if captured is not None:
                 for b, (i, n) in enumerate(zip(batch.ids.tolist(), count.tolist(), strict=True)):
                     captured[i].append(fed[b, :n])
             emitted_before = stats.tokens_emitted
+            accepted = count - 1
             batch = self._emit(batch, tokens, lps, count, params, out)
             stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
+            if shape is not None:
+                self.controller.observe(rows, shape, time.perf_counter() - step_start, accepted)
         stats.decode_time = time.perf_counter() - t0
         if captured is not None:
             out.hidden_states = [
@@ -276,7 +296,8 @@ class RolloutEngine:
         rows = torch.arange(len(prompt_ids), device=dev).repeat_interleave(num_generations)
         if num_generations > 1:
             cache.select_rows(rows, upto=ids.shape[1])
-        batch = _Batch(ids=torch.arange(rows.numel(), device=dev), row_len=lens[rows], pending=torch.zeros_like(rows))
+        zeros = torch.zeros_like(rows)
+        batch = _Batch(ids=torch.arange(rows.numel(), device=dev), row_len=lens[rows], pending=zeros, emitted=zeros)
         if self.draft is not None:
             # Pairs (x_{j+1}, h_j) of the prompt; the pair of the first sampled token is pushed by the caller.
             pairs = lens - 1
@@ -284,8 +305,16 @@ class RolloutEngine:
             batch.pend_tok, batch.pend_hid, batch.pend_n = ids[rows, 1:], hidden[rows, :-1], pairs[rows]
         return batch, head(last)[rows], last[rows], hidden
 
+    @staticmethod
+    def _uniforms(noise: torch.Tensor | None, batch: _Batch, width: int) -> torch.Tensor | None:
+        """``[B, width]`` uniforms of each row's next ``width`` completion positions (None when greedy)."""
+        if noise is None:
+            return None
+        cols = batch.emitted[:, None] + torch.arange(width, device=noise.device)[None, :]
+        return noise[batch.ids[:, None], cols.clamp(max=noise.shape[1] - 1)]
+
     def _autoregressive_step(
-        self, batch: _Batch, params: SamplingParams, generator: torch.Generator | None, stats: GenerationStats
+        self, batch: _Batch, params: SamplingParams, noise: torch.Tensor | None, stats: GenerationStats
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One target forward over each row's pending token.
 
@@ -295,7 +324,8 @@ class RolloutEngine:
         decoder, head = decoder_and_head(self.model)
         hidden = forward_chain(decoder, self.cache, batch.row_len, input_ids=batch.pending[:, None])
         logprobs = process_logits(head(hidden[:, -1]), params)
-        tokens = sample(logprobs, params, generator)
+        uniforms = self._uniforms(noise, batch, 1)
+        tokens = sample(logprobs, params, None if uniforms is None else uniforms[:, 0])
         batch.row_len = batch.row_len + 1
         ones = torch.ones_like(tokens)
         if self.draft is not None:
@@ -316,21 +346,25 @@ class RolloutEngine:
         return root
 
     def _speculative_step(
-        self, batch: _Batch, params: SamplingParams, generator: torch.Generator | None, stats: GenerationStats
+        self,
+        batch: _Batch,
+        shape: TreeShape,
+        params: SamplingParams,
+        noise: torch.Tensor | None,
+        stats: GenerationStats,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft a tree per row, verify all trees in one target forward, accept a path per row.
+        """Draft a tree of ``shape`` per row, verify all trees in one target forward, accept a path per row.
 
         Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts and ``[B, D, H]`` hidden states of the
         accepted path (the tokens now in the cache)."""
         t0 = time.perf_counter()
-        shape = self.tree
         root_hidden = self._draft_catch_up(batch)
         embed = self.model.get_input_embeddings()
         decoder, head = decoder_and_head(self.model)
         tree = expand_tree(
             self.draft, embed, head, self.draft_cache, batch.draft_len, batch.pending, root_hidden, batch.row_len, shape
         )
-        stats.draft_forwards += shape.depth
+        stats.draft_forwards += min(shape.depth, shape.nodes - 1)
         t1 = time.perf_counter()
         n = tree.tokens.shape[1]
         offsets = torch.arange(n, device=tree.tokens.device)
@@ -339,7 +373,7 @@ class RolloutEngine:
             decoder, self.cache, batch.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
         )
         logprobs = process_logits(head(hidden), params)
-        result = accept(tree, logprobs, params, generator)
+        result = accept(tree, logprobs, params, self._uniforms(noise, batch, int(tree.depth.max()) + 1))
         t2 = time.perf_counter()
         # Move the accepted path's cache entries to contiguous slots right after the row's context.
         path = result.path
@@ -388,6 +422,7 @@ class RolloutEngine:
         out.stats.tokens_emitted += emitted
         last = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
         batch.pending = last
+        batch.emitted = batch.emitted + count
         if len(keep) == batch.ids.numel():
             return batch
         rows = torch.tensor(keep, dtype=torch.long, device=batch.ids.device)

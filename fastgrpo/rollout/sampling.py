@@ -68,8 +68,17 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1)
 
 
-def sample(logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Draw one token per row from ``[N, V]`` log-probabilities (argmax when greedy); returns ``[N]`` ids."""
+def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row from ``[N, V]`` log-probabilities by inverting their CDF at ``uniform`` ``[N]`` (values
+    in ``[0, 1)``); argmax when greedy. Returns ``[N]`` ids.
+
+    The engine draws one uniform per (completion, position) before decoding, so a token depends only on its
+    distribution and its position's uniform, never on how many draws came before it: speculative and autoregressive
+    decoding with the same seed emit the same tokens, whatever trees were drafted."""
     if params.greedy:
         return logprobs.argmax(dim=-1)
-    return torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+    if uniform is None or uniform.shape != logprobs.shape[:1]:
+        raise ValueError("sampling needs one uniform per row")
+    cdf = logprobs.double().exp().cumsum(dim=-1)
+    point = uniform.to(cdf)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)

@@ -29,18 +29,20 @@ class Acceptance:
 
 
 def accept(
-    tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
 ) -> Acceptance:
-    """Walk each row's tree. ``logprobs``: ``[B, N, V]`` processed target log-probabilities at every node."""
+    """Walk each row's tree. ``logprobs``: ``[B, N, V]`` processed target log-probabilities at every node;
+    ``uniforms``: ``[B, D]`` the uniforms of the row's next ``D`` positions (None when greedy), ``D`` at least the
+    deepest node's depth plus one."""
     b, n, _ = logprobs.shape
     rows = torch.arange(b, device=logprobs.device)
     node = torch.zeros(b, dtype=torch.long, device=logprobs.device)
     active = torch.ones(b, dtype=torch.bool, device=logprobs.device)
     path, tokens, lps = [], [], []
     max_steps = int(tree.depth.max()) + 1
-    for _ in range(max_steps):
+    for step in range(max_steps):
         here = logprobs[rows, node]  # [B, V]
-        y = sample(here, params, generator)
+        y = sample(here, params, None if uniforms is None else uniforms[:, step])
         path.append(torch.where(active, node, -1))
         tokens.append(y)
         lps.append(here.gather(1, y[:, None]).squeeze(1))

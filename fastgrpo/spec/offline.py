@@ -3,6 +3,7 @@ the draft on them (``fastgrpo draft train``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from typing import Any
@@ -61,11 +62,20 @@ def train_offline(
     batch_size: int = 32,
     max_prompt_length: int = 512,
     draft_vocab_size: int | None = None,
+    greedy_fraction: float = 0.0,
 ) -> tuple[DraftHead, dict[str, float]]:
-    """Generate, then fit a fresh draft. Returns the draft and timings/losses."""
+    """Generate, then fit a fresh draft. Returns the draft and timings/losses.
+
+    The first ``greedy_fraction`` of the rows are answered greedily and the rest with ``params``: a draft that serves
+    both greedy and sampled decoding is best trained on both kinds of response."""
+    if not 0.0 <= greedy_fraction <= 1.0:
+        raise ValueError(f"greedy_fraction must be in [0, 1], got {greedy_fraction}")
     model = engine.model
     t0 = time.perf_counter()
-    samples = collect_samples(engine, tokenizer, rows, params, batch_size, max_prompt_length)
+    n_greedy = round(greedy_fraction * len(rows))
+    greedy = dataclasses.replace(params, temperature=0.0)
+    samples = collect_samples(engine, tokenizer, rows[:n_greedy], greedy, batch_size, max_prompt_length)
+    samples += collect_samples(engine, tokenizer, rows[n_greedy:], params, batch_size, max_prompt_length)
     t1 = time.perf_counter()
     vocab = None
     if draft_vocab_size:

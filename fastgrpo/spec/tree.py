@@ -87,7 +87,8 @@ def expand_tree(
         cache: the draft's cache; its first ``draft_len[b]`` slots hold the row's context, the root pair last.
         root_token: ``[B]`` the pending token. root_hidden: ``[B, H]`` the draft's output for the root pair.
         root_position: ``[B]`` position of the root token.
-        shape: N, K, L; uses ``L - 1`` draft forwards (the root's output was computed by the caller).
+        shape: N, K, L; uses ``min(L, N - 1) - 1`` draft forwards (the root's output was computed by the caller;
+            no node deeper than ``N - 1`` can be kept, because a child never outscores its parent).
     """
     b, dev = root_token.shape[0], root_token.device
     k = shape.top_k
@@ -97,10 +98,11 @@ def expand_tree(
     cand_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
     frontier = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
     frontier_feat = root_hidden[:, None, :].expand(b, k, -1)
-    width = (shape.depth - 1) * k
+    levels = min(shape.depth, shape.nodes - 1)
+    width = (levels - 1) * k
     seen = torch.zeros(b, k, max(width, 1), dtype=torch.bool, device=dev)  # window slots each frontier node sees
     n_cand = k
-    for level in range(1, shape.depth):
+    for level in range(1, levels):
         offsets = torch.arange((level - 1) * k, level * k, device=dev)
         seen[:, torch.arange(k), offsets] = True
         x = draft.features(embed(tok), frontier_feat)
@@ -121,7 +123,7 @@ def expand_tree(
         frontier_feat = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]))
         seen = seen.gather(1, parent_slot[:, :, None].expand(b, k, seen.shape[-1]))
         n_cand += k * k
-    return _select(root_token, cand_tok, cand_score, cand_parent, cand_depth, shape)
+    return _select(root_token, cand_tok, cand_score, cand_parent, cand_depth, shape.nodes, levels)
 
 
 def _select(
@@ -130,13 +132,14 @@ def _select(
     cand_score: list[torch.Tensor],
     cand_parent: list[torch.Tensor],
     cand_depth: list[torch.Tensor],
-    shape: TreeShape,
+    nodes: int,
+    levels: int,
 ) -> DraftTree:
     """Keep the best ``N - 1`` candidates (by score, shallower first on ties) and index them as a tree."""
     tok, score = torch.cat(cand_tok, 1), torch.cat(cand_score, 1)
     parent, depth = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
     b, m = tok.shape
-    keep = min(shape.nodes - 1, m)
+    keep = min(nodes - 1, m)
     rank = score.double() - 1e-9 * depth
     chosen = rank.topk(keep, dim=-1).indices.sort(dim=-1).values  # parents precede children in candidate order
     node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tok.device)  # candidate -> node (slot m: the root)
@@ -147,4 +150,4 @@ def _select(
     tree_parent = torch.cat([minus_one, tree_parent], 1)
     tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
     depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
-    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, shape.depth))
+    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels))

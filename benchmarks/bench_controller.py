@@ -1,0 +1,155 @@
+"""Concurrency-aware speculation on SmolLM2-135M-Instruct: autoregressive decoding, static trees, the paper's
+controller and the adaptive controller, side by side in one run.
+
+1. GRPO rollouts replayed: GSM8K test prompts, ``num_generations`` samples each at T=1, top-p 0.95, up to 256 new
+   tokens, so the number of active rows falls as answers finish, as in training. Every mode decodes the same prompts
+   with the same seed, and since each position has its own uniform they emit the same tokens (counted).
+2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS, so all stay active.
+
+The latency profile is the one saved by ``fastgrpo profile`` (else a short calibration); the draft is a saved one
+(``benchmarks/train_drafts.py``). Prints markdown tables and writes a plot of speedup against concurrency.
+
+    python benchmarks/bench_controller.py --draft drafts/smollm2-gsm8k-v8192 --plot docs/controller_sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.data import load_gsm8k
+from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.controller import AdaptiveController, PaperController, StaticController
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.profiler import load_or_calibrate
+from fastgrpo.spec.tree import TreeShape
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def make_engines(model, tokenizer, draft: DraftHead, eos: list[int], c_peak: int, profile) -> dict[str, RolloutEngine]:
+    """One engine per mode; each keeps its controller's state across calls, as a training run does."""
+    controllers = {
+        "static N4/K2/L3": StaticController(TreeShape(4, 2, 3)),
+        "static N16/K4/L5": StaticController(TreeShape(16, 4, 5)),
+        f"paper (C_peak {c_peak})": PaperController(c_peak),
+        "adaptive": AdaptiveController(profile),
+    }
+    engines = {"autoregressive": RolloutEngine(model, eos, tokenizer)}
+    for name, controller in controllers.items():
+        engines[name] = RolloutEngine(model, eos, tokenizer, draft=draft, controller=controller)
+    return engines
+
+
+def timed(engine: RolloutEngine, prompts, params: SamplingParams, num_generations: int, seed: int):
+    t0 = time.perf_counter()
+    out = engine.generate(prompts, params, num_generations, generator=torch.Generator().manual_seed(seed))
+    return time.perf_counter() - t0, out
+
+
+def rollout_table(engines, prompts, params: SamplingParams, num_generations: int) -> None:
+    print(f"\n## Rollout replay: {len(prompts)} prompts x {num_generations} generations, T=1, top-p 0.95\n")
+    print("| mode | time s | tokens | tokens/s | speedup | mean accepted | mean N verify | same tokens as AR |")
+    print("|---|---|---|---|---|---|---|---|")
+    reference, base = None, None
+    for name, engine in engines.items():
+        seconds, out = timed(engine, prompts, params, num_generations, seed=0)
+        if reference is None:
+            reference, base = out.completion_ids, seconds
+        same = sum(a == b for a, b in zip(out.completion_ids, reference, strict=True))
+        s = out.stats
+        print(
+            f"| {name} | {seconds:.1f} | {s.tokens_emitted} | {s.tokens_emitted / seconds:.1f} | "
+            f"{base / seconds:.2f}x | {s.accept_length:.2f} | {s.n_verify_mean:.1f} | {same}/{len(reference)} |",
+            flush=True,
+        )
+
+
+def sweep_table(engines, prompts, concurrency: list[int], tokens: int) -> dict[str, list[float]]:
+    print(f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (tokens/s)\n")
+    names = list(engines)
+    print("| concurrency | AR tok/s | " + " | ".join(names[1:]) + " |")
+    print("|---|---|" + "---|" * (len(names) - 1))
+    params = SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=0.95)
+    speedups: dict[str, list[float]] = {name: [] for name in names[1:]}
+    for c in concurrency:
+        rates = {}
+        for name, engine in engines.items():
+            eos_before = engine.eos
+            engine.eos = torch.empty(0, dtype=torch.long)  # no row ends early: the concurrency stays c
+            try:
+                seconds, out = timed(engine, prompts[:c], params, 1, seed=c)
+            finally:
+                engine.eos = eos_before
+            rates[name] = out.stats.tokens_emitted / seconds
+        ar = rates["autoregressive"]
+        for name in names[1:]:
+            speedups[name].append(rates[name] / ar)
+        cells = [f"{rates[n] / ar:.2f}x ({rates[n]:.0f})" for n in names[1:]]
+        print(f"| {c} | {ar:.1f} | " + " | ".join(cells) + " |", flush=True)
+    return speedups
+
+
+def plot(concurrency: list[int], speedups: dict[str, list[float]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, values in speedups.items():
+        ax.plot(concurrency, values, "o-", label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", label="autoregressive")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (active rows)")
+    ax.set_ylabel("speedup over autoregressive")
+    ax.set_title("SmolLM2-135M-Instruct, T=1, top-p 0.95")
+    ax.legend()
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
+    parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--num-generations", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--sweep-tokens", type=int, default=48)
+    parser.add_argument("--plot", default="docs/controller_sweep.png")
+    parser.add_argument("--skip-rollout", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    start = time.perf_counter()
+    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model.requires_grad_(False)
+    draft = DraftHead.load(args.draft, model)
+    profile = load_or_calibrate(model, draft, "smollm2")
+    print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak} tokens")
+    engines = make_engines(model, tokenizer, draft, eos_token_ids(model, tokenizer), profile.c_peak, profile)
+    rows = load_gsm8k(GSM8K / "test.jsonl")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[: max(concurrency + [args.prompts])]], 512)
+    warm = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.95)
+    for engine in engines.values():
+        engine.generate(prompts[:2], warm)
+    if not args.skip_rollout:
+        params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
+        rollout_table(engines, prompts[: args.prompts], params, args.num_generations)
+    speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens)
+    plot(concurrency, speedups, args.plot)
+    print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Train the drafts the speculative benchmarks use: SmolLM2-135M-Instruct answers GSM8K train prompts (a share
+greedily, the rest sampled at T=1, top-p 0.95), capturing its hidden states while it generates, and a draft with a
+reduced vocabulary is fit on the responses (with ``--full-vocab``, a second one with the full vocabulary too, on the
+same responses, so that the two can be compared).
+
+    python benchmarks/train_drafts.py --prompts 1024 --output drafts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.data import load_gsm8k
+from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer
+from fastgrpo.spec.offline import collect_samples, frequent_tokens
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--output", default="drafts")
+    parser.add_argument("--prompts", type=int, default=1024)
+    parser.add_argument("--greedy-fraction", type=float, default=0.5)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--token-loss-weight", type=float, default=1.0)
+    parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument("--full-vocab", action="store_true", help="also fit a draft with the full vocabulary")
+    args = parser.parse_args()
+    torch.set_num_threads(os.cpu_count())
+    torch.manual_seed(0)
+    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model.requires_grad_(False)
+    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
+    rows = load_gsm8k(GSM8K / "train.jsonl")[: args.prompts]
+    n_greedy = round(args.greedy_fraction * len(rows))
+    t0 = time.perf_counter()
+    greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
+    samples = collect_samples(engine, tokenizer, rows[:n_greedy], greedy, args.batch_size, 512)
+    samples += collect_samples(engine, tokenizer, rows[n_greedy:], sampled, args.batch_size, 512, seed=1)
+    generate_s = time.perf_counter() - t0
+    tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
+    print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
+    config = DraftTrainConfig(
+        learning_rate=args.lr, epochs=args.epochs, token_loss_weight=args.token_loss_weight, bf16=True
+    )
+    vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})
+    for name, size in vocabularies.items():
+        torch.manual_seed(0)
+        vocab = frequent_tokens(samples, size, engine.eos.tolist()) if size else None
+        draft = DraftHead(model.config, "smollm2", vocab)
+        trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
+        t1 = time.perf_counter()
+        losses = trainer.fit(samples, progress=True)
+        path = draft.save(Path(args.output) / f"smollm2-gsm8k-{name}")
+        report = {"draft": str(path), "train_seconds": time.perf_counter() - t1, "last_loss": losses[-1]}
+        print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main()

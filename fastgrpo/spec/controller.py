@@ -1,0 +1,250 @@
+"""Choosing each decoding step's draft tree from the live number of active rows.
+
+A controller is asked for a `TreeShape` before every engine step (``nodes == 1`` means a plain autoregressive step
+with no draft forward) and told afterwards what the step cost and how many draft tokens each row accepted.
+
+- `StaticController`: the same shape at every step.
+- `PaperController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
+  ``K = min(N - 1, K_max)``, ``L = clamp(floor(log2(N / alpha)), L_min, L_max)``.
+- `AdaptiveController`: the shape of the highest predicted goodput (expected tokens per row over predicted step
+  time), from live acceptance statistics and a latency profile it corrects online; autoregressive steps whenever no
+  tree is predicted to beat them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.profiler import LatencyProfile, load_or_calibrate
+from fastgrpo.spec.tree import TreeShape
+
+if TYPE_CHECKING:
+    from fastgrpo.config import SpeculationConfig
+
+AUTOREGRESSIVE = TreeShape(1, 1, 1)
+
+
+class Controller(Protocol):
+    """Chooses the tree shape of every engine step."""
+
+    @property
+    def max_shape(self) -> TreeShape:
+        """Upper bounds of the nodes, top-k and depth it may ever choose (the engine sizes its caches by them)."""
+        ...
+
+    def choose(self, rows: int) -> TreeShape:
+        """The shape of the next step, with ``rows`` active rows."""
+        ...
+
+    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+        """A step ran: its wall time and, for a speculative step, the ``[B]`` draft tokens each row accepted."""
+        ...
+
+
+@dataclass
+class StaticController:
+    """A fixed tree shape at every step."""
+
+    shape: TreeShape
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return self.shape
+
+    def choose(self, rows: int) -> TreeShape:
+        return self.shape
+
+    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+        pass
+
+
+@dataclass
+class ControllerLimits:
+    """The paper's constants: ``n_max`` verified tokens per row, ``k_max`` children per node, ``l_min``..``l_max``
+    levels, and ``alpha`` (expected acceptance) in the depth rule."""
+
+    n_max: int = 64
+    k_max: int = 8
+    l_min: int = 3
+    l_max: int = 5
+    alpha: float = 0.75
+
+    def validate(self) -> None:
+        if self.n_max < 1 or self.k_max < 1 or self.l_min < 1 or self.l_max < self.l_min:
+            raise ValueError(f"controller limits need n_max, k_max, l_min >= 1 and l_max >= l_min, got {self}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"controller alpha must be in (0, 1], got {self.alpha}")
+
+    def shape_for(self, n_verify: int) -> TreeShape:
+        """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1)."""
+        n = max(1, min(n_verify, self.n_max))
+        if n == 1:
+            return AUTOREGRESSIVE
+        k = min(n - 1, self.k_max)
+        depth = min(max(math.floor(math.log2(n / self.alpha)), self.l_min), self.l_max)
+        return TreeShape(n, k, depth)
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return TreeShape(self.n_max, self.k_max, self.l_max)
+
+
+@dataclass
+class PaperController:
+    """FastGRPO's concurrency-aware rule: ``N_verify = C_peak // B`` tokens per row, recomputed every step."""
+
+    c_peak: int
+    limits: ControllerLimits = field(default_factory=ControllerLimits)
+
+    def __post_init__(self) -> None:
+        if self.c_peak < 1:
+            raise ValueError(f"c_peak must be >= 1, got {self.c_peak}")
+        self.limits.validate()
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return self.limits.max_shape
+
+    def choose(self, rows: int) -> TreeShape:
+        return self.limits.shape_for(self.c_peak // max(rows, 1))
+
+    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveController:
+    """Maximises predicted goodput at every step.
+
+    Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``. For each:
+
+    - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
+      an exponential moving average per shape once the shape has run, else the depth averages pooled over all
+      shapes (starting from ``prior_accept ** d``);
+    - predicted seconds = profiled target forward over ``B * N`` tokens plus ``L`` draft levels over ``B * K``
+      tokens, times a correction factor (observed over predicted, averaged separately for autoregressive and
+      speculative steps).
+
+    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
+    instead so its statistics stay live; the interval doubles while probes lose (up to ``max_probe_interval``) and
+    resets when the winner changes.
+    """
+
+    profile: LatencyProfile
+    limits: ControllerLimits = field(default_factory=ControllerLimits)
+    accept_rate: float = 0.1
+    time_rate: float = 0.2
+    prior_accept: float = 0.7
+    probe_interval: int = 8
+    max_probe_interval: int = 256
+
+    def __post_init__(self) -> None:
+        self.limits.validate()
+        ns = sorted({1, *[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
+        ns = sorted({*ns, self.limits.n_max})
+        self.shapes = [self.limits.shape_for(n) for n in ns]
+        depth = self.limits.l_max
+        self.depth_accept = [self.prior_accept ** (d + 1) for d in range(depth)]  # pooled P(accepted >= d + 1)
+        self.shape_accept: dict[TreeShape, list[float]] = {}
+        self.correction = {"ar": 1.0, "spec": 1.0}
+        self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
+        self._interval = self.probe_interval
+        self._since_probe = 0
+        self._probe_up = True
+        self._last_best: TreeShape | None = None
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return self.limits.max_shape
+
+    @staticmethod
+    def levels(shape: TreeShape) -> int:
+        """Draft forwards a shape costs: no level can hold a kept node deeper than ``nodes - 1``."""
+        return 0 if shape.nodes == 1 else min(shape.depth, shape.nodes - 1)
+
+    def expected_tokens(self, shape: TreeShape) -> float:
+        """Expected tokens emitted per row by a step of this shape."""
+        levels = self.levels(shape)
+        per_depth = self.shape_accept.get(shape, self.depth_accept)
+        return 1.0 + sum(per_depth[:levels])
+
+    @staticmethod
+    def _kind(shape: TreeShape) -> str:
+        return "ar" if shape.nodes == 1 else "spec"
+
+    def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
+        """Step time the latency profile predicts: the target forward plus the draft levels."""
+        draft = self.levels(shape) * self.profile.draft_time(rows * shape.top_k) if shape.speculative else 0.0
+        return self.profile.target_time(rows * shape.nodes) + draft
+
+    def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
+        """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
+        A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
+        plain = self.correction["ar"] * self.profile.target_time(rows)
+        if not shape.speculative:
+            return plain
+        draft = self.levels(shape) * self.profile.draft_time(rows * shape.top_k)
+        return max(self.correction["spec"] * self._profiled_seconds(rows, shape), plain + draft)
+
+    def goodput(self, rows: int, shape: TreeShape) -> float:
+        """Predicted tokens per second per row."""
+        return self.expected_tokens(shape) / self.predicted_seconds(rows, shape)
+
+    def best(self, rows: int) -> TreeShape:
+        return max(self.shapes, key=lambda s: self.goodput(rows, s))
+
+    def choose(self, rows: int) -> TreeShape:
+        best = self.best(rows)
+        if best != self._last_best:
+            self._last_best, self._interval, self._since_probe = best, self.probe_interval, 0
+        self._since_probe += 1
+        if self._since_probe < self._interval:
+            return best
+        self._since_probe = 0
+        self._interval = min(2 * self._interval, self.max_probe_interval)
+        i = self.shapes.index(best)
+        self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
+        return self.shapes[i + 1 if self._probe_up else i - 1]
+
+    def _rate(self, key: object, rate: float) -> float:
+        """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an exponential
+        moving average whose start is not biased towards its initial value)."""
+        n = self._counts[key] = self._counts.get(key, 0) + 1
+        return max(rate, 1.0 / n)
+
+    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+        kind = self._kind(shape)
+        ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
+        self.correction[kind] += self._rate(kind, self.time_rate) * (ratio - self.correction[kind])
+        if accepted is None or shape.nodes == 1:
+            return
+        levels = self.levels(shape)
+        reached = [float((accepted >= d).float().mean()) for d in range(1, levels + 1)]
+        own = self.shape_accept.setdefault(shape, list(self.depth_accept))
+        own_rate = self._rate(shape, self.accept_rate)
+        for d, value in enumerate(reached):
+            own[d] += own_rate * (value - own[d])
+            self.depth_accept[d] += self._rate(("depth", d), self.accept_rate) * (value - self.depth_accept[d])
+
+
+def controller_from_config(
+    spec: SpeculationConfig, model: PreTrainedModel, draft: DraftHead, model_name: str
+) -> Controller:
+    """The controller a ``speculation`` config section asks for (its mode must not be ``off``)."""
+    if spec.mode == "static":
+        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth))
+    limits = ControllerLimits(spec.n_max, spec.k_max, spec.l_min, spec.l_max, spec.alpha)
+    profile = None
+    if spec.mode == "adaptive" or spec.c_peak == "auto":
+        profile = load_or_calibrate(model, draft, model_name)
+    if spec.mode == "paper":
+        return PaperController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits)
+    if spec.mode == "adaptive":
+        return AdaptiveController(profile, limits)
+    raise ValueError(f"speculation.mode {spec.mode!r} has no controller")

@@ -1,0 +1,242 @@
+"""Measures what a forward costs on the hardware at hand, as a function of the tokens in it.
+
+The target curve times one decoder forward plus LM head over ``t`` rows of one token each, every row reading a
+context of about ``context_length`` cached tokens (ragged, as in a rollout, so the masked attention path runs). The
+draft curve times one draft tree level over ``t`` tokens (one draft layer plus its LM head and top-k). The
+verification capacity ``C_peak`` is the knee of the target curve: the token count up to which the latency stays
+flat, beyond which it grows in proportion to the tokens.
+
+Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device and dtype, and reused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from functools import partial
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from fastgrpo.rollout.attention import rollout_attention
+from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.runner import decoder_and_head, forward_block
+from fastgrpo.spec.draft import DraftHead
+
+DEFAULT_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+CALIBRATION_TOKENS = (1, 4, 16, 64)
+
+
+@dataclass
+class LatencyProfile:
+    """Median seconds of one target forward (``target_seconds``) and of one draft level (``draft_seconds``) at each
+    token count in ``tokens``; ``c_peak`` is the knee of the target curve."""
+
+    model: str
+    device: str
+    dtype: str
+    context_length: int
+    tokens: list[int]
+    target_seconds: list[float]
+    draft_seconds: list[float]
+    c_peak: int
+
+    def target_time(self, tokens: float) -> float:
+        """Predicted seconds of a target forward over ``tokens`` tokens (interpolated, extrapolated linearly)."""
+        return _interpolate(self.tokens, self.target_seconds, tokens)
+
+    def draft_time(self, tokens: float) -> float:
+        """Predicted seconds of one draft level over ``tokens`` tokens."""
+        return _interpolate(self.tokens, self.draft_seconds, tokens)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the profile as JSON (atomically)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyProfile:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through the points; beyond the ends, the nearest segment's line (never below zero)."""
+    if len(xs) == 1:
+        return ys[0] * max(x / xs[0], 1.0)
+    i = 1
+    while i < len(xs) - 1 and xs[i] < x:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 0.0)
+
+
+def find_knee(tokens: list[int], seconds: list[float]) -> int:
+    """The token count where a latency curve stops being flat and starts growing in proportion to tokens.
+
+    Fits ``latency = a`` up to the knee ``k`` and ``a * t / k`` beyond it (flat, then proportional: the roofline of a
+    forward that is first bound by reading the weights, then by compute) for every measured ``k``, by least squares
+    on relative errors, and returns the best ``k``.
+    """
+    if len(tokens) != len(seconds) or len(tokens) < 2:
+        raise ValueError("find_knee needs at least two (tokens, seconds) points of equal count")
+    t = torch.tensor(tokens, dtype=torch.float64)
+    y = torch.tensor(seconds, dtype=torch.float64)
+    best, best_err = tokens[0], float("inf")
+    for k in tokens:
+        shape = torch.clamp(t / k, min=1.0)  # latency = a * shape
+        a = (shape / y).sum() / (shape * shape / (y * y)).sum()  # minimises sum(((a * shape - y) / y)^2)
+        err = float((((a * shape - y) / y) ** 2).sum())
+        if err < best_err:
+            best, best_err = k, err
+    return best
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{torch.get_num_threads()}threads"
+
+
+def profile_path(
+    model_name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | Path | None = None
+) -> Path:
+    """Where the profile of this model on this device and dtype is kept."""
+    root = Path(cache_dir or os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "profiles"
+    key = "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", part) for part in (model_name, _device_name(device), str(dtype)))
+    return root / f"{key}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure(
+    model: PreTrainedModel,
+    draft: DraftHead | None,
+    model_name: str,
+    tokens: tuple[int, ...] = DEFAULT_TOKENS,
+    context_length: int = 256,
+    repeats: int = 5,
+    top_k: int = 4,
+    progress: bool = False,
+) -> LatencyProfile:
+    """Time target forwards and draft levels at each token count; returns the profile with its knee.
+
+    Without a draft, a fresh (untrained) draft head of the model's architecture is timed: its cost does not depend
+    on its weights."""
+    from tqdm.auto import tqdm
+
+    if not tokens or min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
+        raise ValueError(f"token counts must be increasing positive integers, got {tokens}")
+    if context_length < 2:
+        raise ValueError(f"context_length must be >= 2, got {context_length}")
+    param = next(model.parameters())
+    dev = param.device
+    if draft is None:
+        draft = DraftHead(model.config, model_name).to(device=dev, dtype=param.dtype).eval()
+    model.eval()
+    decoder, head = decoder_and_head(model)
+    embed = model.get_input_embeddings()
+    rows = max(tokens)
+    cache = RowCache(model.config, rows, context_length + 2, param.dtype, dev)
+    draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    vocab = model.config.get_text_config().vocab_size
+    target_s, draft_s = [], []
+    with rollout_attention(model):
+        for t in tqdm(tokens, desc="profile", disable=not progress):
+            base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
+            ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
+            block = (
+                base,
+                torch.zeros(1, dtype=torch.long, device=dev),
+                base[:, None],
+                torch.ones(1, 1, dtype=torch.bool),
+            )
+            target_s.append(_median_seconds(partial(_target_forward, decoder, head, cache, block, ids), repeats, dev))
+            level = partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k)
+            draft_s.append(_median_seconds(level, repeats, dev))
+    return LatencyProfile(
+        model=model_name,
+        device=_device_name(dev),
+        dtype=str(param.dtype).removeprefix("torch."),
+        context_length=context_length,
+        tokens=list(tokens),
+        target_seconds=target_s,
+        draft_seconds=draft_s,
+        c_peak=find_knee(list(tokens), target_s),
+    )
+
+
+def _target_forward(decoder, head, cache: RowCache, block: tuple, ids: torch.Tensor) -> None:
+    """One target forward plus LM head over ``[t, 1]`` tokens."""
+    head(forward_block(decoder, cache, *block, input_ids=ids))
+
+
+def _draft_level(draft: DraftHead, cache: RowCache, embeds: torch.Tensor, block: tuple, head, top_k: int) -> None:
+    """One draft tree level: features, the draft layer, its LM head and the top-k, over ``[t, 1]`` tokens."""
+    x = draft.features(embeds, torch.zeros_like(embeds))
+    out = forward_block(draft.decoder, cache, *block, inputs_embeds=x)
+    torch.log_softmax(draft.logits(out, head).float(), dim=-1).topk(top_k, dim=-1)
+
+
+def calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) -> LatencyProfile:
+    """A short profile of a few forwards, for a first run with no saved profile (the adaptive controller corrects
+    it online from the step times it observes)."""
+    return measure(model, draft, model_name, CALIBRATION_TOKENS, context_length=128, repeats=2)
+
+
+def load_or_calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) -> LatencyProfile:
+    """The saved profile of this model, device and dtype when there is one, else a short calibration."""
+    param = next(model.parameters())
+    path = profile_path(model_name, param.device, param.dtype)
+    return LatencyProfile.load(path) if path.is_file() else calibrate(model, draft, model_name)
+
+
+def plot(profile: LatencyProfile, path: str | Path) -> Path:
+    """Draw the target and draft latency curves with the knee marked; writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(profile.tokens, [1e3 * s for s in profile.target_seconds], "o-", label="target forward")
+    ax.plot(profile.tokens, [1e3 * s for s in profile.draft_seconds], "s-", label="draft level")
+    ax.axvline(profile.c_peak, color="gray", linestyle="--", label=f"C_peak = {profile.c_peak} tokens")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in the forward (rows x tokens per row)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,233 @@
+"""Concurrency-aware speculation: the paper's tree-size rule, the adaptive goodput controller, the latency profiler,
+and losslessness of every mode."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from transformers import PreTrainedModel
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec import profiler
+from fastgrpo.spec.controller import (
+    AUTOREGRESSIVE,
+    AdaptiveController,
+    ControllerLimits,
+    PaperController,
+    StaticController,
+)
+from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.profiler import LatencyProfile, find_knee
+from fastgrpo.spec.tree import TreeShape
+
+EOS = 1
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4]]
+
+
+def flat_profile(target: float = 0.05, draft: float = 0.002, knee: int = 32) -> LatencyProfile:
+    """Synthetic roofline: flat up to ``knee`` tokens, then proportional."""
+    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    return LatencyProfile(
+        model="synthetic",
+        device="none",
+        dtype="float32",
+        context_length=128,
+        tokens=tokens,
+        target_seconds=[target * max(1.0, t / knee) for t in tokens],
+        draft_seconds=[draft * max(1.0, t / knee) for t in tokens],
+        c_peak=knee,
+    )
+
+
+# -- the paper's rule --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("rows", "expected"),
+    [
+        (1, TreeShape(64, 8, 5)),  # N = 64; L = floor(log2(64 / 0.75)) = 6, capped at L_max 5
+        (4, TreeShape(16, 8, 4)),  # N = 16; L = floor(log2(21.3)) = 4
+        (10, TreeShape(6, 5, 3)),  # N = 6; K = N - 1; L = floor(log2(8)) = 3
+        (16, TreeShape(4, 3, 3)),  # N = 4; L = floor(log2(5.3)) = 2, raised to L_min 3
+        (32, TreeShape(2, 1, 3)),
+        (64, AUTOREGRESSIVE),  # N = 1: no tree
+        (100, AUTOREGRESSIVE),  # C_peak // B = 0 is clamped to 1
+    ],
+)
+def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -> None:
+    controller = PaperController(c_peak=64)
+    assert controller.choose(rows) == expected
+    n = max(1, min(64 // rows, 64))
+    if n > 1:
+        assert expected.top_k == min(n - 1, 8)
+        assert expected.depth == min(max(math.floor(math.log2(n / 0.75)), 3), 5)
+
+
+def test_paper_controller_respects_custom_limits() -> None:
+    limits = ControllerLimits(n_max=8, k_max=2, l_min=2, l_max=3, alpha=0.5)
+    controller = PaperController(c_peak=100, limits=limits)
+    assert controller.choose(1) == TreeShape(8, 2, 3)  # N capped at 8, log2(16) = 4 capped at 3
+    assert controller.choose(25) == TreeShape(4, 2, 3)  # N = 4, log2(8) = 3
+    assert controller.choose(50) == TreeShape(2, 1, 2)  # N = 2, log2(4) = 2
+    assert controller.max_shape == TreeShape(8, 2, 3)
+
+
+@pytest.mark.parametrize("bad", [dict(n_max=0), dict(l_min=4, l_max=3), dict(alpha=0.0), dict(k_max=0)])
+def test_bad_limits_are_refused(bad: dict) -> None:
+    with pytest.raises(ValueError, match="controller"):
+        PaperController(c_peak=16, limits=ControllerLimits(**bad))
+
+
+def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> None:
+    draft = DraftHead(llama_model.config).double()
+    calls = []
+    draft.body.register_forward_hook(lambda *args: calls.append(1))
+    params = SamplingParams(max_new_tokens=12, temperature=0)
+    reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
+    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=PaperController(c_peak=1))
+    out = engine.generate(PROMPTS, params)
+    assert out.completion_ids == reference.completion_ids
+    assert out.stats.draft_forwards == 0 and not calls
+    assert out.stats.n_verify_mean == 1.0
+
+
+# -- the adaptive controller ------------------------------------------------------------------------------------
+
+
+def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_fraction: float) -> list[TreeShape]:
+    """Feed the controller steps whose times follow its profile and whose rows accept that fraction of the
+    draft tokens offered at every depth."""
+    chosen = []
+    for _ in range(steps):
+        shape = controller.choose(rows)
+        chosen.append(shape)
+        seconds = controller._profiled_seconds(rows, shape)
+        levels = controller.levels(shape)
+        accepted = torch.full((rows,), levels if accept_fraction >= 1 else 0)
+        if 0 < accept_fraction < 1:
+            accepted = torch.tensor([round(levels * accept_fraction)] * rows)
+        controller.observe(rows, shape, seconds, accepted if shape.speculative else None)
+    return chosen
+
+
+def test_adaptive_chooses_autoregressive_when_nothing_is_accepted() -> None:
+    controller = AdaptiveController(flat_profile())
+    chosen = run_steps(controller, rows=1, steps=200, accept_fraction=0.0)
+    assert controller.best(1) == AUTOREGRESSIVE
+    assert sum(s.speculative for s in chosen[20:]) <= 6, "only rare probes after the first steps"
+
+
+def test_adaptive_chooses_big_trees_when_everything_is_accepted() -> None:
+    controller = AdaptiveController(flat_profile())
+    run_steps(controller, rows=1, steps=100, accept_fraction=1.0)
+    best = controller.best(1)
+    assert best.nodes >= 16 and controller.levels(best) == 5  # the deepest trees the limits allow
+    assert controller.expected_tokens(best) == pytest.approx(6.0)
+
+
+def test_adaptive_shrinks_trees_as_concurrency_grows() -> None:
+    """Past the knee a bigger tree makes every step slower: with 200 rows plain steps win, with one row trees do."""
+    controller = AdaptiveController(flat_profile(knee=32))
+    run_steps(controller, rows=1, steps=100, accept_fraction=0.5)
+    assert controller.best(1).speculative
+    assert controller.best(256) == AUTOREGRESSIVE
+    sizes = [controller.best(rows).nodes for rows in (1, 2, 4, 8, 16, 32, 64)]
+    assert sizes == sorted(sizes, reverse=True)
+
+
+def test_adaptive_corrects_the_profile_from_observed_times() -> None:
+    controller = AdaptiveController(flat_profile(target=0.05))
+    for _ in range(30):
+        controller.observe(4, AUTOREGRESSIVE, 0.1, None)  # steps take twice what the profile says
+    assert controller.correction["ar"] == pytest.approx(2.0)
+    assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1)
+
+
+def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:
+    """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted."""
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
+    emitted = {t for c in reference.completion_ids for t in c} | {t for p in PROMPTS for t in p}
+    never = torch.tensor([t for t in range(llama_model.config.vocab_size) if t not in emitted][:8])
+    draft = DraftHead(llama_model.config, draft_vocab=never).double()
+    controller = AdaptiveController(profiler.calibrate(llama_model, draft, "tiny"))
+    out = RolloutEngine(llama_model, [EOS], draft=draft, controller=controller).generate(PROMPTS, params)
+    assert out.completion_ids == reference.completion_ids
+    assert out.stats.accept_length == 1.0
+    assert controller.best(1) == AUTOREGRESSIVE
+    assert len(out.stats.tree_nodes) <= 10, "speculative steps stop after the first few and rare probes"
+
+
+# -- losslessness of every mode ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["static", "paper", "adaptive"])
+def test_every_mode_is_lossless_under_greedy_decoding(family_model: PreTrainedModel, mode: str) -> None:
+    torch.manual_seed(0)
+    draft = DraftHead(family_model.config).double()
+    controllers = {
+        "static": StaticController(TreeShape(8, 3, 4)),
+        "paper": PaperController(c_peak=24, limits=ControllerLimits(n_max=16)),
+        "adaptive": AdaptiveController(flat_profile(), probe_interval=2),
+    }
+    params = SamplingParams(max_new_tokens=30, temperature=0)
+    reference = RolloutEngine(family_model, [EOS]).generate(PROMPTS, params, 3)
+    out = RolloutEngine(family_model, [EOS], draft=draft, controller=controllers[mode]).generate(PROMPTS, params, 3)
+    assert out.completion_ids == reference.completion_ids
+    assert out.finish_reasons == reference.finish_reasons
+    if mode == "paper":  # 12 rows: N = 2, then bigger trees as rows finish
+        assert len(set(out.stats.tree_nodes)) >= 1 and out.stats.tree_nodes[0] == 2
+
+
+# -- profiling -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("knee", [8, 32, 64])
+def test_find_knee_recovers_a_known_knee(knee: int) -> None:
+    tokens = list(profiler.DEFAULT_TOKENS)
+    gen = torch.Generator().manual_seed(knee)
+    noise = 1 + 0.03 * (2 * torch.rand(len(tokens), generator=gen) - 1)
+    seconds = [0.02 * max(1.0, t / knee) * float(e) for t, e in zip(tokens, noise, strict=True)]
+    assert find_knee(tokens, seconds) == knee
+
+
+def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreTrainedModel, tmp_path) -> None:
+    """The tiny model's decoder is slowed to a synthetic roofline (flat 20 ms up to 16 tokens, then proportional);
+    measuring it must find 16."""
+
+    def slow(module, args, kwargs):
+        tokens = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape
+        time.sleep(0.02 * max(1.0, tokens[0] * tokens[1] / 16))
+
+    handle = llama_model.get_decoder().register_forward_pre_hook(slow, with_kwargs=True)
+    try:
+        profile = profiler.measure(llama_model, None, "tiny", tokens=(1, 2, 4, 8, 16, 32, 64), repeats=3)
+    finally:
+        handle.remove()
+    assert profile.c_peak == 16
+    assert profile.target_seconds[0] == pytest.approx(0.02, rel=0.5)
+    assert profile.target_time(64) > 3 * profile.target_time(8)
+    path = profile.save(tmp_path / "profile.json")
+    assert LatencyProfile.load(path) == profile
+    png = profiler.plot(profile, tmp_path / "profile.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_path_is_keyed_by_model_device_and_dtype(tmp_path) -> None:
+    a = profiler.profile_path("smollm2", torch.device("cpu"), torch.float32, tmp_path)
+    b = profiler.profile_path("smollm2", torch.device("cpu"), torch.bfloat16, tmp_path)
+    c = profiler.profile_path("other/model", torch.device("cpu"), torch.float32, tmp_path)
+    assert len({a, b, c}) == 3 and all(p.parent == tmp_path / "profiles" for p in (a, b, c))
+
+
+def test_load_or_calibrate_prefers_a_saved_profile(llama_model: PreTrainedModel, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
+    calibrated = profiler.load_or_calibrate(llama_model, None, "tiny")
+    assert calibrated.tokens == list(profiler.CALIBRATION_TOKENS)
+    saved = flat_profile()
+    saved.save(profiler.profile_path("tiny", torch.device("cpu"), torch.float64))
+    assert profiler.load_or_calibrate(llama_model, None, "tiny") == saved
