@@ -231,3 +231,20 @@ def test_sample_frequencies_follow_distribution() -> None:
     counts = torch.bincount(sample(lp, sp, uniforms(20000, 7)), minlength=4).double() / 20000
     expected = torch.tensor([0.15 / 0.9, 0.5 / 0.9, 0.0, 0.25 / 0.9], dtype=F64)
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)
+
+
+def test_top_p_ranks_only_the_head_when_it_holds_the_nucleus() -> None:
+    """Rows whose nucleus lies in the best TOP_P_HEAD tokens (peaked) and rows whose does not (flat) are filtered
+    exactly as by a full sort of the vocabulary."""
+    from fastgrpo.rollout import sampling
+
+    gen = torch.Generator().manual_seed(8)
+    scale = torch.tensor([8.0, 0.5, 6.0, 0.1], dtype=F64)[:, None, None]
+    logits = scale * torch.randn(4, 3, 4 * sampling.TOP_P_HEAD, dtype=F64, generator=gen)
+    sorted_probs, order = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= 0.9
+    expected = drop_sorted.scatter(-1, order, drop_sorted)
+    head = sampling._top_p_drop(logits, 0.9)
+    assert torch.equal(head, expected)
+    kept = (~head).sum(-1)
+    assert kept[0].max() < sampling.TOP_P_HEAD < kept[1].min(), "both the head path and the full sort ran"

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+TOP_P_HEAD = 512  # tokens ranked by `topk` before falling back to a full sort for top-p
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -54,18 +56,32 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the tokens ranked above it already hold top_p of the mass (the first always stays).
-        mass_before = probs.cumsum(dim=-1) - probs
-        drop_sorted = mass_before >= params.top_p
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
+        logits = logits.masked_fill(_top_p_drop(logits, params.top_p), float("-inf"))
     if params.min_p > 0.0:
         probs = torch.softmax(logits, dim=-1)
         floor = params.min_p * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return torch.log_softmax(logits, dim=-1)
+
+
+def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``[..., V]`` bool: tokens outside the nucleus. A token is dropped when the tokens ranked above it already hold
+    ``top_p`` of the mass (the first always stays).
+
+    Ranking needs only the head of a distribution: when a row's best ``TOP_P_HEAD`` tokens hold at least ``top_p``,
+    every other token is dropped and only those are ranked (by `topk`); the other rows sort the whole vocabulary.
+    """
+    probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
+    ranked, order = probs.topk(min(TOP_P_HEAD, probs.shape[-1]), dim=-1)  # sorted, descending
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    keep.scatter_(-1, order, (ranked.cumsum(dim=-1) - ranked) < top_p)
+    wide = ranked.sum(dim=-1) < top_p  # rows whose nucleus reaches beyond the head
+    if bool(wide.any()):
+        ranked, order = torch.sort(probs[wide], dim=-1, descending=True)
+        keep[wide] = torch.zeros_like(ranked, dtype=torch.bool).scatter_(
+            -1, order, (ranked.cumsum(dim=-1) - ranked) < top_p
+        )
+    return ~keep.reshape(logits.shape)
 
 
 def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None = None) -> torch.Tensor:
