@@ -106,8 +106,9 @@ class GenerationOutput:
 class _Batch:
     """State of the active rows; row ``i`` of every tensor is cache row ``i`` (target and draft caches).
 
-    With a draft, ``pend_tok``/``pend_hid`` ``[B, P]``/``[B, P, H]`` hold the (token, preceding target hidden
-    state) pairs that the draft cache has not consumed yet, ``pend_n[b]`` of them per row.
+    With a draft, ``pend_tok``/``pend_hid`` ``[B, C + 1]``/``[B, C + 1, H]`` hold the (token, preceding target
+    hidden state) pairs that the draft cache has not consumed yet, the first ``pend_n[b]`` of row ``b``; the capacity
+    ``C`` grows by doubling and the last column is a spare one that scatters of nothing write to.
     """
 
     ids: torch.Tensor  # [B] index of the completion this row produces
@@ -125,17 +126,18 @@ class _Batch:
     def push_pairs(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
         """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs."""
         b, e = tokens.shape
-        width = int((self.pend_n + count).max())
-        new_tok = torch.zeros(b, width + 1, dtype=tokens.dtype, device=tokens.device)
-        new_hid = hidden.new_zeros(b, width + 1, hidden.shape[-1])
-        old = self.pend_tok.shape[1]
-        new_tok[:, :old] = self.pend_tok
-        new_hid[:, :old] = self.pend_hid
+        need, cap = int((self.pend_n + count).max()), self.pend_tok.shape[1] - 1
+        if need > cap:
+            grown = max(need, 2 * cap)
+            new_tok = self.pend_tok.new_zeros(b, grown + 1)
+            new_hid = self.pend_hid.new_zeros(b, grown + 1, hidden.shape[-1])
+            new_tok[:, :cap], new_hid[:, :cap] = self.pend_tok[:, :cap], self.pend_hid[:, :cap]
+            self.pend_tok, self.pend_hid, cap = new_tok, new_hid, grown
         steps = torch.arange(e, device=tokens.device)[None, :]
-        index = torch.where(steps < count[:, None], self.pend_n[:, None] + steps, width)  # the spare column
-        new_tok.scatter_(1, index, tokens)
-        new_hid.scatter_(1, index[:, :, None].expand(b, e, hidden.shape[-1]), hidden)
-        self.pend_tok, self.pend_hid, self.pend_n = new_tok[:, :width], new_hid[:, :width], self.pend_n + count
+        index = torch.where(steps < count[:, None], self.pend_n[:, None] + steps, cap)  # the spare column
+        self.pend_tok.scatter_(1, index, tokens)
+        self.pend_hid.scatter_(1, index[:, :, None].expand(b, e, hidden.shape[-1]), hidden.to(self.pend_hid.dtype))
+        self.pend_n = self.pend_n + count
 
 
 class RolloutEngine:
@@ -172,6 +174,7 @@ class RolloutEngine:
         self.controller = controller
         self.cache: RowCache | None = None
         self.draft_cache: RowCache | None = None
+        self._backlog_seconds = 0.0  # catch-up time of the last speculative step that belongs to earlier plain steps
 
     @property
     def device(self) -> torch.device:
@@ -268,7 +271,8 @@ class RolloutEngine:
             batch = self._emit(batch, tokens, lps, count, params, out)
             stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
             if shape is not None:
-                self.controller.observe(rows, shape, time.perf_counter() - step_start, accepted)
+                seconds = time.perf_counter() - step_start - (self._backlog_seconds if shape.speculative else 0.0)
+                self.controller.observe(rows, shape, seconds, accepted)
         stats.decode_time = time.perf_counter() - t0
         if captured is not None:
             out.hidden_states = [
@@ -302,7 +306,10 @@ class RolloutEngine:
             # Pairs (x_{j+1}, h_j) of the prompt; the pair of the first sampled token is pushed by the caller.
             pairs = lens - 1
             batch.draft_len = torch.zeros_like(batch.row_len)
-            batch.pend_tok, batch.pend_hid, batch.pend_n = ids[rows, 1:], hidden[rows, :-1], pairs[rows]
+            spare = torch.zeros(rows.numel(), 1, dtype=ids.dtype, device=dev)
+            batch.pend_tok = torch.cat([ids[rows, 1:], spare], 1)
+            batch.pend_hid = torch.cat([hidden[rows, :-1], hidden.new_zeros(rows.numel(), 1, hidden.shape[-1])], 1)
+            batch.pend_n = pairs[rows]
         return batch, head(last)[rows], last[rows], hidden
 
     @staticmethod
@@ -337,11 +344,11 @@ class RolloutEngine:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last
         pair (the root of the next tree)."""
         embed = self.model.get_input_embeddings()
-        x = self.draft.features(embed(batch.pend_tok), batch.pend_hid)
+        width = int(batch.pend_n.max())
+        x = self.draft.features(embed(batch.pend_tok[:, :width]), batch.pend_hid[:, :width])
         out = forward_chain(self.draft.decoder, self.draft_cache, batch.draft_len, inputs_embeds=x, position_offset=1)
         root = out[torch.arange(out.shape[0], device=out.device), batch.pend_n - 1]
         batch.draft_len = batch.draft_len + batch.pend_n
-        batch.pend_tok, batch.pend_hid = batch.pend_tok[:, :0], batch.pend_hid[:, :0]
         batch.pend_n = torch.zeros_like(batch.pend_n)
         return root
 
@@ -358,7 +365,10 @@ class RolloutEngine:
         Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts and ``[B, D, H]`` hidden states of the
         accepted path (the tokens now in the cache)."""
         t0 = time.perf_counter()
+        backlog = float(batch.pend_n.float().mean())
         root_hidden = self._draft_catch_up(batch)
+        # After plain steps the catch-up also feeds their tokens: that share is their cost, not this tree's.
+        self._backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
         embed = self.model.get_input_embeddings()
         decoder, head = decoder_and_head(self.model)
         tree = expand_tree(
