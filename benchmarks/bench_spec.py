@@ -3,17 +3,18 @@
 For each concurrency (rows decoded together, one GSM8K test prompt each) and for greedy and sampled decoding, prints
 tokens/s of autoregressive decoding and of speculative decoding with static tree shapes, the speedup and the mean
 accepted length (tokens per row per target forward). The draft is read from ``--draft``; if that directory does not
-exist, it is first trained offline on GSM8K train prompts (``fastgrpo draft train``) and the time it took is printed.
-Peak memory (max RSS of a fresh process) of an autoregressive and a speculative generation of the largest batch is
-compared at the end.
+exist, train it first with ``benchmarks/train_drafts.py``.
+With a reduced-vocabulary draft, the ``--full-vocab`` shape also runs with the same draft network proposing from the
+full vocabulary (its LM head over all rows), which measures whether the reduced vocabulary pays. Peak memory (max RSS
+of a fresh process) of an autoregressive and a speculative generation of the largest batch is compared at the end.
 
-    python benchmarks/bench_spec.py --draft drafts/smollm2-gsm8k
+    python benchmarks/bench_spec.py --draft drafts/smollm2-gsm8k-v8192
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import copy
 import multiprocessing as mp
 import os
 import resource
@@ -28,8 +29,6 @@ from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_toke
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainConfig
-from fastgrpo.spec.offline import train_offline
 from fastgrpo.spec.tree import TreeShape
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -41,21 +40,10 @@ def prompts_for(tokenizer, split: str, n: int) -> list[list[int]]:
     return encode_prompts(tokenizer, [r["prompt"] for r in rows], 512)
 
 
-def ensure_draft(args, model, tokenizer) -> DraftHead:
-    path = Path(args.draft)
-    if path.is_dir():
-        return DraftHead.load(path, model)
-    print(f"training a draft on {args.train_prompts} GSM8K train prompts ...", flush=True)
-    rows = load_gsm8k(GSM8K / "train.jsonl")[: args.train_prompts]
-    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    params = SamplingParams(max_new_tokens=args.train_max_new_tokens, temperature=0.0)
-    config = DraftTrainConfig(learning_rate=args.draft_lr, epochs=args.draft_epochs, token_loss_weight=1.0, bf16=True)
-    draft, report = train_offline(
-        engine, tokenizer, rows, params, config, "smollm2", batch_size=32, draft_vocab_size=args.draft_vocab_size
-    )
-    draft.save(path)
-    print(json.dumps(report), flush=True)
-    return draft
+def load_draft(path: str, model) -> DraftHead:
+    if not Path(path).is_dir():
+        raise SystemExit(f"no draft in {path}: train one first with python benchmarks/train_drafts.py")
+    return DraftHead.load(path, model)
 
 
 def run(engine: RolloutEngine, prompts, params: SamplingParams, seed: int) -> tuple[float, float]:
@@ -78,27 +66,29 @@ def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", default="drafts/smollm2-gsm8k")
+    parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
+    parser.add_argument("--full-vocab", default="medium", help="shape also run with a full-vocabulary draft ('': none)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--shapes", default="small,medium,large")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--train-prompts", type=int, default=512)
-    parser.add_argument("--train-max-new-tokens", type=int, default=256)
-    parser.add_argument("--draft-epochs", type=int, default=4)
-    parser.add_argument("--draft-lr", type=float, default=3e-4)
-    parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument("--skip-memory", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
     model.requires_grad_(False)
-    draft = ensure_draft(args, model, tokenizer)
+    draft = load_draft(args.draft, model)
     eos = eos_token_ids(model, tokenizer)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     engines = {"ar": RolloutEngine(model, eos, tokenizer)}
     engines.update({name: RolloutEngine(model, eos, tokenizer, draft=draft, tree=s) for name, s in shapes.items()})
+    if args.full_vocab and draft.draft_vocab is not None:
+        full = copy.deepcopy(draft)
+        full.draft_vocab = None  # the same network, proposing from the whole vocabulary
+        name = f"{args.full_vocab}-fullvocab"
+        shapes[name] = SHAPES[args.full_vocab]
+        engines[name] = RolloutEngine(model, eos, tokenizer, draft=full, tree=shapes[name])
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = prompts_for(tokenizer, "test", max(concurrency))
     sampling = {

@@ -26,6 +26,7 @@ from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
+from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainer
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
@@ -138,6 +139,10 @@ class GRPOTrainer:
             controller = controller_from_config(config.speculation, self.model, self.draft, config.model)
         eos = eos_token_ids(self.model, self.tokenizer)
         self.engine = RolloutEngine(self.model, eos, self.tokenizer, draft=self.draft, controller=controller)
+        self.draft_trainer = None
+        if self.draft is not None and config.draft_training.online:
+            embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+            self.draft_trainer = DraftTrainer(self.draft, embed, head, config.draft_training)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.learning_rate,
@@ -201,6 +206,8 @@ class GRPOTrainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
+        if self.draft_trainer is not None and "draft_optimizer" in state:
+            self.draft_trainer.optimizer.load_state_dict(state["draft_optimizer"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
 
@@ -230,8 +237,23 @@ class GRPOTrainer:
         """Sample ``num_generations`` completions per prompt with a generator seeded by (seed, step)."""
         prompt_ids = self._encode(rows)
         generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1_000_003 + step)
-        out = self.engine.generate(prompt_ids, self.sampling, self.config.num_generations, generator)
+        capture = self.draft_trainer is not None
+        out = self.engine.generate(prompt_ids, self.sampling, self.config.num_generations, generator, capture)
         return prompt_ids, out
+
+    def update_draft(self, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
+        """Online draft learning on a rollout: every completion (also those of groups the policy update skips), with
+        the target hidden states its forwards captured. The policy is frozen meanwhile (the draft's loss reaches
+        no policy weight)."""
+        t0 = time.perf_counter()
+        n = self.config.num_generations
+        samples = [
+            DraftSample(torch.tensor(prompt_ids[i // n] + c), h, len(prompt_ids[i // n]))
+            for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True))
+        ]
+        losses = self.draft_trainer.fit(samples)
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        return {"draft/loss": loss, "draft/time": time.perf_counter() - t0}
 
     def _logps(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
@@ -357,6 +379,8 @@ class GRPOTrainer:
         )
         advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
         t2 = time.perf_counter()
+        draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
+        t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
         truncated = torch.tensor([r == "length" for r in out.finish_reasons])
@@ -379,9 +403,10 @@ class GRPOTrainer:
             "completions/clipped_ratio": float(truncated.float().mean()),
             "completions/mean_terminated_length": float(terminated.mean()) if terminated.numel() else 0.0,
             **train_metrics,
+            **draft_metrics,
             "time/rollout": t1 - t0,
             "time/reward": t2 - t1,
-            "time/train": t3 - t2,
+            "time/train": t3 - t_policy,
             "time/step": t3 - t0,
             "rollout/tokens_per_second": out.stats.tokens_per_second,
             "rollout/target_forwards": out.stats.target_forwards,
@@ -404,6 +429,8 @@ class GRPOTrainer:
                 self.draft.save(path / DRAFT_DIR)
 
         state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.draft_trainer is not None:
+            state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
         return save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
 
     def train(self) -> list[dict[str, float]]:

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.nn import functional as F
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 DRAFT_WEIGHTS = "draft.safetensors"
@@ -89,16 +90,19 @@ class DraftHead(nn.Module):
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """Next-token logits over the draft vocabulary: ``[..., V]`` (or ``[..., V_d]`` with a reduced one)."""
+        """Next-token logits over the draft vocabulary: ``[..., V]`` (or ``[..., V_d]`` with a reduced one).
+
+        The LM head is the target's and stays frozen here: no gradient reaches it from the draft's loss."""
         if self.draft_vocab is None:
-            return lm_head(hidden)
+            bias = getattr(lm_head, "bias", None)
+            return F.linear(hidden, lm_head.weight.detach(), None if bias is None else bias.detach())
         return hidden @ self._head_rows(lm_head.weight).t()
 
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """``[V_d, H]`` LM-head rows of the draft vocabulary. While drafting (no autograd) the gathered rows are kept
         until the head's weights change, instead of being gathered again at every tree level."""
         if torch.is_grad_enabled():
-            return weight[self.draft_vocab]
+            return weight.detach()[self.draft_vocab]
         key = (weight.data_ptr(), weight._version)
         if getattr(self, "_rows_key", None) != key:
             self._rows, self._rows_key = weight[self.draft_vocab], key

@@ -32,6 +32,10 @@ class DraftSample:
 
 @dataclass
 class DraftTrainConfig:
+    """Draft training options. Online (during GRPO, when speculation is on): ``online`` trains the draft on every
+    rollout, ``epochs`` passes over it per step."""
+
+    online: bool = True
     learning_rate: float = 1e-4
     hidden_loss_weight: float = 2.0
     token_loss_weight: float = 0.1
