@@ -1,4 +1,4 @@
-"""Command line: ``fastgrpo train | generate | eval | profile | draft train``.
+"""Command line: ``fastgrpo train | generate | eval | report | profile | draft train``.
 
 ``train`` and ``eval`` take a YAML config (``--config``) and any option as ``--name value`` (nested ones as
 ``--dataset.name gsm8k``); everything is validated before a model loads.
@@ -187,6 +187,18 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
     print(f"C_peak = {profile.c_peak} tokens; profile {path}; plot {png}")
 
 
+def _report(args: argparse.Namespace, overrides: list[str]) -> None:
+    from fastgrpo.report import plot_runs, read_metrics, summary
+
+    runs = {}
+    for run_dir in args.run_dirs:
+        name = Path(run_dir).name if Path(run_dir).name not in runs else str(run_dir)
+        runs[name] = read_metrics(run_dir)
+    paths = plot_runs(runs, args.output or Path(args.run_dirs[0]) / "report")
+    print(summary(runs))
+    print("plots: " + ", ".join(map(str, paths)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastgrpo", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -214,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--config", help="YAML config file (model, dataset, reward_funcs, sampling)")
     ev.add_argument("--batch-size", type=int, default=32)
     ev.set_defaults(func=_eval)
+
+    rep = sub.add_parser("report", help="plot a run's metrics, or several runs' overlaid")
+    rep.add_argument("run_dirs", nargs="+", help="run directories (output_dir of fastgrpo train)")
+    rep.add_argument("--output", help="directory for the PNGs (default: RUN_DIR/report of the first run)")
+    rep.set_defaults(func=_report)
 
     prof = sub.add_parser(
         "profile", help="measure forward latency against tokens per forward and find the verification capacity"
@@ -252,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    if rest and args.command == "generate":
+    if rest and args.command in ("generate", "report", "profile"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         args.func(args, rest)

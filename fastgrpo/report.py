@@ -1,0 +1,106 @@
+"""Plots of training runs from their ``metrics.jsonl``: ``fastgrpo report RUN_DIR [RUN_DIR ...]``.
+
+``curves.png`` draws reward, completion length, accepted length and rollout tokens/s against step (one line per run,
+so two runs, e.g. plain GRPO and FastGRPO, are overlaid); ``phases.png`` the mean time per step of each phase
+(rollout, draft update, policy update, rewards) per run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CURVES = (
+    ("reward", "reward"),
+    ("completions/mean_length", "completion length (tokens)"),
+    ("spec/accept_length", "accepted length (tokens per forward)"),
+    ("rollout/tokens_per_second", "rollout tokens/s"),
+)
+PHASES = (
+    ("time/rollout", "rollout"),
+    ("draft/time", "draft update"),
+    ("time/train", "policy update"),
+    ("time/reward", "rewards"),
+)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
+    """The per-step metrics of a run directory (written by `fastgrpo train`)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {run_dir} is not a fastgrpo run directory")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}, line {number}: not JSON ({e})") from None
+    if not rows:
+        raise ValueError(f"{path} has no steps yet")
+    return rows
+
+
+def phase_seconds(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Mean seconds per step of each phase (0 for a phase the run does not have)."""
+    return {label: sum(r.get(key, 0.0) for r in rows) / len(rows) for key, label in PHASES}
+
+
+def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
+    """A markdown table: steps, reward and accepted length of the last steps, and the mean time per step by phase."""
+    lines = [
+        f"| run | steps | reward (last {last}) | accepted length (last {last}) "
+        "| step s | rollout s | draft s | update s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for name, rows in runs.items():
+        tail = rows[-last:]
+        phases = phase_seconds(rows)
+        step_s = sum(r["time/step"] for r in rows) / len(rows)
+        reward = sum(r["reward"] for r in tail) / len(tail)
+        accept = sum(r.get("spec/accept_length", 1.0) for r in tail) / len(tail)
+        lines.append(
+            f"| {name} | {len(rows)} | {reward:.3f} | {accept:.2f} | {step_s:.1f} | {phases['rollout']:.1f} | "
+            f"{phases['draft update']:.2f} | {phases['policy update']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -> list[Path]:
+    """Write ``curves.png`` and ``phases.png`` into ``output_dir``; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    for ax, (key, label) in zip(axes.flat, CURVES, strict=True):
+        for name, rows in runs.items():
+            points = [(r["step"], r[key]) for r in rows if key in r]
+            if points:
+                ax.plot(*zip(*points, strict=True), marker=".", label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    axes.flat[0].legend()
+    fig.tight_layout()
+    curves = out / "curves.png"
+    fig.savefig(curves, dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2), 4))
+    names = list(runs)
+    bottom = [0.0] * len(names)
+    for _, label in PHASES:
+        values = [phase_seconds(runs[n])[label] for n in names]
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("mean seconds per step")
+    ax.set_title("time per phase")
+    ax.legend()
+    fig.tight_layout()
+    phases = out / "phases.png"
+    fig.savefig(phases, dpi=110)
+    plt.close(fig)
+    return [curves, phases]

@@ -1,0 +1,68 @@
+"""`fastgrpo report`: plots and a summary of one run or several overlaid, clear errors for what is not a run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fastgrpo.cli import main
+from fastgrpo.report import phase_seconds, read_metrics
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def write_run(path: Path, steps: int, accept: float, draft: bool) -> Path:
+    path.mkdir(parents=True)
+    lines = []
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "reward": 0.1 * step,
+            "completions/mean_length": 50.0 + step,
+            "spec/accept_length": accept + 0.1 * step,
+            "rollout/tokens_per_second": 20.0 * accept,
+            "time/rollout": 4.0 / accept,
+            "time/train": 2.0,
+            "time/reward": 0.01,
+            "time/step": 4.0 / accept + 2.01 + (0.2 if draft else 0.0),
+        }
+        if draft:
+            row.update({"draft/time": 0.2, "draft/loss": 1.0 / step})
+        lines.append(json.dumps(row))
+    (path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_report_overlays_runs_and_summarises_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = write_run(tmp_path / "plain", 6, 1.0, draft=False)
+    fast = write_run(tmp_path / "fast", 6, 2.0, draft=True)
+    main(["report", str(plain), str(fast), "--output", str(tmp_path / "out")])
+    for name in ("curves.png", "phases.png"):
+        assert (tmp_path / "out" / name).read_bytes()[:8] == PNG
+    table = capsys.readouterr().out
+    assert "| plain | 6 | 0.400 | 1.40 |" in table
+    assert "| fast | 6 | 0.400 | 2.40 |" in table
+    assert phase_seconds(read_metrics(fast)) == pytest.approx(
+        {"rollout": 2.0, "draft update": 0.2, "policy update": 2.0, "rewards": 0.01}
+    )
+
+
+def test_report_of_a_single_run_writes_into_it(tmp_path: Path) -> None:
+    run = write_run(tmp_path / "run", 3, 1.5, draft=True)
+    main(["report", str(run)])
+    assert (run / "report" / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_report_names_what_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["report", str(tmp_path / "missing")])
+    assert excinfo.value.code == 2
+    assert "missing/metrics.jsonl not found" in capsys.readouterr().err
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    with pytest.raises(SystemExit):
+        main(["report", str(bad)])
+    assert "metrics.jsonl, line 2: not JSON" in capsys.readouterr().err
