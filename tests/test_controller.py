@@ -231,3 +231,10 @@ def test_load_or_calibrate_prefers_a_saved_profile(llama_model: PreTrainedModel,
     saved = flat_profile()
     saved.save(profiler.profile_path("tiny", torch.device("cpu"), torch.float64))
     assert profiler.load_or_calibrate(llama_model, None, "tiny") == saved
+
+
+def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
+    """Far past the knee even a fully accepted tree is slower per token than a plain step: no probe runs there."""
+    controller = AdaptiveController(flat_profile(knee=8, draft=0.01), probe_interval=2)
+    chosen = run_steps(controller, rows=256, steps=64, accept_fraction=1.0)
+    assert not any(s.speculative for s in chosen)  # probes are due every few steps, but none could win

@@ -232,6 +232,8 @@ class RolloutEngine:
         n_rows = len(prompt_ids) * num_generations
         out = GenerationOutput([[] for _ in range(n_rows)], [[] for _ in range(n_rows)], ["length"] * n_rows, stats)
         cache = self._caches(n_rows, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
+        if self.controller is not None:
+            self.controller.begin()
 
         t0 = time.perf_counter()
         batch, logits, hidden, prompt_hidden = self._prefill(cache, prompt_ids, num_generations)

@@ -38,6 +38,10 @@ class Controller(Protocol):
         """Upper bounds of the nodes, top-k and depth it may ever choose (the engine sizes its caches by them)."""
         ...
 
+    def begin(self) -> None:
+        """A generation call starts (the draft may have been trained since the last one)."""
+        ...
+
     def choose(self, rows: int) -> TreeShape:
         """The shape of the next step, with ``rows`` active rows."""
         ...
@@ -56,6 +60,9 @@ class StaticController:
     @property
     def max_shape(self) -> TreeShape:
         return self.shape
+
+    def begin(self) -> None:
+        pass
 
     def choose(self, rows: int) -> TreeShape:
         return self.shape
@@ -111,6 +118,9 @@ class PaperController:
     def max_shape(self) -> TreeShape:
         return self.limits.max_shape
 
+    def begin(self) -> None:
+        pass
+
     def choose(self, rows: int) -> TreeShape:
         return self.limits.shape_for(self.c_peak // max(rows, 1))
 
@@ -132,8 +142,9 @@ class AdaptiveController:
       speculative steps).
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
-    instead so its statistics stay live; the interval doubles while probes lose (up to ``max_probe_interval``) and
-    resets when the winner changes.
+    instead so its statistics stay live, unless it would lose even with every draft token accepted; the interval
+    doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
+    every generation call.
     """
 
     profile: LatencyProfile
@@ -141,7 +152,7 @@ class AdaptiveController:
     accept_rate: float = 0.1
     time_rate: float = 0.2
     prior_accept: float = 0.7
-    probe_interval: int = 8
+    probe_interval: int = 16
     max_probe_interval: int = 256
 
     def __post_init__(self) -> None:
@@ -199,6 +210,10 @@ class AdaptiveController:
     def best(self, rows: int) -> TreeShape:
         return max(self.shapes, key=lambda s: self.goodput(rows, s))
 
+    def begin(self) -> None:
+        """Probe often again: the draft may have been trained since the last call."""
+        self._interval, self._since_probe = self.probe_interval, 0
+
     def choose(self, rows: int) -> TreeShape:
         best = self.best(rows)
         if best != self._last_best:
@@ -210,7 +225,10 @@ class AdaptiveController:
         self._interval = min(2 * self._interval, self.max_probe_interval)
         i = self.shapes.index(best)
         self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
-        return self.shapes[i + 1 if self._probe_up else i - 1]
+        probe = self.shapes[i + 1 if self._probe_up else i - 1]
+        # A shape that would lose even if every draft token were accepted is not worth a probe.
+        ceiling = (1 + self.levels(probe)) / self.predicted_seconds(rows, probe)
+        return probe if ceiling > self.goodput(rows, best) else best
 
     def _rate(self, key: object, rate: float) -> float:
         """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an exponential

@@ -1,0 +1,133 @@
+"""End to end: plain GRPO against FastGRPO on SmolLM2-135M-Instruct and GSM8K train prompts, in one invocation with the
+same seed, data and hyperparameters:
+
+(a) plain GRPO, autoregressive rollouts;
+(b) FastGRPO, adaptive speculation with a frozen offline-trained draft;
+(c) FastGRPO, adaptive speculation with online draft learning from scratch (a random draft);
+(d) FastGRPO, adaptive speculation with online draft learning from the offline-trained draft.
+
+Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length over the first
+and last five steps, the draft-learning share of step time and the reward of the last steps, and writes overlaid
+plots (``fastgrpo report``).
+
+    python benchmarks/bench_e2e.py --draft drafts/smollm2-gsm8k-v8192 --steps 20 --output runs/bench_e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from fastgrpo.config import GRPOConfig, SpeculationConfig
+from fastgrpo.data import DataConfig
+from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.report import phase_seconds, plot_runs
+from fastgrpo.spec.draft_trainer import DraftTrainConfig
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+
+
+def config_for(args, run: str) -> GRPOConfig:
+    """The shared hyperparameters; only speculation and draft learning differ between runs."""
+    spec = {
+        "a": SpeculationConfig(mode="off"),
+        "b": SpeculationConfig(mode="adaptive", draft=args.draft),
+        "c": SpeculationConfig(mode="adaptive"),
+        "d": SpeculationConfig(mode="adaptive", draft=args.draft),
+    }[run]
+    draft_training = DraftTrainConfig(
+        online=run in ("c", "d"), learning_rate=args.draft_lr, token_loss_weight=1.0, epochs=1, bf16=True
+    )
+    return GRPOConfig(
+        model="smollm2",
+        dataset=DataConfig(name="gsm8k", path=str(GSM8K / "train.jsonl")),
+        reward_funcs=["accuracy"],
+        num_generations=8,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=args.prompts_per_step,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=0.95,
+        learning_rate=1e-5,
+        bf16=True,
+        max_steps=args.steps,
+        save_steps=args.steps,
+        output_dir=str(Path(args.output) / run),
+        speculation=spec,
+        draft_training=draft_training,
+        log_completions=False,
+        seed=0,
+    )
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompts-per-step", type=int, default=1)
+    parser.add_argument("--draft-lr", type=float, default=3e-4)
+    parser.add_argument("--runs", default="a,b,c,d")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--output", default="runs/bench_e2e")
+    args = parser.parse_args()
+    if not Path(args.draft).is_dir():
+        raise SystemExit(f"no draft in {args.draft}: train one first with python benchmarks/train_drafts.py")
+    torch.set_num_threads(os.cpu_count())
+    start = time.perf_counter()
+    runs: dict[str, list[dict[str, float]]] = {}
+    labels = {"a": "(a) plain", "b": "(b) frozen draft", "c": "(c) online, scratch", "d": "(d) online, offline draft"}
+    for run in args.runs.split(","):
+        print(f"\n== {labels[run]} ==", flush=True)
+        runs[labels[run]] = GRPOTrainer(config_for(args, run)).train()
+
+    print(
+        f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x 8 generations per step, "
+        f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, "
+        f"{torch.get_num_threads()} threads\n"
+    )
+    print(
+        "| run | total s | rollout s | draft s | update s | end-to-end speedup | rollout speedup | accepted first 5 "
+        "| accepted last 5 | draft share of step | reward last 5 |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    base = runs.get(labels["a"])
+    for name, rows in runs.items():
+        total = sum(r["time/step"] for r in rows)
+        rollout = sum(r["time/rollout"] for r in rows)
+        phases = phase_seconds(rows)
+        e2e = sum(r["time/step"] for r in base) / total if base else float("nan")
+        roll = sum(r["time/rollout"] for r in base) / rollout if base else float("nan")
+        share = sum(r.get("draft/time", 0.0) for r in rows) / total
+        print(
+            f"| {name} | {total:.0f} | {rollout:.0f} | {phases['draft update'] * len(rows):.0f} | "
+            f"{phases['policy update'] * len(rows):.0f} | {e2e:.2f}x | {roll:.2f}x | "
+            f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f} | "
+            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {100 * share:.1f} % | "
+            f"{mean([r['reward'] for r in rows[-5:]]):.3f} |",
+            flush=True,
+        )
+    if base:
+        print("\nreward per step (a):", [round(r["reward"], 3) for r in base])
+        for name, rows in runs.items():
+            if rows is not base:
+                same = sum(a["reward"] == b["reward"] for a, b in zip(rows, base, strict=False))
+                diffs = [a["reward"] - b["reward"] for a, b in zip(rows, base, strict=False)]
+                print(f"{name}: same reward as (a) at {same}/{len(rows)} steps, mean difference {mean(diffs):+.4f}")
+        share = statistics.mean(r["time/rollout"] / r["time/step"] for r in base)
+        print(f"rollout share of step time in (a): {100 * share:.0f} %")
+    paths = plot_runs(runs, Path(args.output) / "report")
+    print("\nplots: " + ", ".join(map(str, paths)))
+    print(f"total wall time {time.perf_counter() - start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
