@@ -19,6 +19,7 @@ from fastgrpo.data import DataConfig
 from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
 from fastgrpo.models import DTYPES
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.spec.controller import ControllerLimits
 from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
@@ -56,16 +57,17 @@ class SpeculationConfig:
     l_max: int = 5
     alpha: float = 0.75
 
+    def limits(self) -> ControllerLimits:
+        """The constants of the paper's rule (and the adaptive controller's bounds)."""
+        return ControllerLimits(self.n_max, self.k_max, self.l_min, self.l_max, self.alpha)
+
     def validate(self) -> None:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"speculation.mode must be one of {list(SPECULATION_MODES)}, got {self.mode!r}")
-        for name in ("nodes", "top_k", "depth", "n_max", "k_max", "l_min", "l_max"):
+        for name in ("nodes", "top_k", "depth"):
             if getattr(self, name) < 1:
                 raise ValueError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
-        if self.l_max < self.l_min:
-            raise ValueError(f"speculation.l_max must be >= speculation.l_min, got {self.l_max} < {self.l_min}")
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"speculation.alpha must be in (0, 1], got {self.alpha}")
+        self.limits().validate("speculation.")
         if self.c_peak != "auto" and not (isinstance(self.c_peak, int) and self.c_peak >= 1):
             raise ValueError(f"speculation.c_peak must be 'auto' or an integer >= 1, got {self.c_peak!r}")
         if self.draft is not None and not Path(self.draft).is_dir():

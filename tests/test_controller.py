@@ -76,9 +76,9 @@ def test_paper_controller_respects_custom_limits() -> None:
     assert controller.max_shape == TreeShape(8, 2, 3)
 
 
-@pytest.mark.parametrize("bad", [dict(n_max=0), dict(l_min=4, l_max=3), dict(alpha=0.0), dict(k_max=0)])
+@pytest.mark.parametrize("bad", [dict(n_max=0), dict(l_max=3, l_min=4), dict(alpha=0.0), dict(k_max=0)])
 def test_bad_limits_are_refused(bad: dict) -> None:
-    with pytest.raises(ValueError, match="controller"):
+    with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
         PaperController(c_peak=16, limits=ControllerLimits(**bad))
 
 

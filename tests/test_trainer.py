@@ -20,11 +20,10 @@ def length_reward(completions: list[str], **kwargs) -> list[float]:
     return [float(len(c) % 7) for c in completions]
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale: float = 1.0) -> Path:
     """A tiny random Llama with the SmolLM2 tokenizer, saved like any Hugging Face model directory."""
     tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=32,
@@ -35,12 +34,26 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         max_position_embeddings=512,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
     )
-    path = tmp_path_factory.mktemp("tiny")
-    LlamaForCausalLM(config).save_pretrained(path)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Its LM head is scaled up, so that it emits a few likely tokens per context: a draft can learn it, while a
+    near-uniform random model over 49k tokens leaves nothing to learn."""
+    return save_tiny_llama(tmp_path_factory.mktemp("peaked"), seed=1, tie_word_embeddings=False, head_scale=150.0)
 
 
 def make_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:
@@ -196,36 +209,6 @@ def test_speculation_with_online_draft_learning_changes_nothing_in_training(
     assert spec_history[0]["spec/n_verify_mean"] > 1.0, "the first rollout drafts trees"
     for a, b in zip(spec_model.parameters(), plain_model.parameters(), strict=True):
         torch.testing.assert_close(a, b)
-
-
-@pytest.fixture(scope="module")
-def peaked_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama whose LM head is scaled up, so that it emits a few likely tokens per context (a draft can
-    learn it; a near-uniform random model over 49k tokens leaves nothing to learn)."""
-    tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(1)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(SHARPEN)
-    path = tmp_path_factory.mktemp("peaked")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-SHARPEN = 150.0
 
 
 def online_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:

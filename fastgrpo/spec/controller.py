@@ -82,11 +82,15 @@ class ControllerLimits:
     l_max: int = 5
     alpha: float = 0.75
 
-    def validate(self) -> None:
-        if self.n_max < 1 or self.k_max < 1 or self.l_min < 1 or self.l_max < self.l_min:
-            raise ValueError(f"controller limits need n_max, k_max, l_min >= 1 and l_max >= l_min, got {self}")
+    def validate(self, prefix: str = "") -> None:
+        """Raise ValueError naming the first bad constant (``prefix`` + its name, e.g. ``speculation.n_max``)."""
+        for name in ("n_max", "k_max", "l_min"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{prefix}{name} must be >= 1, got {getattr(self, name)}")
+        if self.l_max < self.l_min:
+            raise ValueError(f"{prefix}l_max must be >= {prefix}l_min, got {self.l_max} < {self.l_min}")
         if not 0 < self.alpha <= 1:
-            raise ValueError(f"controller alpha must be in (0, 1], got {self.alpha}")
+            raise ValueError(f"{prefix}alpha must be in (0, 1], got {self.alpha}")
 
     def shape_for(self, n_verify: int) -> TreeShape:
         """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1)."""
@@ -257,7 +261,7 @@ def controller_from_config(
     """The controller a ``speculation`` config section asks for (its mode must not be ``off``)."""
     if spec.mode == "static":
         return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth))
-    limits = ControllerLimits(spec.n_max, spec.k_max, spec.l_min, spec.l_max, spec.alpha)
+    limits = spec.limits()
     profile = None
     if spec.mode == "adaptive" or spec.c_peak == "auto":
         profile = load_or_calibrate(model, draft, model_name)
