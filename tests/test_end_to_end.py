@@ -1,4 +1,5 @@
-"""The command line on the embedded SmolLM2-135M-Instruct: train two short steps, then eval and generate."""
+"""The command line on the embedded SmolLM2-135M-Instruct: train two short steps (adaptive speculation and online
+draft learning, the defaults), report them, eval, generate, and profile."""
 
 from __future__ import annotations
 
@@ -25,6 +26,10 @@ def test_train_eval_generate_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(0.0 <= m["reward"] <= 1.0 and m["completions/max_length"] <= 16 for m in metrics)
     checkpoint = out / "checkpoint-2"
     assert (checkpoint / "config.json").is_file() and (checkpoint / "trainer_state.pt").is_file()
+    assert (checkpoint / "draft" / "draft.safetensors").is_file()
+    assert all(m["draft/loss"] > 0 and m["spec/concurrency_mean"] > 0 for m in metrics)
+    main(["report", str(out)])
+    assert (out / "report" / "curves.png").is_file() and (out / "report" / "phases.png").is_file()
     capsys.readouterr()
 
     main(
@@ -37,3 +42,12 @@ def test_train_eval_generate_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFi
     main(["generate", "--model", str(checkpoint), "--prompt", "What is 2 + 2?", "--max-new-tokens", "8"])
     printed = capsys.readouterr().out
     assert "--- What is 2 + 2?" in printed and len(printed.splitlines()) >= 2
+
+
+def test_profile_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "profile.json"
+    main(["profile", "--tokens", "1,2,4", "--repeats", "1", "--context-length", "16", "--output", str(path)])
+    profile = json.loads(path.read_text())
+    assert profile["tokens"] == [1, 2, 4] and profile["c_peak"] in (1, 2, 4)
+    assert path.with_suffix(".png").is_file()
+    assert "C_peak = " in capsys.readouterr().out
