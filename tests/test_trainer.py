@@ -170,6 +170,24 @@ def test_lora_trains_only_adapters_and_kl_uses_the_base_model(tiny_model_dir: Pa
     assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)  # the first step's policy is the reference
 
 
+def test_lora_resume_continues_the_same_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    def config(out: Path, steps: int) -> GRPOConfig:
+        return make_config(tiny_model_dir, out, use_peft=True, lora_r=4, max_steps=steps, save_steps=1)
+
+    full = make_trainer(config(tmp_path / "full", 2))
+    full.train()
+    make_trainer(config(tmp_path / "cut", 1)).train()
+    resumed = make_trainer(config(tmp_path / "cut", 2), resume=True)
+    names = [n for n, _ in resumed.model.named_parameters()]
+    assert not any(n.count("base_model") > 1 for n in names), "the adapter is loaded once, not wrapped twice"
+    assert sum(p.requires_grad for p in resumed.model.parameters()) == sum(
+        p.requires_grad for p in full.model.parameters()
+    )
+    resumed.train()
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), full.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+
+
 def test_kl_penalty_with_a_reference_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = make_trainer(make_config(tiny_model_dir, tmp_path, beta=0.1, max_steps=2, learning_rate=1e-2))
     history = trainer.train()

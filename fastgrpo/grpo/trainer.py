@@ -128,11 +128,12 @@ class GRPOTrainer:
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
-        self.model = model or load_model(source, dtype=config.dtype)
+        # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
+        self.model = model or load_model(config.model if config.use_peft else source, dtype=config.dtype)
         self.device = next(self.model.parameters()).device
         self.ref_model = self._load_reference() if config.beta > 0 else None
         if config.use_peft:
-            self.model = self._wrap_peft(self.model)
+            self.model = self._wrap_peft(self.model, checkpoint)
         self.draft = self._load_draft(checkpoint)
         controller = None
         if self.draft is not None:
@@ -182,8 +183,11 @@ class GRPOTrainer:
         param = next(self.model.parameters())
         return DraftHead(self.model.config, self.config.model).to(device=param.device, dtype=param.dtype)
 
-    def _wrap_peft(self, model: PreTrainedModel) -> PreTrainedModel:
-        from peft import LoraConfig, get_peft_model
+    def _wrap_peft(self, model: PreTrainedModel, checkpoint: Path | None) -> PreTrainedModel:
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if checkpoint is not None:
+            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
 
         lora = LoraConfig(
             r=self.config.lora_r,
