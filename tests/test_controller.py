@@ -106,7 +106,7 @@ def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_frac
         shape = controller.choose(rows)
         chosen.append(shape)
         seconds = controller._profiled_seconds(rows, shape)
-        levels = controller.levels(shape)
+        levels = shape.levels
         accepted = torch.full((rows,), levels if accept_fraction >= 1 else 0)
         if 0 < accept_fraction < 1:
             accepted = torch.tensor([round(levels * accept_fraction)] * rows)
@@ -125,7 +125,7 @@ def test_adaptive_chooses_big_trees_when_everything_is_accepted() -> None:
     controller = AdaptiveController(flat_profile())
     run_steps(controller, rows=1, steps=100, accept_fraction=1.0)
     best = controller.best(1)
-    assert best.nodes >= 16 and controller.levels(best) == 5  # the deepest trees the limits allow
+    assert best.nodes >= 16 and best.levels == 5  # the deepest trees the limits allow
     assert controller.expected_tokens(best) == pytest.approx(6.0)
 
 

@@ -376,7 +376,7 @@ class RolloutEngine:
         tree = expand_tree(
             self.draft, embed, head, self.draft_cache, batch.draft_len, batch.pending, root_hidden, batch.row_len, shape
         )
-        stats.draft_forwards += min(shape.depth, shape.nodes - 1)
+        stats.draft_forwards += shape.levels
         t1 = time.perf_counter()
         n = tree.tokens.shape[1]
         offsets = torch.arange(n, device=tree.tokens.device)

@@ -178,14 +178,9 @@ class AdaptiveController:
     def max_shape(self) -> TreeShape:
         return self.limits.max_shape
 
-    @staticmethod
-    def levels(shape: TreeShape) -> int:
-        """Draft forwards a shape costs: no level can hold a kept node deeper than ``nodes - 1``."""
-        return 0 if shape.nodes == 1 else min(shape.depth, shape.nodes - 1)
-
     def expected_tokens(self, shape: TreeShape) -> float:
         """Expected tokens emitted per row by a step of this shape."""
-        levels = self.levels(shape)
+        levels = shape.levels
         per_depth = self.shape_accept.get(shape, self.depth_accept)
         return 1.0 + sum(per_depth[:levels])
 
@@ -195,7 +190,7 @@ class AdaptiveController:
 
     def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
         """Step time the latency profile predicts: the target forward plus the draft levels."""
-        draft = self.levels(shape) * self.profile.draft_time(rows * shape.top_k) if shape.speculative else 0.0
+        draft = shape.levels * self.profile.draft_time(rows * shape.top_k) if shape.speculative else 0.0
         return self.profile.target_time(rows * shape.nodes) + draft
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
@@ -204,7 +199,7 @@ class AdaptiveController:
         plain = self.correction["ar"] * self.profile.target_time(rows)
         if not shape.speculative:
             return plain
-        draft = self.levels(shape) * self.profile.draft_time(rows * shape.top_k)
+        draft = shape.levels * self.profile.draft_time(rows * shape.top_k)
         return max(self.correction["spec"] * self._profiled_seconds(rows, shape), plain + draft)
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
@@ -231,7 +226,7 @@ class AdaptiveController:
         self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
         probe = self.shapes[i + 1 if self._probe_up else i - 1]
         # A shape that would lose even if every draft token were accepted is not worth a probe.
-        ceiling = (1 + self.levels(probe)) / self.predicted_seconds(rows, probe)
+        ceiling = (1 + probe.levels) / self.predicted_seconds(rows, probe)
         return probe if ceiling > self.goodput(rows, best) else best
 
     def _rate(self, key: object, rate: float) -> float:
@@ -246,7 +241,7 @@ class AdaptiveController:
         self.correction[kind] += self._rate(kind, self.time_rate) * (ratio - self.correction[kind])
         if accepted is None or shape.nodes == 1:
             return
-        levels = self.levels(shape)
+        levels = shape.levels
         reached = [float((accepted >= d).float().mean()) for d in range(1, levels + 1)]
         own = self.shape_accept.setdefault(shape, list(self.depth_accept))
         own_rate = self._rate(shape, self.accept_rate)

@@ -33,6 +33,12 @@ class TreeShape:
     def speculative(self) -> bool:
         return self.nodes > 1
 
+    @property
+    def levels(self) -> int:
+        """Draft forwards a step of this shape costs (the catch-up included): none for a plain step, and no deeper
+        than ``nodes - 1``, since a child never outscores its parent and no deeper node can be kept."""
+        return 0 if self.nodes == 1 else min(self.depth, self.nodes - 1)
+
 
 @dataclass
 class DraftTree:
@@ -98,7 +104,7 @@ def expand_tree(
     cand_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
     frontier = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
     frontier_feat = root_hidden[:, None, :].expand(b, k, -1)
-    levels = min(shape.depth, shape.nodes - 1)
+    levels = shape.levels
     width = (levels - 1) * k
     seen = torch.zeros(b, k, max(width, 1), dtype=torch.bool, device=dev)  # window slots each frontier node sees
     n_cand = k
