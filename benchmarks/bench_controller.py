@@ -96,7 +96,7 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int) -> dict[s
     return speedups
 
 
-def plot(concurrency: list[int], speedups: dict[str, list[float]], path: str) -> None:
+def plot(concurrency: list[int], speedups: dict[str, list[float]], path: str, title: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -109,7 +109,7 @@ def plot(concurrency: list[int], speedups: dict[str, list[float]], path: str) ->
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrency (active rows)")
     ax.set_ylabel("speedup over autoregressive")
-    ax.set_title("SmolLM2-135M-Instruct, T=1, top-p 0.95")
+    ax.set_title(f"SmolLM2-135M-Instruct, T=1, top-p 0.95, {title}")
     ax.legend()
     ax.grid(True, alpha=0.3)
     fig.tight_layout()
@@ -128,14 +128,15 @@ def main() -> None:
     parser.add_argument("--sweep-tokens", type=int, default=48)
     parser.add_argument("--plot", default="docs/controller_sweep.png")
     parser.add_argument("--skip-rollout", action="store_true")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
-    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model)
     profile = load_or_calibrate(model, draft, "smollm2")
-    print(f"SmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak} tokens")
+    print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak}")
     engines = make_engines(model, tokenizer, draft, eos_token_ids(model, tokenizer), profile.c_peak, profile)
     rows = load_gsm8k(GSM8K / "test.jsonl")
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -147,7 +148,7 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
         rollout_table(engines, prompts[: args.prompts], params, args.num_generations)
     speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens)
-    plot(concurrency, speedups, args.plot)
+    plot(concurrency, speedups, args.plot, args.dtype)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -17,7 +17,6 @@ import argparse
 import copy
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -52,16 +51,46 @@ def run(engine: RolloutEngine, prompts, params: SamplingParams, seed: int) -> tu
     return out.stats.tokens_emitted / out.stats.total_time, out.stats.accept_length
 
 
-def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int, queue) -> None:
-    """Child process: one generation of ``batch`` rows; reports the process's max RSS."""
+def _status_mb(field: str) -> float:
+    """A memory figure of this process from /proc/self/status, in MB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int, dtype: str, queue) -> None:
+    """Child process: one generation of ``batch`` rows. Reports the resident memory once the model is loaded and the
+    peak during the generation (the high-water mark is reset after loading, so the loading peak does not count)."""
     torch.set_num_threads(os.cpu_count())
-    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model, tokenizer = load_model("smollm2", dtype=dtype), load_tokenizer("smollm2")
     draft = DraftHead.load(draft_dir, model) if shape_name else None
     tree = SHAPES[shape_name] if shape_name else None
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer, draft=draft, tree=tree)
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    engine.generate(prompts_for(tokenizer, "test", batch), SamplingParams(max_new_tokens=max_new, temperature=0))
-    queue.put((before / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    prompts = prompts_for(tokenizer, "test", batch)
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
+    loaded = _status_mb("VmRSS")
+    engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0))
+    queue.put((loaded, _status_mb("VmHWM")))
+
+
+def measure_memory(shapes: dict[str, TreeShape], draft_dir: str, batch: int, max_new: int, dtype: str) -> None:
+    """Peak memory of an autoregressive and a speculative generation (the largest tree) of the same batch, each in a
+    fresh process."""
+    ctx = mp.get_context("spawn")
+    peaks = {}
+    for name in (None, max(shapes, key=lambda n: shapes[n].nodes)):
+        queue = ctx.Queue()
+        proc = ctx.Process(target=peak_rss_mb, args=(name, draft_dir, batch, max_new, dtype, queue))
+        proc.start()
+        peaks[name or "ar"] = queue.get()
+        proc.join()
+    (ar_loaded, ar_peak), (sp_loaded, sp_peak) = peaks.values()
+    print(
+        f"\npeak RSS of a generation at concurrency {batch}: autoregressive {ar_peak:.0f} MB, speculative "
+        f"{sp_peak:.0f} MB ({sp_peak / ar_peak:.2f}x); above the loaded process "
+        f"({ar_loaded:.0f} / {sp_loaded:.0f} MB): {ar_peak - ar_loaded:.0f} MB vs {sp_peak - sp_loaded:.0f} MB"
+    )
 
 
 def main() -> None:
@@ -72,11 +101,17 @@ def main() -> None:
     parser.add_argument("--shapes", default="small,medium,large")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     parser.add_argument("--skip-memory", action="store_true")
+    parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args()
+    if args.memory_only:
+        shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
+        concurrency = max(int(c) for c in args.concurrency.split(","))
+        return measure_memory(shapes, args.draft, concurrency, args.max_new_tokens, args.dtype)
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
-    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     draft = load_draft(args.draft, model)
     eos = eos_token_ids(model, tokenizer)
@@ -96,7 +131,8 @@ def main() -> None:
         "T=1,top-p=0.95": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95),
     }
     shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.depth}" for n, s in shapes.items())
-    print(f"\nSmolLM2-135M-Instruct, float32, {torch.get_num_threads()} threads, max_new_tokens={args.max_new_tokens}")
+    threads = torch.get_num_threads()
+    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {threads} threads, max_new_tokens={args.max_new_tokens}")
     print(f"draft vocabulary: {draft.draft_vocab.numel() if draft.draft_vocab is not None else 'full'}; {shape_text}\n")
     header = "| decoding | concurrency | AR tok/s | " + " | ".join(
         f"{n} tok/s | {n} speedup | {n} accept" for n in shapes
@@ -117,20 +153,8 @@ def main() -> None:
                 cells += [f"{tps:.1f}", f"{tps / ar:.2f}x", f"{acc:.2f}"]
             print(f"| {label} | {c} | " + " | ".join(cells) + " |", flush=True)
     if not args.skip_memory:
-        ctx = mp.get_context("spawn")
-        largest, peaks = max(concurrency), {}
-        for name in (None, max(shapes, key=lambda n: shapes[n].nodes)):
-            queue = ctx.Queue()
-            proc = ctx.Process(target=peak_rss_mb, args=(name, args.draft, largest, args.max_new_tokens, queue))
-            proc.start()
-            peaks[name or "ar"] = queue.get()
-            proc.join()
-        (ar_before, ar_peak), (sp_before, sp_peak) = peaks.values()
-        print(
-            f"\npeak RSS at concurrency {largest}: autoregressive {ar_peak:.0f} MB, speculative "
-            f"{sp_peak:.0f} MB ({sp_peak / ar_peak:.2f}x); during generation only: {ar_peak - ar_before:.0f} MB "
-            f"vs {sp_peak - sp_before:.0f} MB"
-        )
+        shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
+        measure_memory(shapes, args.draft, max(concurrency), args.max_new_tokens, args.dtype)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -143,8 +143,12 @@ def test_adaptive_corrects_the_profile_from_observed_times() -> None:
     controller = AdaptiveController(flat_profile(target=0.05))
     for _ in range(30):
         controller.observe(4, AUTOREGRESSIVE, 0.1, None)  # steps take twice what the profile says
-    assert controller.correction["ar"] == pytest.approx(2.0)
     assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1)
+    assert controller.predicted_seconds(64, AUTOREGRESSIVE) == pytest.approx(2 * 0.05 * 2)  # unseen band: the mean
+    for _ in range(30):
+        controller.observe(64, AUTOREGRESSIVE, 0.05 * 2 * 3, None)  # at 64 rows, three times the profile
+    assert controller.predicted_seconds(64, AUTOREGRESSIVE) == pytest.approx(0.3)
+    assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1), "each band keeps its own factor"
 
 
 def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:

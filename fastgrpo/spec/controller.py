@@ -142,8 +142,9 @@ class AdaptiveController:
       an exponential moving average per shape once the shape has run, else the depth averages pooled over all
       shapes (starting from ``prior_accept ** d``);
     - predicted seconds = profiled target forward over ``B * N`` tokens plus ``L`` draft levels over ``B * K``
-      tokens, times a correction factor (observed over predicted, averaged separately for autoregressive and
-      speculative steps).
+      tokens, times a correction factor: observed over profiled step time, averaged separately for autoregressive
+      and speculative steps and for each power-of-two band of active rows (the whole kind's average until a band
+      has its own).
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
     instead so its statistics stay live, unless it would lose even with every draft token accepted; the interval
@@ -167,7 +168,7 @@ class AdaptiveController:
         depth = self.limits.l_max
         self.depth_accept = [self.prior_accept ** (d + 1) for d in range(depth)]  # pooled P(accepted >= d + 1)
         self.shape_accept: dict[TreeShape, list[float]] = {}
-        self.correction = {"ar": 1.0, "spec": 1.0}
+        self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0, ("spec", None): 1.0}
         self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
         self._interval = self.probe_interval
         self._since_probe = 0
@@ -196,11 +197,15 @@ class AdaptiveController:
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
         A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
-        plain = self.correction["ar"] * self.profile.target_time(rows)
+        plain = self._correction("ar", rows) * self.profile.target_time(rows)
         if not shape.speculative:
             return plain
         draft = shape.levels * self.profile.draft_time(rows * shape.top_k)
-        return max(self.correction["spec"] * self._profiled_seconds(rows, shape), plain + draft)
+        return max(self._correction("spec", rows) * self._profiled_seconds(rows, shape), plain + draft)
+
+    def _correction(self, kind: str, rows: int) -> float:
+        """Observed over profiled step time for this kind of step at about this many rows."""
+        return self.correction.get((kind, rows.bit_length()), self.correction[(kind, None)])
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
@@ -238,7 +243,9 @@ class AdaptiveController:
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
         kind = self._kind(shape)
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
-        self.correction[kind] += self._rate(kind, self.time_rate) * (ratio - self.correction[kind])
+        for key in ((kind, None), (kind, rows.bit_length())):
+            current = self.correction.get(key, self.correction[(kind, None)])
+            self.correction[key] = current + self._rate(key, self.time_rate) * (ratio - current)
         if accepted is None or shape.nodes == 1:
             return
         levels = shape.levels
