@@ -20,9 +20,8 @@ from fastgrpo.data import load_gsm8k
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer
-from fastgrpo.spec.offline import collect_samples, frequent_tokens
+from fastgrpo.spec.draft_trainer import DraftTrainConfig
+from fastgrpo.spec.offline import collect_mixed, fit_draft
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -46,12 +45,9 @@ def main() -> None:
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     rows = load_gsm8k(GSM8K / "train.jsonl")[: args.prompts]
-    n_greedy = round(args.greedy_fraction * len(rows))
     t0 = time.perf_counter()
-    greedy = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
-    samples = collect_samples(engine, tokenizer, rows[:n_greedy], greedy, args.batch_size, 512)
-    samples += collect_samples(engine, tokenizer, rows[n_greedy:], sampled, args.batch_size, 512, seed=1)
+    samples = collect_mixed(engine, tokenizer, rows, sampled, args.greedy_fraction, args.batch_size, 512, seed=1)
     generate_s = time.perf_counter() - t0
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
@@ -61,11 +57,8 @@ def main() -> None:
     vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})
     for name, size in vocabularies.items():
         torch.manual_seed(0)
-        vocab = frequent_tokens(samples, size, engine.eos.tolist()) if size else None
-        draft = DraftHead(model.config, "smollm2", vocab)
-        trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
         t1 = time.perf_counter()
-        losses = trainer.fit(samples, progress=True)
+        draft, losses = fit_draft(model, samples, config, "smollm2", engine.eos.tolist(), size)
         path = draft.save(Path(args.output) / f"smollm2-gsm8k-{name}")
         report = {"draft": str(path), "train_seconds": time.perf_counter() - t1, "last_loss": losses[-1]}
         print(json.dumps(report), flush=True)

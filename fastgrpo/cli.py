@@ -125,6 +125,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
+    if not 0.0 <= args.greedy_fraction <= 1.0:
+        raise ValueError(f"--greedy-fraction must be in [0, 1], got {args.greedy_fraction}")
     config = load_config(args.config, overrides)
     from fastgrpo.data import load_dataset
     from fastgrpo.models import eos_token_ids, load_model, load_tokenizer

@@ -51,3 +51,23 @@ def test_profile_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert profile["tokens"] == [1, 2, 4] and profile["c_peak"] in (1, 2, 4)
     assert path.with_suffix(".png").is_file()
     assert "C_peak = " in capsys.readouterr().out
+
+
+def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from fastgrpo.models import load_model
+    from fastgrpo.spec.draft import DraftHead
+
+    out = tmp_path / "draft"
+    main(
+        ["draft", "train", "--output", str(out), "--dataset.name", "gsm8k", "--dataset.path", str(GSM8K_TEST)]
+        + ["--dataset.limit", "4", "--greedy-fraction", "0.5", "--max_completion_length", "8"]
+        + ["--draft-vocab-size", "64", "--batch-size", "4"]
+    )
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["sequences"] == 4 and 0 < report["completion_tokens"] <= 32
+    draft = DraftHead.load(out, load_model("smollm2"))
+    assert draft.draft_vocab is not None and draft.draft_vocab.numel() <= 64
+    with pytest.raises(SystemExit) as excinfo:
+        main(["draft", "train", "--output", str(out), "--dataset.limit", "2", "--greedy-fraction", "1.5"])
+    assert excinfo.value.code == 2
+    assert "--greedy-fraction must be in [0, 1], got 1.5" in capsys.readouterr().err

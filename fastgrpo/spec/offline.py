@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.models import encode_prompts
 from fastgrpo.rollout.engine import RolloutEngine
@@ -52,6 +52,43 @@ def frequent_tokens(samples: list[DraftSample], size: int, always: list[int]) ->
     return torch.tensor(sorted(chosen), dtype=torch.long)
 
 
+def collect_mixed(
+    engine: RolloutEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict[str, Any]],
+    params: SamplingParams,
+    greedy_fraction: float,
+    batch_size: int,
+    max_prompt_length: int,
+    seed: int = 0,
+) -> list[DraftSample]:
+    """`collect_samples` with the first ``greedy_fraction`` of the rows answered greedily and the rest with ``params``
+    (generator seeded by ``seed``): a draft that serves both greedy and sampled decoding is best trained on both."""
+    if not 0.0 <= greedy_fraction <= 1.0:
+        raise ValueError(f"greedy_fraction must be in [0, 1], got {greedy_fraction}")
+    n_greedy = round(greedy_fraction * len(rows))
+    greedy = dataclasses.replace(params, temperature=0.0)
+    samples = collect_samples(engine, tokenizer, rows[:n_greedy], greedy, batch_size, max_prompt_length)
+    return samples + collect_samples(engine, tokenizer, rows[n_greedy:], params, batch_size, max_prompt_length, seed)
+
+
+def fit_draft(
+    model: PreTrainedModel,
+    samples: list[DraftSample],
+    config: DraftTrainConfig,
+    target_name: str,
+    eos_token_ids: list[int],
+    draft_vocab_size: int | None = None,
+) -> tuple[DraftHead, list[float]]:
+    """Fit a fresh draft for ``model`` on ``samples`` (with a reduced vocabulary of their most frequent tokens when
+    ``draft_vocab_size`` is given). Returns the draft and the loss of every update."""
+    vocab = frequent_tokens(samples, draft_vocab_size, eos_token_ids) if draft_vocab_size else None
+    param = next(model.parameters())
+    draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
+    trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
+    return draft, trainer.fit(samples, progress=True)
+
+
 def train_offline(
     engine: RolloutEngine,
     tokenizer: PreTrainedTokenizerBase,
@@ -64,26 +101,12 @@ def train_offline(
     draft_vocab_size: int | None = None,
     greedy_fraction: float = 0.0,
 ) -> tuple[DraftHead, dict[str, float]]:
-    """Generate, then fit a fresh draft. Returns the draft and timings/losses.
-
-    The first ``greedy_fraction`` of the rows are answered greedily and the rest with ``params``: a draft that serves
-    both greedy and sampled decoding is best trained on both kinds of response."""
-    if not 0.0 <= greedy_fraction <= 1.0:
-        raise ValueError(f"greedy_fraction must be in [0, 1], got {greedy_fraction}")
-    model = engine.model
+    """Generate (see `collect_mixed`), then fit a fresh draft. Returns the draft and timings/losses."""
     t0 = time.perf_counter()
-    n_greedy = round(greedy_fraction * len(rows))
-    greedy = dataclasses.replace(params, temperature=0.0)
-    samples = collect_samples(engine, tokenizer, rows[:n_greedy], greedy, batch_size, max_prompt_length)
-    samples += collect_samples(engine, tokenizer, rows[n_greedy:], params, batch_size, max_prompt_length)
+    samples = collect_mixed(engine, tokenizer, rows, params, greedy_fraction, batch_size, max_prompt_length)
     t1 = time.perf_counter()
-    vocab = None
-    if draft_vocab_size:
-        vocab = frequent_tokens(samples, draft_vocab_size, engine.eos.tolist())
-    param = next(model.parameters())
-    draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
-    trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
-    losses = trainer.fit(samples, progress=True)
+    eos = engine.eos.tolist()
+    draft, losses = fit_draft(engine.model, samples, config, target_name, eos, draft_vocab_size)
     t2 = time.perf_counter()
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     report = {
