@@ -211,11 +211,19 @@ def test_speculative_rollouts_in_training_save_the_draft(tiny_model_dir: Path, t
 
 @pytest.mark.parametrize("mode", ["paper", "adaptive"])
 def test_speculation_with_online_draft_learning_changes_nothing_in_training(
-    tiny_model_dir: Path, tmp_path: Path, mode: str
+    tiny_model_dir: Path, tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Every position is sampled with its own uniform, so a speculative run trains on the very completions a plain
     run samples: the rewards and the updated weights are those of ``mode: off``."""
     from fastgrpo.config import SpeculationConfig
+    from fastgrpo.spec.profiler import LatencyProfile, profile_path
+
+    # A saved flat profile (trees look cheap), so that the adaptive controller's first choice is a tree whatever this
+    # machine's timings are.
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path / "cache"))
+    tokens = [1, 4, 16, 64, 256]
+    flat = LatencyProfile(str(tiny_model_dir), "cpu", "float32", 64, tokens, [0.01] * 5, [0.0001] * 5, 256)
+    flat.save(profile_path(str(tiny_model_dir), torch.device("cpu"), torch.float32))
 
     runs = {}
     for name, spec in {"off": SpeculationConfig(mode="off"), mode: SpeculationConfig(mode=mode, c_peak=32)}.items():
