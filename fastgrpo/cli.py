@@ -21,11 +21,15 @@ from fastgrpo.spec.profiler import DEFAULT_TOKENS as DEFAULT_PROFILE_TOKENS
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> None:
     config = load_config(args.config, overrides)
+    from fastgrpo import distributed
     from fastgrpo.grpo.trainer import GRPOTrainer
 
-    trainer = GRPOTrainer(config, resume=args.resume)
-    history = trainer.train()
-    if history:
+    try:
+        trainer = GRPOTrainer(config, resume=args.resume)
+        history = trainer.train()
+    finally:
+        distributed.shutdown()
+    if history and trainer.dist.is_main:
         last = history[-5:]
         mean = sum(m["reward"] for m in last) / len(last)
         print(

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from fastgrpo.data import DataConfig
+from fastgrpo.distributed import DEVICES
 from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
 from fastgrpo.models import DTYPES
 from fastgrpo.rollout.sampling import SamplingParams
@@ -85,6 +86,9 @@ class GRPOConfig:
     # model
     model: str = "smollm2"
     dtype: str = field(default="float32", metadata=_choice(*DTYPES))
+    # where it runs: `auto` is each process's GPU if there is one, else the CPU (several processes: torchrun)
+    device: str = field(default="auto", metadata=_choice(*DEVICES))
+    ddp_timeout: int = 1800  # seconds a collective waits for the other ranks before the job fails
     # data and rewards
     dataset: DataConfig = field(default_factory=DataConfig)
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
@@ -166,7 +170,8 @@ class GRPOConfig:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
         positive = (
             "num_generations max_prompt_length max_completion_length per_device_train_batch_size "
-            "gradient_accumulation_steps max_steps num_iterations logging_steps save_steps logprob_chunk_tokens"
+            "gradient_accumulation_steps max_steps num_iterations logging_steps save_steps logprob_chunk_tokens "
+            "ddp_timeout"
         )
         for name in positive.split():
             if getattr(self, name) < 1:

@@ -1,6 +1,9 @@
-"""Shared fixtures: tiny random float64 causal LMs of the supported families, built once per session."""
+"""Shared fixtures: tiny random float64 causal LMs of the supported families, built once per session, and a tiny
+Llama saved to disk with the SmolLM2 tokenizer for trainer runs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +16,8 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+
+from fastgrpo.models import load_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 VOCAB = 128
@@ -70,3 +75,27 @@ def family_model(request: pytest.FixtureRequest) -> PreTrainedModel:
 def llama_model() -> PreTrainedModel:
     """The tiny Llama model."""
     return tiny_model("llama")
+
+
+def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale: float = 1.0) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved like any Hugging Face model directory."""
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

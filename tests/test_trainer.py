@@ -7,41 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from conftest import save_tiny_llama
+from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig, make_arithmetic
 from fastgrpo.grpo.trainer import GRPOTrainer, build_batch
-from fastgrpo.models import load_tokenizer
 
 
 def length_reward(completions: list[str], **kwargs) -> list[float]:
     """A reward that varies across random completions, so advantages are non-zero."""
     return [float(len(c) % 7) for c in completions]
-
-
-def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale: float = 1.0) -> Path:
-    """A tiny random Llama with the SmolLM2 tokenizer, saved like any Hugging Face model directory."""
-    tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
-    )
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(head_scale)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

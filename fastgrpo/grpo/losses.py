@@ -127,6 +127,20 @@ def completion_logprobs(
     return logps.view(batch, logits_to_keep)
 
 
+class CompletionLogprobs(nn.Module):
+    """`completion_logprobs` of a model as one module call, so that DistributedDataParallel (which synchronises
+    the gradients of a module's forward) can wrap the training forward."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, temperature: float, chunk_tokens: int
+    ) -> Tensor:
+        return completion_logprobs(self.model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
+
+
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
     """Mean of ``values`` over ``mask`` (both ``[B, C]``) -> scalar; 0 when the mask is empty."""
     return (values * mask).sum() / mask.sum().clamp(min=1.0)

@@ -8,7 +8,10 @@ import random
 import resource
 import sys
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,12 @@ import yaml
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
+from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.grpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
-from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_loss
-from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, group_advantages, grpo_loss
+from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer, resolve_model_path
 from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
@@ -113,12 +117,15 @@ class GRPOTrainer:
     ):
         config.validate()
         self.config = config
+        self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
-        if len(self.dataset) < config.prompts_per_step:
+        self.global_prompts = config.prompts_per_step * self.dist.world_size
+        if len(self.dataset) < self.global_prompts:
             raise ValueError(
-                f"the dataset has {len(self.dataset)} rows, fewer than the {config.prompts_per_step} prompts per step"
+                f"the dataset has {len(self.dataset)} rows, fewer than the {self.global_prompts} prompts per step "
+                f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
         self.start_step = 0
         checkpoint = latest_checkpoint(self.output_dir) if resume else None
@@ -127,9 +134,11 @@ class GRPOTrainer:
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
+        with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
+            resolve_model_path(config.model)
         self.tokenizer = tokenizer or load_tokenizer(source)
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
-        self.model = model or load_model(config.model if config.use_peft else source, dtype=config.dtype)
+        self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
         self.ref_model = self._load_reference() if config.beta > 0 else None
         if config.use_peft:
@@ -158,9 +167,11 @@ class GRPOTrainer:
         )
         if checkpoint is not None:
             self._restore(checkpoint)
+        # The training forward, under DDP when several processes train (it also makes rank 0's weights everyone's).
+        self.policy = distributed.wrap_ddp(CompletionLogprobs(self.model))
         self.sampling = config.sampling_params()
         self.prompt_cache: dict[int, list[int]] = {}
-        self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to else None
+        self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to and self.dist.is_main else None
 
     # -- set-up -------------------------------------------------------------------------------------------
     def _load_reference(self) -> PreTrainedModel | None:
@@ -217,10 +228,14 @@ class GRPOTrainer:
 
     # -- one step -----------------------------------------------------------------------------------------
     def step_rows(self, step: int) -> list[dict[str, Any]]:
-        """The prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones."""
-        per_step = self.config.prompts_per_step
+        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones.
+
+        The step's prompts for the whole job are cut into one consecutive share per rank, so a run on N processes
+        sees the prompts, in the same order, that one process sees with an N times larger batch."""
+        per_rank = self.config.prompts_per_step
+        first = step * self.global_prompts + self.dist.rank * per_rank
         rows = []
-        for k in range(step * per_step, (step + 1) * per_step):
+        for k in range(first, first + per_rank):
             epoch, index = divmod(k, len(self.dataset))
             order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.config.seed + epoch))
             rows.append(self.dataset[int(order[index])])
@@ -238,11 +253,24 @@ class GRPOTrainer:
         return out
 
     def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:
-        """Sample ``num_generations`` completions per prompt with a generator seeded by (seed, step)."""
+        """Sample ``num_generations`` completions per prompt.
+
+        The uniforms that pick the sampled tokens are drawn for the whole job's rows from a generator seeded by
+        (seed, step), and each rank takes its own rows' share: a completion does not depend on how many
+        processes share the step."""
+        cfg = self.config
         prompt_ids = self._encode(rows)
-        generator = torch.Generator(device=self.device).manual_seed(self.config.seed * 1_000_003 + step)
+        uniforms = None
+        if not self.sampling.greedy:
+            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+            rows_per_rank = cfg.prompts_per_step * cfg.num_generations
+            shape = (rows_per_rank * self.dist.world_size, cfg.max_completion_length)
+            uniforms = torch.rand(shape, generator=generator, dtype=torch.float64)
+            uniforms = uniforms[self.dist.rank * rows_per_rank : (self.dist.rank + 1) * rows_per_rank]
         capture = self.draft_trainer is not None
-        out = self.engine.generate(prompt_ids, self.sampling, self.config.num_generations, generator, capture)
+        out = self.engine.generate(
+            prompt_ids, self.sampling, cfg.num_generations, capture_hidden=capture, uniforms=uniforms
+        )
         return prompt_ids, out
 
     def update_draft(self, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
@@ -259,15 +287,16 @@ class GRPOTrainer:
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"draft/loss": loss, "draft/time": time.perf_counter() - t0}
 
-    def _logps(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    def _logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+        """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
+        training forward, which takes the same arguments without the model)."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
-            return completion_logprobs(
-                model,
+            return logprobs(
                 batch.input_ids.to(self.device),
                 batch.attention_mask.to(self.device),
                 batch.completion_mask.shape[1],
-                temperature=self.config.temperature or 1.0,
-                chunk_tokens=self.config.logprob_chunk_tokens,
+                self.config.temperature or 1.0,
+                self.config.logprob_chunk_tokens,
             )
 
     @torch.no_grad()
@@ -276,7 +305,8 @@ class GRPOTrainer:
         mb = self.config.per_device_train_batch_size
         n, width = batch.completion_mask.shape
         chunks = [
-            self._logps(model, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
+            self._logps(partial(completion_logprobs, model), select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu()
+            for i in range(0, n, mb)
         ]
         return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
 
@@ -310,42 +340,58 @@ class GRPOTrainer:
         return [rows[i : i + mb] for i in range(0, rows.numel(), mb)]
 
     def optimize(self, batch: RolloutBatch) -> dict[str, float]:
-        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches."""
+        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
+
+        With several processes, DDP averages the gradients at the last micro-batch; every rank runs as many
+        micro-batches as the busiest one (the extra ones with a zero loss), and the losses are scaled so that the
+        averaged gradient is the one of the whole job's batch."""
         cfg = self.config
         n = batch.input_ids.shape[0]
-        total_tokens = batch.completion_mask.sum().clamp(min=1)
+        world = self.dist.world_size
+        total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
         groups = self.micro_batches(batch)
+        n_micro = distributed.max_over_ranks(len(groups))
         params = [p for p in self.model.parameters() if p.requires_grad]
         sums: dict[str, float] = {"loss": 0.0}
         grad_norms: list[float] = []
         count = 0
         self.model.train()
         for _ in range(cfg.num_iterations):
-            for rows in groups:
+            for i in range(n_micro):
+                padding = i >= len(groups)
+                rows = torch.arange(1) if padding else groups[i]
                 part = select_rows(batch, rows)
                 mask = part.completion_mask.to(self.device)
-                logps = self._logps(self.model, part)
-                old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
-                ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
-                loss, metrics = grpo_loss(
-                    logps,
-                    old,
-                    part.advantages.to(self.device),
-                    mask,
-                    loss_type=cfg.loss_type,
-                    epsilon=cfg.epsilon,
-                    epsilon_high=cfg.epsilon_high,
-                    beta=cfg.beta,
-                    ref_logps=ref,
-                    max_completion_length=cfg.max_completion_length,
-                    num_items_in_batch=total_tokens,
-                )
-                # Scale each micro-batch's loss to its share of the whole batch's loss.
-                if cfg.loss_type in ("grpo", "dr_grpo"):
-                    loss = loss * rows.numel() / n
-                elif cfg.loss_type == "bnpo":
-                    loss = loss / len(groups)
-                loss.backward()
+                sync = self.policy.no_sync() if self.dist.enabled and i < n_micro - 1 else nullcontext()
+                with sync:
+                    logps = self._logps(self.policy, part)
+                    old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
+                    ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
+                    loss, metrics = grpo_loss(
+                        logps,
+                        old,
+                        part.advantages.to(self.device),
+                        mask,
+                        loss_type=cfg.loss_type,
+                        epsilon=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta,
+                        ref_logps=ref,
+                        max_completion_length=cfg.max_completion_length,
+                        num_items_in_batch=total_tokens,
+                    )
+                    # Scale each micro-batch's loss to its share of the whole batch's loss (DDP divides by `world`).
+                    if cfg.loss_type in ("grpo", "dr_grpo"):
+                        loss = loss * rows.numel() / n
+                    elif cfg.loss_type == "bnpo":
+                        loss = loss / n_micro
+                    else:
+                        loss = loss * world
+                    if padding:
+                        loss = loss * 0.0
+                    loss.backward()
+                if padding:
+                    continue
                 sums["loss"] += float(loss.detach())
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
@@ -381,7 +427,11 @@ class GRPOTrainer:
             out.completion_ids,
             full_rows,
         )
-        advantages, group_std = group_advantages(rewards, cfg.num_generations, cfg.scale_rewards)
+        # Advantages over the whole job's batch (groups are whole on every rank; "batch" scaling needs them all).
+        all_rewards = torch.cat([torch.as_tensor(r) for r in distributed.gather(rewards.tolist())])
+        all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
+        mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
+        advantages = all_advantages[mine].to(rewards.dtype)
         t2 = time.perf_counter()
         draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
         t_policy = time.perf_counter()
@@ -397,9 +447,9 @@ class GRPOTrainer:
         terminated = lengths[~truncated]
         metrics = {
             "step": step + 1,
-            "reward": float(rewards.mean()),
-            "reward_std": float(group_std.mean()),
-            "frac_reward_zero_std": float((group_std.view(-1, cfg.num_generations)[:, 0] < 1e-6).float().mean()),
+            "reward": float(all_rewards.mean()),
+            "reward_std": float(all_std.mean()),
+            "frac_reward_zero_std": float((all_std.view(-1, cfg.num_generations)[:, 0] < 1e-6).float().mean()),
             **reward_metrics,
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
@@ -421,35 +471,33 @@ class GRPOTrainer:
             "spec/verify_time": out.stats.verify_time,
             "memory/peak_mb": peak_memory_mb(self.device),
         }
+        metrics = distributed.reduce_metrics(metrics)
         self._last_samples = list(zip([r["prompt"] for r in full_rows], completions, rewards.tolist(), strict=False))
         return metrics
 
     # -- the loop -----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
-        def write_model(path: Path) -> None:
-            self.model.save_pretrained(path)
-            self.tokenizer.save_pretrained(path)
-            if self.draft is not None:
-                self.draft.save(path / DRAFT_DIR)
+        """Write ``checkpoint-{step}`` (rank 0 writes it; every rank waits until it is complete)."""
+        path = self.output_dir / f"checkpoint-{step}"
+        if self.dist.is_main:
 
-        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
-        if self.draft_trainer is not None:
-            state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
-        return save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
+            def write_model(path: Path) -> None:
+                self.model.save_pretrained(path)
+                self.tokenizer.save_pretrained(path)
+                if self.draft is not None:
+                    self.draft.save(path / DRAFT_DIR)
 
-    def train(self) -> list[dict[str, float]]:
-        """Run until ``max_steps``; returns the metrics of the steps run by this call."""
-        cfg = self.config
+            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            if self.draft_trainer is not None:
+                state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
+            path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
+        distributed.barrier()
+        return path
+
+    def _open_log(self) -> Any:
+        """``metrics.jsonl`` for appending (rank 0 only), without the lines of steps after the resumed checkpoint."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-        history = []
-        bar = tqdm(
-            range(self.start_step, cfg.max_steps),
-            initial=self.start_step,
-            total=cfg.max_steps,
-            desc="GRPO",
-            disable=not cfg.progress_bar,
-        )
+        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
         metrics_path = self.output_dir / "metrics.jsonl"
         if metrics_path.exists():
             # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
@@ -457,18 +505,32 @@ class GRPOTrainer:
                 line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= self.start_step
             ]
             metrics_path.write_text("".join(line + "\n" for line in kept))
-        with metrics_path.open("a") as log:
+        return metrics_path.open("a")
+
+    def train(self) -> list[dict[str, float]]:
+        """Run until ``max_steps``; returns the metrics of the steps run by this call (the same on every rank)."""
+        cfg = self.config
+        main = self.dist.is_main
+        history = []
+        bar = tqdm(
+            range(self.start_step, cfg.max_steps),
+            initial=self.start_step,
+            total=cfg.max_steps,
+            desc="GRPO",
+            disable=not (cfg.progress_bar and main),
+        )
+        with self._open_log() if main else nullcontext() as log:
             for step in bar:
                 metrics = self.train_step(step)
                 history.append(metrics)
-                if (step + 1) % cfg.logging_steps == 0:
+                if main and (step + 1) % cfg.logging_steps == 0:
                     log.write(json.dumps(metrics) + "\n")
                     log.flush()
                     if self.tb_writer is not None:
                         for k, v in metrics.items():
                             self.tb_writer.add_scalar(k, v, step + 1)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}")
-                if cfg.log_completions and (step + 1) % cfg.log_completions_steps == 0:
+                if main and cfg.log_completions and (step + 1) % cfg.log_completions_steps == 0:
                     self._print_samples(step + 1)
                 if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                     self.save(step + 1)

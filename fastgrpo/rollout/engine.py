@@ -204,19 +204,25 @@ class RolloutEngine:
         num_generations: int = 1,
         generator: torch.Generator | None = None,
         capture_hidden: bool = False,
+        uniforms: torch.Tensor | None = None,
     ) -> GenerationOutput:
         """Sample ``num_generations`` completions for each prompt (token id lists, no padding).
 
-        ``capture_hidden`` also returns the target's hidden states (for draft training)."""
+        ``capture_hidden`` also returns the target's hidden states (for draft training). When sampling, the token at
+        each (completion, position) is chosen by one uniform: ``uniforms`` ``[len(prompt_ids) * num_generations,
+        max_new_tokens]`` gives them, otherwise they are drawn from ``generator``."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt must have at least one token")
+        expected = (len(prompt_ids) * num_generations, params.max_new_tokens)
+        if uniforms is not None and tuple(uniforms.shape) != expected:
+            raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
         was_training = self.model.training
         self.model.eval()
         try:
             with rollout_attention(self.model):
-                return self._generate(prompt_ids, params, num_generations, generator, capture_hidden)
+                return self._generate(prompt_ids, params, num_generations, generator, capture_hidden, uniforms)
         finally:
             self.model.train(was_training)
 
@@ -227,6 +233,7 @@ class RolloutEngine:
         num_generations: int,
         generator: torch.Generator | None,
         capture_hidden: bool,
+        uniforms: torch.Tensor | None,
     ) -> GenerationOutput:
         stats = GenerationStats()
         n_rows = len(prompt_ids) * num_generations
@@ -244,9 +251,12 @@ class RolloutEngine:
             ]
         noise = None
         if not params.greedy:  # one uniform per (completion, position), see `sample`
-            where = generator.device if generator is not None else torch.device("cpu")
-            noise = torch.rand(n_rows, params.max_new_tokens, generator=generator, dtype=torch.float64, device=where)
-            noise = noise.to(batch.ids.device)
+            noise = uniforms
+            if noise is None:
+                where = generator.device if generator is not None else torch.device("cpu")
+                shape = (n_rows, params.max_new_tokens)
+                noise = torch.rand(shape, generator=generator, dtype=torch.float64, device=where)
+            noise = noise.to(device=batch.ids.device, dtype=torch.float64)
         logprobs = process_logits(logits, params)
         first = sample(logprobs, params, None if noise is None else noise[:, 0])
         ones = torch.ones_like(first)

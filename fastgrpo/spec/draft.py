@@ -62,6 +62,7 @@ class DraftHead(nn.Module):
         hidden = self.signature["hidden_size"]
         self.fc = nn.Linear(2 * hidden, hidden, bias=True)
         self.body = AutoModel.from_config(_body_config(target_config))
+        self.body.get_input_embeddings().requires_grad_(False)  # the body is fed features, never token ids
         self.register_buffer("draft_vocab", draft_vocab)  # None (full vocabulary) is kept out of the state dict
 
     @property

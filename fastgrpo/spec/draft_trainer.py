@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastgrpo import distributed
 from fastgrpo.spec.draft import DraftHead
 
 
@@ -65,11 +66,15 @@ def pack_by_budget(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 class DraftTrainer:
-    """Fits a `DraftHead` with AdamW; the target's embedding and LM head are used frozen (no gradient)."""
+    """Fits a `DraftHead` with AdamW; the target's embedding and LM head are used frozen (no gradient).
+
+    Under torch.distributed the draft's forward runs under DDP: every rank trains on its own rollouts, the
+    gradients are averaged, and the drafts of all ranks stay identical."""
 
     def __init__(self, draft: DraftHead, embed: nn.Module, lm_head: nn.Module, config: DraftTrainConfig):
         config.validate()
         self.draft, self.embed, self.lm_head, self.config = draft, embed, lm_head, config
+        self.forward = distributed.wrap_ddp(draft)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate)
 
     def _batch(self, samples: list[DraftSample]) -> tuple[torch.Tensor, ...]:
@@ -100,7 +105,7 @@ class DraftTrainer:
         positions = torch.arange(1, nxt.shape[1] + 1, device=nxt.device).expand_as(nxt)
         with torch.no_grad():
             embeds = self.embed(nxt)
-        pred = self.draft(embeds, hid, attention_mask=attn, position_ids=positions)[:, :-1][train[:, :-1]]
+        pred = self.forward(embeds, hid, attention_mask=attn, position_ids=positions)[:, :-1][train[:, :-1]]
         target = hid[:, 1:][train[:, :-1]].to(pred.dtype)
         hidden_loss = F.smooth_l1_loss(pred, target)
         with torch.no_grad():
@@ -112,20 +117,29 @@ class DraftTrainer:
         return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss
 
     def fit(self, samples: list[DraftSample], progress: bool = False) -> list[float]:
-        """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update."""
+        """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update.
+
+        Under torch.distributed every rank makes as many updates as the rank with the most batches; a rank that has
+        run out adds a zero loss, so that its gradient counts as zero in the average."""
         from tqdm.auto import tqdm
 
         usable = [s for s in samples if s.hidden.shape[0] >= 2]
         batches = pack_by_budget([s.hidden.shape[0] for s in usable], self.config.token_budget)
+        n_updates = distributed.max_over_ranks(len(batches))
+        if n_updates and not batches:
+            raise RuntimeError("draft training: this rank has no sequence of at least 2 tokens to train on")
         self.draft.train()
         losses = []
         for _ in range(self.config.epochs):
-            for idx in tqdm(batches, desc="draft", disable=not progress):
-                loss = self.loss([usable[i] for i in idx])
+            for i in tqdm(range(n_updates), desc="draft", disable=not progress):
+                loss = self.loss([usable[j] for j in batches[min(i, len(batches) - 1)]])
+                if i >= len(batches):
+                    loss = loss * 0.0
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
                 self.optimizer.step()
-                losses.append(float(loss.detach()))
+                if i < len(batches):
+                    losses.append(float(loss.detach()))
         self.draft.eval()
         return losses

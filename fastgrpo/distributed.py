@@ -1,0 +1,142 @@
+"""Data-parallel runs on torch.distributed: the process group, the few collectives the trainer needs, and the
+device of each process.
+
+``torchrun --nproc_per_node N -m fastgrpo train ...`` starts one process per device and sets ``RANK``,
+``WORLD_SIZE`` and ``LOCAL_RANK``. Without them a run is a single process and every collective here returns its
+input. The backend is NCCL when the processes use GPUs and gloo on CPU; every collective gives up after the
+configured timeout, so a rank that died cannot leave the others waiting for ever.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process stands in the job: ``rank`` of ``world_size`` processes, ``device`` it computes on."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(option: str, local_rank: int = 0) -> torch.device:
+    """``auto`` is the process's GPU when there is one and the CPU otherwise; ``cuda`` is ``cuda:LOCAL_RANK``."""
+    if option not in DEVICES:
+        raise ValueError(f"device must be one of {list(DEVICES)}, got {option!r}")
+    if option == "cuda" or (option == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("device: cuda was asked for but torch sees no GPU")
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistInfo:
+    """Join the job torchrun started (once per process; later calls return the same answer)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_option, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend="nccl" if device.type == "cuda" else "gloo",
+            timeout=timedelta(seconds=timeout_seconds),
+            device_id=device if device.type == "cuda" else None,
+        )
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return DistInfo(rank, dist.get_world_size() if dist.is_initialized() else 1, device)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def gather(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object), in rank order; ``[value]`` in a single process."""
+    if not dist.is_initialized():
+        return [value]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def max_over_ranks(value: int) -> int:
+    return max(gather(value))
+
+
+def sum_over_ranks(value: float) -> float:
+    return sum(gather(value))
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first(info: DistInfo) -> Iterator[None]:
+    """Run the body on rank 0 before the other ranks (for work that fills a shared cache once)."""
+    if not info.is_main:
+        barrier()
+    yield
+    if info.is_main:
+        barrier()
+
+
+def wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` under DistributedDataParallel when a process group is up (it broadcasts rank 0's parameters,
+    so every rank starts identical); ``module`` itself otherwise."""
+    if not dist.is_initialized():
+        return module
+    param = next(p for p in module.parameters() if p.requires_grad)
+    device_ids = [param.device.index] if param.device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+
+
+# How each step metric is combined across ranks (the rest are averaged: every rank holds the same number of rows).
+_COMBINE = {
+    "step": max,
+    "completions/min_length": min,
+    "completions/max_length": max,
+    "memory/peak_mb": max,
+    "rollout/tokens_per_second": sum,
+}
+
+
+def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """One metrics dict for the job: times are the slowest rank's (the step waits for it), throughput is summed,
+    extremes are extremes, everything else is the mean over ranks."""
+    parts = gather(metrics)
+    if len(parts) == 1:
+        return metrics
+    out = {}
+    for key in metrics:
+        values = [p[key] for p in parts]
+        combine = _COMBINE.get(key, max if key.startswith("time/") else None)
+        out[key] = combine(values) if combine else sum(values) / len(values)
+    return out
