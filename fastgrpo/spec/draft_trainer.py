@@ -8,6 +8,7 @@ Loss per trained position: ``hidden_loss_weight * SmoothL1(predicted h_{j+1}, ta
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,9 @@ from torch import nn
 
 from fastgrpo import distributed
 from fastgrpo.spec.draft import DraftHead
+
+if TYPE_CHECKING:
+    from fastgrpo.rollout.engine import GenerationOutput
 
 
 @dataclass
@@ -51,6 +55,15 @@ class DraftTrainConfig:
                 raise ValueError(f"draft_training.{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
             raise ValueError("draft_training loss weights must be >= 0")
+
+
+def rollout_samples(prompt_ids: list[list[int]], out: GenerationOutput, num_generations: int) -> list[DraftSample]:
+    """One sample per completion of a rollout (a `GenerationOutput` made with ``capture_hidden``): row ``i`` is a
+    completion of prompt ``i // num_generations``."""
+    return [
+        DraftSample(torch.tensor(prompt_ids[i // num_generations] + c), h, len(prompt_ids[i // num_generations]))
+        for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True))
+    ]
 
 
 def pack_by_budget(lengths: list[int], budget: int) -> list[list[int]]:

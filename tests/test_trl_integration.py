@@ -1,0 +1,114 @@
+"""fastgrpo inside TRL's GRPOTrainer: the rollout_func runs the fastgrpo engine, the callback trains the draft after
+each step, saves it into TRL's checkpoints and restores it when TRL resumes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_llama
+from transformers import AutoModelForCausalLM
+
+from fastgrpo.config import SpeculationConfig
+from fastgrpo.models import load_tokenizer
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+from fastgrpo.integrations.trl import DraftCallback, SpeculativeRollout  # noqa: E402
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+
+
+class Recorder:
+    """Wraps the rollout_func: keeps what it returned and the draft's weights when the run's first rollout began."""
+
+    def __init__(self, rollout: SpeculativeRollout):
+        self.rollout, self.returned, self.draft_at_start = rollout, [], None
+
+    def __call__(self, prompts: list, trainer: trl.GRPOTrainer) -> dict:
+        out = self.rollout(prompts, trainer)
+        if self.draft_at_start is None:
+            self.draft_at_start = {k: v.clone() for k, v in self.rollout.draft.state_dict().items()}
+        self.returned.append(out)
+        return out
+
+
+def grpo_trainer(model_dir: Path, out: Path, recorder: Recorder, seen: list, max_steps: int) -> trl.GRPOTrainer:
+    def reward(completions: list, completion_ids: list, **kwargs) -> list[float]:
+        seen.append(completion_ids)
+        return length_reward(completions)
+
+    args = trl.GRPOConfig(
+        output_dir=str(out),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        max_steps=max_steps,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        seed=0,
+        disable_tqdm=True,
+    )
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(8)]
+    return trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=load_tokenizer(str(model_dir)),
+        rollout_func=recorder,
+        callbacks=[DraftCallback(recorder.rollout)],
+    )
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=3, tie_word_embeddings=False, head_scale=150.0)
+
+
+def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: Path, tmp_path: Path) -> None:
+    rollout = SpeculativeRollout(speculation=SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3))
+    recorder, seen = Recorder(rollout), []
+    trainer = grpo_trainer(model_dir, tmp_path / "run", recorder, seen, max_steps=2)
+    trainer.train()
+
+    # Every completion TRL scored and trained on came from the fastgrpo engine, with its speculative steps.
+    assert len(recorder.returned) == 2 and rollout.engine is not None
+    assert seen == [r["completion_ids"] for r in recorder.returned]
+    for r in recorder.returned:
+        assert [len(ids) for ids in r["completion_ids"]] == [len(lps) for lps in r["logprobs"]]
+    assert all(e["spec/n_verify_mean"] == 4 for e in trainer.state.log_history if "spec/n_verify_mean" in e)
+    logged = {k for entry in trainer.state.log_history for k in entry}
+    assert {"spec/accept_length", "draft/loss", "draft/time", "rollout/tokens_per_second"} <= logged
+
+    # The draft was updated, and saved with TRL's checkpoint.
+    now = rollout.draft.state_dict()
+    assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
+    saved = tmp_path / "run" / "checkpoint-2" / "draft"
+    assert (saved / "draft.safetensors").is_file() and (saved / "optimizer.pt").is_file()
+
+    # Resuming TRL from that checkpoint resumes the draft too.
+    resumed = Recorder(SpeculativeRollout(speculation=SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3)))
+    trainer = grpo_trainer(model_dir, tmp_path / "run", resumed, [], max_steps=3)
+    trainer.train(resume_from_checkpoint=True)
+    assert len(resumed.returned) == 1
+    assert all(torch.equal(resumed.draft_at_start[k], v) for k, v in now.items())
+
+
+def test_unsupported_trl_options_are_refused_before_generating(model_dir: Path, tmp_path: Path) -> None:
+    recorder = Recorder(SpeculativeRollout())
+    trainer = grpo_trainer(model_dir, tmp_path / "run", recorder, [], max_steps=1)
+    trainer.args.repetition_penalty = 1.1
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        trainer.train()
+    assert recorder.returned == []
