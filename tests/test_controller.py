@@ -208,10 +208,14 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreT
         time.sleep(0.02 * max(1.0, tokens[0] * tokens[1] / 16))
 
     handle = llama_model.get_decoder().register_forward_pre_hook(slow, with_kwargs=True)
+    llama_model.train()  # as a trainer's model is when its first rollout calibrates the controller
     try:
         profile = profiler.measure(llama_model, None, "tiny", tokens=(1, 2, 4, 8, 16, 32, 64), repeats=3)
     finally:
         handle.remove()
+        was_training = llama_model.training
+        llama_model.eval()
+    assert was_training, "measuring must leave the model in the mode it had"
     assert profile.c_peak == 16
     assert profile.target_seconds[0] == pytest.approx(0.02, rel=0.5)
     assert profile.target_time(64) > 3 * profile.target_time(8)

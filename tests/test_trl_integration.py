@@ -97,12 +97,15 @@ def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: 
     saved = tmp_path / "run" / "checkpoint-2" / "draft"
     assert (saved / "draft.safetensors").is_file() and (saved / "optimizer.pt").is_file()
 
-    # Resuming TRL from that checkpoint resumes the draft too.
-    resumed = Recorder(SpeculativeRollout(speculation=SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3)))
+    # Resuming TRL from that checkpoint resumes the draft too (here with the default adaptive controller, whose
+    # first rollout calibrates it on the model without taking it out of training mode).
+    resumed = Recorder(SpeculativeRollout())
     trainer = grpo_trainer(model_dir, tmp_path / "run", resumed, [], max_steps=3)
     trainer.train(resume_from_checkpoint=True)
     assert len(resumed.returned) == 1
     assert all(torch.equal(resumed.draft_at_start[k], v) for k, v in now.items())
+    last = trainer.state.log_history[-2]
+    assert last["step"] == 3 and "reward" in last and not any(k.startswith("eval_") for k in last)
 
 
 def test_unsupported_trl_options_are_refused_before_generating(model_dir: Path, tmp_path: Path) -> None:

@@ -146,9 +146,7 @@ def measure(
     """Time target forwards and draft levels at each token count; returns the profile with its knee.
 
     Without a draft, a fresh (untrained) draft head of the model's architecture is timed: its cost does not depend
-    on its weights."""
-    from tqdm.auto import tqdm
-
+    on its weights. The model is left in the training mode it had."""
     if not tokens or min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
         raise ValueError(f"token counts must be increasing positive integers, got {tokens}")
     if context_length < 2:
@@ -157,7 +155,28 @@ def measure(
     dev = param.device
     if draft is None:
         draft = DraftHead(model.config, model_name).to(device=dev, dtype=param.dtype).eval()
+    was_training = model.training
     model.eval()
+    try:
+        return _measure(model, draft, model_name, tokens, context_length, repeats, top_k, progress)
+    finally:
+        model.train(was_training)
+
+
+def _measure(
+    model: PreTrainedModel,
+    draft: DraftHead,
+    model_name: str,
+    tokens: tuple[int, ...],
+    context_length: int,
+    repeats: int,
+    top_k: int,
+    progress: bool,
+) -> LatencyProfile:
+    from tqdm.auto import tqdm
+
+    param = next(model.parameters())
+    dev = param.device
     decoder, head = decoder_and_head(model)
     embed = model.get_input_embeddings()
     rows = max(tokens)
