@@ -89,6 +89,7 @@ class GRPOConfig:
     # where it runs: `auto` is each process's GPU if there is one, else the CPU (several processes: torchrun)
     device: str = field(default="auto", metadata=_choice(*DEVICES))
     ddp_timeout: int = 1800  # seconds a collective waits for the other ranks before the job fails
+    fsdp: bool = False  # several processes: shard the policy with FSDP2 instead of replicating it with DDP
     # data and rewards
     dataset: DataConfig = field(default_factory=DataConfig)
     reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
@@ -199,6 +200,8 @@ class GRPOConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.fsdp and self.use_peft:
+            raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
         if not self.reward_funcs:
             raise ValueError("reward_funcs must name at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):

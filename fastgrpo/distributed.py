@@ -108,6 +108,77 @@ def main_first(info: DistInfo) -> Iterator[None]:
         barrier()
 
 
+def is_sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def wrap_policy(policy: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
+    """The training forward of several processes: replicated under DDP, or sharded with FSDP2 (``fsdp``: one unit per
+    decoder layer, the root holding the embedding, final norm and LM head). ``policy`` holds the model as
+    ``policy.model``; in a single process it is returned as it is."""
+    if not dist.is_initialized():
+        return policy
+    if not fsdp:
+        return wrap_ddp(policy)
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in policy.model.get_decoder().layers:
+        fully_shard(layer)
+    policy = fully_shard(policy)
+    # FSDP sets itself up on the first forward through the root; rollouts call the decoder directly, so one
+    # two-token forward (on every rank at once) runs through the root first.
+    device = next(policy.parameters()).device
+    with torch.no_grad():
+        policy(torch.zeros(1, 2, dtype=torch.long, device=device), torch.ones(1, 2, device=device), 1, 1.0, 1)
+    policy.reshard()  # the root keeps its parameters gathered after a forward: register the sharded ones again
+    return policy
+
+
+@contextlib.contextmanager
+def gathered(policy: torch.nn.Module) -> Iterator[None]:
+    """Full parameters on every rank inside the block (for rollouts and draft updates, whose forwards differ in
+    number between ranks and so must not run collectives); sharded again after it. A no-op without FSDP2."""
+    if not is_sharded(policy):
+        yield
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    policy.set_reshard_after_forward(False)
+    for unit in units:
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+        policy.set_reshard_after_forward(True)
+
+
+def full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict]:
+    """``(model weights, optimizer state)`` to checkpoint: with FSDP2, both gathered in full on the CPU (every rank
+    must call this); otherwise ``(None, optimizer.state_dict())`` and the model saves its own weights."""
+    if not is_sharded(policy):
+        return None, optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights, optim = get_state_dict(policy, optimizer, options=options)
+    return {k.removeprefix("model."): v for k, v in weights.items()}, optim
+
+
+def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """Restore what `full_state` saved (sharding it again under FSDP2)."""
+    if not is_sharded(policy):
+        optimizer.load_state_dict(state)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(policy, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+
 def wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` under DistributedDataParallel when a process group is up (it broadcasts rank 0's parameters,
     so every rank starts identical); ``module`` itself otherwise."""

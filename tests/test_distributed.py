@@ -85,32 +85,44 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
 
 
-@pytest.fixture(scope="module")
-def two_process_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def spawn_run(model_dir: Path, root: Path, **overrides) -> Path:
     """A 2-process run of 2 steps (1 prompt per process), launched with torch.multiprocessing."""
-    root = tmp_path_factory.mktemp("ddp")
-    run_config(model_dir, root / "run", per_device=4)
+    run_config(model_dir, root / "run", per_device=4, **overrides)
     mp.spawn(_worker, args=(2, free_port(), str(root / "run.yaml"), str(root / "drafts")), nprocs=2, join=True)
     return root
 
 
-def test_two_processes_train_like_one_with_the_same_global_batch(
-    model_dir: Path, two_process_run: Path, tmp_path: Path
-) -> None:
-    single = GRPOTrainer(run_config(model_dir, tmp_path / "single", per_device=8))
-    single.train()
+@pytest.fixture(scope="module")
+def single_process_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("single") / "run"
+    GRPOTrainer(run_config(model_dir, out, per_device=8)).train()
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_process_run(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return spawn_run(model_dir, tmp_path_factory.mktemp("ddp"))
+
+
+def assert_same_training(model_dir: Path, single: Path, run: Path) -> None:
     initial = load_file(str(model_dir / "model.safetensors"))
-    one = load_file(str(tmp_path / "single" / "checkpoint-2" / "model.safetensors"))
-    two = load_file(str(two_process_run / "run" / "checkpoint-2" / "model.safetensors"))
+    one = load_file(str(single / "checkpoint-2" / "model.safetensors"))
+    two = load_file(str(run / "checkpoint-2" / "model.safetensors"))
     assert any(not torch.equal(one[k], initial[k]) for k in one), "the updates should move the weights"
     # Adam moves every weight by about the learning rate (1e-3), however small its gradient: the summation order of
     # gradients differs between the runs, so weights agree to 1 % of one step.
     for key in one:
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-5)
-    logged = [yaml.safe_load(line) for line in (two_process_run / "run" / "metrics.jsonl").read_text().splitlines()]
+    logged = [yaml.safe_load(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2]  # logged once, by rank 0
-    single_log = (tmp_path / "single" / "metrics.jsonl").read_text().splitlines()
+    single_log = (single / "metrics.jsonl").read_text().splitlines()
     assert [yaml.safe_load(line)["reward"] for line in single_log] == [m["reward"] for m in logged]
+
+
+def test_two_processes_train_like_one_with_the_same_global_batch(
+    model_dir: Path, single_process_run: Path, two_process_run: Path
+) -> None:
+    assert_same_training(model_dir, single_process_run, two_process_run / "run")
 
 
 def test_drafts_stay_identical_across_ranks(model_dir: Path, two_process_run: Path) -> None:
@@ -138,3 +150,16 @@ def test_a_failing_rank_ends_the_job_with_its_error(model_dir: Path, tmp_path: P
     assert result.returncode != 0
     assert "reward function failed on rank 1" in result.stdout + result.stderr
     assert time.monotonic() - start < 120
+
+
+def test_fsdp2_trains_like_one_process_and_resumes(model_dir: Path, single_process_run: Path, tmp_path: Path) -> None:
+    """The policy sharded with FSDP2 (full parameters gathered for rollouts): the same weights as one process, and
+    its checkpoint (weights and optimizer state gathered in full) resumes under torchrun."""
+    root = spawn_run(model_dir, tmp_path, fsdp=True)
+    assert_same_training(model_dir, single_process_run, root / "run")
+    rank0 = load_file(str(root / "drafts" / "rank0" / "draft.safetensors"))
+    rank1 = load_file(str(root / "drafts" / "rank1" / "draft.safetensors"))
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+    result = torchrun(root / "run.yaml", "--resume", "--max_steps", "3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (root / "run" / "checkpoint-3" / "model.safetensors").is_file()

@@ -153,6 +153,9 @@ class GRPOTrainer:
         if self.draft is not None and config.draft_training.online:
             embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
             self.draft_trainer = DraftTrainer(self.draft, embed, head, config.draft_training)
+        # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
+        # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
+        self.policy = distributed.wrap_policy(CompletionLogprobs(self.model), config.fsdp)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.learning_rate,
@@ -167,8 +170,6 @@ class GRPOTrainer:
         )
         if checkpoint is not None:
             self._restore(checkpoint)
-        # The training forward, under DDP when several processes train (it also makes rank 0's weights everyone's).
-        self.policy = distributed.wrap_ddp(CompletionLogprobs(self.model))
         self.sampling = config.sampling_params()
         self.prompt_cache: dict[int, list[int]] = {}
         self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to and self.dist.is_main else None
@@ -218,7 +219,7 @@ class GRPOTrainer:
 
     def _restore(self, checkpoint: Path) -> None:
         state = load_state(checkpoint)
-        self.optimizer.load_state_dict(state["optimizer"])
+        distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if self.draft_trainer is not None and "draft_optimizer" in state:
@@ -295,26 +296,25 @@ class GRPOTrainer:
             )
 
     @torch.no_grad()
-    def _batch_logps(self, model: PreTrainedModel, batch: RolloutBatch) -> torch.Tensor:
+    def _batch_logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[N, C]`` completion log-probs of the whole batch, computed micro-batch by micro-batch."""
         mb = self.config.per_device_train_batch_size
         n, width = batch.completion_mask.shape
         chunks = [
-            self._logps(partial(completion_logprobs, model), select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu()
-            for i in range(0, n, mb)
+            self._logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
         ]
         return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
 
     def _fixed_logps(self, batch: RolloutBatch) -> None:
         """Old-policy log-probs (needed when the batch is reused) and reference log-probs (when beta > 0)."""
         if self.config.num_iterations > 1:
-            batch.old_logps = self._batch_logps(self.model, batch)
+            batch.old_logps = self._batch_logps(self.policy, batch)
         if self.config.beta > 0:
             if self.ref_model is not None:
-                batch.ref_logps = self._batch_logps(self.ref_model, batch)
+                batch.ref_logps = self._batch_logps(partial(completion_logprobs, self.ref_model), batch)
             else:
                 with self.model.disable_adapter():
-                    batch.ref_logps = self._batch_logps(self.model, batch)
+                    batch.ref_logps = self._batch_logps(self.policy, batch)
 
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
         """Row indices of each micro-batch of ``per_device_train_batch_size`` rows.
@@ -405,30 +405,38 @@ class GRPOTrainer:
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out
 
+    def score(
+        self, rows: list[dict[str, Any]], out: GenerationOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+        """Rewards of this rank's completions and their advantages within the whole job's batch.
+
+        Returns ``(advantages [n], all_rewards [N], all_group_std [N], reward metrics)``: groups are whole
+        on every rank, and the job's rewards are gathered so that ``scale_rewards: batch`` sees them all."""
+        cfg = self.config
+        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        full_rows = [row for row in rows for _ in range(cfg.num_generations)]
+        prompts = [r["prompt"] for r in full_rows]
+        rewards, reward_metrics = compute_rewards(
+            self.reward_funcs, cfg.reward_weights, prompts, completions, out.completion_ids, full_rows
+        )
+        all_rewards = torch.cat([torch.as_tensor(r) for r in distributed.gather(rewards.tolist())])
+        all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
+        mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
+        self._last_samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
+        return all_advantages[mine].to(rewards.dtype), all_rewards, all_std, reward_metrics
+
     def train_step(self, step: int) -> dict[str, float]:
         """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
         cfg = self.config
         rows = self.step_rows(step)
         t0 = time.perf_counter()
-        prompt_ids, out = self.rollout(step, rows)
-        t1 = time.perf_counter()
-        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        full_rows = [row for row in rows for _ in range(cfg.num_generations)]
-        rewards, reward_metrics = compute_rewards(
-            self.reward_funcs,
-            cfg.reward_weights,
-            [r["prompt"] for r in full_rows],
-            completions,
-            out.completion_ids,
-            full_rows,
-        )
-        # Advantages over the whole job's batch (groups are whole on every rank; "batch" scaling needs them all).
-        all_rewards = torch.cat([torch.as_tensor(r) for r in distributed.gather(rewards.tolist())])
-        all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
-        mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
-        advantages = all_advantages[mine].to(rewards.dtype)
-        t2 = time.perf_counter()
-        draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
+        # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
+        with distributed.gathered(self.policy):
+            prompt_ids, out = self.rollout(step, rows)
+            t1 = time.perf_counter()
+            advantages, all_rewards, all_std, reward_metrics = self.score(rows, out)
+            t2 = time.perf_counter()
+            draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
         t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
@@ -467,22 +475,22 @@ class GRPOTrainer:
             "memory/peak_mb": peak_memory_mb(self.device),
         }
         metrics = distributed.reduce_metrics(metrics)
-        self._last_samples = list(zip([r["prompt"] for r in full_rows], completions, rewards.tolist(), strict=False))
         return metrics
 
     # -- the loop -----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         """Write ``checkpoint-{step}`` (rank 0 writes it; every rank waits until it is complete)."""
         path = self.output_dir / f"checkpoint-{step}"
+        weights, optimizer_state = distributed.full_state(self.policy, self.optimizer)  # all ranks take part
         if self.dist.is_main:
 
             def write_model(path: Path) -> None:
-                self.model.save_pretrained(path)
+                self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
                 self.tokenizer.save_pretrained(path)
                 if self.draft is not None:
                     self.draft.save(path / DRAFT_DIR)
 
-            state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+            state = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
             if self.draft_trainer is not None:
                 state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
