@@ -138,3 +138,12 @@ def test_two_trl_processes_keep_identical_drafts(model_dir: Path, tmp_path: Path
     rank0 = load_file(str(tmp_path / "rank0" / "draft.safetensors"))
     rank1 = load_file(str(tmp_path / "rank1" / "draft.safetensors"))
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
+
+
+def test_an_untested_trl_version_is_refused_with_the_range_it_needs(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastgrpo.integrations.trl import check_trl_version
+
+    check_trl_version()  # the installed one is in the range
+    monkeypatch.setattr(trl, "__version__", "1.13.0")
+    with pytest.raises(ImportError, match=r"tested with trl>=1\.14\.0,<1\.17\.0.*found trl 1\.13\.0"):
+        check_trl_version()
