@@ -157,6 +157,23 @@ def gathered(policy: torch.nn.Module) -> Iterator[None]:
         policy.set_reshard_after_forward(True)
 
 
+@contextlib.contextmanager
+def gradient_sync(policy: torch.nn.Module, sync: bool) -> Iterator[None]:
+    """Backward passes inside the block synchronise gradients across ranks only if ``sync`` (off for all but the
+    last micro-batch of an accumulation: DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
+    if sync or not dist.is_initialized():
+        yield
+    elif is_sharded(policy):
+        policy.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            policy.set_requires_gradient_sync(True)
+    else:
+        with policy.no_sync():
+            yield
+
+
 def full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict | None, dict]:
     """``(model weights, optimizer state)`` to checkpoint: with FSDP2, both gathered in full on the CPU (every rank
     must call this); otherwise ``(None, optimizer.state_dict())`` and the model saves its own weights."""
@@ -196,6 +213,7 @@ _COMBINE = {
     "completions/max_length": max,
     "memory/peak_mb": max,
     "rollout/tokens_per_second": sum,
+    "train/rows_trained": sum,
 }
 
 

@@ -86,8 +86,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def spawn_run(model_dir: Path, root: Path, **overrides) -> Path:
-    """A 2-process run of 2 steps (1 prompt per process), launched with torch.multiprocessing."""
-    run_config(model_dir, root / "run", per_device=4, **overrides)
+    """A 2-process run of 2 steps, launched with torch.multiprocessing: 1 prompt per process, its 4 completions
+    trained in 2 micro-batches of 2 (gradients are synchronised at the second only)."""
+    run_config(model_dir, root / "run", per_device=2, gradient_accumulation_steps=2, **overrides)
     mp.spawn(_worker, args=(2, free_port(), str(root / "run.yaml"), str(root / "drafts")), nprocs=2, join=True)
     return root
 

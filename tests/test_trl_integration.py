@@ -51,7 +51,6 @@ def grpo_trainer(model_dir: Path, out: Path, recorder: Recorder, seen: list, max
         output_dir=str(out),
         use_cpu=True,
         bf16=False,
-        gradient_checkpointing=False,
         report_to="none",
         per_device_train_batch_size=4,
         num_generations=4,

@@ -357,8 +357,7 @@ class GRPOTrainer:
                 rows = torch.arange(1) if padding else groups[i]
                 part = select_rows(batch, rows)
                 mask = part.completion_mask.to(self.device)
-                sync = self.policy.no_sync() if self.dist.enabled and i < n_micro - 1 else nullcontext()
-                with sync:
+                with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
                     logps = self._logps(self.policy, part)
                     old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
                     ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
