@@ -13,19 +13,15 @@ import pytest
 import torch
 from conftest import save_tiny_llama
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import SpeculationConfig
-from fastgrpo.models import load_tokenizer
 
 trl = pytest.importorskip("trl")
-datasets = pytest.importorskip("datasets")
+pytest.importorskip("datasets")
+
+from trl_run import length_reward, tiny_grpo_trainer  # noqa: E402
 
 from fastgrpo.integrations.trl import DraftCallback, SpeculativeRollout  # noqa: E402
-
-
-def length_reward(completions: list, **kwargs) -> list[float]:
-    return [float(len(c[0]["content"]) % 7) for c in completions]
 
 
 class Recorder:
@@ -47,32 +43,8 @@ def grpo_trainer(model_dir: Path, out: Path, recorder: Recorder, seen: list, max
         seen.append(completion_ids)
         return length_reward(completions)
 
-    args = trl.GRPOConfig(
-        output_dir=str(out),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        learning_rate=1e-3,
-        max_steps=max_steps,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        seed=0,
-        disable_tqdm=True,
-    )
-    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(8)]
-    return trl.GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(model_dir),
-        reward_funcs=reward,
-        args=args,
-        train_dataset=datasets.Dataset.from_list(rows),
-        processing_class=load_tokenizer(str(model_dir)),
-        rollout_func=recorder,
-        callbacks=[DraftCallback(recorder.rollout)],
-    )
+    callbacks = [DraftCallback(recorder.rollout)]
+    return tiny_grpo_trainer(model_dir, out, recorder, callbacks, reward, max_steps=max_steps, save_steps=2)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +99,7 @@ def test_two_trl_processes_keep_identical_drafts(model_dir: Path, tmp_path: Path
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    script = Path(__file__).parent / "trl_two_process.py"
+    script = Path(__file__).parent / "trl_run.py"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
     result = subprocess.run(
