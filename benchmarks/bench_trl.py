@@ -72,7 +72,8 @@ def run(args: argparse.Namespace, fast: bool) -> tuple[list[float], list[dict]]:
     rollout = None
     if fast:
         spec = SpeculationConfig(mode=args.speculation, draft=args.draft)
-        rollout = SpeculativeRollout(args.draft, spec, DraftTrainConfig(token_loss_weight=1.0, bf16=True))
+        learning = DraftTrainConfig(token_loss_weight=1.0, bf16=True)
+        rollout = SpeculativeRollout(speculation=spec, draft_training=learning)
         callbacks.append(DraftCallback(rollout))
     trainer = trl.GRPOTrainer(
         model=load_model("smollm2", dtype=args.dtype),

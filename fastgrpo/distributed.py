@@ -31,10 +31,6 @@ class DistInfo:
     device: torch.device
 
     @property
-    def enabled(self) -> bool:
-        return self.world_size > 1
-
-    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -63,17 +59,14 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistIn
             timeout=timedelta(seconds=timeout_seconds),
             device_id=device if device.type == "cuda" else None,
         )
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return DistInfo(rank, dist.get_world_size() if dist.is_initialized() else 1, device)
+    if not dist.is_initialized():
+        return DistInfo(0, 1, device)
+    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
 
 
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def gather(value: Any) -> list[Any]:

@@ -69,8 +69,8 @@ class SpeculativeRollout:
     """TRL ``rollout_func``: ``(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}``.
 
     Args:
-        draft: a saved draft directory (``fastgrpo draft train``), or None for a fresh draft that online learning
-            trains from scratch.
+        draft: a saved draft directory (``fastgrpo draft train``; default ``speculation.draft``), or None for a
+            fresh draft that online learning trains from scratch.
         speculation: the controller (default: the adaptive one, with a short calibration when this model has
             no saved profile).
         draft_training: online draft-learning options (`DraftCallback` runs them; ``online=False`` freezes the
@@ -89,6 +89,7 @@ class SpeculativeRollout:
         self.speculation.validate()
         if self.speculation.mode == "off":
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
+        draft = draft if draft is not None else self.speculation.draft
         self.draft_path = None if draft is None else Path(draft)
         if self.draft_path is not None and not self.draft_path.is_dir():
             raise ValueError(f"draft: {self.draft_path} is not a directory with a saved draft")
@@ -111,7 +112,8 @@ class SpeculativeRollout:
         n = _groups(prompts)
         tokenizer = trainer.processing_class
         prompt_ids = encode_prompts(tokenizer, prompts[::n], self.max_prompt_length)
-        seed = (trainer.args.seed * 1_000_003 + self.calls) * 1009 + trainer.accelerator.process_index
+        # Seeded by the step (so a resumed run samples as the uninterrupted one would) and the process.
+        seed = (trainer.args.seed * 1_000_003 + trainer.state.global_step) * 1009 + trainer.accelerator.process_index
         self.calls += 1
         generator = torch.Generator().manual_seed(seed)
         capture = self.draft_trainer is not None
