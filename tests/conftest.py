@@ -82,16 +82,9 @@ def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale
     tokenizer = load_tokenizer("smollm2")
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
+        **{**_COMMON, "vocab_size": len(tokenizer), "tie_word_embeddings": tie_word_embeddings},
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=tie_word_embeddings,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
