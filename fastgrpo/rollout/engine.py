@@ -17,6 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import accept
@@ -221,7 +222,7 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with rollout_attention(self.model):
+            with rollout_attention(self.model), rollout_linears(self.model, self.draft):
                 return self._generate(prompt_ids, params, num_generations, generator, capture_hidden, uniforms)
         finally:
             self.model.train(was_training)

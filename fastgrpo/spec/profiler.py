@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.runner import decoder_and_head, forward_block
 from fastgrpo.spec.draft import DraftHead
 
@@ -185,7 +186,7 @@ def _measure(
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     target_s, draft_s = [], []
-    with rollout_attention(model):
+    with rollout_attention(model), rollout_linears(model, draft):
         for t in tqdm(tokens, desc="profile", disable=not progress):
             base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
             ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
