@@ -29,7 +29,7 @@ from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.runner import decoder_and_head, forward_block
 from fastgrpo.spec.draft import DraftHead
 
-DEFAULT_TOKENS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)
 
 
