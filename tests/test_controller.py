@@ -151,6 +151,21 @@ def test_adaptive_corrects_the_profile_from_observed_times() -> None:
     assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1), "each band keeps its own factor"
 
 
+def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> None:
+    """A target forward costs what its tokens cost, rows or tree nodes: plain steps over 8 rows that take twice the
+    profile make a 2-row tree of 4 nodes (8 tokens) twice as dear before any tree has run, while plain steps over
+    2 rows stay as profiled."""
+    controller = AdaptiveController(flat_profile(target=0.05, knee=64))
+    tree = TreeShape(4, 2, 3)
+    before = controller.predicted_seconds(2, tree)
+    for _ in range(30):
+        controller.observe(8, AUTOREGRESSIVE, 0.1, None)
+        controller.observe(2, AUTOREGRESSIVE, 0.05, None)  # plain steps over 2 rows cost what the profile says
+    assert controller.predicted_seconds(8, AUTOREGRESSIVE) == pytest.approx(0.1)
+    assert controller.predicted_seconds(2, AUTOREGRESSIVE) == pytest.approx(0.05)
+    assert controller.predicted_seconds(2, tree) == pytest.approx(2 * before)
+
+
 def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:
     """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted."""
     params = SamplingParams(max_new_tokens=40, temperature=0)

@@ -44,3 +44,9 @@ def test_rollout_linears_patches_every_linear_and_restores_them() -> None:
             raise RuntimeError("inside")
         assert all("forward" not in m.__dict__ for m in linears)
     torch.testing.assert_close(patched, plain[:, :1], rtol=0, atol=1e-10)
+
+
+def test_rollout_linears_leaves_bfloat16_layers_alone() -> None:
+    layer = nn.Linear(16, 8).to(torch.bfloat16)
+    with rollout_linears(layer):
+        assert "forward" not in layer.__dict__

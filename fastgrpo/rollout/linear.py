@@ -37,7 +37,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
-    if m > FEW_ROWS or weight.device.type != "cpu" or weight.dtype not in FULL_PRECISION:
+    if m > FEW_ROWS or not _runs_few_row(weight):
         return F.linear(x, weight, bias)
     if m == 1:
         rows = torch.cat([rows, rows])
@@ -47,15 +47,25 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
+def _runs_few_row(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype in FULL_PRECISION
+
+
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return few_row_linear(x, module.weight, module.bias)
 
 
 @contextmanager
 def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
-    """Run the ``nn.Linear`` layers inside ``modules`` (None entries are skipped) with `few_row_linear` inside the
-    block, then restore them."""
-    patched = [m for module in modules if module is not None for m in module.modules() if type(m) is nn.Linear]
+    """Run the float32 (and float64) CPU ``nn.Linear`` layers inside ``modules`` (None entries are skipped) with
+    `few_row_linear` inside the block, then restore them."""
+    patched = [
+        m
+        for module in modules
+        if module is not None
+        for m in module.modules()
+        if type(m) is nn.Linear and _runs_few_row(m.weight)
+    ]
     for m in patched:
         m.forward = partial(_forward, m)
     try:

@@ -143,8 +143,9 @@ class AdaptiveController:
       shapes (starting from ``prior_accept ** d``);
     - predicted seconds = profiled target forward over ``B * N`` tokens plus ``L`` draft levels over ``B * K``
       tokens, times a correction factor: observed over profiled step time, averaged separately for autoregressive
-      and speculative steps and for each power-of-two band of active rows (the whole kind's average until a band
-      has its own).
+      and speculative steps and for each power-of-two band of tokens in the target forward (``B * N``). A band a
+      kind has not run yet takes the plain steps' factor of that band (the same target forward), else the kind's
+      average.
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
     instead so its statistics stay live, unless it would lose even with every draft token accepted; the interval
@@ -201,11 +202,13 @@ class AdaptiveController:
         if not shape.speculative:
             return plain
         draft = shape.levels * self.profile.draft_time(rows * shape.top_k)
-        return max(self._correction("spec", rows) * self._profiled_seconds(rows, shape), plain + draft)
+        return max(self._correction("spec", rows * shape.nodes) * self._profiled_seconds(rows, shape), plain + draft)
 
-    def _correction(self, kind: str, rows: int) -> float:
-        """Observed over profiled step time for this kind of step at about this many rows."""
-        return self.correction.get((kind, rows.bit_length()), self.correction[(kind, None)])
+    def _correction(self, kind: str, tokens: int) -> float:
+        """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward."""
+        band = tokens.bit_length()
+        fallback = self.correction.get(("ar", band), self.correction[(kind, None)])
+        return self.correction.get((kind, band), fallback)
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
@@ -243,7 +246,7 @@ class AdaptiveController:
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
         kind = self._kind(shape)
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
-        for key in ((kind, None), (kind, rows.bit_length())):
+        for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
             current = self.correction.get(key, self.correction[(kind, None)])
             self.correction[key] = current + self._rate(key, self.time_rate) * (ratio - current)
         if accepted is None or shape.nodes == 1:
