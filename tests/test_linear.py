@@ -43,6 +43,9 @@ def test_rollout_linears_patches_every_linear_and_restores_them() -> None:
         with pytest.raises(RuntimeError), rollout_linears(model):
             raise RuntimeError("inside")
         assert all("forward" not in m.__dict__ for m in linears)
+        with rollout_linears(model, model.get_output_embeddings()):  # a layer reached twice is restored once
+            pass
+        assert all("forward" not in m.__dict__ for m in linears)
     torch.testing.assert_close(patched, plain[:, :1], rtol=0, atol=1e-10)
 
 

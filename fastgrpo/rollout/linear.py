@@ -59,13 +59,9 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
     """Run the float32 (and float64) CPU ``nn.Linear`` layers inside ``modules`` (None entries are skipped) with
     `few_row_linear` inside the block, then restore them."""
-    patched = [
-        m
-        for module in modules
-        if module is not None
-        for m in module.modules()
-        if type(m) is nn.Linear and _runs_few_row(m.weight)
-    ]
+    found = (m for module in modules if module is not None for m in module.modules())
+    # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
+    patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_few_row(m.weight)}.values())
     for m in patched:
         m.forward = partial(_forward, m)
     try:
