@@ -1,8 +1,12 @@
 """Shared fixtures: tiny random float64 causal LMs of the supported families, built once per session, and a tiny
-Llama saved to disk with the SmolLM2 tokenizer for trainer runs."""
+Llama saved to disk with the SmolLM2 tokenizer for trainer runs, and a two-process torchrun launcher."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +96,20 @@ def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_two(
+    args: list[str], env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --nproc_per_node 2 ARGS`` on a free local port, one thread per process,
+    with ``env`` added to this process's environment; output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([*cmd, *args], env=full_env, capture_output=True, text=True, timeout=timeout)

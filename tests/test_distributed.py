@@ -9,9 +9,7 @@ rank takes its rows' share of the job's uniforms), so the completions of both ru
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
-from conftest import save_tiny_llama
+from conftest import free_port, save_tiny_llama, torchrun_two
 from safetensors.torch import load_file
 
 from fastgrpo import distributed
@@ -27,12 +25,6 @@ from fastgrpo.config import GRPOConfig, load_config
 from fastgrpo.grpo.trainer import GRPOTrainer
 
 TESTS = Path(__file__).parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(model_dir: Path, out: Path, per_device: int, **overrides) -> GRPOConfig:
@@ -74,10 +66,9 @@ def _worker(rank: int, world: int, port: int, config: str, draft_dir: str) -> No
 
 
 def torchrun(config: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    cmd += ["-m", "fastgrpo", "train", "--config", str(config), *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    """``fastgrpo train`` in 2 processes under torchrun (the reward module importable from the tests)."""
+    train = ["-m", "fastgrpo", "train", "--config", str(config), *args]
+    return torchrun_two(train, {"PYTHONPATH": str(TESTS)}, timeout)
 
 
 @pytest.fixture(scope="module")

@@ -3,15 +3,11 @@ each step, saves it into TRL's checkpoints and restores it when TRL resumes."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import save_tiny_llama
+from conftest import save_tiny_llama, torchrun_two
 from safetensors.torch import load_file
 
 from fastgrpo.config import SpeculationConfig
@@ -96,15 +92,8 @@ def test_unsupported_trl_options_are_refused_before_generating(model_dir: Path, 
 def test_two_trl_processes_keep_identical_drafts(model_dir: Path, tmp_path: Path) -> None:
     """TRL in 2 processes (torchrun, gloo): each rank rolls out with its own engine and the draft updates average
     their gradients, so both ranks end with the same draft."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     script = Path(__file__).parent / "trl_run.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    result = subprocess.run(
-        [*cmd, str(script), str(model_dir), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
-    )
+    result = torchrun_two([str(script), str(model_dir), str(tmp_path)], {"TRL_EXPERIMENTAL_SILENCE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     rank0 = load_file(str(tmp_path / "rank0" / "draft.safetensors"))
     rank1 = load_file(str(tmp_path / "rank1" / "draft.safetensors"))
