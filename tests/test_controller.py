@@ -121,6 +121,19 @@ def test_adaptive_chooses_autoregressive_when_nothing_is_accepted() -> None:
     assert sum(s.speculative for s in chosen[20:]) <= 6, "only rare probes after the first steps"
 
 
+def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
+    """Shallow trees accepted nothing; the deeper levels only the big trees have keep their prior, yet a big tree
+    cannot expect more than the one bonus token, because a row reaches depth 4 only through depths 1 to 3."""
+    controller = AdaptiveController(flat_profile(draft=0.0))
+    shallow = TreeShape(4, 3, 3)
+    for _ in range(5):
+        controller.observe(1, shallow, controller._profiled_seconds(1, shallow), torch.zeros(1, dtype=torch.long))
+    deep = controller.limits.shape_for(24)
+    assert deep.levels == 5 and controller.depth_accept[3] > 0
+    assert controller.expected_tokens(deep) == pytest.approx(1.0)
+    assert controller.best(1) == AUTOREGRESSIVE
+
+
 def test_adaptive_chooses_big_trees_when_everything_is_accepted() -> None:
     controller = AdaptiveController(flat_profile())
     run_steps(controller, rows=1, steps=100, accept_fraction=1.0)

@@ -181,10 +181,15 @@ class AdaptiveController:
         return self.limits.max_shape
 
     def expected_tokens(self, shape: TreeShape) -> float:
-        """Expected tokens emitted per row by a step of this shape."""
-        levels = shape.levels
+        """Expected tokens emitted per row by a step of this shape. A row reaches a depth only through the depths
+        above it, so each depth's fraction is capped by the one above (a deep level that has not run yet keeps its
+        prior, which must not outweigh a measured zero at depth 1)."""
         per_depth = self.shape_accept.get(shape, self.depth_accept)
-        return 1.0 + sum(per_depth[:levels])
+        total, reached = 1.0, 1.0
+        for fraction in per_depth[: shape.levels]:
+            reached = min(reached, fraction)
+            total += reached
+        return total
 
     @staticmethod
     def _kind(shape: TreeShape) -> str:
