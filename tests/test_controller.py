@@ -258,6 +258,7 @@ def test_profile_path_is_keyed_by_model_device_and_dtype(tmp_path) -> None:
     b = profiler.profile_path("smollm2", torch.device("cpu"), torch.bfloat16, tmp_path)
     c = profiler.profile_path("other/model", torch.device("cpu"), torch.float32, tmp_path)
     assert len({a, b, c}) == 3 and all(p.parent == tmp_path / "profiles" for p in (a, b, c))
+    assert all(p.name.endswith(f"-v{profiler.PROFILE_VERSION}.json") for p in (a, b, c)), "older kernels, other name"
 
 
 def test_load_or_calibrate_prefers_a_saved_profile(llama_model: PreTrainedModel, tmp_path, monkeypatch) -> None:

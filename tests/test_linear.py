@@ -1,4 +1,4 @@
-"""Tests for the few-row linear layers the rollout engine runs with on CPU."""
+"""Tests for the linear layers the rollout engine runs with on CPU."""
 
 from __future__ import annotations
 
@@ -8,25 +8,45 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from torch import nn
 
-from fastgrpo.rollout.linear import FEW_ROWS, few_row_linear, rollout_linears
+from fastgrpo.rollout.linear import FEW_ROWS, rollout_linear, rollout_linears
 
 
-@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (3, 16), (1, 1, 16), (2, 3, 16), (1, FEW_ROWS + 3, 16)])
+@pytest.mark.parametrize(
+    "shape", [(1, 16), (2, 16), (3, 16), (1, 1, 16), (2, 3, 16), (1, FEW_ROWS + 3, 16), (4, 8, 16)]
+)
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_few_row_linear_equals_linear(shape: tuple[int, ...], with_bias: bool) -> None:
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+def test_rollout_linear_equals_linear(shape: tuple[int, ...], with_bias: bool, dtype: torch.dtype, atol: float) -> None:
+    """Float32 past `FEW_ROWS` rows runs oneDNN's linear, float64 there runs ``F.linear``; both the few-row path."""
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(*shape, generator=g, dtype=torch.float64)
-    weight = torch.randn(24, 16, generator=g, dtype=torch.float64)
-    bias = torch.randn(24, generator=g, dtype=torch.float64) if with_bias else None
-    out = few_row_linear(x, weight, bias)
-    assert out.shape == (*shape[:-1], 24) and out.is_contiguous()
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=1e-12)
+    x = torch.randn(*shape, generator=g, dtype=dtype)
+    weight = torch.randn(24, 16, generator=g, dtype=dtype)
+    bias = torch.randn(24, generator=g, dtype=dtype) if with_bias else None
+    out = rollout_linear(x, weight, bias)
+    assert out.shape == (*shape[:-1], 24) and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=0, atol=atol)
 
 
-def test_few_row_linear_leaves_bfloat16_to_linear() -> None:
+def test_rollout_linear_on_a_strided_input() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 16, 40, generator=g)[..., ::2]  # [3, 16, 20], not contiguous
+    weight = torch.randn(8, 20, generator=g)
+    torch.testing.assert_close(rollout_linear(x, weight), F.linear(x, weight), rtol=0, atol=1e-5)
+
+
+def test_rollout_linear_leaves_products_autograd_needs_to_linear() -> None:
+    """oneDNN's linear has no backward: a product that needs a gradient goes through ``F.linear``."""
+    x = torch.randn(FEW_ROWS + 4, 16, requires_grad=True)
+    weight = torch.randn(8, 16)
+    rollout_linear(x, weight).square().sum().backward()
+    expected = 2 * F.linear(x, weight).detach() @ weight
+    torch.testing.assert_close(x.grad, expected)
+
+
+def test_rollout_linear_leaves_bfloat16_to_linear() -> None:
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     weight = torch.randn(8, 16, dtype=torch.bfloat16)
-    assert torch.equal(few_row_linear(x, weight), F.linear(x, weight))
+    assert torch.equal(rollout_linear(x, weight), F.linear(x, weight))
 
 
 def test_rollout_linears_patches_every_linear_and_restores_them() -> None:

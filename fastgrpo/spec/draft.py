@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
-from fastgrpo.rollout.linear import few_row_linear
+from fastgrpo.rollout.linear import rollout_linear
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
@@ -97,8 +97,8 @@ class DraftHead(nn.Module):
         The LM head is the target's and stays frozen here: no gradient reaches it from the draft's loss."""
         if self.draft_vocab is None:
             bias = getattr(lm_head, "bias", None)
-            return few_row_linear(hidden, lm_head.weight.detach(), None if bias is None else bias.detach())
-        return few_row_linear(hidden, self._head_rows(lm_head.weight))
+            return rollout_linear(hidden, lm_head.weight.detach(), None if bias is None else bias.detach())
+        return rollout_linear(hidden, self._head_rows(lm_head.weight))
 
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """``[V_d, H]`` LM-head rows of the draft vocabulary. While drafting (no autograd) the gathered rows are kept

@@ -6,7 +6,8 @@ draft curve times one draft tree level over ``t`` tokens (one draft layer plus i
 verification capacity ``C_peak`` is the knee of the target curve: the token count up to which the latency stays
 flat, beyond which it grows in proportion to the tokens.
 
-Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device and dtype, and reused.
+Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device, dtype and `PROFILE_VERSION`,
+and reused.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from fastgrpo.spec.draft import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)
+# Part of every saved profile's name: raised when the rollout's kernels change what a forward costs, so that profiles
+# measured with the old ones are not reused (2: oneDNN linear layers past four rows on CPU).
+PROFILE_VERSION = 2
 
 
 @dataclass
@@ -113,7 +117,7 @@ def profile_path(
     """Where the profile of this model on this device and dtype is kept."""
     root = Path(cache_dir or os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "profiles"
     key = "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", part) for part in (model_name, _device_name(device), str(dtype)))
-    return root / f"{key}.json"
+    return root / f"{key}-v{PROFILE_VERSION}.json"
 
 
 def _sync(device: torch.device) -> None:
