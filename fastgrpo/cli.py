@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--draft", help="a saved draft to time (default: a fresh draft of the same architecture)")
     prof.add_argument("--tokens", default=",".join(map(str, DEFAULT_PROFILE_TOKENS)), help="token counts to time")
     prof.add_argument("--context-length", type=int, default=256, help="cached tokens each row attends to")
-    prof.add_argument("--repeats", type=int, default=5, help="timed forwards per token count (median)")
+    prof.add_argument("--repeats", type=int, default=9, help="rounds timing every token count once (median)")
     prof.add_argument("--output", help="JSON path (default: the profile cache, where training finds it)")
     prof.set_defaults(func=_profile)
 

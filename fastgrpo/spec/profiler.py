@@ -125,16 +125,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _median_seconds(fn, repeats: int, device: torch.device) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        t0 = time.perf_counter()
+def _seconds(fn, device: torch.device) -> float:
+    _sync(device)
+    t0 = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _interleaved_medians(fns: list, repeats: int, device: torch.device, progress: bool) -> list[float]:
+    """Median seconds of every function, timed in ``repeats`` rounds that each run all of them once (after one
+    warm-up call each), so that a slow spell of a shared machine spreads over every point instead of bending one."""
+    from tqdm.auto import tqdm
+
+    for fn in fns:
         fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in tqdm(range(repeats), desc="profile", disable=not progress):
+        for fn, seen in zip(fns, times, strict=True):
+            seen.append(_seconds(fn, device))
+    return [statistics.median(seen) for seen in times]
 
 
 @torch.inference_mode()
@@ -178,8 +188,6 @@ def _measure(
     top_k: int,
     progress: bool,
 ) -> LatencyProfile:
-    from tqdm.auto import tqdm
-
     param = next(model.parameters())
     dev = param.device
     decoder, head = decoder_and_head(model)
@@ -189,20 +197,16 @@ def _measure(
     draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
-    target_s, draft_s = [], []
+    target_fns, draft_fns = [], []
+    for t in tokens:
+        base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
+        ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
+        block = (base, torch.zeros(1, dtype=torch.long, device=dev), base[:, None], torch.ones(1, 1, dtype=torch.bool))
+        target_fns.append(partial(_target_forward, decoder, head, cache, block, ids))
+        draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
     with rollout_attention(model), rollout_linears(model, draft):
-        for t in tqdm(tokens, desc="profile", disable=not progress):
-            base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
-            ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
-            block = (
-                base,
-                torch.zeros(1, dtype=torch.long, device=dev),
-                base[:, None],
-                torch.ones(1, 1, dtype=torch.bool),
-            )
-            target_s.append(_median_seconds(partial(_target_forward, decoder, head, cache, block, ids), repeats, dev))
-            level = partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k)
-            draft_s.append(_median_seconds(level, repeats, dev))
+        seconds = _interleaved_medians(target_fns + draft_fns, repeats, dev, progress)
+    target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) :]
     return LatencyProfile(
         model=model_name,
         device=_device_name(dev),
