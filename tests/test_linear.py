@@ -43,6 +43,16 @@ def test_rollout_linear_leaves_products_autograd_needs_to_linear() -> None:
     torch.testing.assert_close(x.grad, expected)
 
 
+@pytest.mark.parametrize("rows", [2, FEW_ROWS + 4])
+def test_rollout_linear_follows_autocast(rows: int) -> None:
+    """Draft training autocasts to bfloat16 and computes the target's logits without autograd: a bfloat16 input
+    meets the float32 LM head, as in ``F.linear`` under autocast."""
+    x = torch.randn(rows, 16).bfloat16()
+    weight = torch.randn(8, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(rollout_linear(x, weight), F.linear(x, weight))
+
+
 def test_rollout_linear_leaves_bfloat16_to_linear() -> None:
     x = torch.randn(2, 16, dtype=torch.bfloat16)
     weight = torch.randn(8, 16, dtype=torch.bfloat16)

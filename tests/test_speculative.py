@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_tiny_model
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -73,6 +74,24 @@ def trained_draft(model: PreTrainedModel, epochs: int = 30, seed: int = 0) -> Dr
     config = DraftTrainConfig(learning_rate=3e-3, epochs=epochs, token_budget=512, token_loss_weight=1.0)
     DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config).fit(samples)
     return draft
+
+
+def test_draft_training_under_bfloat16_autocast_on_a_float32_model() -> None:
+    """The benchmarks train drafts under bfloat16 autocast on a float32 target, whose LM head then runs outside
+    autograd on the rollout linear layers' path (`tests/test_linear.py` checks that path against autocast)."""
+    torch.manual_seed(0)
+    model = make_tiny_model("llama").float()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
+    samples = [
+        DraftSample(torch.tensor(p + c), h, len(p))
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
+    ]
+    config = DraftTrainConfig(learning_rate=3e-3, epochs=10, token_budget=512, token_loss_weight=1.0, bf16=True)
+    losses = DraftTrainer(
+        DraftHead(model.config), model.get_input_embeddings(), model.get_output_embeddings(), config
+    ).fit(samples)
+    assert losses[-1] < losses[0]
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -11,7 +11,8 @@ of them takes 11 ms) in 27 to 46 ms for 1 to 12 rows and 43 ms for 16. Two faste
 
 While rollouts run, float32 CPU ``nn.Linear`` layers therefore take the first route up to `FEW_ROWS` rows and
 oneDNN beyond (float64, which oneDNN lacks, keeps ``nn.Linear`` beyond). Where autograd needs the product,
-``F.linear`` runs: oneDNN's op has no backward. bfloat16 keeps ``nn.Linear``, which already runs on oneDNN.
+``F.linear`` runs: oneDNN's op has no backward; so it does under autocast, whose casts only ``F.linear`` follows.
+bfloat16 keeps ``nn.Linear``, which already runs on oneDNN.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         ``[..., out]``.
     """
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if needs_grad or not _runs_rollout_linear(weight):
+    autocast = torch.is_autocast_enabled(x.device.type)  # only F.linear follows autocast's casts
+    if needs_grad or autocast or x.dtype != weight.dtype or not _runs_rollout_linear(weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     m = rows.shape[0]
