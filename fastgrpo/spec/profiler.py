@@ -17,6 +17,7 @@ import os
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -133,7 +134,9 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved_medians(fns: list, repeats: int, device: torch.device, progress: bool) -> list[float]:
+def _interleaved_medians(
+    fns: list[Callable[[], None]], repeats: int, device: torch.device, progress: bool
+) -> list[float]:
     """Median seconds of every function, timed in ``repeats`` rounds that each run all of them once (after one
     warm-up call each), so that a slow spell of a shared machine spreads over every point instead of bending one."""
     from tqdm.auto import tqdm
