@@ -17,7 +17,7 @@ from fastgrpo.rollout.linear import FEW_ROWS, rollout_linear, rollout_linears
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_rollout_linear_equals_linear(shape: tuple[int, ...], with_bias: bool, dtype: torch.dtype, atol: float) -> None:
-    """Float32 past `FEW_ROWS` rows runs oneDNN's linear, float64 there runs ``F.linear``; both the few-row path."""
+    """Past `FEW_ROWS` rows float32 runs oneDNN's linear and float64 ``F.linear``; below it both take ``W @ x.T``."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, dtype=dtype)
     weight = torch.randn(24, 16, generator=g, dtype=dtype)
