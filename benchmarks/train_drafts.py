@@ -4,6 +4,10 @@ reduced vocabulary is fit on the responses (with ``--full-vocab``, a second one 
 same responses, so that the two can be compared).
 
     python benchmarks/train_drafts.py --prompts 1024 --output drafts
+
+With ``--samples FILE``, the generated responses and hidden states are saved to FILE, or read from it when it exists
+(made with the same ``--prompts``, ``--greedy-fraction`` and ``--max-new-tokens``), so that fitting recipes can be
+compared without generating again.
 """
 
 from __future__ import annotations
@@ -37,22 +41,39 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--token-loss-weight", type=float, default=1.0)
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
+    parser.add_argument(
+        "--unroll", type=int, default=1, help="tree depths trained per position (draft_training.unroll)"
+    )
     parser.add_argument("--full-vocab", action="store_true", help="also fit a draft with the full vocabulary")
+    parser.add_argument("--samples", type=Path, help="file to save the generated samples to, or to read them from")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    rows = load_gsm8k(GSM8K / "train.jsonl")[: args.prompts]
-    t0 = time.perf_counter()
-    sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
-    samples = collect_mixed(engine, tokenizer, rows, sampled, args.greedy_fraction, args.batch_size, 512, seed=1)
-    generate_s = time.perf_counter() - t0
+    recipe = {"prompts": args.prompts, "greedy_fraction": args.greedy_fraction, "max_new_tokens": args.max_new_tokens}
+    if args.samples and args.samples.is_file():
+        saved = torch.load(args.samples, weights_only=False)
+        if saved["recipe"] != recipe:
+            raise SystemExit(f"--samples {args.samples} was made with {saved['recipe']}, not {recipe}")
+        samples, generate_s = saved["samples"], saved["generate_seconds"]
+    else:
+        rows = load_gsm8k(GSM8K / "train.jsonl")[: args.prompts]
+        t0 = time.perf_counter()
+        sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
+        samples = collect_mixed(engine, tokenizer, rows, sampled, args.greedy_fraction, args.batch_size, 512, seed=1)
+        generate_s = time.perf_counter() - t0
+        if args.samples:
+            torch.save({"recipe": recipe, "samples": samples, "generate_seconds": generate_s}, args.samples)
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
     config = DraftTrainConfig(
-        learning_rate=args.lr, epochs=args.epochs, token_loss_weight=args.token_loss_weight, bf16=True
+        learning_rate=args.lr,
+        epochs=args.epochs,
+        token_loss_weight=args.token_loss_weight,
+        bf16=True,
+        unroll=args.unroll,
     )
     vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})
     for name, size in vocabularies.items():

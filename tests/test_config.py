@@ -58,6 +58,7 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--speculation.c_peak", "0"], "speculation.c_peak must be 'auto' or an integer >= 1, got 0"),
         (["--speculation.l_min", "6"], "speculation.l_max must be >= speculation.l_min"),
         (["--speculation.alpha", "1.5"], "speculation.alpha must be in (0, 1]"),
+        (["--draft_training.unroll", "0"], "draft_training.unroll must be > 0, got 0"),
     ],
 )
 def test_invalid_options_name_the_option(overrides: list[str], message: str) -> None:

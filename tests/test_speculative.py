@@ -94,6 +94,48 @@ def test_draft_training_under_bfloat16_autocast_on_a_float32_model() -> None:
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_unrolled_training_predicts_as_the_draft_drafts_deeper_levels(family: str) -> None:
+    """Unroll step ``s`` of training (EAGLE-3's training-time test) must compute, at every row, what the draft
+    computes for a depth-``s + 1`` tree node: true features up to ``s`` rows back, then the draft's own predictions.
+    Checked against plain causal forwards that feed the draft its predictions one at a time."""
+    torch.manual_seed(0)
+    model = tiny_model(family)
+    draft = DraftHead(model.config).double()
+    config = DraftTrainConfig(unroll=3)
+    trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
+    t, hidden = 9, model.config.hidden_size
+    embeds = model.get_input_embeddings()(torch.randint(0, model.config.vocab_size, (2, t)))
+    hid = torch.randn(2, t, hidden, dtype=torch.float64)
+    positions = torch.arange(1, t + 1).expand(2, t)
+    with torch.no_grad():
+        preds = trainer.unrolled_predictions(embeds, hid, positions)
+        for step in range(3):
+            for row in range(step, t):
+                features = hid[:, : row - step + 1]
+                for _ in range(step + 1):
+                    n = features.shape[1]
+                    out = draft(embeds[:, :n], features, position_ids=positions[:, :n])[:, -1:]
+                    features = torch.cat([features, out], dim=1)
+                torch.testing.assert_close(preds[step][:, row], out[:, 0], rtol=1e-10, atol=1e-10)
+
+
+def test_unrolled_training_lowers_its_loss() -> None:
+    model = tiny_model("llama")
+    torch.manual_seed(0)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
+    samples = [
+        DraftSample(torch.tensor(p + c), h, len(p))
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
+    ]
+    config = DraftTrainConfig(learning_rate=3e-3, epochs=30, token_budget=512, token_loss_weight=1.0, unroll=2)
+    losses = DraftTrainer(
+        DraftHead(model.config).double(), model.get_input_embeddings(), model.get_output_embeddings(), config
+    ).fit(samples)
+    assert losses[-1] < losses[0] - 0.5
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def model_and_drafts(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, dict[str, DraftHead]]:
     model = tiny_model(request.param)

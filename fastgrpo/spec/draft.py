@@ -81,14 +81,15 @@ class DraftHead(nn.Module):
         target_hidden: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        **body_kwargs,
     ) -> torch.Tensor:
-        """Plain causal forward over whole sequences (training): ``[B, T, H]`` predicted next hidden states.
+        """Forward over whole sequences (training): ``[B, T, H]`` predicted next hidden states.
 
         Pair ``j`` is ``(embed(x_{j+1}), h_j)`` at position ``j + 1``; ``attention_mask`` is the ``[B, T]`` padding
-        mask (right padding).
+        mask (right padding) of a causal forward, or a 4D mask; ``body_kwargs`` (a cache) go to the decoder layer.
         """
         x = self.features(token_embeds, target_hidden)
-        out = self.body(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids)
+        out = self.body(inputs_embeds=x, attention_mask=attention_mask, position_ids=position_ids, **body_kwargs)
         return out.last_hidden_state
 
     def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:

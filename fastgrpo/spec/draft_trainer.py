@@ -3,6 +3,11 @@ training forward), never with an extra target forward. Used offline (``fastgrpo 
 
 Loss per trained position: ``hidden_loss_weight * SmoothL1(predicted h_{j+1}, target h_{j+1})`` plus
 ``token_loss_weight * CE(target's next-token distribution, draft's)``, averaged over completion positions.
+
+With ``unroll`` > 1 the draft is also trained the way it drafts deeper tree levels (EAGLE-3's training-time test):
+at unroll step ``s`` the pair at position ``j + 1`` is ``(embed(x_{j+1}), draft's prediction of h_j)`` made at step
+``s - 1``, and it attends to the true pairs up to position ``j + 1 - s`` and to its own drafted ancestors, exactly
+what a depth-``s + 1`` tree node sees. The loss is averaged over the steps.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import DynamicCache
 
 from fastgrpo import distributed
 from fastgrpo.spec.draft import DraftHead
@@ -48,13 +54,24 @@ class DraftTrainConfig:
     epochs: int = 1
     max_grad_norm: float = 1.0
     bf16: bool = False  # autocast the draft's forward/backward to bfloat16
+    unroll: int = 1  # tree depths trained per position (1: teacher forcing only; see the module docstring)
 
     def validate(self) -> None:
-        for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm"):
+        for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm", "unroll"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"draft_training.{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
             raise ValueError("draft_training loss weights must be >= 0")
+
+
+def unrolled_attention_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
+    """``[1, 1, T, (step + 1) * T]`` bool mask of unroll step ``step`` over the keys of steps ``0 .. step``: query
+    ``i`` sees step 0's keys ``0 .. i - step`` (true features) and key ``i - step + e`` of each step ``e`` >= 1 (its
+    drafted ancestors, then itself)."""
+    i = torch.arange(t, device=device)[:, None]
+    j = torch.arange(t, device=device)[None, :]
+    blocks = [j <= i - step] + [j == i - step + e for e in range(1, step + 1)]
+    return torch.cat(blocks, dim=1)[None, None]
 
 
 def rollout_samples(prompt_ids: list[list[int]], out: GenerationOutput, num_generations: int) -> list[DraftSample]:
@@ -115,10 +132,46 @@ class DraftTrainer:
             return self._loss(nxt, hid, attn, train)
 
     def _loss(self, nxt: torch.Tensor, hid: torch.Tensor, attn: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(1, nxt.shape[1] + 1, device=nxt.device).expand_as(nxt)
+        b, t = nxt.shape
+        positions = torch.arange(1, t + 1, device=nxt.device).expand(b, t)
         with torch.no_grad():
             embeds = self.embed(nxt)
-        pred = self.forward(embeds, hid, attention_mask=attn, position_ids=positions)[:, :-1][train[:, :-1]]
+        if self.config.unroll == 1:
+            pred = self.forward(embeds, hid, attention_mask=attn, position_ids=positions)
+            return self._step_loss(pred, hid, train)
+        losses = [
+            # Rows before position ``step`` have no drafted ancestors: not trained at that step.
+            self._step_loss(pred, hid, train & (positions > step))
+            for step, pred in enumerate(self.unrolled_predictions(embeds, hid, positions))
+        ]
+        return sum(losses) / len(losses)
+
+    def unrolled_predictions(
+        self, embeds: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """The draft's ``[B, T, H]`` predictions at each of ``unroll`` steps (see the module docstring): row ``j`` of
+        step ``s`` predicts ``h_{j+1}`` as a depth-``s + 1`` tree node would, from ``s`` drafted ancestors.
+
+        Args:
+            embeds: ``[B, T, H]`` embeddings of the next tokens ``x_1 .. x_T``.
+            hid: ``[B, T, H]`` target hidden states ``h_0 .. h_{T-1}`` (right-padded rows).
+            positions: ``[B, T]`` position ids ``1 .. T``.
+        """
+        t = embeds.shape[1]
+        cache, inputs, preds = DynamicCache(), hid, []
+        for step in range(self.config.unroll):
+            mask = unrolled_attention_mask(t, step, embeds.device)
+            preds.append(
+                self.forward(
+                    embeds, inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
+                )
+            )
+            inputs = torch.cat([hid[:, :1], preds[-1][:, :-1]], dim=1)
+        return preds
+
+    def _step_loss(self, pred: torch.Tensor, hid: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+        """Weighted loss of ``[B, T, H]`` predictions (row ``j`` predicts ``hid[:, j + 1]``) over ``train`` rows."""
+        pred = pred[:, :-1][train[:, :-1]]
         target = hid[:, 1:][train[:, :-1]].to(pred.dtype)
         hidden_loss = F.smooth_l1_loss(pred, target)
         with torch.no_grad():
