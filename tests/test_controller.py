@@ -245,8 +245,10 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreT
         llama_model.eval()
     assert was_training, "measuring must leave the model in the mode it had"
     assert profile.c_peak == 16
-    assert profile.target_seconds[0] == pytest.approx(0.02, rel=0.5)
-    assert profile.target_time(64) > 3 * profile.target_time(8)
+    # one forward's median: at least the 20 ms sleep, well under the 60 ms that three repeats summed would take (the
+    # tiny model's own compute on a loaded CI machine has added up to 12 ms)
+    assert 0.02 <= profile.target_seconds[0] < 0.055
+    assert profile.target_time(64) > 2 * profile.target_time(8)  # 80 ms of sleep against 20 ms, plus overhead
     path = profile.save(tmp_path / "profile.json")
     assert LatencyProfile.load(path) == profile
     png = profiler.plot(profile, tmp_path / "profile.png")
