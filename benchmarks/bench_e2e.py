@@ -26,10 +26,12 @@ import torch
 from fastgrpo.config import GRPOConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.models import native_bf16
 from fastgrpo.report import phase_seconds, plot_runs
 from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
+BF16 = native_bf16(torch.device("cpu"))  # autocast pays only where the CPU has bf16 units
 
 
 def config_for(args, run: str) -> GRPOConfig:
@@ -41,7 +43,7 @@ def config_for(args, run: str) -> GRPOConfig:
         "d": SpeculationConfig(mode="adaptive", draft=args.draft),
     }[run]
     draft_training = DraftTrainConfig(
-        online=run in ("c", "d"), learning_rate=args.draft_lr, token_loss_weight=1.0, epochs=1, bf16=True
+        online=run in ("c", "d"), learning_rate=args.draft_lr, token_loss_weight=1.0, epochs=1, bf16=BF16
     )
     return GRPOConfig(
         model="smollm2",
@@ -54,7 +56,7 @@ def config_for(args, run: str) -> GRPOConfig:
         temperature=1.0,
         top_p=0.95,
         learning_rate=1e-5,
-        bf16=True,
+        bf16=BF16,
         max_steps=args.steps,
         save_steps=args.steps,
         output_dir=str(Path(args.output) / run),

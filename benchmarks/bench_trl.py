@@ -26,7 +26,7 @@ from transformers import TrainerCallback  # noqa: E402
 from fastgrpo.config import SpeculationConfig  # noqa: E402
 from fastgrpo.data import DataConfig, load_dataset  # noqa: E402
 from fastgrpo.integrations.trl import DraftCallback, SpeculativeRollout  # noqa: E402
-from fastgrpo.models import load_model, load_tokenizer  # noqa: E402
+from fastgrpo.models import load_model, load_tokenizer, native_bf16  # noqa: E402
 from fastgrpo.rewards import gsm8k_flexible  # noqa: E402
 from fastgrpo.spec.draft_trainer import DraftTrainConfig  # noqa: E402
 
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, fast: bool) -> tuple[list[float], list[dict]]:
     rollout = None
     if fast:
         spec = SpeculationConfig(mode=args.speculation, draft=args.draft)
-        learning = DraftTrainConfig(token_loss_weight=1.0, bf16=True)
+        learning = DraftTrainConfig(token_loss_weight=1.0, bf16=native_bf16(torch.device("cpu")))
         rollout = SpeculativeRollout(speculation=spec, draft_training=learning)
         callbacks.append(DraftCallback(rollout))
     trainer = trl.GRPOTrainer(

@@ -45,6 +45,9 @@ def main() -> None:
         "--unroll", type=int, default=1, help="tree depths trained per position (draft_training.unroll)"
     )
     parser.add_argument("--full-vocab", action="store_true", help="also fit a draft with the full vocabulary")
+    parser.add_argument(
+        "--bf16", action="store_true", help="bfloat16 autocast (pays only on CPUs with bf16 units, e.g. AVX512-BF16)"
+    )
     parser.add_argument("--samples", type=Path, help="file to save the generated samples to, or to read them from")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
@@ -72,7 +75,7 @@ def main() -> None:
         learning_rate=args.lr,
         epochs=args.epochs,
         token_loss_weight=args.token_loss_weight,
-        bf16=True,
+        bf16=args.bf16,
         unroll=args.unroll,
     )
     vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})

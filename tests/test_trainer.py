@@ -58,6 +58,28 @@ def make_trainer(config: GRPOConfig, resume: bool = False) -> GRPOTrainer:
     return trainer
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_bf16_on_a_device_without_bf16_units_warns_naming_the_option(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    native: bool,
+) -> None:
+    from fastgrpo.spec.draft_trainer import DraftTrainConfig
+
+    monkeypatch.setattr("fastgrpo.grpo.trainer.native_bf16", lambda device: native)
+    config = make_config(tiny_model_dir, tmp_path, bf16=True, draft_training=DraftTrainConfig(bf16=True))
+    with caplog.at_level("WARNING", logger="fastgrpo.grpo.trainer"):
+        make_trainer(config)
+    warned = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
+    if native:
+        assert warned == []
+    else:
+        assert [m.split(":")[0] for m in warned] == ["bf16", "draft_training.bf16"]
+        assert all("set " in m and ": false" in m for m in warned)
+
+
 def test_two_steps_change_weights_and_write_loadable_checkpoint(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = make_trainer(make_config(tiny_model_dir, tmp_path))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
