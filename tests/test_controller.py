@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from functools import partial
 
 import pytest
 import torch
@@ -261,6 +262,16 @@ def test_profile_path_is_keyed_by_model_device_and_dtype(tmp_path) -> None:
     c = profiler.profile_path("other/model", torch.device("cpu"), torch.float32, tmp_path)
     assert len({a, b, c}) == 3 and all(p.parent == tmp_path / "profiles" for p in (a, b, c))
     assert all(p.name.endswith(f"-v{profiler.PROFILE_VERSION}.json") for p in (a, b, c)), "older kernels, other name"
+
+
+def test_cpu_profiles_are_keyed_by_instruction_set_and_threads(tmp_path, monkeypatch) -> None:
+    path = partial(profiler.profile_path, "smollm2", torch.device("cpu"), torch.float32, tmp_path)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    avx2 = path()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    avx512 = path()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert len({avx2, avx512, path()}) == 3
 
 
 def test_load_or_calibrate_prefers_a_saved_profile(llama_model: PreTrainedModel, tmp_path, monkeypatch) -> None:

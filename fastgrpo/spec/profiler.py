@@ -6,8 +6,8 @@ draft curve times one draft tree level over ``t`` tokens (one draft layer plus i
 verification capacity ``C_peak`` is the knee of the target curve: the token count up to which the latency stays
 flat, beyond which it grows in proportion to the tokens.
 
-Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device, dtype and `PROFILE_VERSION`,
-and reused.
+Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (a GPU's name, or a CPU's
+instruction set and thread count), dtype and `PROFILE_VERSION`, and reused.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def find_knee(tokens: list[int], seconds: list[float]) -> int:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu-{torch.get_num_threads()}threads"
+    # The CPU's instruction set is part of the key: a profile measured on an AVX-512 machine is wrong on an AVX2 one.
+    return f"cpu-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}threads"
 
 
 def profile_path(
