@@ -130,6 +130,8 @@ def main() -> None:
         "greedy": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
         "T=1,top-p=0.95": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95),
     }
+    for engine in engines.values():  # warm-up: the first call of a process pays one-off costs (kernels, allocation)
+        engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0))
     shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.depth}" for n, s in shapes.items())
     threads = torch.get_num_threads()
     print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {threads} threads, max_new_tokens={args.max_new_tokens}")
