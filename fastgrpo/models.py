@@ -101,6 +101,18 @@ def native_bf16(device: torch.device) -> bool:
     return True
 
 
+def warn_if_bf16_emulated(option: str, device: torch.device) -> None:
+    """Warn, naming the config ``option`` that turned bfloat16 autocast on, when ``device`` would emulate it."""
+    if not native_bf16(device):
+        logger.warning(
+            "%s: %s has no bfloat16 units, so bfloat16 autocast is emulated there and several times slower than "
+            "float32; set %s: false",
+            option,
+            device,
+            option,
+        )
+
+
 def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention."""
     if dtype not in DTYPES:

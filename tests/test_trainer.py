@@ -68,9 +68,10 @@ def test_bf16_on_a_device_without_bf16_units_warns_naming_the_option(
 ) -> None:
     from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
-    monkeypatch.setattr("fastgrpo.grpo.trainer.native_bf16", lambda device: native)
-    config = make_config(tiny_model_dir, tmp_path, bf16=True, draft_training=DraftTrainConfig(bf16=True))
-    with caplog.at_level("WARNING", logger="fastgrpo.grpo.trainer"):
+    monkeypatch.setattr("fastgrpo.models.native_bf16", lambda device: native)
+    draft_training = DraftTrainConfig(online=True, bf16=True)  # the draft trainer warns for its own option
+    config = make_config(tiny_model_dir, tmp_path, bf16=True, draft_training=draft_training)
+    with caplog.at_level("WARNING", logger="fastgrpo.models"):
         make_trainer(config)
     warned = [r.getMessage() for r in caplog.records if "bfloat16" in r.getMessage()]
     if native:

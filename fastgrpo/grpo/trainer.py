@@ -25,7 +25,14 @@ from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.grpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
 from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, group_advantages, grpo_loss
-from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer, native_bf16, resolve_model_path
+from fastgrpo.models import (
+    encode_prompts,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+    warn_if_bf16_emulated,
+)
 from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
@@ -140,15 +147,8 @@ class GRPOTrainer:
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
-        for option, on in (("bf16", config.bf16), ("draft_training.bf16", config.draft_training.bf16)):
-            if on and not native_bf16(self.device):
-                logger.warning(
-                    "%s: %s has no bfloat16 units, so bfloat16 autocast is emulated there and several times slower "
-                    "than float32; set %s: false",
-                    option,
-                    self.device,
-                    option,
-                )
+        if config.bf16:
+            warn_if_bf16_emulated("bf16", self.device)
         self.ref_model = self._load_reference() if config.beta > 0 else None
         if config.use_peft:
             self.model = self._wrap_peft(self.model, checkpoint)

@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from fastgrpo import distributed
+from fastgrpo.models import warn_if_bf16_emulated
 from fastgrpo.spec.draft import DraftHead
 
 if TYPE_CHECKING:
@@ -104,6 +105,8 @@ class DraftTrainer:
     def __init__(self, draft: DraftHead, embed: nn.Module, lm_head: nn.Module, config: DraftTrainConfig):
         config.validate()
         self.draft, self.embed, self.lm_head, self.config = draft, embed, lm_head, config
+        if config.bf16:
+            warn_if_bf16_emulated("draft_training.bf16", next(draft.parameters()).device)
         self.forward = distributed.wrap_ddp(draft)
         self.optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate)
 
