@@ -6,9 +6,9 @@ same seed, data and hyperparameters:
 (c) FastGRPO, adaptive speculation with online draft learning from scratch (a random draft);
 (d) FastGRPO, adaptive speculation with online draft learning from the offline-trained draft.
 
-Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length over the first
-and last five steps, the draft-learning share of step time and the reward of the last steps, and writes overlaid
-plots (``fastgrpo report``).
+Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length and the online
+draft's held-out accuracy (``draft/accuracy``) over the first and last five steps, the draft-learning share of step
+time and the reward of the last steps, and writes overlaid plots (``fastgrpo report``).
 
     python benchmarks/bench_e2e.py --draft drafts/smollm2-gsm8k-v8192 --steps 20 --output runs/bench_e2e
 """
@@ -71,6 +71,13 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def draft_accuracy(rows: list[dict[str, float]]) -> str:
+    """Held-out draft accuracy over the first and last five steps, or a dash for a run without draft learning."""
+    if "draft/accuracy" not in rows[0]:
+        return "– | –"
+    return f"{mean([r['draft/accuracy'] for r in rows[:5]]):.3f} | {mean([r['draft/accuracy'] for r in rows[-5:]]):.3f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
@@ -98,9 +105,9 @@ def main() -> None:
     )
     print(
         "| run | total s | rollout s | draft s | update s | end-to-end speedup | rollout speedup | accepted first 5 "
-        "| accepted last 5 | draft share of step | reward last 5 |"
+        "| accepted last 5 | draft accuracy first 5 | draft accuracy last 5 | draft share of step | reward last 5 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     base = runs.get(labels["a"])
     for name, rows in runs.items():
         total = sum(r["time/step"] for r in rows)
@@ -113,7 +120,8 @@ def main() -> None:
             f"| {name} | {total:.0f} | {rollout:.0f} | {phases['draft update'] * len(rows):.0f} | "
             f"{phases['policy update'] * len(rows):.0f} | {e2e:.2f}x | {roll:.2f}x | "
             f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f} | "
-            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {100 * share:.1f} % | "
+            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {draft_accuracy(rows)} | "
+            f"{100 * share:.1f} % | "
             f"{mean([r['reward'] for r in rows[-5:]]):.3f} |",
             flush=True,
         )

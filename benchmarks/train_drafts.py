@@ -82,9 +82,14 @@ def main() -> None:
     for name, size in vocabularies.items():
         torch.manual_seed(0)
         t1 = time.perf_counter()
-        draft, losses = fit_draft(model, samples, config, "smollm2", engine.eos.tolist(), size)
+        draft, fit = fit_draft(model, samples, config, "smollm2", engine.eos.tolist(), size)
         path = draft.save(Path(args.output) / f"smollm2-gsm8k-{name}")
-        report = {"draft": str(path), "train_seconds": time.perf_counter() - t1, "last_loss": losses[-1]}
+        report = {
+            "draft": str(path),
+            "train_seconds": time.perf_counter() - t1,
+            "last_loss": fit.losses[-1],
+            "first_epoch_accuracy": fit.accuracy,
+        }
         print(json.dumps(report), flush=True)
 
 

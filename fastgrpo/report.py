@@ -1,8 +1,8 @@
 """Plots of training runs from their ``metrics.jsonl``: ``fastgrpo report RUN_DIR [RUN_DIR ...]``.
 
-``curves.png`` draws reward, completion length, accepted length and rollout tokens/s against step (one line per run,
-so two runs, e.g. plain GRPO and FastGRPO, are overlaid); ``phases.png`` the mean time per step of each phase
-(rollout, draft update, policy update, rewards) per run.
+``curves.png`` draws reward, completion length, accepted length, rollout tokens/s, and the online draft's held-out
+accuracy and loss against step (one line per run, so two runs, e.g. plain GRPO and FastGRPO, are overlaid);
+``phases.png`` the mean time per step of each phase (rollout, draft update, policy update, rewards) per run.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ CURVES = (
     ("completions/mean_length", "completion length (tokens)"),
     ("spec/accept_length", "accepted length (tokens per forward)"),
     ("rollout/tokens_per_second", "rollout tokens/s"),
+    ("draft/accuracy", "draft accuracy (before training on the step)"),
+    ("draft/loss", "draft loss"),
 )
 PHASES = (
     ("time/rollout", "rollout"),
@@ -74,7 +76,7 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for ax, (key, label) in zip(axes.flat, CURVES, strict=True):
         for name, rows in runs.items():
             points = [(r["step"], r[key]) for r in rows if key in r]

@@ -3,6 +3,7 @@ the autoregressive distribution, and the emitted log-probs are the target's."""
 
 from __future__ import annotations
 
+import copy
 import random
 from collections import Counter
 from pathlib import Path
@@ -88,10 +89,39 @@ def test_draft_training_under_bfloat16_autocast_on_a_float32_model() -> None:
         for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
     ]
     config = DraftTrainConfig(learning_rate=3e-3, epochs=10, token_budget=512, token_loss_weight=1.0, bf16=True)
-    losses = DraftTrainer(
-        DraftHead(model.config), model.get_input_embeddings(), model.get_output_embeddings(), config
-    ).fit(samples)
+    losses = (
+        DraftTrainer(DraftHead(model.config), model.get_input_embeddings(), model.get_output_embeddings(), config)
+        .fit(samples)
+        .losses
+    )
     assert losses[-1] < losses[0]
+
+
+def test_draft_accuracy_is_measured_before_the_draft_trains_on_the_samples() -> None:
+    """`DraftFit.accuracy` counts the first epoch's forwards only, each before its update: with one batch, 1 and 40
+    epochs from the same initial draft report the same accuracy, that of the untrained draft; after training, a new
+    call on the same samples reports a higher one."""
+    torch.manual_seed(0)
+    model = make_tiny_model("llama").double()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    out = RolloutEngine(model, [EOS]).generate(
+        prompts, SamplingParams(max_new_tokens=24, temperature=0.0), capture_hidden=True
+    )
+    samples = [
+        DraftSample(torch.tensor(p + c), h, len(p))
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
+    ]
+    initial = DraftHead(model.config).double()
+    fits = {}
+    for epochs in (1, 40):
+        config = DraftTrainConfig(learning_rate=3e-3, epochs=epochs, token_budget=512, token_loss_weight=1.0)
+        trainer = DraftTrainer(
+            copy.deepcopy(initial), model.get_input_embeddings(), model.get_output_embeddings(), config
+        )
+        fits[epochs] = trainer.fit(samples)
+    assert len(fits[40].losses) == 40 * len(fits[1].losses)
+    assert 0.0 <= fits[1].accuracy == fits[40].accuracy < 0.5
+    assert trainer.fit(samples).accuracy > fits[40].accuracy + 0.2
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -130,9 +160,13 @@ def test_unrolled_training_lowers_its_loss() -> None:
         for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
     ]
     config = DraftTrainConfig(learning_rate=3e-3, epochs=30, token_budget=512, token_loss_weight=1.0, unroll=2)
-    losses = DraftTrainer(
-        DraftHead(model.config).double(), model.get_input_embeddings(), model.get_output_embeddings(), config
-    ).fit(samples)
+    losses = (
+        DraftTrainer(
+            DraftHead(model.config).double(), model.get_input_embeddings(), model.get_output_embeddings(), config
+        )
+        .fit(samples)
+        .losses
+    )
     assert losses[-1] < losses[0] - 0.5
 
 

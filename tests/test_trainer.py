@@ -252,6 +252,7 @@ def test_online_learning_raises_the_acceptance_of_a_random_draft(peaked_model_di
     accept = [m["spec/accept_length"] for m in history]
     assert sum(accept[-4:]) / 4 > sum(accept[:2]) / 2 + 0.2, accept  # measured: 1.06 -> 1.34
     assert history[-1]["draft/loss"] < history[0]["draft/loss"]
+    assert history[-1]["draft/accuracy"] > history[0]["draft/accuracy"] + 0.2, [m["draft/accuracy"] for m in history]
     assert all(m["draft/time"] > 0 for m in history)
 
 

@@ -193,15 +193,15 @@ class SpeculativeRollout:
     # -- online draft learning --------------------------------------------------------------------------------
     def update_draft(self) -> dict[str, float]:
         """Train the draft on the rollouts since the last update (all completions, hidden states captured by the
-        rollout forwards); returns ``draft/loss`` and ``draft/time``."""
+        rollout forwards); returns ``draft/loss``, ``draft/accuracy`` and ``draft/time``."""
         if self.draft_trainer is None or not self.pending:
             return {}
         t0 = time.perf_counter()
         samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
         self.pending.clear()
-        losses = self.draft_trainer.fit(samples)
-        loss = sum(losses) / len(losses) if losses else float("nan")
-        return {"draft/loss": loss, "draft/time": time.perf_counter() - t0}
+        fit = self.draft_trainer.fit(samples)
+        loss = sum(fit.losses) / len(fit.losses) if fit.losses else float("nan")
+        return {"draft/loss": loss, "draft/accuracy": fit.accuracy, "draft/time": time.perf_counter() - t0}
 
     def save_draft(self, checkpoint: Path) -> None:
         """Write the draft (and its optimizer's state) into ``checkpoint/draft``."""

@@ -43,6 +43,20 @@ class DraftSample:
 
 
 @dataclass
+class DraftFit:
+    """What one `DraftTrainer.fit` call measured.
+
+    losses: the loss of every update.
+    accuracy: the share of trained positions at which the draft's top token equals the token the target emitted
+        next, measured by the first epoch's forwards, each on a batch before the update it drives: on data the draft
+        has not been trained on (NaN when nothing was trained).
+    """
+
+    losses: list[float]
+    accuracy: float
+
+
+@dataclass
 class DraftTrainConfig:
     """Draft training options. Online (during GRPO, when speculation is on): ``online`` trains the draft on every
     rollout, ``epochs`` passes over it per step."""
@@ -128,26 +142,29 @@ class DraftTrainer:
             train[i, max(s.prompt_len - 2, 0) : t - 1] = True
         return nxt, hid, attn, train
 
-    def loss(self, samples: list[DraftSample]) -> torch.Tensor:
-        """The weighted draft loss over the trained positions of a batch of samples."""
+    def loss(self, samples: list[DraftSample]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The weighted draft loss over the trained positions of a batch of samples, and the ``[2]`` counts (hits,
+        positions) of the draft's top token (teacher-forced) against the token emitted next."""
         nxt, hid, attn, train = self._batch(samples)
         with torch.autocast(nxt.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
             return self._loss(nxt, hid, attn, train)
 
-    def _loss(self, nxt: torch.Tensor, hid: torch.Tensor, attn: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
+    def _loss(
+        self, nxt: torch.Tensor, hid: torch.Tensor, attn: torch.Tensor, train: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         b, t = nxt.shape
         positions = torch.arange(1, t + 1, device=nxt.device).expand(b, t)
         with torch.no_grad():
             embeds = self.embed(nxt)
         if self.config.unroll == 1:
             pred = self.forward(embeds, hid, attention_mask=attn, position_ids=positions)
-            return self._step_loss(pred, hid, train)
-        losses = [
+            return self._step_loss(pred, hid, nxt, train)
+        steps = [
             # Rows before position ``step`` have no drafted ancestors: not trained at that step.
-            self._step_loss(pred, hid, train & (positions > step))
+            self._step_loss(pred, hid, nxt, train & (positions > step))
             for step, pred in enumerate(self.unrolled_predictions(embeds, hid, positions))
         ]
-        return sum(losses) / len(losses)
+        return sum(loss for loss, _ in steps) / len(steps), steps[0][1]
 
     def unrolled_predictions(
         self, embeds: torch.Tensor, hid: torch.Tensor, positions: torch.Tensor
@@ -172,10 +189,14 @@ class DraftTrainer:
             inputs = torch.cat([hid[:, :1], preds[-1][:, :-1]], dim=1)
         return preds
 
-    def _step_loss(self, pred: torch.Tensor, hid: torch.Tensor, train: torch.Tensor) -> torch.Tensor:
-        """Weighted loss of ``[B, T, H]`` predictions (row ``j`` predicts ``hid[:, j + 1]``) over ``train`` rows."""
-        pred = pred[:, :-1][train[:, :-1]]
-        target = hid[:, 1:][train[:, :-1]].to(pred.dtype)
+    def _step_loss(
+        self, pred: torch.Tensor, hid: torch.Tensor, nxt: torch.Tensor, train: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Weighted loss of ``[B, T, H]`` predictions (row ``j`` predicts ``hid[:, j + 1]``, whose LM head gives
+        ``nxt[:, j + 1]``) over ``train`` rows, and the ``[2]`` counts (hits, positions) of the draft's top token."""
+        rows = train[:, :-1]
+        pred = pred[:, :-1][rows]
+        target = hid[:, 1:][rows].to(pred.dtype)
         hidden_loss = F.smooth_l1_loss(pred, target)
         with torch.no_grad():
             # The target's distribution over the draft's vocabulary (the whole one unless reduced).
@@ -183,10 +204,14 @@ class DraftTrainer:
             target_probs = torch.softmax(target_logits.float(), dim=-1)
         draft_logp = torch.log_softmax(self.draft.logits(pred, self.lm_head).float(), dim=-1)
         token_loss = -(target_probs * draft_logp).sum(-1).mean()
-        return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss
+        with torch.no_grad():
+            hits = (self.draft.to_target_ids(draft_logp.argmax(-1)) == nxt[:, 1:][rows]).sum()
+        counts = torch.stack([hits, torch.tensor(len(pred), device=hits.device)]).float()
+        return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss, counts
 
-    def fit(self, samples: list[DraftSample], progress: bool = False) -> list[float]:
-        """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update.
+    def fit(self, samples: list[DraftSample], progress: bool = False) -> DraftFit:
+        """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update and the
+        draft's accuracy on the samples before it trained on them (see `DraftFit`).
 
         Under torch.distributed every rank makes as many updates as the rank with the most batches; a rank that has
         run out adds a zero loss, so that its gradient counts as zero in the average."""
@@ -198,10 +223,12 @@ class DraftTrainer:
         if n_updates and not batches:
             raise RuntimeError("draft training: this rank has no sequence of at least 2 tokens to train on")
         self.draft.train()
-        losses = []
-        for _ in range(self.config.epochs):
+        losses, counts = [], torch.zeros(2)
+        for epoch in range(self.config.epochs):
             for i in tqdm(range(n_updates), desc="draft", disable=not progress):
-                loss = self.loss([usable[j] for j in batches[min(i, len(batches) - 1)]])
+                loss, batch_counts = self.loss([usable[j] for j in batches[min(i, len(batches) - 1)]])
+                if epoch == 0 and i < len(batches):
+                    counts += batch_counts.cpu()
                 if i >= len(batches):
                     loss = loss * 0.0
                 self.optimizer.zero_grad(set_to_none=True)
@@ -211,4 +238,4 @@ class DraftTrainer:
                 if i < len(batches):
                     losses.append(float(loss.detach()))
         self.draft.eval()
-        return losses
+        return DraftFit(losses, float(counts[0] / counts[1]) if counts[1] else float("nan"))

@@ -16,7 +16,7 @@ from fastgrpo.models import encode_prompts
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
+from fastgrpo.spec.draft_trainer import DraftFit, DraftSample, DraftTrainConfig, DraftTrainer
 
 
 def collect_samples(
@@ -79,9 +79,9 @@ def fit_draft(
     target_name: str,
     eos_token_ids: list[int],
     draft_vocab_size: int | None = None,
-) -> tuple[DraftHead, list[float]]:
+) -> tuple[DraftHead, DraftFit]:
     """Fit a fresh draft for ``model`` on ``samples`` (with a reduced vocabulary of their most frequent tokens when
-    ``draft_vocab_size`` is given). Returns the draft and the loss of every update."""
+    ``draft_vocab_size`` is given). Returns the draft and its losses and first-epoch accuracy."""
     vocab = frequent_tokens(samples, draft_vocab_size, eos_token_ids) if draft_vocab_size else None
     param = next(model.parameters())
     draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
@@ -106,7 +106,7 @@ def train_offline(
     samples = collect_mixed(engine, tokenizer, rows, params, greedy_fraction, batch_size, max_prompt_length)
     t1 = time.perf_counter()
     eos = engine.eos.tolist()
-    draft, losses = fit_draft(engine.model, samples, config, target_name, eos, draft_vocab_size)
+    draft, fit = fit_draft(engine.model, samples, config, target_name, eos, draft_vocab_size)
     t2 = time.perf_counter()
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     report = {
@@ -114,7 +114,8 @@ def train_offline(
         "completion_tokens": tokens,
         "generate_seconds": t1 - t0,
         "train_seconds": t2 - t1,
-        "first_loss": losses[0],
-        "last_loss": sum(losses[-10:]) / len(losses[-10:]),
+        "first_loss": fit.losses[0],
+        "last_loss": sum(fit.losses[-10:]) / len(fit.losses[-10:]),
+        "first_epoch_accuracy": fit.accuracy,
     }
     return draft, report
