@@ -3,7 +3,8 @@ same seed, data and hyperparameters:
 
 (a) plain GRPO, autoregressive rollouts;
 (b) FastGRPO, adaptive speculation with a frozen offline-trained draft;
-(c) FastGRPO, adaptive speculation with online draft learning from scratch (a random draft);
+(c) FastGRPO, adaptive speculation with online draft learning from scratch (a random draft, with a reduced vocabulary
+    of the first rollout's most frequent tokens: ``--scratch-vocab``, 0 for the full one);
 (d) FastGRPO, adaptive speculation with online draft learning from the offline-trained draft.
 
 Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length and the online
@@ -39,7 +40,7 @@ def config_for(args, run: str) -> GRPOConfig:
     spec = {
         "a": SpeculationConfig(mode="off"),
         "b": SpeculationConfig(mode="adaptive", draft=args.draft),
-        "c": SpeculationConfig(mode="adaptive"),
+        "c": SpeculationConfig(mode="adaptive", draft_vocab_size=args.scratch_vocab or None),
         "d": SpeculationConfig(mode="adaptive", draft=args.draft),
     }[run]
     draft_training = DraftTrainConfig(
@@ -84,6 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--draft-lr", type=float, default=3e-4)
+    parser.add_argument("--scratch-vocab", type=int, default=8192, help="draft vocabulary of run (c); 0: full")
     parser.add_argument("--runs", default="a,b,c,d")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--output", default="runs/bench_e2e")

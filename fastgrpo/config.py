@@ -44,10 +44,13 @@ class SpeculationConfig:
     ``adaptive`` (the tree of the highest predicted goodput at every step, plain steps when no tree pays).
     ``c_peak``: the verification capacity in tokens, or ``auto`` to read this model's saved ``fastgrpo profile``
     (a short calibration of a few forwards when there is none). ``draft``: a directory saved by ``fastgrpo draft
-    train`` (None: a fresh, untrained draft)."""
+    train`` (None: a fresh, untrained draft). ``draft_vocab_size``: a fresh draft gets a reduced vocabulary, the at
+    most this many most frequent tokens of the first rollout's completions (that rollout runs plain, as a random
+    draft could not speed it up), so that drafting and online draft learning do not pay for the full LM head."""
 
     mode: str = field(default="adaptive", metadata=_choice(*SPECULATION_MODES))
     draft: str | None = None
+    draft_vocab_size: int | None = None
     nodes: int = 16
     top_k: int = 4
     depth: int = 5
@@ -71,6 +74,13 @@ class SpeculationConfig:
         self.limits().validate("speculation.")
         if self.c_peak != "auto" and not (isinstance(self.c_peak, int) and self.c_peak >= 1):
             raise ValueError(f"speculation.c_peak must be 'auto' or an integer >= 1, got {self.c_peak!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 2:
+            raise ValueError(f"speculation.draft_vocab_size must be >= 2, got {self.draft_vocab_size}")
+        if self.draft_vocab_size is not None and self.draft is not None:
+            raise ValueError(
+                "speculation.draft_vocab_size applies to a fresh draft; the saved draft in speculation.draft "
+                f"({self.draft}) keeps its own vocabulary"
+            )
         if self.draft is not None and not Path(self.draft).is_dir():
             raise ValueError(f"speculation.draft: {self.draft} is not a directory with a saved draft")
 

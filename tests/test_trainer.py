@@ -297,3 +297,42 @@ def test_online_draft_state_survives_checkpoint_and_resume(tiny_model_dir: Path,
         torch.testing.assert_close(a, b)
     state = resumed.draft_trainer.optimizer.state_dict()["state"]
     assert state and all(s["step"] == 16 for s in state.values()), "4 steps x 4 epochs of one batch each"
+
+
+def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``speculation.draft_vocab_size``: the first rollout runs plain, the draft is made with that rollout's most
+    frequent completion tokens and trained on it, the next rollouts draft trees, training is that of a plain run
+    (lossless), and a resumed run restores the draft with its vocabulary."""
+    from dataclasses import replace
+
+    from fastgrpo.spec.offline import frequent_tokens
+
+    config = online_config(tiny_model_dir, tmp_path / "vocab", max_steps=3, save_steps=2)
+    config = replace(config, speculation=replace(config.speculation, draft_vocab_size=6))
+    first = make_trainer(config)
+    assert first.draft is None and first.awaits_draft_vocab
+    _, out = first.rollout(0, first.step_rows(0))
+    expected = frequent_tokens(out.completion_ids, 6, first.eos)
+
+    trainer = make_trainer(config)
+    history = trainer.train()
+    assert torch.equal(trainer.draft.draft_vocab, expected) and len(expected) <= 6 + len(trainer.eos)
+    assert history[0]["spec/n_verify_mean"] == 1.0 and "draft/loss" in history[0]
+    assert all(m["spec/n_verify_mean"] == 4.0 for m in history[1:])
+    plain = make_trainer(make_config(tiny_model_dir, tmp_path / "plain", max_steps=3, save_steps=10)).train()
+    assert [m["reward"] for m in history] == [m["reward"] for m in plain]
+
+    resumed = make_trainer(replace(config, max_steps=4), resume=True)
+    assert resumed.start_step == 3 and torch.equal(resumed.draft.draft_vocab, expected)
+    resumed.train()
+
+
+def test_draft_vocab_size_is_for_a_fresh_draft_only(tmp_path: Path) -> None:
+    from fastgrpo.config import SpeculationConfig
+
+    with pytest.raises(ValueError, match="speculation.draft_vocab_size applies to a fresh draft"):
+        SpeculationConfig(draft=str(tmp_path), draft_vocab_size=64).validate()
+    with pytest.raises(ValueError, match="speculation.draft_vocab_size must be >= 2"):
+        SpeculationConfig(draft_vocab_size=1).validate()

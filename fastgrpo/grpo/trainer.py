@@ -38,6 +38,7 @@ from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftTrainer, rollout_samples
+from fastgrpo.spec.offline import frequent_tokens
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
@@ -152,16 +153,13 @@ class GRPOTrainer:
         self.ref_model = self._load_reference() if config.beta > 0 else None
         if config.use_peft:
             self.model = self._wrap_peft(self.model, checkpoint)
-        self.draft = self._load_draft(checkpoint)
-        controller = None
-        if self.draft is not None:
-            controller = controller_from_config(config.speculation, self.model, self.draft, config.model)
-        eos = eos_token_ids(self.model, self.tokenizer)
-        self.engine = RolloutEngine(self.model, eos, self.tokenizer, draft=self.draft, controller=controller)
-        self.draft_trainer = None
-        if self.draft is not None and config.draft_training.online:
-            embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-            self.draft_trainer = DraftTrainer(self.draft, embed, head, config.draft_training)
+        self.eos = eos_token_ids(self.model, self.tokenizer)
+        self.engine = RolloutEngine(self.model, self.eos, self.tokenizer)
+        self.draft: DraftHead | None = None
+        self.draft_trainer: DraftTrainer | None = None
+        draft = self._load_draft(checkpoint)
+        if draft is not None:
+            self._attach_draft(draft)
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
         self.policy = distributed.wrap_policy(CompletionLogprobs(self.model), config.fsdp)
@@ -193,7 +191,8 @@ class GRPOTrainer:
         return ref
 
     def _load_draft(self, checkpoint: Path | None) -> DraftHead | None:
-        """The draft for speculative rollouts: from the checkpoint being resumed, a saved draft, or a fresh one."""
+        """The draft for speculative rollouts: from the checkpoint being resumed, a saved draft, or a fresh one
+        (None with ``speculation.draft_vocab_size``: that one is made after the first rollout, see `_fresh_draft`)."""
         spec = self.config.speculation
         if spec.mode == "off":
             return None
@@ -201,8 +200,36 @@ class GRPOTrainer:
             return DraftHead.load(checkpoint / DRAFT_DIR, self.model)
         if spec.draft is not None:
             return DraftHead.load(spec.draft, self.model)
+        if spec.draft_vocab_size is not None:
+            return None
+        return self._fresh_draft()
+
+    def _fresh_draft(self, vocab: torch.Tensor | None = None) -> DraftHead:
+        """An untrained draft, over the ``[V_d]`` target ids ``vocab`` or the full vocabulary."""
         param = next(self.model.parameters())
-        return DraftHead(self.model.config, self.config.model).to(device=param.device, dtype=param.dtype)
+        return DraftHead(self.model.config, self.config.model, vocab).to(device=param.device, dtype=param.dtype)
+
+    def _attach_draft(self, draft: DraftHead) -> None:
+        """Roll out speculatively with ``draft`` from now on, and train it online when draft learning is on."""
+        cfg = self.config
+        controller = controller_from_config(cfg.speculation, self.model, draft, cfg.model)
+        self.engine = RolloutEngine(self.model, self.eos, self.tokenizer, draft=draft, controller=controller)
+        self.draft = draft
+        if cfg.draft_training.online:
+            embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+            self.draft_trainer = DraftTrainer(draft, embed, head, cfg.draft_training)
+
+    @property
+    def awaits_draft_vocab(self) -> bool:
+        """Speculation is on but its fresh draft waits for the first rollout to choose its reduced vocabulary."""
+        return self.config.speculation.mode != "off" and self.draft is None
+
+    def attach_vocab_draft(self, out: GenerationOutput) -> None:
+        """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
+        tokens of this rollout's completions on all ranks (so that every rank builds the same draft)."""
+        completions = [c for rank in distributed.gather(out.completion_ids) for c in rank]
+        vocab = frequent_tokens(completions, self.config.speculation.draft_vocab_size, self.eos)
+        self._attach_draft(self._fresh_draft(vocab.to(self.device)))
 
     def _wrap_peft(self, model: PreTrainedModel, checkpoint: Path | None) -> PreTrainedModel:
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -277,7 +304,7 @@ class GRPOTrainer:
             shape = (rows_per_rank * self.dist.world_size, cfg.max_completion_length)
             uniforms = torch.rand(shape, generator=generator, dtype=torch.float64)
             uniforms = uniforms[self.dist.rank * rows_per_rank : (self.dist.rank + 1) * rows_per_rank]
-        capture = self.draft_trainer is not None
+        capture = self.draft_trainer is not None or (self.awaits_draft_vocab and self.config.draft_training.online)
         out = self.engine.generate(
             prompt_ids, self.sampling, cfg.num_generations, capture_hidden=capture, uniforms=uniforms
         )
@@ -444,6 +471,8 @@ class GRPOTrainer:
             t1 = time.perf_counter()
             advantages, all_rewards, all_std, reward_metrics = self.score(rows, out)
             t2 = time.perf_counter()
+            if self.awaits_draft_vocab:
+                self.attach_vocab_draft(out)
             draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
         t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]

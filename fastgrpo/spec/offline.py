@@ -39,11 +39,12 @@ def collect_samples(
     return samples
 
 
-def frequent_tokens(samples: list[DraftSample], size: int, always: list[int]) -> torch.Tensor:
-    """The ``size`` most frequent completion tokens (plus ``always``, e.g. EOS), sorted: a reduced draft vocabulary."""
+def frequent_tokens(completions: list[list[int]], size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent tokens of ``completions`` (plus ``always``, e.g. EOS), sorted: a reduced draft
+    vocabulary (``[V_d]`` target ids, at most ``size`` plus ``always``)."""
     counts = Counter()
-    for s in samples:
-        counts.update(s.tokens[s.prompt_len :].tolist())
+    for completion in completions:
+        counts.update(completion)
     chosen = set(always)
     for token, _ in counts.most_common():
         if len(chosen) >= size:
@@ -82,7 +83,8 @@ def fit_draft(
 ) -> tuple[DraftHead, DraftFit]:
     """Fit a fresh draft for ``model`` on ``samples`` (with a reduced vocabulary of their most frequent tokens when
     ``draft_vocab_size`` is given). Returns the draft and its losses and first-epoch accuracy."""
-    vocab = frequent_tokens(samples, draft_vocab_size, eos_token_ids) if draft_vocab_size else None
+    completions = [s.tokens[s.prompt_len :].tolist() for s in samples]
+    vocab = frequent_tokens(completions, draft_vocab_size, eos_token_ids) if draft_vocab_size else None
     param = next(model.parameters())
     draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
     trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
