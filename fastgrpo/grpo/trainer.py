@@ -192,7 +192,7 @@ class GRPOTrainer:
 
     def _load_draft(self, checkpoint: Path | None) -> DraftHead | None:
         """The draft for speculative rollouts: from the checkpoint being resumed, a saved draft, or a fresh one
-        (None with ``speculation.draft_vocab_size``: that one is made after the first rollout, see `_fresh_draft`)."""
+        (None with ``speculation.draft_vocab_size``: that one is made after the first rollout, `attach_vocab_draft`)."""
         spec = self.config.speculation
         if spec.mode == "off":
             return None
