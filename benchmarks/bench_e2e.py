@@ -28,11 +28,12 @@ from fastgrpo.config import GRPOConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.grpo.trainer import GRPOTrainer
 from fastgrpo.models import native_bf16
-from fastgrpo.report import phase_seconds, plot_runs
+from fastgrpo.report import phase_seconds, plot_runs, read_metrics
 from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 BF16 = native_bf16(torch.device("cpu"))  # autocast pays only where the CPU has bf16 units
+LABELS = {"a": "(a) plain", "b": "(b) frozen draft", "c": "(c) online, scratch", "d": "(d) online, offline draft"}
 
 
 def config_for(args, run: str) -> GRPOConfig:
@@ -79,38 +80,20 @@ def draft_accuracy(rows: list[dict[str, float]]) -> str:
     return f"{mean([r['draft/accuracy'] for r in rows[:5]]):.3f} | {mean([r['draft/accuracy'] for r in rows[-5:]]):.3f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--prompts-per-step", type=int, default=1)
-    parser.add_argument("--draft-lr", type=float, default=3e-4)
-    parser.add_argument("--scratch-vocab", type=int, default=8192, help="draft vocabulary of run (c); 0: full")
-    parser.add_argument("--runs", default="a,b,c,d")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--output", default="runs/bench_e2e")
-    args = parser.parse_args()
-    if not Path(args.draft).is_dir():
-        raise SystemExit(f"no draft in {args.draft}: train one first with python benchmarks/train_drafts.py")
-    torch.set_num_threads(os.cpu_count())
-    start = time.perf_counter()
-    runs: dict[str, list[dict[str, float]]] = {}
-    labels = {"a": "(a) plain", "b": "(b) frozen draft", "c": "(c) online, scratch", "d": "(d) online, offline draft"}
-    for run in args.runs.split(","):
-        print(f"\n== {labels[run]} ==", flush=True)
-        runs[labels[run]] = GRPOTrainer(config_for(args, run)).train()
-
+def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
+    """Print the comparison table, the reward comparison with (a) and the rollout share of a plain step."""
     print(
         f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x 8 generations per step, "
         f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, "
         f"{torch.get_num_threads()} threads\n"
     )
     print(
-        "| run | total s | rollout s | draft s | update s | end-to-end speedup | rollout speedup | accepted first 5 "
-        "| accepted last 5 | draft accuracy first 5 | draft accuracy last 5 | draft share of step | reward last 5 |"
+        "| run | total s | rollout s | rollout tok/s | draft s | update s | end-to-end speedup | rollout speedup "
+        "| accepted first 5 | accepted last 5 | draft accuracy first 5 | draft accuracy last 5 | draft share of step "
+        "| reward last 5 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    base = runs.get(labels["a"])
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    base = runs.get(LABELS["a"])
     for name, rows in runs.items():
         total = sum(r["time/step"] for r in rows)
         rollout = sum(r["time/rollout"] for r in rows)
@@ -118,8 +101,10 @@ def main() -> None:
         e2e = sum(r["time/step"] for r in base) / total if base else float("nan")
         roll = sum(r["time/rollout"] for r in base) / rollout if base else float("nan")
         share = sum(r.get("draft/time", 0.0) for r in rows) / total
+        tokens = sum(r["completions/mean_length"] for r in rows) * args.prompts_per_step * 8
         print(
-            f"| {name} | {total:.0f} | {rollout:.0f} | {phases['draft update'] * len(rows):.0f} | "
+            f"| {name} | {total:.0f} | {rollout:.0f} | {tokens / rollout:.1f} | "
+            f"{phases['draft update'] * len(rows):.0f} | "
             f"{phases['policy update'] * len(rows):.0f} | {e2e:.2f}x | {roll:.2f}x | "
             f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f} | "
             f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {draft_accuracy(rows)} | "
@@ -136,9 +121,39 @@ def main() -> None:
                 print(f"{name}: same reward as (a) at {same}/{len(rows)} steps, mean difference {mean(diffs):+.4f}")
         share = statistics.mean(r["time/rollout"] / r["time/step"] for r in base)
         print(f"rollout share of step time in (a): {100 * share:.0f} %")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompts-per-step", type=int, default=1)
+    parser.add_argument("--draft-lr", type=float, default=3e-4)
+    parser.add_argument("--scratch-vocab", type=int, default=8192, help="draft vocabulary of run (c); 0: full")
+    parser.add_argument("--runs", default="a,b,c,d")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--output", default="runs/bench_e2e")
+    parser.add_argument(
+        "--summarise-only", action="store_true", help="print the tables and plots of the runs already in --output"
+    )
+    args = parser.parse_args()
+    if not args.summarise_only and not Path(args.draft).is_dir():
+        raise SystemExit(f"no draft in {args.draft}: train one first with python benchmarks/train_drafts.py")
+    torch.set_num_threads(os.cpu_count())
+    start = time.perf_counter()
+    runs: dict[str, list[dict[str, float]]] = {}
+    for run in args.runs.split(","):
+        if args.summarise_only:
+            runs[LABELS[run]] = read_metrics(Path(args.output) / run)
+            continue
+        print(f"\n== {LABELS[run]} ==", flush=True)
+        runs[LABELS[run]] = GRPOTrainer(config_for(args, run)).train()
+
+    summarise(runs, args)
     paths = plot_runs(runs, Path(args.output) / "report")
     print("\nplots: " + ", ".join(map(str, paths)))
-    print(f"total wall time {time.perf_counter() - start:.0f} s")
+    if not args.summarise_only:
+        print(f"total wall time {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -78,10 +78,10 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
     out.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(2, 3, figsize=(15, 7))
     for ax, (key, label) in zip(axes.flat, CURVES, strict=True):
-        for name, rows in runs.items():
+        for i, (name, rows) in enumerate(runs.items()):
             points = [(r["step"], r[key]) for r in rows if key in r]
-            if points:
-                ax.plot(*zip(*points, strict=True), marker=".", label=name)
+            if points:  # one colour per run in every panel, also where earlier runs have no such metric
+                ax.plot(*zip(*points, strict=True), marker=".", label=name, color=f"C{i}")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
