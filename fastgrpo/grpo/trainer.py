@@ -316,8 +316,7 @@ class GRPOTrainer:
         no policy weight)."""
         t0 = time.perf_counter()
         fit = self.draft_trainer.fit(rollout_samples(prompt_ids, out, self.config.num_generations))
-        loss = sum(fit.losses) / len(fit.losses) if fit.losses else float("nan")
-        return {"draft/loss": loss, "draft/accuracy": fit.accuracy, "draft/time": time.perf_counter() - t0}
+        return fit.metrics(time.perf_counter() - t0)
 
     def _logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped

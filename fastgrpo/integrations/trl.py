@@ -199,9 +199,7 @@ class SpeculativeRollout:
         t0 = time.perf_counter()
         samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
         self.pending.clear()
-        fit = self.draft_trainer.fit(samples)
-        loss = sum(fit.losses) / len(fit.losses) if fit.losses else float("nan")
-        return {"draft/loss": loss, "draft/accuracy": fit.accuracy, "draft/time": time.perf_counter() - t0}
+        return self.draft_trainer.fit(samples).metrics(time.perf_counter() - t0)
 
     def save_draft(self, checkpoint: Path) -> None:
         """Write the draft (and its optimizer's state) into ``checkpoint/draft``."""

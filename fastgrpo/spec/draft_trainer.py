@@ -55,6 +55,12 @@ class DraftFit:
     losses: list[float]
     accuracy: float
 
+    def metrics(self, seconds: float) -> dict[str, float]:
+        """Per-step metrics of an online update that took ``seconds``: ``draft/loss`` (the mean over its updates),
+        ``draft/accuracy`` and ``draft/time``."""
+        loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
+        return {"draft/loss": loss, "draft/accuracy": self.accuracy, "draft/time": seconds}
+
 
 @dataclass
 class DraftTrainConfig:
