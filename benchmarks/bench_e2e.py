@@ -33,6 +33,7 @@ from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 BF16 = native_bf16(torch.device("cpu"))  # autocast pays only where the CPU has bf16 units
+NUM_GENERATIONS = 8
 LABELS = {"a": "(a) plain", "b": "(b) frozen draft", "c": "(c) online, scratch", "d": "(d) online, offline draft"}
 
 
@@ -51,7 +52,7 @@ def config_for(args, run: str) -> GRPOConfig:
         model="smollm2",
         dataset=DataConfig(name="gsm8k", path=str(GSM8K / "train.jsonl")),
         reward_funcs=["accuracy"],
-        num_generations=8,
+        num_generations=NUM_GENERATIONS,
         per_device_train_batch_size=8,
         gradient_accumulation_steps=args.prompts_per_step,
         max_completion_length=args.max_new_tokens,
@@ -83,7 +84,8 @@ def draft_accuracy(rows: list[dict[str, float]]) -> str:
 def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
     """Print the comparison table, the reward comparison with (a) and the rollout share of a plain step."""
     print(
-        f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x 8 generations per step, "
+        f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x {NUM_GENERATIONS} generations "
+        "per step, "
         f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, "
         f"{torch.get_num_threads()} threads\n"
     )
@@ -101,7 +103,7 @@ def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace)
         e2e = sum(r["time/step"] for r in base) / total if base else float("nan")
         roll = sum(r["time/rollout"] for r in base) / rollout if base else float("nan")
         share = sum(r.get("draft/time", 0.0) for r in rows) / total
-        tokens = sum(r["completions/mean_length"] for r in rows) * args.prompts_per_step * 8
+        tokens = sum(r["completions/mean_length"] for r in rows) * args.prompts_per_step * NUM_GENERATIONS
         print(
             f"| {name} | {total:.0f} | {rollout:.0f} | {tokens / rollout:.1f} | "
             f"{phases['draft update'] * len(rows):.0f} | "

@@ -83,8 +83,10 @@ def fit_draft(
 ) -> tuple[DraftHead, DraftFit]:
     """Fit a fresh draft for ``model`` on ``samples`` (with a reduced vocabulary of their most frequent tokens when
     ``draft_vocab_size`` is given). Returns the draft and its losses and first-epoch accuracy."""
-    completions = [s.tokens[s.prompt_len :].tolist() for s in samples]
-    vocab = frequent_tokens(completions, draft_vocab_size, eos_token_ids) if draft_vocab_size else None
+    vocab = None
+    if draft_vocab_size:
+        completions = [s.tokens[s.prompt_len :].tolist() for s in samples]
+        vocab = frequent_tokens(completions, draft_vocab_size, eos_token_ids)
     param = next(model.parameters())
     draft = DraftHead(model.config, target_name, vocab).to(device=param.device, dtype=param.dtype)
     trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
