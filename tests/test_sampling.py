@@ -233,18 +233,20 @@ def test_sample_frequencies_follow_distribution() -> None:
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)
 
 
-def test_top_p_ranks_only_the_head_when_it_holds_the_nucleus() -> None:
-    """Rows whose nucleus lies in the best TOP_P_HEAD tokens (peaked) and rows whose does not (flat) are filtered
+def test_top_p_ranks_only_the_head_when_it_holds_the_nucleus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose nucleus lies in the first head (peaked), in the second (wider) or in neither (flat) are filtered
     exactly as by a full sort of the vocabulary."""
     from fastgrpo.rollout import sampling
 
+    monkeypatch.setattr(sampling, "TOP_P_HEADS", (8, 64))
     gen = torch.Generator().manual_seed(8)
-    scale = torch.tensor([8.0, 0.5, 6.0, 0.1], dtype=F64)[:, None, None]
-    logits = scale * torch.randn(4, 3, 4 * sampling.TOP_P_HEAD, dtype=F64, generator=gen)
+    scale = torch.tensor([8.0, 0.1, 2.0, 6.0, 1.2], dtype=F64)[:, None, None]
+    logits = scale * torch.randn(5, 3, 256, dtype=F64, generator=gen)
     sorted_probs, order = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
     drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= 0.9
     expected = drop_sorted.scatter(-1, order, drop_sorted)
-    head = sampling._top_p_drop(logits, 0.9)
-    assert torch.equal(head, expected)
-    kept = (~head).sum(-1)
-    assert kept[0].max() < sampling.TOP_P_HEAD < kept[1].min(), "both the head path and the full sort ran"
+    dropped = sampling._top_p_drop(logits, 0.9)
+    assert torch.equal(dropped, expected)
+    kept = (~dropped).sum(-1)
+    assert kept[0].max() <= 8 and kept[1].min() > 64, "the first head and the full sort ran"
+    assert ((kept > 8) & (kept <= 64)).any(), "the second head ran"

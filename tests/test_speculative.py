@@ -301,9 +301,10 @@ def chi_square_p_value(a: Counter, b: Counter, min_expected: float = 5.0) -> flo
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), torch.tensor(stat / 2.0)))
 
 
-def stale_accept(tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, uniforms=None) -> Acceptance:
+def stale_accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniforms=None) -> Acceptance:
     """A deliberately wrong rule with an off-by-one: after moving to a child, the next token is drawn from the
     parent's distribution instead of the child's."""
+    logprobs = process_logits(logits, params)
     b = logprobs.shape[0]
     rows = torch.arange(b)
     node = torch.zeros(b, dtype=torch.long)

@@ -395,8 +395,7 @@ class RolloutEngine:
         hidden = forward_block(
             decoder, self.cache, batch.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
         )
-        logprobs = process_logits(head(hidden), params)
-        result = accept(tree, logprobs, params, self._uniforms(noise, batch, int(tree.depth.max()) + 1))
+        result = accept(tree, head(hidden), params, self._uniforms(noise, batch, int(tree.depth.max()) + 1))
         t2 = time.perf_counter()
         # Move the accepted path's cache entries to contiguous slots right after the row's context.
         path = result.path

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-TOP_P_HEAD = 512  # tokens ranked by `topk` before falling back to a full sort for top-p
+TOP_P_HEADS = (512, 4096)  # head sizes ranked by `topk` for top-p, in turn, before a full sort of the vocabulary
 
 
 @dataclass(frozen=True)
@@ -68,19 +68,23 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """``[..., V]`` bool: tokens outside the nucleus. A token is dropped when the tokens ranked above it already hold
     ``top_p`` of the mass (the first always stays).
 
-    Ranking needs only the head of a distribution: when a row's best ``TOP_P_HEAD`` tokens hold at least ``top_p``,
-    every other token is dropped and only those are ranked (by `topk`); the other rows sort the whole vocabulary.
+    Ranking needs only the head of a distribution. Each row's best ``TOP_P_HEADS[0]`` tokens are ranked (by `topk`);
+    the rows whose head holds less than ``top_p`` go on to the next head size, and the rows that no head covers sort
+    the whole vocabulary. A row's result depends only on the row.
     """
     probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
-    ranked, order = probs.topk(min(TOP_P_HEAD, probs.shape[-1]), dim=-1)  # sorted, descending
+    vocab = probs.shape[-1]
     keep = torch.zeros_like(probs, dtype=torch.bool)
-    keep.scatter_(-1, order, (ranked.cumsum(dim=-1) - ranked) < top_p)
-    wide = ranked.sum(dim=-1) < top_p  # rows whose nucleus reaches beyond the head
-    if bool(wide.any()):
-        ranked, order = torch.sort(probs[wide], dim=-1, descending=True)
-        keep[wide] = torch.zeros_like(ranked, dtype=torch.bool).scatter_(
-            -1, order, (ranked.cumsum(dim=-1) - ranked) < top_p
-        )
+    rows, pending = torch.arange(probs.shape[0], device=probs.device), probs
+    for size in (*TOP_P_HEADS, vocab):
+        size = min(size, vocab)
+        ranked, order = pending.topk(size, dim=-1)  # sorted, descending
+        done = ranked.sum(dim=-1) >= top_p if size < vocab else torch.ones_like(rows, dtype=torch.bool)
+        kept = (ranked[done].cumsum(dim=-1) - ranked[done]) < top_p
+        keep[rows[done]] = torch.zeros_like(pending[done], dtype=torch.bool).scatter_(-1, order[done], kept)
+        rows, pending = rows[~done], pending[~done]
+        if rows.numel() == 0:
+            break
     return ~keep.reshape(logits.shape)
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.rollout.sampling import SamplingParams, sample
+from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.spec.tree import DraftTree
 
 
@@ -29,27 +29,32 @@ class Acceptance:
 
 
 def accept(
-    tree: DraftTree, logprobs: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
 ) -> Acceptance:
-    """Walk each row's tree. ``logprobs``: ``[B, N, V]`` processed target log-probabilities at every node;
-    ``uniforms``: ``[B, D]`` the uniforms of the row's next ``D`` positions (None when greedy), ``D`` at least the
-    deepest node's depth plus one."""
-    b, n, _ = logprobs.shape
-    rows = torch.arange(b, device=logprobs.device)
-    node = torch.zeros(b, dtype=torch.long, device=logprobs.device)
-    active = torch.ones(b, dtype=torch.bool, device=logprobs.device)
-    path, tokens, lps = [], [], []
-    max_steps = int(tree.depth.max()) + 1
-    for step in range(max_steps):
-        here = logprobs[rows, node]  # [B, V]
-        y = sample(here, params, None if uniforms is None else uniforms[:, step])
-        path.append(torch.where(active, node, -1))
-        tokens.append(y)
-        lps.append(here.gather(1, y[:, None]).squeeze(1))
-        is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])  # [B, N]
-        active = active & is_child.any(dim=1)
-        if not bool(active.any()):
+    """Walk each row's tree. ``logits``: ``[B, N, V]`` raw target logits at every node; ``uniforms``: ``[B, D]`` the
+    uniforms of the row's next ``D`` positions (None when greedy), ``D`` at least the deepest node's depth plus one.
+
+    Only the nodes the walk reaches are processed into sampling distributions (`process_logits`, the same function an
+    autoregressive step applies to its one row), one batch of still-active rows per step: a row that stops early
+    costs nothing more, so the cost follows the accepted length, not the tree size."""
+    b = logits.shape[0]
+    dev = logits.device
+    node = torch.zeros(b, dtype=torch.long, device=dev)
+    live = torch.arange(b, device=dev)  # rows still walking
+    path = torch.full((b, int(tree.depth.max()) + 1), -1, dtype=torch.long, device=dev)
+    tokens = torch.zeros_like(path)
+    lps = torch.zeros(path.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=dev)
+    for step in range(path.shape[1]):
+        here = process_logits(logits[live, node[live]], params)  # [A, V]
+        y = sample(here, params, None if uniforms is None else uniforms[live, step])
+        path[live, step] = node[live]
+        tokens[live, step] = y
+        lps[live, step] = here.gather(1, y[:, None]).squeeze(1)
+        is_child = (tree.parent[live] == node[live, None]) & (tree.tokens[live] == y[:, None])  # [A, N]
+        goes_on = is_child.any(dim=1)
+        node[live] = torch.where(goes_on, is_child.int().argmax(dim=1), node[live])
+        live = live[goes_on]
+        if live.numel() == 0:
             break
-        node = torch.where(active, is_child.int().argmax(dim=1), node)
-    path_t = torch.stack(path, 1)
-    return Acceptance(path_t, torch.stack(tokens, 1), torch.stack(lps, 1), (path_t >= 0).sum(dim=1))
+    steps = step + 1
+    return Acceptance(path[:, :steps], tokens[:, :steps], lps[:, :steps], (path >= 0).sum(dim=1))
