@@ -246,6 +246,30 @@ def online_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:
     return make_config(model_dir, out, speculation=spec, draft_training=draft_training, **overrides)
 
 
+def test_lora_with_speculation_resumes_the_adapter_and_the_draft(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Speculative rollouts on a LoRA-wrapped policy sample what plain rollouts sample, and a run cut after one step
+    and resumed ends with the adapter and the draft of the uninterrupted run."""
+
+    def config(out: Path, steps: int) -> GRPOConfig:
+        return online_config(tiny_model_dir, out, use_peft=True, lora_r=4, max_steps=steps, save_steps=1)
+
+    full = make_trainer(config(tmp_path / "full", 2))
+    history = full.train()
+    assert all(m["spec/n_verify_mean"] == 4.0 for m in history)
+    plain = make_config(tiny_model_dir, tmp_path / "plain", use_peft=True, lora_r=4, max_steps=2, save_steps=10)
+    assert [m["reward"] for m in make_trainer(plain).train()] == [m["reward"] for m in history]
+
+    make_trainer(config(tmp_path / "cut", 1)).train()
+    resumed = make_trainer(config(tmp_path / "cut", 2), resume=True)
+    assert resumed.start_step == 1
+    resumed.train()
+    for (name, a), (_, b) in zip(resumed.model.named_parameters(), full.model.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, msg=name)
+    full_draft = full.draft.state_dict()
+    for name, value in resumed.draft.state_dict().items():
+        torch.testing.assert_close(value, full_draft[name], msg=name)
+
+
 def test_online_learning_raises_the_acceptance_of_a_random_draft(peaked_model_dir: Path, tmp_path: Path) -> None:
     config = online_config(peaked_model_dir, tmp_path, max_steps=10, save_steps=100, learning_rate=1e-5)
     history = make_trainer(config).train()

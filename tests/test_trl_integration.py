@@ -80,6 +80,33 @@ def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: 
     assert last["step"] == 3 and "reward" in last and not any(k.startswith("eval_") for k in last)
 
 
+def test_a_fresh_trl_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """``speculation.draft_vocab_size`` in TRL: the first rollout runs plain, the draft is made over its most
+    frequent completion tokens and trained on it, and the next rollout drafts trees."""
+    from fastgrpo.models import eos_token_ids
+    from fastgrpo.spec.offline import frequent_tokens
+
+    spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3, draft_vocab_size=6)
+    rollout = SpeculativeRollout(speculation=spec)
+    recorder = Recorder(rollout)
+    trainer = grpo_trainer(model_dir, tmp_path / "run", recorder, [], max_steps=2)
+    trainer.train()
+
+    eos = eos_token_ids(rollout.engine.model, trainer.processing_class)
+    expected = frequent_tokens(recorder.returned[0]["completion_ids"], 6, eos)
+    assert torch.equal(rollout.draft.draft_vocab, expected) and len(expected) <= 6 + len(eos)
+    logs = [e for e in trainer.state.log_history if "spec/n_verify_mean" in e]
+    assert [e["spec/n_verify_mean"] for e in logs] == [1.0, 4.0]
+    assert "draft/loss" in logs[0], "the draft trains on the first, plain rollout"
+    now = rollout.draft.state_dict()
+    assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
+
+    with pytest.raises(ValueError, match="draft_vocab_size applies to a fresh draft"):
+        SpeculativeRollout(draft=tmp_path, speculation=SpeculationConfig(draft_vocab_size=6))
+
+
 def test_unsupported_trl_options_are_refused_before_generating(model_dir: Path, tmp_path: Path) -> None:
     recorder = Recorder(SpeculativeRollout())
     trainer = grpo_trainer(model_dir, tmp_path / "run", recorder, [], max_steps=1)

@@ -62,7 +62,9 @@ def tiny_grpo_trainer(
 
 
 def main(model_dir: str, out: str) -> None:
-    rollout = SpeculativeRollout(speculation=SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3))
+    # A reduced vocabulary: the ranks' first rollouts differ, so it must be taken from all of them to stay the same.
+    spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3, draft_vocab_size=6)
+    rollout = SpeculativeRollout(speculation=spec)
     trainer = tiny_grpo_trainer(model_dir, out, rollout, [DraftCallback(rollout)])
     trainer.train()
     assert rollout.calls == 2 and "draft/loss" in {k for e in trainer.state.log_history for k in e}

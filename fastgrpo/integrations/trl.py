@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from packaging.version import Version
 
+from fastgrpo import distributed
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
@@ -30,6 +31,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer, rollout_samples
+from fastgrpo.spec.offline import frequent_tokens
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
 DRAFT_DIR = "draft"
@@ -70,7 +72,8 @@ class SpeculativeRollout:
 
     Args:
         draft: a saved draft directory (``fastgrpo draft train``; default ``speculation.draft``), or None for a
-            fresh draft that online learning trains from scratch.
+            fresh draft that online learning trains from scratch (over the full vocabulary, or with
+            ``speculation.draft_vocab_size`` over the most frequent tokens of the first rollout, which runs plain).
         speculation: the controller (default: the adaptive one, with a short calibration when this model has
             no saved profile).
         draft_training: online draft-learning options (`DraftCallback` runs them; ``online=False`` freezes the
@@ -93,6 +96,11 @@ class SpeculativeRollout:
         self.draft_path = None if draft is None else Path(draft)
         if self.draft_path is not None and not self.draft_path.is_dir():
             raise ValueError(f"draft: {self.draft_path} is not a directory with a saved draft")
+        if self.draft_path is not None and self.speculation.draft_vocab_size is not None:
+            raise ValueError(
+                f"speculation.draft_vocab_size applies to a fresh draft; the saved draft {self.draft_path} keeps its "
+                "own vocabulary"
+            )
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize
@@ -116,8 +124,11 @@ class SpeculativeRollout:
         seed = (trainer.args.seed * 1_000_003 + trainer.state.global_step) * 1009 + trainer.accelerator.process_index
         self.calls += 1
         generator = torch.Generator().manual_seed(seed)
-        capture = self.draft_trainer is not None
+        awaits_vocab = self.draft is None
+        capture = self.draft_trainer is not None or (awaits_vocab and self.draft_training.online)
         out = engine.generate(prompt_ids, params, n, generator, capture_hidden=capture)
+        if awaits_vocab:
+            self._attach_vocab_draft(trainer, out)
         if capture:
             self.pending.append((prompt_ids, out, n))
         self._log(trainer, out)
@@ -128,21 +139,36 @@ class SpeculativeRollout:
         }
 
     def _engine(self, trainer: Any) -> RolloutEngine:
-        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains)."""
+        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains). With
+        ``speculation.draft_vocab_size`` and no saved draft, the first rollout runs plain (`_attach_vocab_draft`)."""
         if self.engine is not None:
             return self.engine
         self._check_supported(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
-        param = next(model.parameters())
         saved = self.resume_from / DRAFT_DIR if self.resume_from is not None else None
         if saved is not None and saved.is_dir():
-            self.draft = DraftHead.load(saved, model)
+            self._attach(model, trainer, DraftHead.load(saved, model), saved)
         elif self.draft_path is not None:
-            self.draft = DraftHead.load(self.draft_path, model)
+            self._attach(model, trainer, DraftHead.load(self.draft_path, model))
+        elif self.speculation.draft_vocab_size is not None:
+            self.engine = RolloutEngine(model, eos_token_ids(model, trainer.processing_class), trainer.processing_class)
         else:
-            torch.manual_seed(trainer.args.seed)  # the same fresh draft on every process
-            self.draft = DraftHead(model.config, model.config.name_or_path)
-        self.draft.to(device=param.device, dtype=param.dtype)
+            self._attach(model, trainer, self._fresh_draft(model, trainer))
+        return self.engine
+
+    @staticmethod
+    def _fresh_draft(model: Any, trainer: Any, vocab: torch.Tensor | None = None) -> DraftHead:
+        """An untrained draft over the ``[V_d]`` target ids ``vocab`` (None: the full vocabulary), the same on every
+        process."""
+        with torch.random.fork_rng(devices=[]):  # leaves the training run's random state alone
+            torch.manual_seed(trainer.args.seed)
+            return DraftHead(model.config, model.config.name_or_path, vocab)
+
+    def _attach(self, model: Any, trainer: Any, draft: DraftHead, saved: Path | None = None) -> None:
+        """Roll out speculatively with ``draft`` from now on, and train it online when draft learning is on (with
+        the optimizer state of the checkpoint draft directory ``saved``, if it has one)."""
+        param = next(model.parameters())
+        self.draft = draft.to(device=param.device, dtype=param.dtype)
         name = model.config.name_or_path or model.config.model_type
         controller = controller_from_config(self.speculation, model, self.draft, name)
         eos = eos_token_ids(model, trainer.processing_class)
@@ -152,7 +178,15 @@ class SpeculativeRollout:
             self.draft_trainer = DraftTrainer(self.draft, embed, head, self.draft_training)
             if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
                 self.draft_trainer.optimizer.load_state_dict(torch.load(saved / DRAFT_OPTIMIZER))
-        return self.engine
+
+    def _attach_vocab_draft(self, trainer: Any, out: GenerationOutput) -> None:
+        """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
+        tokens of this rollout's completions on all processes (so that every process builds the same draft)."""
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        completions = [c for process in distributed.gather(out.completion_ids) for c in process]
+        eos = eos_token_ids(model, trainer.processing_class)
+        vocab = frequent_tokens(completions, self.speculation.draft_vocab_size, eos)
+        self._attach(model, trainer, self._fresh_draft(model, trainer, vocab.to(next(model.parameters()).device)))
 
     @staticmethod
     def _check_supported(trainer: Any) -> None:
