@@ -4,7 +4,8 @@ controller and the adaptive controller, side by side in one run.
 1. GRPO rollouts replayed: GSM8K test prompts, ``num_generations`` samples each at T=1, top-p 0.95, up to 256 new
    tokens, so the number of active rows falls as answers finish, as in training. Every mode decodes the same prompts
    with the same seed, and since each position has its own uniform they emit the same tokens (counted).
-2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS, so all stay active.
+2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS, so all stay active;
+   ``--repeats`` interleaved rounds of every mode, medians.
 
 The latency profile is the one saved by ``fastgrpo profile`` (else a short calibration); the draft is a saved one
 (``benchmarks/train_drafts.py``). Prints markdown tables and writes a plot of speedup against concurrency.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -71,28 +73,37 @@ def rollout_table(engines, prompts, params: SamplingParams, num_generations: int
         )
 
 
-def sweep_table(engines, prompts, concurrency: list[int], tokens: int) -> dict[str, list[float]]:
-    print(f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (tokens/s)\n")
+def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float]]:
+    """Each concurrency runs ``repeats`` rounds of every mode in turn; a mode's speedup is the median over rounds of
+    its rate over the autoregressive rate of the same round, so a slow spell of the machine bends one round of all
+    modes rather than one mode."""
+    print(
+        f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (tokens/s), "
+        f"median of {repeats} interleaved rounds\n"
+    )
     names = list(engines)
     print("| concurrency | AR tok/s | " + " | ".join(names[1:]) + " |")
     print("|---|---|" + "---|" * (len(names) - 1))
     params = SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=0.95)
     speedups: dict[str, list[float]] = {name: [] for name in names[1:]}
     for c in concurrency:
-        rates = {}
-        for name, engine in engines.items():
-            eos_before = engine.eos
-            engine.eos = torch.empty(0, dtype=torch.long)  # no row ends early: the concurrency stays c
-            try:
-                seconds, out = timed(engine, prompts[:c], params, 1, seed=c)
-            finally:
-                engine.eos = eos_before
-            rates[name] = out.stats.tokens_emitted / seconds
+        rates: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(repeats):
+            for name, engine in engines.items():
+                eos_before = engine.eos
+                engine.eos = torch.empty(0, dtype=torch.long)  # no row ends early: the concurrency stays c
+                try:
+                    seconds, out = timed(engine, prompts[:c], params, 1, seed=c)
+                finally:
+                    engine.eos = eos_before
+                rates[name].append(out.stats.tokens_emitted / seconds)
         ar = rates["autoregressive"]
+        cells = []
         for name in names[1:]:
-            speedups[name].append(rates[name] / ar)
-        cells = [f"{rates[n] / ar:.2f}x ({rates[n]:.0f})" for n in names[1:]]
-        print(f"| {c} | {ar:.1f} | " + " | ".join(cells) + " |", flush=True)
+            ratio = statistics.median(r / a for r, a in zip(rates[name], ar, strict=True))
+            speedups[name].append(ratio)
+            cells.append(f"{ratio:.2f}x ({statistics.median(rates[name]):.0f})")
+        print(f"| {c} | {statistics.median(ar):.1f} | " + " | ".join(cells) + " |", flush=True)
     return speedups
 
 
@@ -126,6 +137,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--sweep-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per concurrency in the sweep")
     parser.add_argument("--plot", default="docs/controller_sweep.png")
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
@@ -147,7 +159,7 @@ def main() -> None:
     if not args.skip_rollout:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
         rollout_table(engines, prompts[: args.prompts], params, args.num_generations)
-    speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens)
+    speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens, args.repeats)
     plot(concurrency, speedups, args.plot, args.dtype)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
