@@ -38,7 +38,7 @@ from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftTrainer, rollout_samples
-from fastgrpo.spec.offline import frequent_tokens
+from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
@@ -227,8 +227,7 @@ class GRPOTrainer:
     def attach_vocab_draft(self, out: GenerationOutput) -> None:
         """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
         tokens of this rollout's completions on all ranks (so that every rank builds the same draft)."""
-        completions = [c for rank in distributed.gather(out.completion_ids) for c in rank]
-        vocab = frequent_tokens(completions, self.config.speculation.draft_vocab_size, self.eos)
+        vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.config.speculation.draft_vocab_size, self.eos)
         self._attach_draft(self._fresh_draft(vocab.to(self.device)))
 
     def _wrap_peft(self, model: PreTrainedModel, checkpoint: Path | None) -> PreTrainedModel:

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from packaging.version import Version
 
-from fastgrpo import distributed
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
@@ -31,7 +30,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer, rollout_samples
-from fastgrpo.spec.offline import frequent_tokens
+from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
 DRAFT_DIR = "draft"
@@ -105,6 +104,7 @@ class SpeculativeRollout:
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize
         self.engine: RolloutEngine | None = None
+        self.eos: list[int] = []  # the model's end-of-sequence ids, set with the engine
         self.draft: DraftHead | None = None
         self.draft_trainer: DraftTrainer | None = None
         self.trainer: Any = None
@@ -145,13 +145,14 @@ class SpeculativeRollout:
             return self.engine
         self._check_supported(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
+        self.eos = eos_token_ids(model, trainer.processing_class)
         saved = self.resume_from / DRAFT_DIR if self.resume_from is not None else None
         if saved is not None and saved.is_dir():
             self._attach(model, trainer, DraftHead.load(saved, model), saved)
         elif self.draft_path is not None:
             self._attach(model, trainer, DraftHead.load(self.draft_path, model))
         elif self.speculation.draft_vocab_size is not None:
-            self.engine = RolloutEngine(model, eos_token_ids(model, trainer.processing_class), trainer.processing_class)
+            self.engine = RolloutEngine(model, self.eos, trainer.processing_class)
         else:
             self._attach(model, trainer, self._fresh_draft(model, trainer))
         return self.engine
@@ -171,8 +172,7 @@ class SpeculativeRollout:
         self.draft = draft.to(device=param.device, dtype=param.dtype)
         name = model.config.name_or_path or model.config.model_type
         controller = controller_from_config(self.speculation, model, self.draft, name)
-        eos = eos_token_ids(model, trainer.processing_class)
-        self.engine = RolloutEngine(model, eos, trainer.processing_class, self.draft, controller=controller)
+        self.engine = RolloutEngine(model, self.eos, trainer.processing_class, self.draft, controller=controller)
         if self.draft_training.online:
             embed, head = model.get_input_embeddings(), model.get_output_embeddings()
             self.draft_trainer = DraftTrainer(self.draft, embed, head, self.draft_training)
@@ -183,9 +183,7 @@ class SpeculativeRollout:
         """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
         tokens of this rollout's completions on all processes (so that every process builds the same draft)."""
         model = trainer.accelerator.unwrap_model(trainer.model)
-        completions = [c for process in distributed.gather(out.completion_ids) for c in process]
-        eos = eos_token_ids(model, trainer.processing_class)
-        vocab = frequent_tokens(completions, self.speculation.draft_vocab_size, eos)
+        vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.speculation.draft_vocab_size, self.eos)
         self._attach(model, trainer, self._fresh_draft(model, trainer, vocab.to(next(model.parameters()).device)))
 
     @staticmethod

@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastgrpo import distributed
 from fastgrpo.models import encode_prompts
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
@@ -51,6 +52,12 @@ def frequent_tokens(completions: list[list[int]], size: int, always: list[int]) 
             break
         chosen.add(token)
     return torch.tensor(sorted(chosen), dtype=torch.long)
+
+
+def frequent_tokens_on_all_ranks(completions: list[list[int]], size: int, always: list[int]) -> torch.Tensor:
+    """`frequent_tokens` of the completions of every rank (or process), so that all of them build the same reduced
+    draft vocabulary."""
+    return frequent_tokens([c for rank in distributed.gather(completions) for c in rank], size, always)
 
 
 def collect_mixed(
