@@ -228,7 +228,7 @@ class GRPOTrainer:
         """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
         tokens of this rollout's completions on all ranks (so that every rank builds the same draft)."""
         vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.config.speculation.draft_vocab_size, self.eos)
-        self._attach_draft(self._fresh_draft(vocab.to(self.device)))
+        self._attach_draft(self._fresh_draft(vocab))
 
     def _wrap_peft(self, model: PreTrainedModel, checkpoint: Path | None) -> PreTrainedModel:
         from peft import LoraConfig, PeftModel, get_peft_model

@@ -184,7 +184,7 @@ class SpeculativeRollout:
         tokens of this rollout's completions on all processes (so that every process builds the same draft)."""
         model = trainer.accelerator.unwrap_model(trainer.model)
         vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.speculation.draft_vocab_size, self.eos)
-        self._attach(model, trainer, self._fresh_draft(model, trainer, vocab.to(next(model.parameters()).device)))
+        self._attach(model, trainer, self._fresh_draft(model, trainer, vocab))
 
     @staticmethod
     def _check_supported(trainer: Any) -> None:
