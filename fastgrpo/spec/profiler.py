@@ -135,7 +135,7 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def _interleaved_medians(
+def interleaved_medians(
     fns: list[Callable[[], None]], repeats: int, device: torch.device, progress: bool
 ) -> list[float]:
     """Median seconds of every function, timed in ``repeats`` rounds that each run all of them once (after one
@@ -209,7 +209,7 @@ def _measure(
         target_fns.append(partial(_target_forward, decoder, head, cache, block, ids))
         draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
     with rollout_attention(model), rollout_linears(model, draft):
-        seconds = _interleaved_medians(target_fns + draft_fns, repeats, dev, progress)
+        seconds = interleaved_medians(target_fns + draft_fns, repeats, dev, progress)
     target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) :]
     return LatencyProfile(
         model=model_name,
