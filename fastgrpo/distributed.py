@@ -10,6 +10,7 @@ configured timeout, so a rank that died cannot leave the others waiting for ever
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -212,7 +213,7 @@ _COMBINE = {
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One metrics dict for the job: times are the slowest rank's (the step waits for it), throughput is summed,
-    extremes are extremes, everything else is the mean over ranks."""
+    extremes are extremes, everything else is the mean over the ranks that measured it (not NaN)."""
     parts = gather(metrics)
     if len(parts) == 1:
         return metrics
@@ -220,5 +221,9 @@ def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     for key in metrics:
         values = [p[key] for p in parts]
         combine = _COMBINE.get(key, max if key.startswith("time/") else None)
-        out[key] = combine(values) if combine else sum(values) / len(values)
+        if combine is None:
+            measured = [v for v in values if not math.isnan(v)]
+            out[key] = sum(measured) / len(measured) if measured else float("nan")
+        else:
+            out[key] = combine(values)
     return out

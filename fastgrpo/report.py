@@ -1,8 +1,9 @@
 """Plots of training runs from their ``metrics.jsonl``: ``fastgrpo report RUN_DIR [RUN_DIR ...]``.
 
-``curves.png`` draws reward, completion length, accepted length, rollout tokens/s, and the online draft's held-out
-accuracy and loss against step (one line per run, so two runs, e.g. plain GRPO and FastGRPO, are overlaid);
-``phases.png`` the mean time per step of each phase (rollout, draft update, policy update, rewards) per run.
+``curves.png`` draws reward, completion length, accepted length (over all decoding steps, and dashed over tree steps
+only), rollout tokens/s, and the online draft's held-out accuracy and loss against step (one line per run, so two
+runs, e.g. plain GRPO and FastGRPO, are overlaid); ``phases.png`` the mean time per step of each phase (rollout,
+draft update, policy update, rewards) per run.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from pathlib import Path
 CURVES = (
     ("reward", "reward"),
     ("completions/mean_length", "completion length (tokens)"),
-    ("spec/accept_length", "accepted length (tokens per forward)"),
+    ("spec/accept_length", "accepted length (solid: all steps, dashed: tree steps)"),
     ("rollout/tokens_per_second", "rollout tokens/s"),
     ("draft/accuracy", "draft accuracy (before training on the step)"),
     ("draft/loss", "draft loss"),
 )
+DASHED = {"spec/accept_length": "spec/tree_accept_length"}  # drawn dashed in the same panel and colour
 PHASES = (
     ("time/rollout", "rollout"),
     ("draft/time", "draft update"),
@@ -82,6 +84,9 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:  # one colour per run in every panel, also where earlier runs have no such metric
                 ax.plot(*zip(*points, strict=True), marker=".", label=name, color=f"C{i}")
+            dashed = [(r["step"], r[DASHED[key]]) for r in rows if DASHED.get(key) in r]
+            if dashed:
+                ax.plot(*zip(*dashed, strict=True), marker=".", linestyle="--", color=f"C{i}")
         ax.set_xlabel("step")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)

@@ -8,6 +8,7 @@ rank takes its rows' share of the job's uniforms), so the completions of both ru
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import time
@@ -155,3 +156,16 @@ def test_fsdp2_trains_like_one_process_and_resumes(model_dir: Path, single_proce
     result = torchrun(root / "run.yaml", "--resume", "--max_steps", "3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert (root / "run" / "checkpoint-3" / "model.safetensors").is_file()
+
+
+def test_metrics_of_ranks_are_combined_by_kind(monkeypatch) -> None:
+    """Times are the slowest rank's, throughput the sum, and a mean skips ranks that measured nothing (NaN)."""
+    parts = [
+        {"time/step": 2.0, "rollout/tokens_per_second": 10.0, "reward": 0.5, "spec/tree_accept_length": float("nan")},
+        {"time/step": 3.0, "rollout/tokens_per_second": 30.0, "reward": 1.0, "spec/tree_accept_length": 1.8},
+    ]
+    monkeypatch.setattr(distributed, "gather", lambda value: parts)
+    out = distributed.reduce_metrics(parts[0])
+    assert out == {"time/step": 3.0, "rollout/tokens_per_second": 40.0, "reward": 0.75, "spec/tree_accept_length": 1.8}
+    parts[1]["spec/tree_accept_length"] = float("nan")
+    assert math.isnan(distributed.reduce_metrics(parts[0])["spec/tree_accept_length"])

@@ -4,6 +4,7 @@ the autoregressive distribution, and the emitted log-probs are the target's."""
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -25,6 +26,7 @@ from fastgrpo.rollout import engine as engine_module
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import Acceptance
+from fastgrpo.spec.controller import AUTOREGRESSIVE
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
 from fastgrpo.spec.tree import DraftTree, TreeShape
@@ -196,6 +198,45 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
     if draft_kind == "trained" and shape.nodes >= 8:
         assert out.stats.accept_length > 1.5, "a trained draft should be accepted often"
         assert out.stats.target_forwards < reference.stats.target_forwards
+
+
+class AlternatingController:
+    """A tree at every other step, a plain step in between; records the shape of every step."""
+
+    def __init__(self, shape: TreeShape):
+        self.shape, self.chosen = shape, []
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return self.shape
+
+    def begin(self) -> None:
+        pass
+
+    def choose(self, rows: int) -> TreeShape:
+        self.chosen.append(self.shape if len(self.chosen) % 2 else AUTOREGRESSIVE)
+        return self.chosen[-1]
+
+    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+        pass
+
+
+def test_tree_accept_length_counts_tree_steps_only(model_and_drafts) -> None:
+    """`accept_length` averages over all decoding steps, plain ones included; `tree_accept_length` over tree steps."""
+    model, drafts = model_and_drafts
+    params = SamplingParams(max_new_tokens=30, temperature=0)
+    plain = RolloutEngine(model, [EOS]).generate(PROMPTS, params)
+    assert math.isnan(plain.stats.tree_accept_length)
+    controller = AlternatingController(SHAPES[2])
+    out = RolloutEngine(model, [EOS], draft=drafts["trained"], controller=controller).generate(PROMPTS, params)
+    assert out.completion_ids == plain.completion_ids
+    s = out.stats
+    trees = [i for i, shape in enumerate(controller.chosen) if shape.speculative]
+    emitted = sum(s.tokens_per_forward[i] for i in trees) / sum(s.concurrency[i] for i in trees)
+    # A row that ends (EOS, length limit) inside an accepted path emits less than it accepted, never more.
+    assert emitted - 1e-9 <= s.tree_accept_length <= emitted + 0.2
+    assert s.tree_accept_length > 1.5, "a trained draft should be accepted often"
+    assert s.accept_length < s.tree_accept_length - 0.2, "plain steps pull the all-steps average down"
 
 
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)

@@ -503,6 +503,7 @@ class GRPOTrainer:
             "rollout/tokens_per_second": out.stats.tokens_per_second,
             "rollout/target_forwards": out.stats.target_forwards,
             "spec/accept_length": out.stats.accept_length,
+            "spec/tree_accept_length": out.stats.tree_accept_length,
             "spec/n_verify_mean": out.stats.n_verify_mean,
             "spec/concurrency_mean": out.stats.concurrency_mean,
             "spec/draft_time": out.stats.draft_time,

@@ -218,6 +218,8 @@ class SpeculativeRollout:
         s = out.stats
         metrics = trainer._metrics["train"]
         metrics["spec/accept_length"].append(s.accept_length)
+        if s.depth_offered:  # a rollout of plain steps only has no tree acceptance to average in
+            metrics["spec/tree_accept_length"].append(s.tree_accept_length)
         metrics["spec/n_verify_mean"].append(s.n_verify_mean)
         metrics["spec/concurrency_mean"].append(s.concurrency_mean)
         metrics["rollout/tokens_per_second"].append(s.tokens_per_second)

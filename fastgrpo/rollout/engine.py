@@ -76,6 +76,14 @@ class GenerationStats:
         return self.decode_tokens / max(sum(self.concurrency), 1)
 
     @property
+    def tree_accept_length(self) -> float:
+        """1 + draft tokens accepted per row per speculative step: the draft's acceptance, apart from how often the
+        controller chose a tree (`accept_length` counts plain steps as 1.0). NaN without a speculative step."""
+        if not self.depth_offered:
+            return float("nan")
+        return 1.0 + sum(self.depth_accepted) / self.depth_offered[0]
+
+    @property
     def acceptance_by_depth(self) -> list[float]:
         """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
         return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
