@@ -213,7 +213,7 @@ class AlternatingController:
     def begin(self) -> None:
         pass
 
-    def choose(self, rows: int) -> TreeShape:
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         self.chosen.append(self.shape if len(self.chosen) % 2 else AUTOREGRESSIVE)
         return self.chosen[-1]
 

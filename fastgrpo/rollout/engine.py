@@ -278,7 +278,8 @@ class RolloutEngine:
             rows = batch.ids.numel()
             stats.concurrency.append(rows)
             step_start = time.perf_counter()
-            shape = self.controller.choose(rows) if self.controller else None
+            backlog = int(batch.pend_n.max()) if self.draft is not None else 0
+            shape = self.controller.choose(rows, backlog) if self.controller else None
             if shape is not None and shape.speculative:
                 tokens, lps, count, fed = self._speculative_step(batch, shape, params, noise, stats)
             else:

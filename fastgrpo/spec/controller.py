@@ -42,8 +42,9 @@ class Controller(Protocol):
         """A generation call starts (the draft may have been trained since the last one)."""
         ...
 
-    def choose(self, rows: int) -> TreeShape:
-        """The shape of the next step, with ``rows`` active rows."""
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
+        """The shape of the next step, with ``rows`` active rows; a speculative step first feeds the draft the
+        ``backlog`` tokens per row it has not seen (those of the plain steps since its last tree)."""
         ...
 
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
@@ -64,7 +65,7 @@ class StaticController:
     def begin(self) -> None:
         pass
 
-    def choose(self, rows: int) -> TreeShape:
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.shape
 
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
@@ -125,7 +126,7 @@ class PaperController:
     def begin(self) -> None:
         pass
 
-    def choose(self, rows: int) -> TreeShape:
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.limits.shape_for(self.c_peak // max(rows, 1))
 
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
@@ -140,7 +141,8 @@ class AdaptiveController:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
       an exponential moving average per shape once the shape has run, else the depth averages pooled over all
-      shapes (starting from ``prior_accept ** d``);
+      shapes (starting from ``prior_accept ** d``, which weighs as much as ``prior_rows`` observed rows, so that the
+      first step, often of one or two rows, does not replace it);
     - predicted seconds = profiled target forward over ``B * N`` tokens plus ``L`` draft levels over ``B * K``
       tokens, times a correction factor: observed over profiled step time, averaged separately for autoregressive
       and speculative steps and for each power-of-two band of tokens in the target forward (``B * N``). A band a
@@ -148,7 +150,8 @@ class AdaptiveController:
       average.
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
-    instead so its statistics stay live, unless it would lose even with every draft token accepted; the interval
+    instead so its statistics stay live, unless it would lose even with every draft token accepted (counting the
+    draft's catch-up on the plain steps before it); the interval
     doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
     every generation call.
     """
@@ -158,6 +161,7 @@ class AdaptiveController:
     accept_rate: float = 0.1
     time_rate: float = 0.2
     prior_accept: float = 0.7
+    prior_rows: int = 2
     probe_interval: int = 16
     max_probe_interval: int = 256
 
@@ -226,7 +230,7 @@ class AdaptiveController:
         """Probe often again: the draft may have been trained since the last call."""
         self._interval, self._since_probe = self.probe_interval, 0
 
-    def choose(self, rows: int) -> TreeShape:
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         best = self.best(rows)
         if best != self._last_best:
             self._last_best, self._interval, self._since_probe = best, self.probe_interval, 0
@@ -238,8 +242,12 @@ class AdaptiveController:
         i = self.shapes.index(best)
         self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
         probe = self.shapes[i + 1 if self._probe_up else i - 1]
-        # A shape that would lose even if every draft token were accepted is not worth a probe.
-        ceiling = (1 + probe.levels) / self.predicted_seconds(rows, probe)
+        # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
+        # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
+        seconds = self.predicted_seconds(rows, probe)
+        if probe.speculative and backlog > 1:
+            seconds += self.profile.draft_time(rows * backlog) - self.profile.draft_time(rows)
+        ceiling = (1 + probe.levels) / seconds
         return probe if ceiling > self.goodput(rows, best) else best
 
     def _rate(self, key: object, rate: float) -> float:
@@ -247,6 +255,12 @@ class AdaptiveController:
         moving average whose start is not biased towards its initial value)."""
         n = self._counts[key] = self._counts.get(key, 0) + 1
         return max(rate, 1.0 / n)
+
+    def _accept_weight(self, key: object, rows: int) -> float:
+        """Averaging weight of an acceptance observation over ``rows`` rows: its rows over all rows seen so far plus
+        ``prior_rows`` (an average of the rows, prior included), then at least ``accept_rate``."""
+        seen = self._counts[key] = self._counts.get(key, 0) + rows
+        return max(self.accept_rate, rows / (seen + self.prior_rows))
 
     def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
         kind = self._kind(shape)
@@ -259,10 +273,10 @@ class AdaptiveController:
         levels = shape.levels
         reached = [float((accepted >= d).float().mean()) for d in range(1, levels + 1)]
         own = self.shape_accept.setdefault(shape, list(self.depth_accept))
-        own_rate = self._rate(shape, self.accept_rate)
+        own_rate = self._accept_weight(shape, rows)
         for d, value in enumerate(reached):
             own[d] += own_rate * (value - own[d])
-            self.depth_accept[d] += self._rate(("depth", d), self.accept_rate) * (value - self.depth_accept[d])
+            self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (value - self.depth_accept[d])
 
 
 def controller_from_config(
