@@ -140,6 +140,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per concurrency in the sweep")
     parser.add_argument("--plot", default="docs/controller_sweep.png")
     parser.add_argument("--skip-rollout", action="store_true")
+    parser.add_argument(
+        "--modes",
+        default="static,paper,adaptive",
+        help="modes compared with autoregressive decoding, by the start of their names (static, paper, adaptive)",
+    )
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
@@ -150,6 +155,10 @@ def main() -> None:
     profile = load_or_calibrate(model, draft, "smollm2")
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak}")
     engines = make_engines(model, tokenizer, draft, eos_token_ids(model, tokenizer), profile.c_peak, profile)
+    wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    engines = {name: e for name, e in engines.items() if name == "autoregressive" or name.startswith(wanted)}
+    if len(engines) == 1:
+        raise SystemExit(f"--modes {args.modes!r} names no mode (static, paper, adaptive)")
     rows = load_gsm8k(GSM8K / "test.jsonl")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[: max(concurrency + [args.prompts])]], 512)
