@@ -5,7 +5,8 @@ controller and the adaptive controller, side by side in one run.
    tokens, so the number of active rows falls as answers finish, as in training. Every mode decodes the same prompts
    with the same seed, and since each position has its own uniform they emit the same tokens (counted).
 2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS, so all stay active;
-   ``--repeats`` interleaved rounds of every mode, medians.
+   ``--repeats`` interleaved rounds of every mode, medians of decoding tokens/s (the prefill, the same in every
+   mode, is left out).
 
 The latency profile is the one saved by ``fastgrpo profile`` (else a short calibration); the draft is a saved one
 (``benchmarks/train_drafts.py``). Prints markdown tables and writes a plot of speedup against concurrency.
@@ -96,7 +97,8 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
                     seconds, out = timed(engine, prompts[:c], params, 1, seed=c)
                 finally:
                     engine.eos = eos_before
-                rates[name].append(out.stats.tokens_emitted / seconds)
+                # Decoding only: the prefill is the same work in every mode, and at 64 rows most of the call.
+                rates[name].append(out.stats.decode_tokens / out.stats.decode_time)
         ar = rates["autoregressive"]
         cells = []
         for name in names[1:]:
