@@ -94,7 +94,7 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
                 eos_before = engine.eos
                 engine.eos = torch.empty(0, dtype=torch.long)  # no row ends early: the concurrency stays c
                 try:
-                    seconds, out = timed(engine, prompts[:c], params, 1, seed=c)
+                    _, out = timed(engine, prompts[:c], params, 1, seed=c)
                 finally:
                     engine.eos = eos_before
                 # Decoding only: the prefill is the same work in every mode, and at 64 rows most of the call.
