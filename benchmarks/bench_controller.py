@@ -79,7 +79,8 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
     its rate over the autoregressive rate of the same round, so a slow spell of the machine bends one round of all
     modes rather than one mode."""
     print(
-        f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (tokens/s), "
+        f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (decoding "
+        "tokens/s, share of decoding steps that ran a tree), "
         f"median of {repeats} interleaved rounds\n"
     )
     names = list(engines)
@@ -89,6 +90,7 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
     speedups: dict[str, list[float]] = {name: [] for name in names[1:]}
     for c in concurrency:
         rates: dict[str, list[float]] = {name: [] for name in names}
+        trees: dict[str, list[float]] = {name: [] for name in names}  # share of decoding steps that ran a tree
         for _ in range(repeats):
             for name, engine in engines.items():
                 eos_before = engine.eos
@@ -99,12 +101,14 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
                     engine.eos = eos_before
                 # Decoding only: the prefill is the same work in every mode, and at 64 rows most of the call.
                 rates[name].append(out.stats.decode_tokens / out.stats.decode_time)
+                trees[name].append(len(out.stats.tree_nodes) / out.stats.target_forwards)
         ar = rates["autoregressive"]
         cells = []
         for name in names[1:]:
             ratio = statistics.median(r / a for r, a in zip(rates[name], ar, strict=True))
             speedups[name].append(ratio)
-            cells.append(f"{ratio:.2f}x ({statistics.median(rates[name]):.0f})")
+            share = sum(trees[name]) / len(trees[name])
+            cells.append(f"{ratio:.2f}x ({statistics.median(rates[name]):.0f}, {share:.0%} trees)")
         print(f"| {c} | {statistics.median(ar):.1f} | " + " | ".join(cells) + " |", flush=True)
     return speedups
 

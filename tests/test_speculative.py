@@ -7,6 +7,7 @@ import copy
 import math
 import random
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from fastgrpo.rollout import engine as engine_module
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import Acceptance
-from fastgrpo.spec.controller import AUTOREGRESSIVE
+from fastgrpo.spec.controller import AUTOREGRESSIVE, StaticController
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
 from fastgrpo.spec.tree import DraftTree, TreeShape
@@ -200,25 +201,15 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
         assert out.stats.target_forwards < reference.stats.target_forwards
 
 
-class AlternatingController:
+@dataclass
+class AlternatingController(StaticController):
     """A tree at every other step, a plain step in between; records the shape of every step."""
 
-    def __init__(self, shape: TreeShape):
-        self.shape, self.chosen = shape, []
-
-    @property
-    def max_shape(self) -> TreeShape:
-        return self.shape
-
-    def begin(self) -> None:
-        pass
+    chosen: list[TreeShape] = field(default_factory=list)
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         self.chosen.append(self.shape if len(self.chosen) % 2 else AUTOREGRESSIVE)
         return self.chosen[-1]
-
-    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
-        pass
 
 
 def test_tree_accept_length_counts_tree_steps_only(model_and_drafts) -> None:
