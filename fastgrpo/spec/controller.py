@@ -206,14 +206,12 @@ class AdaptiveController:
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
-        A speculative step does all the work of a plain step and drafts too, so the profile is never read as pricing
-        it below that (a profile's points are noisy: a forward over 2 tokens may have timed faster than over 1).
-        The floor takes the tree's own correction: a plain step's is learnt at another token count, from steps that
-        may carry other work (rows leaving the cache), and would not say what this tree costs."""
+        A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
+        plain = self._correction("ar", rows) * self.profile.target_time(rows)
         if not shape.speculative:
-            return self._correction("ar", rows) * self.profile.target_time(rows)
-        floor = self.profile.target_time(rows) + shape.levels * self.profile.draft_time(rows * shape.top_k)
-        return self._correction("spec", rows * shape.nodes) * max(self._profiled_seconds(rows, shape), floor)
+            return plain
+        draft = shape.levels * self.profile.draft_time(rows * shape.top_k)
+        return max(self._correction("spec", rows * shape.nodes) * self._profiled_seconds(rows, shape), plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
         """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward."""
