@@ -305,15 +305,12 @@ def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
 
 
 def test_adaptive_does_not_probe_when_the_draft_catch_up_would_cost_more_than_it_could_win() -> None:
-    """After many plain steps a tree first feeds the draft every row's backlog. That is paid once, so it counts
-    spread over the steps until the next probe; a backlog that costs more than a fully accepted tree could save
-    over them stops the probes due every few steps (a short one does not)."""
+    """After many plain steps a tree first feeds the draft every row's backlog; with a long backlog over many rows
+    that costs more than a fully accepted tree could save, so the probes due every few steps do not run."""
     controller = AdaptiveController(flat_profile(knee=32, draft=0.01), probe_interval=2)
     run_steps(controller, rows=8, steps=20, accept_fraction=0.0)  # plain steps win; probes keep running
     assert controller.best(8) == AUTOREGRESSIVE
     probes = [controller.choose(8, backlog=1) for _ in range(64)]
     assert any(s.speculative for s in probes), "without a backlog the due probes run"
     controller.begin()
-    assert any(controller.choose(8, backlog=20).speculative for _ in range(64))
-    controller.begin()
-    assert not any(controller.choose(8, backlog=10_000).speculative for _ in range(64))
+    assert not any(controller.choose(8, backlog=200).speculative for _ in range(64))

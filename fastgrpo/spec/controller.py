@@ -151,7 +151,7 @@ class AdaptiveController:
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
     instead so its statistics stay live, unless it would lose even with every draft token accepted (counting the
-    draft's catch-up on the plain steps before it, spread over the interval); the interval
+    draft's catch-up on the plain steps before it); the interval
     doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
     every generation call.
     """
@@ -242,14 +242,11 @@ class AdaptiveController:
         i = self.shapes.index(best)
         self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
         probe = self.shapes[i + 1 if self._probe_up else i - 1]
-        # A shape that would lose even if every draft token were accepted is not worth a probe. Before its first
-        # tree the draft catches up with the plain steps since its last one (at many rows a draft prefill of every
-        # row): that is paid once, so it counts spread over the steps until the next probe, which a winning probe
-        # would keep its tree for.
+        # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
+        # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
         seconds = self.predicted_seconds(rows, probe)
         if probe.speculative and backlog > 1:
-            catch_up = self.profile.draft_time(rows * backlog) - self.profile.draft_time(rows)
-            seconds += catch_up / self._interval
+            seconds += self.profile.draft_time(rows * backlog) - self.profile.draft_time(rows)
         ceiling = (1 + probe.levels) / seconds
         return probe if ceiling > self.goodput(rows, best) else best
 
