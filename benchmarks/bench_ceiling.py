@@ -37,7 +37,7 @@ from fastgrpo.rollout.sampling import SamplingParams, process_logits
 from fastgrpo.spec.ceiling import NO_RANK, CompletionRanks, depth_bound, depth_in_full_tree, nodes_needed, ranks_against
 from fastgrpo.spec.draft import DraftHead
 from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer
-from fastgrpo.spec.profiler import interleaved_medians
+from fastgrpo.spec.profiler import interleaved_medians, interpolate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2)]  # (K children, L levels)
@@ -123,12 +123,7 @@ class StepCosts:
         self.nodes = sorted({n for _, n in measured})
 
     def __call__(self, rows: int, nodes: int) -> float:
-        if rows in self.rows:
-            return self.measured[rows, nodes]
-        hi = next(b for b in self.rows if b > rows)
-        lo = max(b for b in self.rows if b < rows)
-        w = (rows - lo) / (hi - lo)
-        return (1 - w) * self.measured[lo, nodes] + w * self.measured[hi, nodes]
+        return interpolate(self.rows, [self.measured[b, nodes] for b in self.rows], rows)
 
 
 def speedup_bound(cost: StepCosts, rows: int, bound: dict[int, float]) -> tuple[float, int]:

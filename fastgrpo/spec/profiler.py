@@ -54,11 +54,11 @@ class LatencyProfile:
 
     def target_time(self, tokens: float) -> float:
         """Predicted seconds of a target forward over ``tokens`` tokens (interpolated, extrapolated linearly)."""
-        return _interpolate(self.tokens, self.target_seconds, tokens)
+        return interpolate(self.tokens, self.target_seconds, tokens)
 
     def draft_time(self, tokens: float) -> float:
         """Predicted seconds of one draft level over ``tokens`` tokens."""
-        return _interpolate(self.tokens, self.draft_seconds, tokens)
+        return interpolate(self.tokens, self.draft_seconds, tokens)
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically)."""
@@ -74,7 +74,7 @@ class LatencyProfile:
         return cls(**json.loads(Path(path).read_text()))
 
 
-def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+def interpolate(xs: list[int], ys: list[float], x: float) -> float:
     """Piecewise-linear through the points; beyond the ends, the nearest segment's line (never below zero)."""
     if len(xs) == 1:
         return ys[0] * max(x / xs[0], 1.0)
