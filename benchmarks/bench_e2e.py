@@ -7,7 +7,8 @@ same seed, data and hyperparameters:
     of the first rollout's most frequent tokens: ``--scratch-vocab``, 0 for the full one);
 (d) FastGRPO, adaptive speculation with online draft learning from the offline-trained draft.
 
-Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length and the online
+Prints total and per-phase wall time, end-to-end and rollout-phase speedups over (a), accepted length (over all
+decoding steps, and over tree steps only with the number of steps whose rollout ran a tree in brackets) and the online
 draft's held-out accuracy (``draft/accuracy``) over the first and last five steps, the draft-learning share of step
 time and the reward of the last steps, and writes overlaid plots (``fastgrpo report``).
 
@@ -17,6 +18,7 @@ time and the reward of the last steps, and writes overlaid plots (``fastgrpo rep
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
@@ -46,7 +48,12 @@ def config_for(args, run: str) -> GRPOConfig:
         "d": SpeculationConfig(mode="adaptive", draft=args.draft),
     }[run]
     draft_training = DraftTrainConfig(
-        online=run in ("c", "d"), learning_rate=args.draft_lr, token_loss_weight=1.0, epochs=1, bf16=BF16
+        online=run in ("c", "d"),
+        learning_rate=args.draft_lr,
+        token_loss_weight=1.0,
+        token_budget=args.draft_token_budget,
+        epochs=1,
+        bf16=BF16,
     )
     return GRPOConfig(
         model="smollm2",
@@ -74,6 +81,20 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def tree_accept_length(rows: list[dict[str, float]]) -> str:
+    """Accepted length on tree steps (``spec/tree_accept_length``) over the first and last five steps: the mean of the
+    steps that ran a tree, a dash where none did. Unlike ``spec/accept_length`` it does not count plain steps as 1.00,
+    so it follows the draft rather than how often the controller chose a tree."""
+
+    def window(part: list[dict[str, float]]) -> str:
+        values = [
+            r["spec/tree_accept_length"] for r in part if not math.isnan(r.get("spec/tree_accept_length", math.nan))
+        ]
+        return f"{mean(values):.2f} ({len(values)})" if values else "–"
+
+    return f"{window(rows[:5])} | {window(rows[-5:])}"
+
+
 def draft_accuracy(rows: list[dict[str, float]]) -> str:
     """Held-out draft accuracy over the first and last five steps, or a dash for a run without draft learning."""
     if "draft/accuracy" not in rows[0]:
@@ -91,10 +112,11 @@ def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace)
     )
     print(
         "| run | total s | rollout s | rollout tok/s | draft s | update s | end-to-end speedup | rollout speedup "
-        "| accepted first 5 | accepted last 5 | draft accuracy first 5 | draft accuracy last 5 | draft share of step "
+        "| accepted first 5 | accepted last 5 | tree steps' accepted first 5 | tree steps' accepted last 5 "
+        "| draft accuracy first 5 | draft accuracy last 5 | draft share of step "
         "| reward last 5 |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 16 + "|")
     base = runs.get(LABELS["a"])
     for name, rows in runs.items():
         total = sum(r["time/step"] for r in rows)
@@ -109,7 +131,8 @@ def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace)
             f"{phases['draft update'] * len(rows):.0f} | "
             f"{phases['policy update'] * len(rows):.0f} | {e2e:.2f}x | {roll:.2f}x | "
             f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f} | "
-            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {draft_accuracy(rows)} | "
+            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {tree_accept_length(rows)} | "
+            f"{draft_accuracy(rows)} | "
             f"{100 * share:.1f} % | "
             f"{mean([r['reward'] for r in rows[-5:]]):.3f} |",
             flush=True,
@@ -131,6 +154,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts-per-step", type=int, default=1)
     parser.add_argument("--draft-lr", type=float, default=3e-4)
+    parser.add_argument(
+        "--draft-token-budget", type=int, default=512, help="tokens per draft update (draft_training.token_budget)"
+    )
     parser.add_argument("--scratch-vocab", type=int, default=8192, help="draft vocabulary of run (c); 0: full")
     parser.add_argument("--runs", default="a,b,c,d")
     parser.add_argument("--max-new-tokens", type=int, default=256)

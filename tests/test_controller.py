@@ -314,3 +314,43 @@ def test_adaptive_does_not_probe_when_the_draft_catch_up_would_cost_more_than_it
     assert any(s.speculative for s in probes), "without a backlog the due probes run"
     controller.begin()
     assert not any(controller.choose(8, backlog=200).speculative for _ in range(64))
+
+
+def test_a_changed_draft_is_probed_once_whatever_its_catch_up_costs() -> None:
+    """Online learning changes the draft between rollouts. A draft that was bad when last measured must still be
+    measured again, or the controller would never notice it has learned: the first due probe after a change runs
+    despite the catch-up, and only until a tree has run."""
+    controller = AdaptiveController(flat_profile(knee=32, draft=0.01), probe_interval=2)
+    run_steps(controller, rows=8, steps=20, accept_fraction=0.0)
+    controller.begin(draft_changed=False)
+    assert not any(controller.choose(8, backlog=200).speculative for _ in range(64))
+    controller.begin(draft_changed=True)
+    chosen = [controller.choose(8, backlog=200) for _ in range(2)]
+    assert chosen[-1].speculative, "the first due probe after a change runs"
+    controller.observe(8, chosen[-1], controller._profiled_seconds(8, chosen[-1]), torch.zeros(8, dtype=torch.long))
+    assert not any(controller.choose(8, backlog=200).speculative for _ in range(64)), "once measured, no more"
+
+
+class RecordingController(StaticController):
+    """A static controller that records the ``draft_changed`` flag of every generation call."""
+
+    def __init__(self, shape: TreeShape):
+        super().__init__(shape)
+        self.changes: list[bool] = []
+
+    def begin(self, draft_changed: bool = False) -> None:
+        self.changes.append(draft_changed)
+
+
+def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model: PreTrainedModel) -> None:
+    draft = DraftHead(llama_model.config).double()
+    controller = RecordingController(TreeShape(4, 2, 2))
+    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=controller)
+    params = SamplingParams(max_new_tokens=4, temperature=0)
+    engine.generate(PROMPTS, params)
+    engine.generate(PROMPTS, params)
+    with torch.no_grad():
+        draft.fc.weight.mul_(0.5)  # what an optimizer step does: an in-place write
+    engine.generate(PROMPTS, params)
+    engine.generate(PROMPTS, params)
+    assert controller.changes == [True, False, True, False]

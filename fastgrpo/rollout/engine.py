@@ -184,10 +184,20 @@ class RolloutEngine:
         self.cache: RowCache | None = None
         self.draft_cache: RowCache | None = None
         self._backlog_seconds = 0.0  # catch-up time of the last speculative step that belongs to earlier plain steps
+        self._draft_state: tuple[tuple[int, int], ...] | None = None  # see `_draft_changed`
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def _draft_changed(self) -> bool:
+        """Whether the draft's weights changed since the previous call (an optimizer step or a load writes them in
+        place, which bumps each tensor's version counter); True on the first call."""
+        if self.draft is None:
+            return False
+        state = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
+        changed, self._draft_state = state != self._draft_state, state
+        return changed
 
     def _caches(self, rows: int, length: int) -> RowCache:
         """Reuse the cache buffers when big enough (zeroed once at allocation, so always finite)."""
@@ -249,7 +259,7 @@ class RolloutEngine:
         out = GenerationOutput([[] for _ in range(n_rows)], [[] for _ in range(n_rows)], ["length"] * n_rows, stats)
         cache = self._caches(n_rows, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
         if self.controller is not None:
-            self.controller.begin()
+            self.controller.begin(draft_changed=self._draft_changed())
 
         t0 = time.perf_counter()
         batch, logits, hidden, prompt_hidden = self._prefill(cache, prompt_ids, num_generations)

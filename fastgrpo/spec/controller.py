@@ -38,8 +38,9 @@ class Controller(Protocol):
         """Upper bounds of the nodes, top-k and depth it may ever choose (the engine sizes its caches by them)."""
         ...
 
-    def begin(self) -> None:
-        """A generation call starts (the draft may have been trained since the last one)."""
+    def begin(self, draft_changed: bool = False) -> None:
+        """A generation call starts; ``draft_changed`` when the draft's weights changed since the previous call
+        (online draft learning), so that what was measured of its acceptance is out of date."""
         ...
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
@@ -62,7 +63,7 @@ class StaticController:
     def max_shape(self) -> TreeShape:
         return self.shape
 
-    def begin(self) -> None:
+    def begin(self, draft_changed: bool = False) -> None:
         pass
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
@@ -123,7 +124,7 @@ class PaperController:
     def max_shape(self) -> TreeShape:
         return self.limits.max_shape
 
-    def begin(self) -> None:
+    def begin(self, draft_changed: bool = False) -> None:
         pass
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
@@ -153,7 +154,8 @@ class AdaptiveController:
     instead so its statistics stay live, unless it would lose even with every draft token accepted (counting the
     draft's catch-up on the plain steps before it); the interval
     doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
-    every generation call.
+    every generation call. After the draft has changed (online learning), the first due probe runs whatever its
+    catch-up costs: otherwise a draft that was once bad would never be measured again, however much it learns.
     """
 
     profile: LatencyProfile
@@ -179,6 +181,7 @@ class AdaptiveController:
         self._since_probe = 0
         self._probe_up = True
         self._last_best: TreeShape | None = None
+        self._stale = False  # the draft changed since its acceptance was last measured
 
     @property
     def max_shape(self) -> TreeShape:
@@ -226,9 +229,10 @@ class AdaptiveController:
     def best(self, rows: int) -> TreeShape:
         return max(self.shapes, key=lambda s: self.goodput(rows, s))
 
-    def begin(self) -> None:
+    def begin(self, draft_changed: bool = False) -> None:
         """Probe often again: the draft may have been trained since the last call."""
         self._interval, self._since_probe = self.probe_interval, 0
+        self._stale = self._stale or draft_changed
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         best = self.best(rows)
@@ -245,7 +249,7 @@ class AdaptiveController:
         # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
         # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
         seconds = self.predicted_seconds(rows, probe)
-        if probe.speculative and backlog > 1:
+        if probe.speculative and backlog > 1 and not self._stale:
             seconds += self.profile.draft_time(rows * backlog) - self.profile.draft_time(rows)
         ceiling = (1 + probe.levels) / seconds
         return probe if ceiling > self.goodput(rows, best) else best
@@ -270,6 +274,7 @@ class AdaptiveController:
             self.correction[key] = current + self._rate(key, self.time_rate) * (ratio - current)
         if accepted is None or shape.nodes == 1:
             return
+        self._stale = False
         levels = shape.levels
         reached = [float((accepted >= d).float().mean()) for d in range(1, levels + 1)]
         own = self.shape_accept.setdefault(shape, list(self.depth_accept))
