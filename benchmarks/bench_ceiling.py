@@ -151,13 +151,14 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="rows of the fixed-concurrency table")
     parser.add_argument("--nodes", default="1,2,3,4,6,8,12,16", help="tree sizes N whose verification is timed")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     parser.add_argument(
         "--replay-prompts", type=int, default=4, help="prompts whose rows decode together, as bench_controller's replay"
     )
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
-    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model).eval()
     levels = max(depth for _, depth in SHAPES)
@@ -177,9 +178,9 @@ def main() -> None:
         prompts, params, args.num_generations, generator=torch.Generator().manual_seed(0), capture_hidden=True
     )
     print(
-        f"SmolLM2-135M-Instruct, {args.prompts} GSM8K test prompts x {args.num_generations} generations, T=1, "
-        f"top-p 0.95, {out.stats.tokens_emitted} tokens sampled in {time.perf_counter() - start:.0f} s; "
-        f"draft {args.draft}, {torch.get_num_threads()} threads"
+        f"SmolLM2-135M-Instruct ({args.dtype}), {args.prompts} GSM8K test prompts x {args.num_generations} "
+        f"generations, T=1, top-p 0.95, {out.stats.tokens_emitted} tokens sampled in "
+        f"{time.perf_counter() - start:.0f} s; draft {args.draft}, {torch.get_num_threads()} threads"
     )
 
     completions: list[Ranks] = []
