@@ -6,8 +6,13 @@ same responses, so that the two can be compared).
     python benchmarks/train_drafts.py --prompts 1024 --output drafts
 
 With ``--samples FILE``, the generated responses and hidden states are saved to FILE, or read from it when it exists
-(made with the same ``--prompts``, ``--greedy-fraction`` and ``--max-new-tokens``), so that fitting recipes can be
-compared without generating again.
+(made with the same ``--prompts``, ``--first-prompt``, ``--greedy-fraction`` and ``--max-new-tokens``), so that
+fitting recipes can be compared without generating again. ``--extra-samples`` adds files saved that way (from other
+prompts) to the training set, so a draft can be fit on more prompts without generating the earlier ones again:
+
+    python benchmarks/train_drafts.py --prompts 1024 --samples runs/samples1024.pt ...
+    python benchmarks/train_drafts.py --first-prompt 1024 --prompts 2048 --samples runs/samples1024-3071.pt \
+        --extra-samples runs/samples1024.pt ...
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="drafts")
     parser.add_argument("--prompts", type=int, default=1024)
+    parser.add_argument("--first-prompt", type=int, default=0, help="index of the first GSM8K train prompt to answer")
     parser.add_argument("--greedy-fraction", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=64)
@@ -49,26 +55,37 @@ def main() -> None:
         "--bf16", action="store_true", help="bfloat16 autocast (pays only on CPUs with bf16 units, e.g. AVX512-BF16)"
     )
     parser.add_argument("--samples", type=Path, help="file to save the generated samples to, or to read them from")
+    parser.add_argument(
+        "--extra-samples", type=Path, nargs="*", default=[], help="more --samples files (other prompts) to fit on"
+    )
     args = parser.parse_args()
+    missing = [str(p) for p in args.extra_samples if not p.is_file()]
+    if missing:
+        raise SystemExit(f"--extra-samples: no such file: {', '.join(missing)}")
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
     model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     recipe = {"prompts": args.prompts, "greedy_fraction": args.greedy_fraction, "max_new_tokens": args.max_new_tokens}
+    if args.first_prompt:  # files made before --first-prompt existed start at prompt 0 and do not name it
+        recipe["first_prompt"] = args.first_prompt
     if args.samples and args.samples.is_file():
         saved = torch.load(args.samples, weights_only=False)
         if saved["recipe"] != recipe:
             raise SystemExit(f"--samples {args.samples} was made with {saved['recipe']}, not {recipe}")
         samples, generate_s = saved["samples"], saved["generate_seconds"]
     else:
-        rows = load_gsm8k(GSM8K / "train.jsonl")[: args.prompts]
+        rows = load_gsm8k(GSM8K / "train.jsonl")[args.first_prompt : args.first_prompt + args.prompts]
         t0 = time.perf_counter()
         sampled = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
         samples = collect_mixed(engine, tokenizer, rows, sampled, args.greedy_fraction, args.batch_size, 512, seed=1)
         generate_s = time.perf_counter() - t0
         if args.samples:
             torch.save({"recipe": recipe, "samples": samples, "generate_seconds": generate_s}, args.samples)
+    for path in args.extra_samples:
+        saved = torch.load(path, weights_only=False)
+        samples, generate_s = samples + saved["samples"], generate_s + saved["generate_seconds"]
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
     config = DraftTrainConfig(

@@ -190,6 +190,14 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
     print("|---|---|---|---|")
     for t, target, draft_s in zip(profile.tokens, profile.target_seconds, profile.draft_seconds, strict=True):
         print(f"| {t} | {1e3 * target:.1f} | {1e3 * target / t:.2f} | {1e3 * draft_s:.1f} |")
+    if profile.tree_rows:
+        print("\nTarget forward over rows x N tokens per row, as a multiple of one token per row:")
+        print("| rows | one token ms | " + " | ".join(f"N={n}" for n in profile.tree_nodes) + " |")
+        print("|---|---|" + "---|" * len(profile.tree_nodes))
+        for rows, seconds in zip(profile.tree_rows, profile.tree_seconds, strict=True):
+            one = profile.target_time(rows)
+            cells = ["" if s is None else f"{s / one:.2f}" for s in seconds]
+            print(f"| {rows} | {1e3 * one:.1f} | " + " | ".join(cells) + " |")
     print(f"C_peak = {profile.c_peak} tokens; profile {path}; plot {png}")
 
 

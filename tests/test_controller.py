@@ -194,6 +194,40 @@ def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> 
     assert controller.predicted_seconds(2, tree) == pytest.approx(2 * before)
 
 
+def grid_profile(one_row_tree: float) -> LatencyProfile:
+    """The one-token curve of a CPU where rows cost (50 ms at one row, 100 ms at 8), with a grid in which ``N``
+    tokens in one row cost ``one_row_tree`` times one token and ``N`` tokens in each of 8 rows twice that row count's
+    one token."""
+    profile = flat_profile(target=0.05, draft=0.0001, knee=4)
+    profile.tree_rows, profile.tree_nodes = [1, 8], [2, 4, 8]
+    profile.tree_seconds = [[0.05 * one_row_tree] * 3, [0.2, 0.2, None]]  # 8 x 8 tokens: not measured
+    return profile
+
+
+def test_a_profile_prices_trees_by_rows_and_tokens_per_row() -> None:
+    profile = grid_profile(one_row_tree=1.1)
+    assert profile.tree_time(1, 1) == pytest.approx(0.05)
+    assert profile.tree_time(1, 8) == pytest.approx(0.055), "measured, not 8 rows' 0.1"
+    assert profile.tree_time(1, 3) == pytest.approx(0.055)
+    assert profile.tree_time(8, 2) == pytest.approx(0.2)
+    assert profile.tree_time(8, 8) == pytest.approx(0.2), "past the last measured N: the last segment's line"
+    assert profile.tree_time(4, 4) == pytest.approx(0.055 + (0.2 - 0.055) * 3 / 7), "between row counts: linear"
+    assert profile.tree_time(16, 2) == pytest.approx(0.2 * profile.target_time(16) / profile.target_time(8))
+    assert flat_profile(knee=4).tree_time(2, 8) == pytest.approx(flat_profile(knee=4).target_time(16)), "no grid"
+
+
+def test_adaptive_runs_deep_one_row_trees_where_the_grid_says_they_cost_a_plain_step() -> None:
+    """With the prior acceptance and drafting almost free, the deepest trees win when a one-row tree of up to 64
+    nodes costs 1.1 plain steps (the grid); priced as that many rows of one token, trees past the knee's 4 tokens
+    cost more and the controller stays at 4 nodes."""
+    flat = flat_profile(target=0.05, draft=0.0001, knee=4)
+    by_tokens, by_grid = AdaptiveController(flat), AdaptiveController(grid_profile(one_row_tree=1.1))
+    assert by_tokens.best(1).nodes == 4
+    assert by_grid.best(1).nodes >= 16 and by_grid.best(1).levels == 5
+    tree = TreeShape(8, 3, 4)
+    assert by_grid.predicted_seconds(1, tree) < 0.6 * by_tokens.predicted_seconds(1, tree)
+
+
 def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:
     """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted."""
     params = SamplingParams(max_new_tokens=40, temperature=0)
@@ -264,6 +298,8 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreT
     # tiny model's own compute on a loaded CI machine has added up to 12 ms)
     assert 0.02 <= profile.target_seconds[0] < 0.055
     assert profile.target_time(64) > 2 * profile.target_time(8)  # 80 ms of sleep against 20 ms, plus overhead
+    assert profile.tree_rows == [1, 2, 4, 8, 16, 32, 64] and profile.tree_nodes == list(profiler.TREE_NODES)
+    assert profile.tree_time(4, 16) > 2 * profile.tree_time(1, 8)  # the grid: 64 tokens in 4 rows against 8 in one
     path = profile.save(tmp_path / "profile.json")
     assert LatencyProfile.load(path) == profile
     png = profiler.plot(profile, tmp_path / "profile.png")

@@ -49,8 +49,11 @@ def test_profile_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     main(["profile", "--tokens", "1,2,4", "--repeats", "1", "--context-length", "16", "--output", str(path)])
     profile = json.loads(path.read_text())
     assert profile["tokens"] == [1, 2, 4] and profile["c_peak"] in (1, 2, 4)
+    assert profile["tree_rows"] == [1, 2, 4]  # one row of 2 and 4 tokens, two rows of 2: up to 4 tokens in all
+    assert [n is not None for n in profile["tree_seconds"][0][:3]] == [True, True, False]
     assert path.with_suffix(".png").is_file()
-    assert "C_peak = " in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "C_peak = " in printed and "| rows | one token ms | N=2 |" in printed
 
 
 def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -144,11 +144,11 @@ class AdaptiveController:
       an exponential moving average per shape once the shape has run, else the depth averages pooled over all
       shapes (starting from ``prior_accept ** d``, which weighs as much as ``prior_rows`` observed rows, so that the
       first step, often of one or two rows, does not replace it);
-    - predicted seconds = profiled target forward over ``B * N`` tokens plus ``L`` draft levels over ``B * K``
-      tokens, times a correction factor: observed over profiled step time, averaged separately for autoregressive
-      and speculative steps and for each power-of-two band of tokens in the target forward (``B * N``). A band a
-      kind has not run yet takes the plain steps' factor of that band (the same target forward), else the kind's
-      average.
+    - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus ``L`` draft levels over
+      ``B * K`` tokens, times a correction factor: observed over profiled step time, averaged separately for
+      autoregressive and speculative steps and for each power-of-two band of tokens in the target forward
+      (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
+      tokens), else the kind's average.
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
     instead so its statistics stay live, unless it would lose even with every draft token accepted (counting the
@@ -205,7 +205,7 @@ class AdaptiveController:
     def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
         """Step time the latency profile predicts: the target forward plus the draft levels."""
         draft = shape.levels * self.profile.draft_time(rows * shape.top_k) if shape.speculative else 0.0
-        return self.profile.target_time(rows * shape.nodes) + draft
+        return self.profile.tree_time(rows, shape.nodes) + draft
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.

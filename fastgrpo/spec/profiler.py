@@ -6,19 +6,25 @@ draft curve times one draft tree level over ``t`` tokens (one draft layer plus i
 verification capacity ``C_peak`` is the knee of the target curve: the token count up to which the latency stays
 flat, beyond which it grows in proportion to the tokens.
 
+A verification forward is not priced by its token count alone: ``B`` rows of ``N`` tree nodes read ``B`` contexts,
+not ``B * N``, and on a CPU one row of 8 tokens can cost what one token costs while 8 rows of one token cost twice
+that. So the profile also times a grid of ``B`` rows (the powers of two among the token counts) by ``N`` tokens per
+row (`TREE_NODES`, up to the largest token count in all).
+
 Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (a GPU's name, or a CPU's
 instruction set and thread count), dtype and `PROFILE_VERSION`, and reused.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -28,20 +34,24 @@ from transformers import PreTrainedModel
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.linear import rollout_linears
-from fastgrpo.rollout.runner import decoder_and_head, forward_block
+from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.spec.draft import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)
-# Part of every saved profile's name: raised when the rollout's kernels change what a forward costs, so that profiles
-# measured with the old ones are not reused (2: oneDNN linear layers past four rows on CPU).
-PROFILE_VERSION = 2
+TREE_NODES = (2, 4, 8, 16, 32, 64)
+# Part of every saved profile's name: raised when the rollout's kernels change what a forward costs, or the profile
+# what it holds, so that older profiles are not reused (2: oneDNN linear layers past four rows on CPU; 3: the grid of
+# rows by tokens per row).
+PROFILE_VERSION = 3
 
 
 @dataclass
 class LatencyProfile:
     """Median seconds of one target forward (``target_seconds``) and of one draft level (``draft_seconds``) at each
-    token count in ``tokens``; ``c_peak`` is the knee of the target curve."""
+    token count in ``tokens`` (one token per row); ``c_peak`` is the knee of the target curve. ``tree_seconds[i][j]``
+    is a target forward over ``tree_rows[i]`` rows of ``tree_nodes[j]`` tokens each (None where that grid point was
+    not measured); a profile without the grid prices ``B`` rows of ``N`` tokens as ``B * N`` rows of one."""
 
     model: str
     device: str
@@ -51,10 +61,41 @@ class LatencyProfile:
     target_seconds: list[float]
     draft_seconds: list[float]
     c_peak: int
+    tree_rows: list[int] = field(default_factory=list)
+    tree_nodes: list[int] = field(default_factory=list)
+    tree_seconds: list[list[float | None]] = field(default_factory=list)
 
     def target_time(self, tokens: float) -> float:
-        """Predicted seconds of a target forward over ``tokens`` tokens (interpolated, extrapolated linearly)."""
+        """Predicted seconds of a target forward over ``tokens`` rows of one token (interpolated, extrapolated
+        linearly)."""
         return interpolate(self.tokens, self.target_seconds, tokens)
+
+    def tree_time(self, rows: int, nodes: int) -> float:
+        """Predicted seconds of a target forward over ``rows`` rows of ``nodes`` tokens each: along the nodes of the
+        measured row counts around ``rows``, then linearly between them (below the first and past the last, that
+        row count's figure scaled as the one-token curve scales)."""
+        if nodes == 1 or not self.tree_rows:
+            return self.target_time(rows * nodes)
+        i = bisect.bisect_left(self.tree_rows, rows)
+        if i < len(self.tree_rows) and self.tree_rows[i] == rows:
+            return self._grid_row(i, nodes)
+        if i in (0, len(self.tree_rows)):
+            j = min(i, len(self.tree_rows) - 1)
+            return self._grid_row(j, nodes) * self.target_time(rows) / self.target_time(self.tree_rows[j])
+        r0, r1 = self.tree_rows[i - 1], self.tree_rows[i]
+        y0, y1 = self._grid_row(i - 1, nodes), self._grid_row(i, nodes)
+        return y0 + (y1 - y0) * (rows - r0) / (r1 - r0)
+
+    def _grid_row(self, i: int, nodes: int) -> float:
+        """Seconds of ``tree_rows[i]`` rows of ``nodes`` tokens, along that row count's measured curve (from its
+        one-token point); a row count with no tree measured is priced as ``rows * nodes`` one-token rows."""
+        rows = self.tree_rows[i]
+        measured = [(n, s) for n, s in zip(self.tree_nodes, self.tree_seconds[i], strict=True) if s is not None]
+        if not measured:
+            return self.target_time(rows * nodes)
+        xs = [1] + [n for n, _ in measured]
+        ys = [self.target_time(rows)] + [s for _, s in measured]
+        return interpolate(xs, ys, nodes)
 
     def draft_time(self, tokens: float) -> float:
         """Predicted seconds of one draft level over ``tokens`` tokens."""
@@ -197,7 +238,9 @@ def _measure(
     decoder, head = decoder_and_head(model)
     embed = model.get_input_embeddings()
     rows = max(tokens)
-    cache = RowCache(model.config, rows, context_length + 2, param.dtype, dev)
+    grid_rows = [r for r in tokens if r & (r - 1) == 0]
+    grid = [(r, n) for r in grid_rows for n in TREE_NODES if r * n <= rows]
+    cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev)
     draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
@@ -208,9 +251,15 @@ def _measure(
         block = (base, torch.zeros(1, dtype=torch.long, device=dev), base[:, None], torch.ones(1, 1, dtype=torch.bool))
         target_fns.append(partial(_target_forward, decoder, head, cache, block, ids))
         draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
+    tree_fns = []
+    for r, n in grid:
+        base = context_length - torch.randint(0, 2, (r,), generator=gen).to(dev)
+        ids = torch.randint(0, vocab, (r, n), generator=gen).to(dev)
+        tree_fns.append(partial(_tree_forward, decoder, head, cache, base, ids))
     with rollout_attention(model), rollout_linears(model, draft):
-        seconds = interleaved_medians(target_fns + draft_fns, repeats, dev, progress)
-    target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) :]
+        seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)
+    target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) : 2 * len(tokens)]
+    measured = dict(zip(grid, seconds[2 * len(tokens) :], strict=True))
     return LatencyProfile(
         model=model_name,
         device=_device_name(dev),
@@ -220,12 +269,21 @@ def _measure(
         target_seconds=target_s,
         draft_seconds=draft_s,
         c_peak=find_knee(list(tokens), target_s),
+        tree_rows=grid_rows,
+        tree_nodes=list(TREE_NODES),
+        tree_seconds=[[measured.get((r, n)) for n in TREE_NODES] for r in grid_rows],
     )
 
 
 def _target_forward(decoder, head, cache: RowCache, block: tuple, ids: torch.Tensor) -> None:
     """One target forward plus LM head over ``[t, 1]`` tokens."""
     head(forward_block(decoder, cache, *block, input_ids=ids))
+
+
+def _tree_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor) -> None:
+    """One verification-sized target forward plus LM head: ``[B, N]`` tokens per row after ``base`` cached ones (a
+    causal block costs what a draft tree of as many nodes costs)."""
+    head(forward_chain(decoder, cache, base, input_ids=ids))
 
 
 def _draft_level(draft: DraftHead, cache: RowCache, embeds: torch.Tensor, block: tuple, head, top_k: int) -> None:
@@ -249,23 +307,39 @@ def load_or_calibrate(model: PreTrainedModel, draft: DraftHead | None, model_nam
 
 
 def plot(profile: LatencyProfile, path: str | Path) -> Path:
-    """Draw the target and draft latency curves with the knee marked; writes a PNG."""
+    """Draw the target and draft latency curves with the knee marked and, when the profile has the grid, what a
+    forward over ``N`` tokens per row costs against one token per row, for each row count; writes a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    panels = 2 if profile.tree_rows else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
     ax.plot(profile.tokens, [1e3 * s for s in profile.target_seconds], "o-", label="target forward")
     ax.plot(profile.tokens, [1e3 * s for s in profile.draft_seconds], "s-", label="draft level")
     ax.axvline(profile.c_peak, color="gray", linestyle="--", label=f"C_peak = {profile.c_peak} tokens")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
-    ax.set_xlabel("tokens in the forward (rows x tokens per row)")
+    ax.set_xlabel("tokens in the forward (rows x 1 token)")
     ax.set_ylabel("latency (ms)")
     ax.set_title(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
+    if profile.tree_rows:
+        ax = axes[0][1]
+        for i, rows in enumerate(profile.tree_rows):
+            points = [(n, s) for n, s in zip(profile.tree_nodes, profile.tree_seconds[i], strict=True) if s is not None]
+            if points:
+                one = profile.target_time(rows)
+                ax.plot([1] + [n for n, _ in points], [1.0] + [s / one for _, s in points], "o-", label=f"{rows} rows")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per row (draft tree nodes N)")
+        ax.set_ylabel("forward latency / latency at one token per row")
+        ax.set_title("verification cost by rows and tree size")
+        ax.legend(fontsize="small", ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
