@@ -1,6 +1,7 @@
 """Speculative against autoregressive decoding on SmolLM2-135M-Instruct, side by side in one run.
 
-For each concurrency (rows decoded together, one GSM8K test prompt each) and for greedy and sampled decoding, prints
+For each concurrency (rows decoded together, one GSM8K test prompt each; with ``--prompt-sets P``, P disjoint sets of
+that many prompts, one after the other, their tokens and times summed) and for greedy and sampled decoding, prints
 tokens/s of autoregressive decoding and of speculative decoding with static tree shapes, the speedup and the mean
 accepted length (tokens per row per target forward). The draft is read from ``--draft``; if that directory does not
 exist, train it first with ``benchmarks/train_drafts.py``.
@@ -45,10 +46,15 @@ def load_draft(path: str, model) -> DraftHead:
     return DraftHead.load(path, model)
 
 
-def run(engine: RolloutEngine, prompts, params: SamplingParams, seed: int) -> tuple[float, float]:
-    """tokens/s and mean accepted length of one generation call."""
-    out = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed))
-    return out.stats.tokens_emitted / out.stats.total_time, out.stats.accept_length
+def run(engine: RolloutEngine, prompt_sets, params: SamplingParams, seed: int) -> tuple[float, float]:
+    """tokens/s and mean accepted length (tokens emitted per row per target forward) of one generation call per
+    set of prompts, summed over the sets."""
+    tokens = seconds = decoded = row_forwards = 0.0
+    for prompts in prompt_sets:
+        stats = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed)).stats
+        tokens, seconds = tokens + stats.tokens_emitted, seconds + stats.total_time
+        decoded, row_forwards = decoded + stats.decode_tokens, row_forwards + sum(stats.concurrency)
+    return tokens / seconds, decoded / max(row_forwards, 1)
 
 
 def _status_mb(field: str) -> float:
@@ -101,6 +107,7 @@ def main() -> None:
     parser.add_argument("--shapes", default="small,medium,large")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompt-sets", type=int, default=1, help="disjoint sets of prompts run at each concurrency")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--memory-only", action="store_true")
@@ -125,7 +132,9 @@ def main() -> None:
         shapes[name] = SHAPES[args.full_vocab]
         engines[name] = RolloutEngine(model, eos, tokenizer, draft=full, tree=shapes[name])
     concurrency = [int(c) for c in args.concurrency.split(",")]
-    prompts = prompts_for(tokenizer, "test", max(concurrency))
+    if args.prompt_sets < 1:
+        raise SystemExit(f"--prompt-sets must be >= 1, got {args.prompt_sets}")
+    prompts = prompts_for(tokenizer, "test", max(concurrency) * args.prompt_sets)
     sampling = {
         "greedy": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
         "T=1,top-p=0.95": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95),
@@ -134,7 +143,10 @@ def main() -> None:
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0))
     shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.depth}" for n, s in shapes.items())
     threads = torch.get_num_threads()
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {threads} threads, max_new_tokens={args.max_new_tokens}")
+    print(
+        f"\nSmolLM2-135M-Instruct, {args.dtype}, {threads} threads, max_new_tokens={args.max_new_tokens}, "
+        f"{args.prompt_sets} prompt set(s) per concurrency"
+    )
     print(f"draft vocabulary: {draft.draft_vocab.numel() if draft.draft_vocab is not None else 'full'}; {shape_text}\n")
     header = "| decoding | concurrency | AR tok/s | " + " | ".join(
         f"{n} tok/s | {n} speedup | {n} accept" for n in shapes
@@ -144,9 +156,10 @@ def main() -> None:
     for label, params in sampling.items():
         for c in concurrency:
             results = {name: [] for name in engines}
+            sets = [prompts[i * c : (i + 1) * c] for i in range(args.prompt_sets)]
             for r in range(args.repeats):
                 for name, engine in engines.items():  # side by side, same prompts and seed
-                    results[name].append(run(engine, prompts[:c], params, seed=r))
+                    results[name].append(run(engine, sets, params, seed=r))
             ar = statistics.median(t for t, _ in results["ar"])
             cells = [f"{ar:.1f}"]
             for name in shapes:
