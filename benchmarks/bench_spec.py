@@ -18,6 +18,7 @@ import argparse
 import copy
 import multiprocessing as mp
 import os
+import re
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +34,17 @@ from fastgrpo.spec.tree import TreeShape
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHAPES = {"small": TreeShape(4, 2, 3), "medium": TreeShape(8, 3, 4), "large": TreeShape(16, 4, 5)}
+
+
+def parse_shapes(text: str) -> dict[str, TreeShape]:
+    """``--shapes``: names from `SHAPES` or trees written ``N8K3L4`` (nodes, top-k, depth), comma-separated."""
+    shapes = {}
+    for name in text.split(","):
+        spec = re.fullmatch(r"N(\d+)K(\d+)L(\d+)", name)
+        if name not in SHAPES and spec is None:
+            raise SystemExit(f"--shapes: {name!r} is neither one of {', '.join(SHAPES)} nor a tree like N8K3L4")
+        shapes[name] = SHAPES[name] if spec is None else TreeShape(*map(int, spec.groups()))
+    return shapes
 
 
 def prompts_for(tokenizer, split: str, n: int) -> list[list[int]]:
@@ -71,7 +83,7 @@ def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int
     torch.set_num_threads(os.cpu_count())
     model, tokenizer = load_model("smollm2", dtype=dtype), load_tokenizer("smollm2")
     draft = DraftHead.load(draft_dir, model) if shape_name else None
-    tree = SHAPES[shape_name] if shape_name else None
+    tree = parse_shapes(shape_name)[shape_name] if shape_name else None
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer, draft=draft, tree=tree)
     prompts = prompts_for(tokenizer, "test", batch)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
@@ -104,7 +116,9 @@ def main() -> None:
     parser.add_argument("--draft", default="drafts/smollm2-gsm8k-v8192")
     parser.add_argument("--full-vocab", default="medium", help="shape also run with a full-vocabulary draft ('': none)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
-    parser.add_argument("--shapes", default="small,medium,large")
+    parser.add_argument(
+        "--shapes", default="small,medium,large", help="names (small, medium, large) or trees like N8K3L4"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompt-sets", type=int, default=1, help="disjoint sets of prompts run at each concurrency")
@@ -113,7 +127,7 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args()
     if args.memory_only:
-        shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
+        shapes = parse_shapes(args.shapes)
         concurrency = max(int(c) for c in args.concurrency.split(","))
         return measure_memory(shapes, args.draft, concurrency, args.max_new_tokens, args.dtype)
     torch.set_num_threads(os.cpu_count())
@@ -122,14 +136,14 @@ def main() -> None:
     model.requires_grad_(False)
     draft = load_draft(args.draft, model)
     eos = eos_token_ids(model, tokenizer)
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    shapes = parse_shapes(args.shapes)
     engines = {"ar": RolloutEngine(model, eos, tokenizer)}
     engines.update({name: RolloutEngine(model, eos, tokenizer, draft=draft, tree=s) for name, s in shapes.items()})
     if args.full_vocab and draft.draft_vocab is not None:
         full = copy.deepcopy(draft)
         full.draft_vocab = None  # the same network, proposing from the whole vocabulary
         name = f"{args.full_vocab}-fullvocab"
-        shapes[name] = SHAPES[args.full_vocab]
+        shapes[name] = parse_shapes(args.full_vocab)[args.full_vocab]
         engines[name] = RolloutEngine(model, eos, tokenizer, draft=full, tree=shapes[name])
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.prompt_sets < 1:
@@ -168,7 +182,7 @@ def main() -> None:
                 cells += [f"{tps:.1f}", f"{tps / ar:.2f}x", f"{acc:.2f}"]
             print(f"| {label} | {c} | " + " | ".join(cells) + " |", flush=True)
     if not args.skip_memory:
-        shapes = {n: SHAPES[n] for n in args.shapes.split(",")}
+        shapes = parse_shapes(args.shapes)
         measure_memory(shapes, args.draft, max(concurrency), args.max_new_tokens, args.dtype)
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
