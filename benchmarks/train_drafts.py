@@ -85,6 +85,9 @@ def main() -> None:
             torch.save({"recipe": recipe, "samples": samples, "generate_seconds": generate_s}, args.samples)
     for path in args.extra_samples:
         saved = torch.load(path, weights_only=False)
+        other = {k: v for k, v in saved["recipe"].items() if k not in ("prompts", "first_prompt")}
+        if other != {k: recipe[k] for k in other}:
+            raise SystemExit(f"--extra-samples {path} was made with {saved['recipe']}, not like {recipe}")
         samples, generate_s = samples + saved["samples"], generate_s + saved["generate_seconds"]
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
