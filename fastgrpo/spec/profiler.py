@@ -86,11 +86,15 @@ class LatencyProfile:
         y0, y1 = self._grid_row(i - 1, nodes), self._grid_row(i, nodes)
         return y0 + (y1 - y0) * (rows - r0) / (r1 - r0)
 
+    def tree_points(self, i: int) -> list[tuple[int, float]]:
+        """The measured ``(tokens per row, seconds)`` points of ``tree_rows[i]`` rows."""
+        return [(n, s) for n, s in zip(self.tree_nodes, self.tree_seconds[i], strict=True) if s is not None]
+
     def _grid_row(self, i: int, nodes: int) -> float:
         """Seconds of ``tree_rows[i]`` rows of ``nodes`` tokens, along that row count's measured curve (from its
         one-token point); a row count with no tree measured is priced as ``rows * nodes`` one-token rows."""
         rows = self.tree_rows[i]
-        measured = [(n, s) for n, s in zip(self.tree_nodes, self.tree_seconds[i], strict=True) if s is not None]
+        measured = self.tree_points(i)
         if not measured:
             return self.target_time(rows * nodes)
         xs = [1] + [n for n, _ in measured]
@@ -249,13 +253,13 @@ def _measure(
         base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
         ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
         block = (base, torch.zeros(1, dtype=torch.long, device=dev), base[:, None], torch.ones(1, 1, dtype=torch.bool))
-        target_fns.append(partial(_target_forward, decoder, head, cache, block, ids))
+        target_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
         draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
     tree_fns = []
     for r, n in grid:
         base = context_length - torch.randint(0, 2, (r,), generator=gen).to(dev)
         ids = torch.randint(0, vocab, (r, n), generator=gen).to(dev)
-        tree_fns.append(partial(_tree_forward, decoder, head, cache, base, ids))
+        tree_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
     with rollout_attention(model), rollout_linears(model, draft):
         seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)
     target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) : 2 * len(tokens)]
@@ -275,14 +279,9 @@ def _measure(
     )
 
 
-def _target_forward(decoder, head, cache: RowCache, block: tuple, ids: torch.Tensor) -> None:
-    """One target forward plus LM head over ``[t, 1]`` tokens."""
-    head(forward_block(decoder, cache, *block, input_ids=ids))
-
-
-def _tree_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor) -> None:
-    """One verification-sized target forward plus LM head: ``[B, N]`` tokens per row after ``base`` cached ones (a
-    causal block costs what a draft tree of as many nodes costs)."""
+def _target_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor) -> None:
+    """One target forward plus LM head over ``[B, N]`` tokens per row after ``base`` cached ones (N = 1: a decoding
+    step; a causal block of N costs what a draft tree of as many nodes costs)."""
     head(forward_chain(decoder, cache, base, input_ids=ids))
 
 
@@ -330,7 +329,7 @@ def plot(profile: LatencyProfile, path: str | Path) -> Path:
     if profile.tree_rows:
         ax = axes[0][1]
         for i, rows in enumerate(profile.tree_rows):
-            points = [(n, s) for n, s in zip(profile.tree_nodes, profile.tree_seconds[i], strict=True) if s is not None]
+            points = profile.tree_points(i)
             if points:
                 one = profile.target_time(rows)
                 ax.plot([1] + [n for n, _ in points], [1.0] + [s / one for _, s in points], "o-", label=f"{rows} rows")
