@@ -144,9 +144,18 @@ class _Batch:
             self.pend_tok, self.pend_hid, cap = new_tok, new_hid, grown
         steps = torch.arange(e, device=tokens.device)[None, :]
         index = torch.where(steps < count[:, None], self.pend_n[:, None] + steps, cap)  # the spare column
-        self.pend_tok.scatter_(1, index, tokens)
-        self.pend_hid.scatter_(1, index[:, :, None].expand(b, e, hidden.shape[-1]), hidden.to(self.pend_hid.dtype))
+        rows = torch.arange(b, device=tokens.device)[:, None]
+        self.pend_tok[rows, index] = tokens  # index assignment, not scatter_ (slow on bfloat16, see cache.py)
+        self.pend_hid[rows, index] = hidden.to(self.pend_hid.dtype)
         self.pend_n = self.pend_n + count
+
+
+def _fill_holes(keep: list[int]) -> list[int]:
+    """New order of the rows after dropping finished ones (``keep``: the kept positions, ascending): a kept row
+    stays where it is unless it lies past the new batch size, then it moves into the slot of a finished row, so
+    the caches copy one row per finished row instead of shifting every row after it."""
+    kept, tail = set(keep), [p for p in keep if p >= len(keep)]
+    return [p if p in kept else tail.pop() for p in range(len(keep))]
 
 
 class RolloutEngine:
@@ -466,7 +475,7 @@ class RolloutEngine:
         batch.emitted = batch.emitted + count
         if len(keep) == batch.ids.numel():
             return batch
-        rows = torch.tensor(keep, dtype=torch.long, device=batch.ids.device)
+        rows = torch.tensor(_fill_holes(keep), dtype=torch.long, device=batch.ids.device)
         if keep:
             self.cache.select_rows(rows, upto=int(batch.row_len.max()))
             if self.draft is not None:
