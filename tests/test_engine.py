@@ -10,7 +10,7 @@ from conftest import VOCAB, tiny_model
 from transformers import LlamaConfig, PreTrainedModel
 
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
+from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine, _fill_holes
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain, window_attention_mask
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 
@@ -121,6 +121,20 @@ def test_select_rows_compacts_up_to() -> None:
         torch.testing.assert_close(buf[:2, :, :4], old[[1, 3], :, :4], rtol=0, atol=0)
         torch.testing.assert_close(buf[:2, :, 4:], old[:2, :, 4:], rtol=0, atol=0)  # slots past upto untouched
         torch.testing.assert_close(buf[2:], old[2:], rtol=0, atol=0)
+
+
+def test_dropping_finished_rows_moves_only_rows_from_the_tail_into_their_slots() -> None:
+    # Rows 1 and 4 of 6 finish: kept rows 0, 2, 3 stay; row 5, past the new size 4, fills the hole at 1.
+    assert _fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert _fill_holes([0, 1, 2]) == [0, 1, 2]  # the last rows finished: nothing moves
+    assert _fill_holes([4, 5]) == [5, 4]
+    assert _fill_holes([]) == []
+    cache = small_cache()
+    before = snapshot(cache)
+    cache.select_rows(torch.tensor([0, 3]))  # only row 1 changes
+    for old, buf in zip(before, (b for layer in cache.layers for b in (layer.keys, layer.values)), strict=True):
+        torch.testing.assert_close(buf[1], old[3], rtol=0, atol=0)
+        torch.testing.assert_close(buf[[0, 2, 3]], old[[0, 2, 3]], rtol=0, atol=0)
 
 
 def test_select_rows_too_many() -> None:
