@@ -230,7 +230,7 @@ def test_adaptive_runs_deep_one_row_trees_where_the_grid_says_they_cost_a_plain_
 
 def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:
     """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted."""
-    params = SamplingParams(max_new_tokens=40, temperature=0)
+    params = SamplingParams(max_new_tokens=80, temperature=0)
     reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
     emitted = {t for c in reference.completion_ids for t in c} | {t for p in PROMPTS for t in p}
     never = torch.tensor([t for t in range(llama_model.config.vocab_size) if t not in emitted][:8])
