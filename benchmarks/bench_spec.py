@@ -1,10 +1,10 @@
 """Speculative against autoregressive decoding on SmolLM2-135M-Instruct, side by side in one run.
 
 For each concurrency (rows decoded together, one GSM8K test prompt each; with ``--prompt-sets P``, P disjoint sets of
-that many prompts, one after the other, their tokens and times summed) and for greedy and sampled decoding, prints
-tokens/s of autoregressive decoding and of speculative decoding with static tree shapes, the speedup and the mean
-accepted length (tokens per row per target forward). The draft is read from ``--draft``; if that directory does not
-exist, train it first with ``benchmarks/train_drafts.py``.
+that many prompts, one after the other, their tokens and times summed; the engines take turns on each set) and for
+greedy and sampled decoding, prints tokens/s of autoregressive decoding and of speculative decoding with static tree
+shapes, the speedup and the mean accepted length (tokens per row per target forward). The draft is read from
+``--draft``; if that directory does not exist, train it first with ``benchmarks/train_drafts.py``.
 With a reduced-vocabulary draft, the ``--full-vocab`` shape also runs with the same draft network proposing from the
 full vocabulary (its LM head over all rows), which measures whether the reduced vocabulary pays. Peak memory (max RSS
 of a fresh process) of an autoregressive and a speculative generation of the largest batch is compared at the end.
@@ -58,15 +58,19 @@ def load_draft(path: str, model) -> DraftHead:
     return DraftHead.load(path, model)
 
 
-def run(engine: RolloutEngine, prompt_sets, params: SamplingParams, seed: int) -> tuple[float, float]:
-    """tokens/s and mean accepted length (tokens emitted per row per target forward) of one generation call per
-    set of prompts, summed over the sets."""
-    tokens = seconds = decoded = row_forwards = 0.0
+def run(engines: dict[str, RolloutEngine], prompt_sets, params: SamplingParams, seed: int) -> dict[str, tuple]:
+    """Per engine: tokens/s and mean accepted length (tokens emitted per row per target forward) of one generation
+    call per set of prompts, summed over the sets. The engines take turns on each set, so a drift in the machine's
+    speed over the run reaches every engine alike."""
+    sums = {name: [0.0, 0.0, 0.0, 0.0] for name in engines}  # tokens, seconds, decoded tokens, row-forwards
     for prompts in prompt_sets:
-        stats = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed)).stats
-        tokens, seconds = tokens + stats.tokens_emitted, seconds + stats.total_time
-        decoded, row_forwards = decoded + stats.decode_tokens, row_forwards + sum(stats.concurrency)
-    return tokens / seconds, decoded / max(row_forwards, 1)
+        for name, engine in engines.items():  # side by side, same prompts and seed
+            stats = engine.generate(prompts, params, generator=torch.Generator().manual_seed(seed)).stats
+            for i, value in enumerate(
+                (stats.tokens_emitted, stats.total_time, stats.decode_tokens, sum(stats.concurrency))
+            ):
+                sums[name][i] += value
+    return {name: (t / s, d / max(f, 1)) for name, (t, s, d, f) in sums.items()}
 
 
 def _status_mb(field: str) -> float:
@@ -172,8 +176,8 @@ def main() -> None:
             results = {name: [] for name in engines}
             sets = [prompts[i * c : (i + 1) * c] for i in range(args.prompt_sets)]
             for r in range(args.repeats):
-                for name, engine in engines.items():  # side by side, same prompts and seed
-                    results[name].append(run(engine, sets, params, seed=r))
+                for name, measured in run(engines, sets, params, seed=r).items():
+                    results[name].append(measured)
             ar = statistics.median(t for t, _ in results["ar"])
             cells = [f"{ar:.1f}"]
             for name in shapes:
