@@ -10,6 +10,7 @@ limit) leaves the batch at once, so the concurrency falls during the call; it is
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.linear import rollout_linears
+from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import accept
@@ -168,6 +170,8 @@ class RolloutEngine:
         draft: an EAGLE-style draft head for speculative steps (None: autoregressive only).
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
         controller: instead of ``tree``, chooses each step's shape from the number of active rows.
+        merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
+            `fastgrpo.rollout.lora`).
     """
 
     def __init__(
@@ -178,6 +182,7 @@ class RolloutEngine:
         draft: DraftHead | None = None,
         tree: TreeShape | None = None,
         controller: Controller | None = None,
+        merge_lora: bool = True,
     ):
         if tree is not None and controller is not None:
             raise ValueError("give a static tree shape or a controller, not both")
@@ -190,6 +195,7 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.draft = draft
         self.controller = controller
+        self.merge_lora = merge_lora
         self.cache: RowCache | None = None
         self.draft_cache: RowCache | None = None
         self._backlog_seconds = 0.0  # catch-up time of the last speculative step that belongs to earlier plain steps
@@ -249,7 +255,11 @@ class RolloutEngine:
         was_training = self.model.training
         self.model.eval()
         try:
-            with rollout_attention(self.model), rollout_linears(self.model, self.draft):
+            with (
+                merged_lora(self.model) if self.merge_lora else nullcontext(),
+                rollout_attention(self.model),
+                rollout_linears(self.model, self.draft),
+            ):
                 return self._generate(prompt_ids, params, num_generations, generator, capture_hidden, uniforms)
         finally:
             self.model.train(was_training)

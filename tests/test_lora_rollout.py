@@ -1,0 +1,86 @@
+"""Rollouts of a LoRA policy run with the adapters merged into the base weights, and leave the weights as they were."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from conftest import VOCAB, make_tiny_model
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.lora import merged_lora
+from fastgrpo.rollout.sampling import SamplingParams
+
+PROMPTS = [[5, 9, 2], [7, 1, 3, 8, 4, 6, 11], [12, 30]]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)
+SAMPLED = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9)
+
+
+def lora_model(seed: int = 0) -> PeftModel:
+    """A tiny float64 Llama with rank-4 adapters on every linear layer, whose B matrices are random (peft starts them
+    at zero, which would make merging a no-op)."""
+    model = get_peft_model(make_tiny_model("llama", seed), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model.eval()
+
+
+def base_weights(model: PeftModel) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters() if "lora_" not in k}
+
+
+def test_rollout_of_a_lora_policy_equals_that_of_its_merged_weights() -> None:
+    model = lora_model()
+    merged = copy.deepcopy(model).merge_and_unload()  # plain transformers model with W + s B A
+    before = base_weights(model)
+    for params in (GREEDY, SAMPLED):
+        outs = [
+            RolloutEngine(m, [VOCAB - 1], merge_lora=merge).generate(
+                PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(3)
+            )
+            for m, merge in ((model, True), (model, False), (merged, True))
+        ]
+        assert outs[0].completion_ids == outs[1].completion_ids == outs[2].completion_ids
+        for a, b in zip(outs[0].logprobs, outs[2].logprobs, strict=True):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-10)
+    after = base_weights(model)
+    assert not any(layer.merged for layer in model.modules() if hasattr(layer, "merged"))
+    for name, weight in before.items():
+        torch.testing.assert_close(after[name], weight, rtol=0, atol=1e-14, msg=name)
+
+
+def test_lora_layers_run_merged_during_a_rollout() -> None:
+    """With merging, no adapter product runs while decoding; without it, every forward runs them."""
+    model = lora_model()
+    calls = {"count": 0}
+    adapters = [m for name, m in model.named_modules() if name.endswith("lora_A.default")]
+    assert adapters
+    hooks = [m.register_forward_hook(lambda *_: calls.__setitem__("count", calls["count"] + 1)) for m in adapters]
+    try:
+        RolloutEngine(model, [VOCAB - 1]).generate(PROMPTS, GREEDY)
+        merged_calls = calls["count"]
+        RolloutEngine(model, [VOCAB - 1], merge_lora=False).generate(PROMPTS, GREEDY)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert merged_calls == 0
+    assert calls["count"] >= len(adapters) * GREEDY.max_new_tokens
+
+
+def test_adapters_over_bfloat16_weights_or_disabled_stay_unmerged() -> None:
+    low = lora_model().to(torch.bfloat16)
+    before = base_weights(low)
+    with merged_lora(low) as merged:
+        assert not merged
+        assert not any(layer.merged for layer in low.modules() if hasattr(layer, "merged"))
+    assert all(torch.equal(base_weights(low)[k], v) for k, v in before.items())
+
+    model = lora_model()
+    with model.disable_adapter(), merged_lora(model) as merged:
+        assert not merged
+    with merged_lora(make_tiny_model("llama")) as merged:  # no adapters at all
+        assert not merged
