@@ -1,11 +1,11 @@
 """Rollouts of a LoRA policy with its adapters merged against unmerged, on SmolLM2-135M-Instruct, side by side.
 
-For each concurrency (rows decoded together, one GSM8K test prompt each), prints the tokens/s of the policy without
-adapters, with rank-``--rank`` adapters on every linear layer run as peft runs them, and with the same adapters
-merged into the base weights for the rollout (the engine's default), with the ratios; the engines take turns on the
-same prompts, ``--repeats`` times, and the median is shown. The adapters' B matrices are random (peft starts them at
-zero), so the adapters change what is generated; a note is printed where the merged and unmerged rollouts differ
-(they may, by the rounding of ``W + s B A``).
+For each concurrency (rows decoded together, one GSM8K test prompt each), prints the tokens/s of the policy with its
+adapters disabled, with rank-``--rank`` adapters on every linear layer run as peft runs them, and with the same
+adapters merged into the base weights for the rollout (the engine's default), with the ratios; the engines take turns
+on the same prompts, ``--repeats`` times, and the median is shown. The adapters' B matrices are random (peft starts
+them at zero), so the adapters change what is generated; a note is printed where the merged and unmerged rollouts
+differ (they may, by the rounding of ``W + s B A``).
 
     python benchmarks/bench_lora.py --concurrency 1,8,32
 """
@@ -52,7 +52,7 @@ def main() -> None:
             if "lora_B" in name:
                 p.normal_(std=0.02, generator=generator)
     engines = {
-        "no adapters": RolloutEngine(policy, eos),  # run with the adapters disabled
+        "disabled": RolloutEngine(policy, eos),  # run with the adapters disabled
         "unmerged": RolloutEngine(policy, eos, merge_lora=False),
         "merged": RolloutEngine(policy, eos),
     }
@@ -60,14 +60,14 @@ def main() -> None:
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
     print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads, LoRA rank {args.rank} on all")
     print(f"linear layers, greedy, {args.max_new_tokens} new tokens, median of {args.repeats} rounds\n")
-    print("| concurrency | no adapters tok/s | unmerged tok/s | merged tok/s | merged / unmerged | merged / none |")
+    print("| rows | adapters disabled tok/s | unmerged tok/s | merged tok/s | merged / unmerged | merged / disabled |")
     print("|---|---|---|---|---|---|")
     for c in concurrency:
         speed: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.repeats):
             completions = {}
             for name, engine in engines.items():
-                if name == "no adapters":
+                if name == "disabled":
                     with policy.disable_adapter():
                         out = engine.generate(prompts[:c], params)
                 else:
@@ -78,8 +78,8 @@ def main() -> None:
                 print(f"note: at {c} rows the merged and unmerged rollouts differ (rounding of W + s B A)")
         s = {name: statistics.median(v) for name, v in speed.items()}
         print(
-            f"| {c} | {s['no adapters']:.1f} | {s['unmerged']:.1f} | {s['merged']:.1f} | "
-            f"{s['merged'] / s['unmerged']:.2f}x | {s['merged'] / s['no adapters']:.2f}x |",
+            f"| {c} | {s['disabled']:.1f} | {s['unmerged']:.1f} | {s['merged']:.1f} | "
+            f"{s['merged'] / s['unmerged']:.2f}x | {s['merged'] / s['disabled']:.2f}x |",
             flush=True,
         )
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
