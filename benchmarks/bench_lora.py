@@ -16,6 +16,7 @@ import argparse
 import os
 import statistics
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -67,10 +68,7 @@ def main() -> None:
         for _ in range(args.repeats):
             completions = {}
             for name, engine in engines.items():
-                if name == "disabled":
-                    with policy.disable_adapter():
-                        out = engine.generate(prompts[:c], params)
-                else:
+                with policy.disable_adapter() if name == "disabled" else nullcontext():
                     out = engine.generate(prompts[:c], params)
                 speed[name].append(out.stats.tokens_per_second)
                 completions[name] = out.completion_ids
