@@ -54,6 +54,12 @@ def main() -> None:
     parser.add_argument(
         "--bf16", action="store_true", help="bfloat16 autocast (pays only on CPUs with bf16 units, e.g. AVX512-BF16)"
     )
+    parser.add_argument(
+        "--generate-dtype",
+        default="float32",
+        help="dtype the target generates the responses in (bfloat16 is faster on CPUs with bf16 units); the draft is "
+        "fit in float32 either way",
+    )
     parser.add_argument("--samples", type=Path, help="file to save the generated samples to, or to read them from")
     parser.add_argument(
         "--extra-samples", type=Path, nargs="*", default=[], help="more --samples files (other prompts) to fit on"
@@ -64,10 +70,12 @@ def main() -> None:
         raise SystemExit(f"--extra-samples: no such file: {', '.join(missing)}")
     torch.set_num_threads(os.cpu_count())
     torch.manual_seed(0)
-    model, tokenizer = load_model("smollm2"), load_tokenizer("smollm2")
+    model, tokenizer = load_model("smollm2", dtype=args.generate_dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     recipe = {"prompts": args.prompts, "greedy_fraction": args.greedy_fraction, "max_new_tokens": args.max_new_tokens}
+    if args.generate_dtype != "float32":  # files made before --generate-dtype existed were generated in float32
+        recipe["generate_dtype"] = args.generate_dtype
     if args.first_prompt:  # files made before --first-prompt existed start at prompt 0 and do not name it
         recipe["first_prompt"] = args.first_prompt
     if args.samples and args.samples.is_file():
@@ -86,9 +94,10 @@ def main() -> None:
     for path in args.extra_samples:
         saved = torch.load(path, weights_only=False)
         other = {k: v for k, v in saved["recipe"].items() if k not in ("prompts", "first_prompt")}
-        if other != {k: recipe[k] for k in other}:
+        if other != {k: v for k, v in recipe.items() if k not in ("prompts", "first_prompt")}:
             raise SystemExit(f"--extra-samples {path} was made with {saved['recipe']}, not like {recipe}")
         samples, generate_s = samples + saved["samples"], generate_s + saved["generate_seconds"]
+    model.float()  # the draft is fit in float32 (with --bf16, under bfloat16 autocast)
     tokens = sum(s.tokens.numel() - s.prompt_len for s in samples)
     print(json.dumps({"sequences": len(samples), "completion_tokens": tokens, "generate_seconds": generate_s}))
     config = DraftTrainConfig(
