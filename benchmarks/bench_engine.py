@@ -2,8 +2,9 @@
 
 Runs the embedded SmolLM2-135M-Instruct greedily on GSM8K test prompts at several batch sizes and prints a
 markdown table. Throughput counts useful completion tokens (up to and including the first EOS) per second of
-wall time; each side is warmed up once per batch size, the two are timed alternately, and the median over
-repeats is reported.
+wall time; each side is warmed up once per batch size, the sides are timed in turn, and the median over
+repeats is reported. A third side is the engine with its CPU linear layers routed by the default table instead of
+the routes it measured on this machine (`fastgrpo.rollout.linear`).
 
 Usage::
 
@@ -28,6 +29,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.linear import default_routes
 from fastgrpo.rollout.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -124,22 +126,28 @@ def main(argv: list[str] | None = None) -> None:
             print(f"only {len(prompts)} prompts available for batch size {bs}", file=sys.stderr)
         run_engine(engine, prompts, args.max_new_tokens)  # warm-up
         run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
-        engine_rates, generate_rates = [], []
+        engine_rates, default_rates, generate_rates = [], [], []
         for _ in range(args.repeats):
             e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
+            with default_routes():
+                _, d_time = run_engine(engine, prompts, args.max_new_tokens)
             g_ids, g_time = run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
             engine_rates.append(sum(map(len, e_ids)) / e_time)
+            default_rates.append(sum(map(len, e_ids)) / d_time)
             generate_rates.append(sum(map(len, g_ids)) / g_time)
         same = sum(a == b for a, b in zip(e_ids, g_ids, strict=True))
-        e_rate, g_rate = statistics.median(engine_rates), statistics.median(generate_rates)
-        results.append((bs, e_rate, g_rate, same, len(prompts)))
-        print(f"batch {bs}: engine {e_rate:.1f} tok/s, generate {g_rate:.1f} tok/s, identical {same}", flush=True)
+        rates = [statistics.median(r) for r in (engine_rates, default_rates, generate_rates)]
+        results.append((bs, *rates, same, len(prompts)))
+        print(f"batch {bs}: engine {rates[0]:.1f} tok/s, generate {rates[2]:.1f} tok/s, identical {same}", flush=True)
 
     print()
-    print("| batch | engine tok/s | generate tok/s | ratio (engine/generate) | identical completions |")
-    print("|---:|---:|---:|---:|---:|")
-    for bs, e_rate, g_rate, same, n in results:
-        print(f"| {bs} | {e_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | {same}/{n} |")
+    print(
+        "| batch | engine tok/s | engine, default routes tok/s | generate tok/s | ratio (engine/generate) "
+        "| identical completions |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for bs, e_rate, d_rate, g_rate, same, n in results:
+        print(f"| {bs} | {e_rate:.1f} | {d_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | {same}/{n} |")
     print(f"\ntotal wall time {time.perf_counter() - start:.1f} s")
 
 

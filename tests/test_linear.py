@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 from torch import nn
 
-from fastgrpo.rollout.linear import FEW_ROWS, rollout_linear, rollout_linears
+from fastgrpo.rollout import linear
+from fastgrpo.rollout.linear import FEW_ROWS, TIMED_ROWS, calibrate, rollout_linear, rollout_linears, route, routes_for
 
 
 @pytest.mark.parametrize(
@@ -17,7 +20,7 @@ from fastgrpo.rollout.linear import FEW_ROWS, rollout_linear, rollout_linears
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize(("dtype", "atol"), [(torch.float64, 1e-12), (torch.float32, 1e-5)])
 def test_rollout_linear_equals_linear(shape: tuple[int, ...], with_bias: bool, dtype: torch.dtype, atol: float) -> None:
-    """Past `FEW_ROWS` rows float32 runs oneDNN's linear and float64 ``F.linear``; below it both take ``W @ x.T``."""
+    """Whatever route the row count takes (the default table, or one measured earlier in this process)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*shape, generator=g, dtype=dtype)
     weight = torch.randn(24, 16, generator=g, dtype=dtype)
@@ -83,3 +86,72 @@ def test_rollout_linears_leaves_bfloat16_layers_alone() -> None:
     layer = nn.Linear(16, 8).to(torch.bfloat16)
     with rollout_linears(layer):
         assert "forward" not in layer.__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_every_route_computes_the_product(dtype: torch.dtype, rows: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 16, generator=g, dtype=dtype)
+    weight = torch.randn(24, 16, generator=g, dtype=dtype)
+    bias = torch.randn(24, generator=g, dtype=dtype)
+    for name in routes_for(dtype):
+        torch.testing.assert_close(linear._product(name, x, weight, bias), F.linear(x, weight, bias))
+    assert "onednn" not in routes_for(torch.float64)  # oneDNN has no float64 linear
+
+
+def test_calibration_picks_the_fastest_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A route made slow is never chosen; every timed row count gets a route."""
+    product = linear._product
+
+    def slow_linear(name, x, weight, bias):
+        if name == "linear":
+            time.sleep(0.002)
+        return product(name, x, weight, bias)
+
+    monkeypatch.setattr(linear, "_product", slow_linear)
+    weights = [torch.randn(24, 16, dtype=torch.float64), torch.randn(16, 24, dtype=torch.float64)]
+    table = calibrate(weights)
+    assert set(table) == set(TIMED_ROWS) and set(table.values()) == {"transposed"}
+
+
+def test_products_follow_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row count takes the route of the nearest timed row count at or above it (the largest beyond them)."""
+    table = {m: ("linear" if i % 2 else "transposed") for i, m in enumerate(TIMED_ROWS)}  # 1: transposed, 2: linear..
+    monkeypatch.setitem(linear._measured, torch.float64, table)
+    assert [route(torch.float64, m) for m in (1, 2, 3, 4, 5, 9, 17, 1000)] == [
+        table[1],
+        table[2],
+        table[4],
+        table[4],
+        table[8],
+        table[16],
+        table[64],
+        table[64],
+    ]
+    taken = []
+    product = linear._product
+    monkeypatch.setattr(linear, "_product", lambda name, *a: taken.append(name) or product(name, *a))
+    x, weight = torch.randn(3, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
+    rollout_linear(x, weight)
+    with linear.default_routes():
+        rollout_linear(x, weight)
+    assert taken == [table[4], "transposed"]
+
+
+def test_rollout_linears_calibrates_once_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_measured", {})
+    calls = []
+
+    def fake_calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
+        calls.append(weights)
+        return dict.fromkeys(TIMED_ROWS, "linear")
+
+    monkeypatch.setattr(linear, "calibrate", fake_calibrate)
+    model = tiny_model("llama")
+    with rollout_linears(model):
+        pass
+    with rollout_linears(model):
+        pass
+    assert len(calls) == 1 and all(w.dtype == torch.float64 for w in calls[0])
+    assert route(torch.float64, 3) == "linear"

@@ -1,22 +1,29 @@
 """The linear layers the rollout engine runs the model with on CPU in full precision.
 
 Decoding multiplies each weight ``W`` ``[out, in]`` by a few rows ``x`` ``[m, in]``, so it should run at the speed
-at which the weights stream from memory. ``nn.Linear`` goes through MKL's ``x @ W.T``, which on the AMD EPYC this
-project is developed on reads SmolLM2-135M's 30 x 7 decoder matrices (425 MB, weights not in cache; a plain read
-of them takes 11 ms) in 27 to 46 ms for 1 to 12 rows and 43 ms for 16. Two faster routes, on the same matrices:
+at which the weights stream from memory. Which kernel does that best depends on the CPU. Three routes compute the
+same product:
 
-- ``(W @ x.T).T``, one row padded to two: 13 to 16 ms for 1 to 4 rows, then 20 to 48 ms;
-- oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, on the layer's own weight, no packed copy): 17 to 19 ms
-  for 1 to 4 rows, 20 to 25 ms for 5 to 16 rows, 34 ms for 32 and half MKL's time for prefills of hundreds of rows.
+- ``linear``: ``F.linear``, MKL's ``x @ W.T`` (the only one autograd and autocast follow);
+- ``transposed``: ``(W @ x.T).T``, one row padded to two;
+- ``onednn``: oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, on the layer's own weight, no packed copy;
+  float32 only).
 
-While rollouts run, float32 CPU ``nn.Linear`` layers therefore take the first route up to `FEW_ROWS` rows and
-oneDNN beyond (float64, which oneDNN lacks, keeps ``nn.Linear`` beyond). Where autograd needs the product,
-``F.linear`` runs: oneDNN's op has no backward; so it does under autocast, whose casts only ``F.linear`` follows.
-bfloat16 keeps ``nn.Linear``, which already runs on oneDNN.
+On SmolLM2-135M's 30 x 7 decoder matrices in float32, 2 threads: on an AMD EPYC (avx512_bf16) ``linear`` took 27 to
+46 ms for 1 to 12 rows, ``transposed`` 13 to 16 ms for 1 to 4 rows and ``onednn`` 20 to 25 ms for 5 to 16; on an Intel
+Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. So the
+route is measured, not assumed: the first time `rollout_linears` patches layers of a dtype in a process, it times
+each route on those layers' own weights for a few row counts (`TIMED_ROWS`, interleaved rounds, medians; about a
+second for SmolLM2) and routes every later product by the fastest for the nearest timed row count at or above its
+own. Until then (or for weights it never saw patched) the AMD table applies: ``transposed`` up to `FEW_ROWS` rows,
+``onednn`` beyond (float64, which oneDNN lacks, ``linear``). Where autograd needs the product, or under autocast,
+``F.linear`` runs. bfloat16 keeps ``nn.Linear``, which already runs on oneDNN.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -27,7 +34,54 @@ from torch import nn
 
 FEW_ROWS = 4
 FULL_PRECISION = (torch.float32, torch.float64)
+TIMED_ROWS = (1, 2, 4, 8, 16, 64)
+CALIBRATION_ROUNDS = 3
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
+_defaults_only = False  # set inside `default_routes`
+
+
+def routes_for(dtype: torch.dtype) -> list[str]:
+    """The routes that can compute a product of this dtype."""
+    return ["linear", "transposed", "onednn"] if _ONEDNN and dtype == torch.float32 else ["linear", "transposed"]
+
+
+def _default_route(dtype: torch.dtype, rows: int) -> str:
+    if rows <= FEW_ROWS:
+        return "transposed"
+    return "onednn" if "onednn" in routes_for(dtype) else "linear"
+
+
+def route(dtype: torch.dtype, rows: int) -> str:
+    """The route a product of ``rows`` rows of this dtype takes: the measured fastest for the nearest timed row
+    count at or above ``rows`` (the largest beyond it), or the default table before any measurement."""
+    table = None if _defaults_only else _measured.get(dtype)
+    if table is None:
+        return _default_route(dtype, rows)
+    return table[next((m for m in TIMED_ROWS if m >= rows), TIMED_ROWS[-1])]
+
+
+@contextmanager
+def default_routes() -> Iterator[None]:
+    """Route by the default table inside the block, whatever was measured (to compare the two)."""
+    global _defaults_only
+    before, _defaults_only = _defaults_only, True
+    try:
+        yield
+    finally:
+        _defaults_only = before
+
+
+def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``[m, in] -> [m, out]`` by one route."""
+    if name == "linear":
+        return F.linear(x, weight, bias)
+    if name == "onednn":
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    m = x.shape[0]
+    rows = torch.cat([x, x]) if m == 1 else x
+    out = (weight @ rows.T).T[:m]
+    return out if bias is None else out + bias
 
 
 def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -47,17 +101,30 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if needs_grad or autocast or x.dtype != weight.dtype or not _runs_rollout_linear(weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    m = rows.shape[0]
-    if m > FEW_ROWS:
-        if _ONEDNN and weight.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    name = route(weight.dtype, rows.shape[0])
+    if name == "linear":
         return F.linear(x, weight, bias)
-    if m == 1:
-        rows = torch.cat([rows, rows])
-    out = (weight @ rows.T).T[:m]
-    if bias is not None:
-        out = out + bias
+    out = _product(name, rows, weight, bias)
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
+    """Time every route over ``weights`` (one dtype, ``[out, in]`` each) at each of `TIMED_ROWS` rows, in
+    `CALIBRATION_ROUNDS` interleaved rounds after a warm-up, and return the fastest route per row count (medians)."""
+    dtype = weights[0].dtype
+    names = routes_for(dtype)
+    inputs = {(m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype) for m in TIMED_ROWS for w in weights}
+    seconds: dict[tuple[int, str], list[float]] = {(m, n): [] for m in TIMED_ROWS for n in names}
+    with torch.no_grad():
+        for round_ in range(CALIBRATION_ROUNDS + 1):
+            for m in TIMED_ROWS:
+                for name in names:
+                    start = time.perf_counter()
+                    for w in weights:
+                        _product(name, inputs[(m, w.shape[1])], w, None)
+                    if round_:  # round 0 warms every kernel up
+                        seconds[(m, name)].append(time.perf_counter() - start)
+    return {m: min(names, key=lambda n: statistics.median(seconds[(m, n)])) for m in TIMED_ROWS}
 
 
 def _runs_rollout_linear(weight: torch.Tensor) -> bool:
@@ -71,10 +138,13 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 @contextmanager
 def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
     """Run the float32 (and float64) CPU ``nn.Linear`` layers inside ``modules`` (None entries are skipped) with
-    `rollout_linear` inside the block, then restore them."""
+    `rollout_linear` inside the block, then restore them. The first time layers of a dtype are patched in this
+    process, the routes are timed on their weights (`calibrate`)."""
     found = (m for module in modules if module is not None for m in module.modules())
     # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
     patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
+    for dtype in {m.weight.dtype for m in patched} - set(_measured):
+        _measured[dtype] = calibrate([m.weight.detach() for m in patched if m.weight.dtype == dtype])
     for m in patched:
         m.forward = partial(_forward, m)
     try:
