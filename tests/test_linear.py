@@ -155,3 +155,26 @@ def test_rollout_linears_calibrates_once_per_dtype(monkeypatch: pytest.MonkeyPat
         pass
     assert len(calls) == 1 and all(w.dtype == torch.float64 for w in calls[0])
     assert route(torch.float64, 3) == "linear"
+
+
+def test_calibration_times_at_most_its_budget_of_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a big model only the first weights are timed (at least one), each tensor once."""
+    shared = torch.randn(4, 4)
+    weights = [shared, shared, torch.randn(4, 4), torch.randn(4, 4)]
+    monkeypatch.setattr(linear, "CALIBRATION_ELEMENTS", 40)
+    chosen = linear._calibration_weights(weights)
+    assert [w.data_ptr() for w in chosen] == [weights[0].data_ptr(), weights[2].data_ptr()]
+    monkeypatch.setattr(linear, "CALIBRATION_ELEMENTS", 1)
+    assert len(linear._calibration_weights(weights)) == 1
+
+
+def test_routes_pinned_to_the_default_table_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(linear, "_measured", {torch.float32: dict.fromkeys(TIMED_ROWS, "linear")})
+    monkeypatch.setattr(linear, "calibrate", lambda weights: pytest.fail("calibrated although pinned"))
+    monkeypatch.setenv("FASTGRPO_LINEAR_ROUTES", "default")
+    with rollout_linears(tiny_model("llama")):  # float64 layers, never measured: not calibrated either
+        assert route(torch.float32, 2) == "transposed"
+    assert route(torch.float32, 2) == "linear"
+    monkeypatch.setenv("FASTGRPO_LINEAR_ROUTES", "fastest")
+    with pytest.raises(ValueError, match="FASTGRPO_LINEAR_ROUTES"), rollout_linears(tiny_model("llama")):
+        pass

@@ -14,18 +14,21 @@ On SmolLM2-135M's 30 x 7 decoder matrices in float32, 2 threads: on an AMD EPYC 
 Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. So the
 route is measured, not assumed: the first time `rollout_linears` patches layers of a dtype in a process, it times
 each route on those layers' own weights for a few row counts (`TIMED_ROWS`, interleaved rounds, medians; about a
-second for SmolLM2) and routes every later product by the fastest for the nearest timed row count at or above its
-own. Until then (or for weights it never saw patched) the AMD table applies: ``transposed`` up to `FEW_ROWS` rows,
-``onednn`` beyond (float64, which oneDNN lacks, ``linear``). Where autograd needs the product, or under autocast,
-``F.linear`` runs. bfloat16 keeps ``nn.Linear``, which already runs on oneDNN.
+second for SmolLM2; the layers' first `CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every
+later product by the fastest for the nearest timed row count at or above its own. Until then the AMD table applies:
+``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (float64, which oneDNN lacks, ``linear``); with the
+environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always does, so that two processes (a run and its resume)
+round every product alike. Where autograd needs the product, or under autocast, ``F.linear`` runs. bfloat16 keeps
+``nn.Linear``, which already runs on oneDNN.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 
 import torch
@@ -36,6 +39,7 @@ FEW_ROWS = 4
 FULL_PRECISION = (torch.float32, torch.float64)
 TIMED_ROWS = (1, 2, 4, 8, 16, 64)
 CALIBRATION_ROUNDS = 3
+CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
 _defaults_only = False  # set inside `default_routes`
@@ -59,6 +63,13 @@ def route(dtype: torch.dtype, rows: int) -> str:
     if table is None:
         return _default_route(dtype, rows)
     return table[next((m for m in TIMED_ROWS if m >= rows), TIMED_ROWS[-1])]
+
+
+def _pinned_to_defaults() -> bool:
+    value = os.environ.get("FASTGRPO_LINEAR_ROUTES", "measured")
+    if value not in ("measured", "default"):
+        raise ValueError(f"FASTGRPO_LINEAR_ROUTES must be 'measured' or 'default', got {value!r}")
+    return value == "default"
 
 
 @contextmanager
@@ -127,6 +138,20 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     return {m: min(names, key=lambda n: statistics.median(seconds[(m, n)])) for m in TIMED_ROWS}
 
 
+def _calibration_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first weights (distinct tensors, detached) up to `CALIBRATION_ELEMENTS` elements, at least one."""
+    chosen, total, seen = [], 0, set()
+    for w in weights:
+        if w.data_ptr() in seen:
+            continue
+        if chosen and total + w.numel() > CALIBRATION_ELEMENTS:
+            break
+        seen.add(w.data_ptr())
+        chosen.append(w.detach())
+        total += w.numel()
+    return chosen
+
+
 def _runs_rollout_linear(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in FULL_PRECISION
 
@@ -143,12 +168,14 @@ def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
     found = (m for module in modules if module is not None for m in module.modules())
     # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
     patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
-    for dtype in {m.weight.dtype for m in patched} - set(_measured):
-        _measured[dtype] = calibrate([m.weight.detach() for m in patched if m.weight.dtype == dtype])
+    pinned = _pinned_to_defaults()
+    for dtype in () if pinned else {m.weight.dtype for m in patched} - set(_measured):
+        _measured[dtype] = calibrate(_calibration_weights([m.weight for m in patched if m.weight.dtype == dtype]))
     for m in patched:
         m.forward = partial(_forward, m)
     try:
-        yield
+        with default_routes() if pinned else nullcontext():
+            yield
     finally:
         for m in patched:
             del m.forward
