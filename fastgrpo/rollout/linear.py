@@ -41,6 +41,7 @@ TIMED_ROWS = (1, 2, 4, 8, 16, 64)
 CALIBRATION_ROUNDS = 3
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
 _measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
 _defaults_only = False  # set inside `default_routes`
 
@@ -62,7 +63,7 @@ def route(dtype: torch.dtype, rows: int) -> str:
     table = None if _defaults_only else _measured.get(dtype)
     if table is None:
         return _default_route(dtype, rows)
-    return table[next((m for m in TIMED_ROWS if m >= rows), TIMED_ROWS[-1])]
+    return table[_TIMED_AT_OR_ABOVE[min(rows, TIMED_ROWS[-1])]]
 
 
 def _pinned_to_defaults() -> bool:
