@@ -4,9 +4,10 @@ controller and the adaptive controller, side by side in one run.
 1. GRPO rollouts replayed: GSM8K test prompts, ``num_generations`` samples each at T=1, top-p 0.95, up to 256 new
    tokens, so the number of active rows falls as answers finish, as in training. Every mode decodes the same prompts
    with the same seed, and since each position has its own uniform they emit the same tokens (counted).
-2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS, so all stay active;
-   ``--repeats`` interleaved rounds of every mode, medians of decoding tokens/s (the prefill, the same in every
-   mode, is left out).
+2. A sweep at fixed concurrency: ``c`` rows decode ``--sweep-tokens`` tokens each with no EOS; ``--repeats``
+   interleaved rounds of every mode, medians of decoding tokens/s over the steps that ran all ``c`` rows (the
+   prefill, the same in every mode, is left out; so are a speculative call's last steps, where rows that accepted
+   less are still short of the length limit after the others reached it and the concurrency falls below ``c``).
 
 The latency profile is the one saved by ``fastgrpo profile`` (else a short calibration); the draft is a saved one
 (``benchmarks/train_drafts.py``). Prints markdown tables and writes a plot of speedup against concurrency.
@@ -74,13 +75,20 @@ def rollout_table(engines, prompts, params: SamplingParams, num_generations: int
         )
 
 
+def full_concurrency_rate(stats, rows: int) -> float:
+    """Decoding tokens/s over the steps that ran ``rows`` rows. Decoding only: the prefill is the same work in every
+    mode, and at 64 rows most of the call."""
+    steps = [i for i, c in enumerate(stats.concurrency) if c == rows]
+    return sum(stats.tokens_per_forward[i] for i in steps) / sum(stats.step_times[i] for i in steps)
+
+
 def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float]]:
     """Each concurrency runs ``repeats`` rounds of every mode in turn; a mode's speedup is the median over rounds of
     its rate over the autoregressive rate of the same round, so a slow spell of the machine bends one round of all
     modes rather than one mode."""
     print(
         f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (decoding "
-        "tokens/s, share of decoding steps that ran a tree), "
+        "tokens/s over the steps that ran all c rows, share of decoding steps that ran a tree), "
         f"median of {repeats} interleaved rounds\n"
     )
     names = list(engines)
@@ -99,8 +107,7 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
                     _, out = timed(engine, prompts[:c], params, 1, seed=c)
                 finally:
                     engine.eos = eos_before
-                # Decoding only: the prefill is the same work in every mode, and at 64 rows most of the call.
-                rates[name].append(out.stats.decode_tokens / out.stats.decode_time)
+                rates[name].append(full_concurrency_rate(out.stats, c))
                 trees[name].append(len(out.stats.tree_nodes) / out.stats.target_forwards)
         ar = rates["autoregressive"]
         cells = []

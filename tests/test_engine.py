@@ -395,6 +395,8 @@ def test_concurrency_falls_as_rows_stop(llama_model: PreTrainedModel) -> None:
     assert stats.tokens_emitted == sum(map(len, out.completion_ids)) == 2 * len(PROMPTS) + sum(conc)
     assert stats.total_time > 0 and stats.tokens_per_second > 0
     assert stats.concurrency_mean == pytest.approx(sum(conc) / len(conc))
+    assert len(stats.step_times) == len(conc) and min(stats.step_times) > 0
+    assert sum(stats.step_times) <= stats.decode_time
 
 
 def test_capture_hidden_matches_decoder(llama_model: PreTrainedModel) -> None:

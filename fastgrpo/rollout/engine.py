@@ -41,6 +41,7 @@ class GenerationStats:
     verify_time: float = 0.0
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
+    step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
     tree_nodes: list[int] = field(default_factory=list)
     depth_offered: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
@@ -321,8 +322,9 @@ class RolloutEngine:
             accepted = count - 1
             batch = self._emit(batch, tokens, lps, count, params, out)
             stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
+            stats.step_times.append(time.perf_counter() - step_start)
             if shape is not None:
-                seconds = time.perf_counter() - step_start - (self._backlog_seconds if shape.speculative else 0.0)
+                seconds = stats.step_times[-1] - (self._backlog_seconds if shape.speculative else 0.0)
                 self.controller.observe(rows, shape, seconds, accepted)
         stats.decode_time = time.perf_counter() - t0
         if captured is not None:
