@@ -130,10 +130,10 @@ def main(argv: list[str] | None = None) -> None:
         for _ in range(args.repeats):
             e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
             with default_routes():
-                _, d_time = run_engine(engine, prompts, args.max_new_tokens)
+                d_ids, d_time = run_engine(engine, prompts, args.max_new_tokens)
             g_ids, g_time = run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
             engine_rates.append(sum(map(len, e_ids)) / e_time)
-            default_rates.append(sum(map(len, e_ids)) / d_time)
+            default_rates.append(sum(map(len, d_ids)) / d_time)
             generate_rates.append(sum(map(len, g_ids)) / g_time)
         same = sum(a == b for a, b in zip(e_ids, g_ids, strict=True))
         rates = [statistics.median(r) for r in (engine_rates, default_rates, generate_rates)]

@@ -46,15 +46,19 @@ _measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: 
 _defaults_only = False  # set inside `default_routes`
 
 
+def _has_onednn(dtype: torch.dtype) -> bool:
+    return _ONEDNN and dtype == torch.float32
+
+
 def routes_for(dtype: torch.dtype) -> list[str]:
     """The routes that can compute a product of this dtype."""
-    return ["linear", "transposed", "onednn"] if _ONEDNN and dtype == torch.float32 else ["linear", "transposed"]
+    return ["linear", "transposed", "onednn"] if _has_onednn(dtype) else ["linear", "transposed"]
 
 
 def _default_route(dtype: torch.dtype, rows: int) -> str:
     if rows <= FEW_ROWS:
         return "transposed"
-    return "onednn" if "onednn" in routes_for(dtype) else "linear"
+    return "onednn" if _has_onednn(dtype) else "linear"
 
 
 def route(dtype: torch.dtype, rows: int) -> str:
@@ -113,10 +117,7 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if needs_grad or autocast or x.dtype != weight.dtype or not _runs_rollout_linear(weight):
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    name = route(weight.dtype, rows.shape[0])
-    if name == "linear":
-        return F.linear(x, weight, bias)
-    out = _product(name, rows, weight, bias)
+    out = _product(route(weight.dtype, rows.shape[0]), rows, weight, bias)
     return out.contiguous().view(*x.shape[:-1], weight.shape[0])
 
 
