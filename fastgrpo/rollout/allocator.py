@@ -1,0 +1,51 @@
+"""glibc malloc settings for CPU rollouts and training: keep freed memory in the process instead of giving it back.
+
+A CPU forward allocates and frees the same large tensors at every step (logits, MLP activations, attention masks,
+a step's cache views). glibc serves allocations above its mmap threshold (128 KB, raised on the fly up to 32 MB)
+with fresh ``mmap`` pages and returns them on ``free``, and it trims the top of the heap whenever more than 128 KB of
+it is free; either way the next step faults the pages in and the kernel zeroes them again. On the AMX machine of the
+README this took 13 s of system time in a 35 s run of 64 rows x 48 tokens with SmolLM2 in bfloat16, and decoding
+ran at 519 tokens/s; with both thresholds at 1 GB, 1.7 s of system time and 564 tokens/s. It also made the speed of
+one engine depend on what other engines in the process had allocated before, by up to 10 %.
+
+`keep_freed_memory` raises both thresholds once per process. The cost: memory a step frees stays mapped to the
+process (reused by the next step) instead of returning to the system, so the resident size stays near its peak.
+``FASTGRPO_MALLOC=system`` leaves glibc's settings alone. Elsewhere than glibc on Linux nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+M_TRIM_THRESHOLD = -1  # mallopt parameter numbers, from glibc's malloc.h
+M_MMAP_THRESHOLD = -3
+THRESHOLD = 1 << 30  # bytes
+_applied: bool | None = None  # the outcome of the first call in this process
+
+
+def _wanted() -> bool:
+    value = os.environ.get("FASTGRPO_MALLOC", "keep")
+    if value not in ("keep", "system"):
+        raise ValueError(f"FASTGRPO_MALLOC must be 'keep' or 'system', got {value!r}")
+    return value == "keep"
+
+
+def _set_thresholds() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, THRESHOLD))
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds to `THRESHOLD` (once per process). Returns whether they are set."""
+    global _applied
+    if _applied is None:
+        _applied = _wanted() and _set_thresholds()
+    return _applied

@@ -1,0 +1,53 @@
+"""glibc malloc thresholds set by the rollout engine on CPU."""
+
+import ctypes
+import sys
+
+import pytest
+
+from fastgrpo.rollout import allocator
+
+
+def _glibc() -> bool:
+    try:
+        return sys.platform.startswith("linux") and hasattr(ctypes.CDLL("libc.so.6"), "mallopt")
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """Forget this process's earlier outcome (the thresholds themselves stay as set)."""
+    monkeypatch.setattr(allocator, "_applied", None)
+
+
+@pytest.mark.skipif(not _glibc(), reason="needs glibc")
+def test_thresholds_are_set_on_glibc(fresh, monkeypatch):
+    monkeypatch.delenv("FASTGRPO_MALLOC", raising=False)
+    calls = []
+    real = allocator._set_thresholds
+    monkeypatch.setattr(allocator, "_set_thresholds", lambda: calls.append(1) or real())
+    assert allocator.keep_freed_memory()
+    assert allocator.keep_freed_memory()
+    assert calls == [1]  # once per process
+
+
+def test_system_leaves_glibc_alone(fresh, monkeypatch):
+    monkeypatch.setenv("FASTGRPO_MALLOC", "system")
+    monkeypatch.setattr(allocator, "_set_thresholds", lambda: pytest.fail("mallopt must not run"))
+    assert not allocator.keep_freed_memory()
+
+
+def test_bad_value_names_the_variable(fresh, monkeypatch):
+    monkeypatch.setenv("FASTGRPO_MALLOC", "jemalloc")
+    with pytest.raises(ValueError, match="FASTGRPO_MALLOC"):
+        allocator.keep_freed_memory()
+
+
+def test_engine_on_cpu_sets_them(monkeypatch, llama_model):
+    from fastgrpo.rollout.engine import RolloutEngine
+
+    calls = []
+    monkeypatch.setattr("fastgrpo.rollout.engine.keep_freed_memory", lambda: calls.append(1))
+    RolloutEngine(llama_model, eos_token_ids=[0])
+    assert calls == [1]
