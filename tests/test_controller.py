@@ -101,7 +101,7 @@ def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> Non
 
 def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_fraction: float) -> list[TreeShape]:
     """Feed the controller steps whose times follow its profile and whose rows accept that fraction of the
-    draft tokens offered at every depth."""
+    draft tokens offered at every depth, along the best-scored chain of the tree (node ranks 1, 2, ...)."""
     chosen = []
     for _ in range(steps):
         shape = controller.choose(rows)
@@ -111,7 +111,12 @@ def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_frac
         accepted = torch.full((rows,), levels if accept_fraction >= 1 else 0)
         if 0 < accept_fraction < 1:
             accepted = torch.tensor([round(levels * accept_fraction)] * rows)
-        controller.observe(rows, shape, seconds, accepted if shape.speculative else None)
+        if not shape.speculative:
+            controller.observe(rows, shape, seconds, None)
+            continue
+        depth = torch.arange(1, levels + 1)
+        path_rank = torch.where(depth[None, :] <= accepted[:, None], depth[None, :], shape.nodes)
+        controller.observe(rows, shape, seconds, accepted, path_rank)
     return chosen
 
 
@@ -390,3 +395,78 @@ def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model:
     engine.generate(PROMPTS, params)
     engine.generate(PROMPTS, params)
     assert controller.changes == [True, False, True, False]
+
+
+# -- what smaller trees would have accepted ---------------------------------------------------------------------
+
+
+def test_a_tree_ranks_its_nodes_so_that_ranks_below_n_are_the_tree_of_n_nodes() -> None:
+    """Two rows of candidates (root children, then two children of each); the nodes of rank below ``n`` in the
+    tree of 6 nodes are exactly the nodes of the tree of ``n`` nodes drafted from the same candidates."""
+    from fastgrpo.spec.tree import _select
+
+    cand_tok = [torch.tensor([[10, 11], [20, 21]]), torch.tensor([[12, 13, 14, 15], [22, 23, 24, 25]])]
+    cand_score = [
+        torch.tensor([[-0.1, -1.0], [-2.0, -0.3]]),
+        torch.tensor([[-0.5, -3.0, -1.2, -4.0], [-2.1, -2.5, -0.4, -0.9]]),
+    ]
+    cand_parent = [torch.full((2, 2), -1), torch.tensor([[0, 0, 1, 1], [0, 0, 1, 1]])]
+    cand_depth = [torch.ones(2, 2, dtype=torch.long), torch.full((2, 4), 2)]
+    root = torch.tensor([1, 2])
+    full = _select(root, cand_tok, cand_score, cand_parent, cand_depth, nodes=6, levels=2)
+    assert full.rank[0].tolist() == [0, 1, 3, 2, 5, 4]  # nodes 10, 11, 12, 13, 14 in candidate order
+    for n in range(2, 6):
+        small = _select(root, cand_tok, cand_score, cand_parent, cand_depth, nodes=n, levels=2)
+        for b in range(2):
+            kept = {t for t, r in zip(full.tokens[b].tolist(), full.rank[b].tolist(), strict=True) if r < n}
+            assert kept == set(small.tokens[b].tolist())
+        assert bool((full.rank.gather(1, full.parent.clamp(min=0)) <= full.rank).all()), "parents rank first"
+
+
+def test_a_verification_teaches_every_smaller_tree_what_it_would_have_accepted() -> None:
+    """One step of N24/K8/L5 over two rows: row 0 accepted nodes of ranks 1, 5, 9, row 1 one node of rank 2. The
+    tree of 4 nodes would have accepted one token in each row, that of 8 nodes two in row 0; bigger shapes learn
+    nothing from it."""
+    controller = AdaptiveController(flat_profile(), prior_rows=0)  # one measurement replaces the prior
+    big = TreeShape(24, 8, 5)
+    path_rank = torch.tensor([[1, 5, 9, 24, 24], [2, 24, 24, 24, 24]])
+    controller.observe(2, big, 0.06, torch.tensor([3, 1]), path_rank)
+    assert controller._fractions(big)[:3] == pytest.approx([1.0, 0.5, 0.5])
+    assert controller._fractions(TreeShape(4, 3, 3))[:3] == pytest.approx([1.0, 0.0, 0.0])
+    assert controller._fractions(TreeShape(8, 7, 3))[:3] == pytest.approx([1.0, 0.5, 0.0])
+    assert TreeShape(32, 8, 5) not in controller.shape_accept
+    # A bigger shape that has not run expects at least what the biggest measured one accepted.
+    assert controller.expected_tokens(TreeShape(32, 8, 5)) == pytest.approx(controller.expected_tokens(big))
+
+
+def test_the_engine_reports_the_ranks_of_the_accepted_path(llama_model: PreTrainedModel) -> None:
+    """What the engine tells the controller: every accepted draft node has a rank below the tree's size, the first
+    rejected position is at least the size, and the count of ranks below it is the accepted count."""
+    torch.manual_seed(0)
+    draft = DraftHead(llama_model.config).double()
+    seen = []
+
+    class Recording(StaticController):
+        def observe(self, rows, shape, seconds, accepted, path_rank=None):
+            seen.append((shape, accepted.clone(), path_rank.clone()))
+
+    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=Recording(TreeShape(6, 3, 3)))
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=12), num_generations=2)
+    assert sum(int(accepted.sum()) for _, accepted, _ in seen) > 0, "some draft tokens were accepted"
+    for shape, accepted, path_rank in seen:
+        leading = (path_rank < shape.nodes).long().cumprod(dim=1).sum(dim=1)
+        assert torch.equal(leading, accepted)
+        assert bool((path_rank >= 1).all())
+
+
+def test_an_unlucky_step_of_a_big_tree_does_not_rank_it_below_a_smaller_one() -> None:
+    """A bigger tree accepts at least what a smaller one drafted from the same candidates does: a big tree measured
+    on one step that accepted nothing is estimated at what the small trees accepted, not at zero."""
+    controller = AdaptiveController(flat_profile(), prior_rows=0)
+    small, big = TreeShape(4, 3, 3), TreeShape(24, 8, 5)
+    for _ in range(3):
+        controller.observe(1, small, 0.05, torch.tensor([2]), torch.tensor([[1, 2, 4]]))
+    controller.observe(1, big, 0.05, torch.tensor([0]), torch.tensor([[24, 24, 24, 24, 24]]))
+    assert controller.shape_accept[big] == pytest.approx([0.0] * 5)
+    assert controller.expected_tokens(small) == pytest.approx(1 + 0.75 + 0.75)  # three steps of 2, one of 0
+    assert controller.expected_tokens(big) == pytest.approx(controller.expected_tokens(small))

@@ -315,8 +315,9 @@ class RolloutEngine:
             step_start = time.perf_counter()
             backlog = int(batch.pend_n.max()) if self.draft is not None else 0
             shape = self.controller.choose(rows, backlog) if self.controller else None
+            path_rank = None
             if shape is not None and shape.speculative:
-                tokens, lps, count, fed = self._speculative_step(batch, shape, params, noise, stats)
+                tokens, lps, count, fed, path_rank = self._speculative_step(batch, shape, params, noise, stats)
             else:
                 tokens, lps, count, fed = self._autoregressive_step(batch, params, noise, stats)
             stats.target_forwards += 1
@@ -330,7 +331,7 @@ class RolloutEngine:
             stats.step_times.append(time.perf_counter() - step_start)
             if shape is not None:
                 seconds = stats.step_times[-1] - (self._backlog_seconds if shape.speculative else 0.0)
-                self.controller.observe(rows, shape, seconds, accepted)
+                self.controller.observe(rows, shape, seconds, accepted, path_rank)
         stats.decode_time = time.perf_counter() - t0
         if captured is not None:
             out.hidden_states = [
@@ -417,11 +418,13 @@ class RolloutEngine:
         params: SamplingParams,
         noise: torch.Tensor | None,
         stats: GenerationStats,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draft a tree of ``shape`` per row, verify all trees in one target forward, accept a path per row.
 
-        Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts and ``[B, D, H]`` hidden states of the
-        accepted path (the tokens now in the cache)."""
+        Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts, ``[B, D, H]`` hidden states of the
+        accepted path (the tokens now in the cache) and ``[B, D - 1]`` the score rank of each accepted draft node
+        (``N`` past the row's accepted ones), from which the controller tells what smaller trees would have
+        accepted."""
         t0 = time.perf_counter()
         backlog = float(batch.pend_n.float().mean())
         root_hidden = self._draft_catch_up(batch)
@@ -454,7 +457,9 @@ class RolloutEngine:
         stats.verify_time += t2 - t1
         stats.tree_nodes.append(n)
         stats.record_depths(tree.depth.max(dim=1).values, result.length - 1)
-        return result.tokens, result.logprobs, result.length, path_hidden
+        drafted = path[:, 1:]
+        path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
+        return result.tokens, result.logprobs, result.length, path_hidden, path_rank
 
     def _emit(
         self,

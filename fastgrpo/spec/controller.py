@@ -48,8 +48,17 @@ class Controller(Protocol):
         ``backlog`` tokens per row it has not seen (those of the plain steps since its last tree)."""
         ...
 
-    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
-        """A step ran: its wall time and, for a speculative step, the ``[B]`` draft tokens each row accepted."""
+    def observe(
+        self,
+        rows: int,
+        shape: TreeShape,
+        seconds: float,
+        accepted: torch.Tensor | None,
+        path_rank: torch.Tensor | None = None,
+    ) -> None:
+        """A step ran: its wall time and, for a speculative step, the ``[B]`` draft tokens each row accepted and
+        ``[B, D]`` the score rank of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's
+        accepted ones), which tells what a smaller tree drafted from the same candidates would have accepted."""
         ...
 
 
@@ -69,7 +78,14 @@ class StaticController:
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.shape
 
-    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+    def observe(
+        self,
+        rows: int,
+        shape: TreeShape,
+        seconds: float,
+        accepted: torch.Tensor | None,
+        path_rank: torch.Tensor | None = None,
+    ) -> None:
         pass
 
 
@@ -130,7 +146,14 @@ class PaperController:
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.limits.shape_for(self.c_peak // max(rows, 1))
 
-    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+    def observe(
+        self,
+        rows: int,
+        shape: TreeShape,
+        seconds: float,
+        accepted: torch.Tensor | None,
+        path_rank: torch.Tensor | None = None,
+    ) -> None:
         pass
 
 
@@ -141,18 +164,23 @@ class AdaptiveController:
     Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``. For each:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
-      an exponential moving average per shape once the shape has run, else the depth averages pooled over all
-      shapes (starting from ``prior_accept ** d``, which weighs as much as ``prior_rows`` observed rows, so that the
-      first step, often of one or two rows, does not replace it);
+      an exponential moving average per shape. Every verification updates the shape that ran and every smaller
+      candidate, with what its tree, the best ``n - 1`` of the same draft candidates, would have accepted (from the
+      score ranks of the accepted path), so that small trees are compared with big ones on the same steps. Since a
+      bigger tree accepts at least what a smaller one does, each depth's estimate is at least that of every
+      smaller measured shape; a shape never measured takes the biggest smaller measured one's (a lower bound) and,
+      deeper, the depth averages pooled over the shapes that ran (starting from ``prior_accept ** d``, which weighs
+      as much as ``prior_rows`` observed rows, so that the first step, often of one or two rows, does not replace
+      it);
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus ``L`` draft levels over
       ``B * K`` tokens, times a correction factor: observed over profiled step time, averaged separately for
       autoregressive and speculative steps and for each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
       tokens), else the kind's average.
 
-    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps a neighbour of the winner runs
-    instead so its statistics stay live, unless it would lose even with every draft token accepted (counting the
-    draft's catch-up on the plain steps before it); the interval
+    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps the next bigger candidate runs
+    instead (the smaller ones learn from every step), unless it would lose even with every draft token accepted
+    (counting the draft's catch-up on the plain steps before it); the interval
     doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
     every generation call. After the draft has changed (online learning), the first due probe runs whatever its
     catch-up costs: otherwise a draft that was once bad would never be measured again, however much it learns.
@@ -174,12 +202,12 @@ class AdaptiveController:
         self.shapes = [self.limits.shape_for(n) for n in ns]
         depth = self.limits.l_max
         self.depth_accept = [self.prior_accept ** (d + 1) for d in range(depth)]  # pooled P(accepted >= d + 1)
-        self.shape_accept: dict[TreeShape, list[float]] = {}
+        self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
+        self._estimates: dict[TreeShape, list[float]] | None = None  # `_estimate`, until the next observation
         self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0, ("spec", None): 1.0}
         self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
         self._interval = self.probe_interval
         self._since_probe = 0
-        self._probe_up = True
         self._last_best: TreeShape | None = None
         self._stale = False  # the draft changed since its acceptance was last measured
 
@@ -187,13 +215,35 @@ class AdaptiveController:
     def max_shape(self) -> TreeShape:
         return self.limits.max_shape
 
+    def _fractions(self, shape: TreeShape) -> list[float]:
+        """Estimated fraction of rows that accept a draft token at each depth with this shape (see the class)."""
+        if self._estimates is None or shape not in self._estimates:
+            self._estimates = self._estimate({*self.shapes, *self.shape_accept, shape})
+        return self._estimates[shape]
+
+    def _estimate(self, shapes: set[TreeShape]) -> dict[TreeShape, list[float]]:
+        """Per-depth fractions of every shape, smallest first: a measured shape's own averages, raised at each
+        depth to those of the smaller measured shapes (a bigger tree accepts at least what a smaller one drafted
+        from the same candidates does: the rare steps of a big tree, on other text, must not rank it below a small
+        one); a shape never measured takes the biggest smaller measured one's, and the pooled averages deeper."""
+        estimates: dict[TreeShape, list[float]] = {}
+        floor: list[float] = []  # the biggest measured shape so far, down to its depth
+        for shape in sorted(shapes, key=lambda s: (s.nodes, s.depth, s.top_k)):
+            own = self.shape_accept.get(shape)
+            if own is None:
+                estimates[shape] = floor + self.depth_accept[len(floor) :]
+                continue
+            fractions = [max(o, f) for o, f in zip(own, _padded(floor, len(own)), strict=True)]
+            estimates[shape] = fractions
+            floor = fractions[: shape.levels]
+        return estimates
+
     def expected_tokens(self, shape: TreeShape) -> float:
         """Expected tokens emitted per row by a step of this shape. A row reaches a depth only through the depths
         above it, so each depth's fraction is capped by the one above (a deep level that has not run yet keeps its
         prior, which must not outweigh a measured zero at depth 1)."""
-        per_depth = self.shape_accept.get(shape, self.depth_accept)
         total, reached = 1.0, 1.0
-        for fraction in per_depth[: shape.levels]:
+        for fraction in self._fractions(shape)[: shape.levels]:
             reached = min(reached, fraction)
             total += reached
         return total
@@ -244,8 +294,9 @@ class AdaptiveController:
         self._since_probe = 0
         self._interval = min(2 * self._interval, self.max_probe_interval)
         i = self.shapes.index(best)
-        self._probe_up = not self._probe_up if 0 < i < len(self.shapes) - 1 else i == 0
-        probe = self.shapes[i + 1 if self._probe_up else i - 1]
+        if i == len(self.shapes) - 1:
+            return best
+        probe = self.shapes[i + 1]
         # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
         # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
         seconds = self.predicted_seconds(rows, probe)
@@ -266,7 +317,14 @@ class AdaptiveController:
         seen = self._counts[key] = self._counts.get(key, 0) + rows
         return max(self.accept_rate, rows / (seen + self.prior_rows))
 
-    def observe(self, rows: int, shape: TreeShape, seconds: float, accepted: torch.Tensor | None) -> None:
+    def observe(
+        self,
+        rows: int,
+        shape: TreeShape,
+        seconds: float,
+        accepted: torch.Tensor | None,
+        path_rank: torch.Tensor | None = None,
+    ) -> None:
         kind = self._kind(shape)
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
         for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
@@ -275,13 +333,40 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
-        levels = shape.levels
-        reached = [float((accepted >= d).float().mean()) for d in range(1, levels + 1)]
-        own = self.shape_accept.setdefault(shape, list(self.depth_accept))
-        own_rate = self._accept_weight(shape, rows)
-        for d, value in enumerate(reached):
-            own[d] += own_rate * (value - own[d])
+        for d in range(shape.levels):
+            value = float((accepted > d).float().mean())
             self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (value - self.depth_accept[d])
+        if path_rank is None:  # the accepted nodes taken as the best-scored chain
+            depth = torch.arange(1, shape.levels + 1, device=accepted.device)
+            path_rank = torch.where(depth[None, :] <= accepted[:, None], depth[None, :], shape.nodes)
+        nested = self._nested_acceptance(shape, path_rank)
+        self._estimates = None
+        first = {c: list(self._fractions(c)) for c, _ in nested if c not in self.shape_accept}  # their priors
+        for candidate, would_accept in nested:
+            own = self.shape_accept.setdefault(candidate, first.get(candidate))
+            rate = self._accept_weight(candidate, rows)
+            for d in range(candidate.levels):
+                own[d] += rate * (float((would_accept > d).float().mean()) - own[d])
+        self._estimates = None
+
+    def _nested_acceptance(self, shape: TreeShape, path_rank: torch.Tensor) -> list[tuple[TreeShape, torch.Tensor]]:
+        """``[B]`` draft tokens each row would have accepted, on this step, with each candidate no bigger than
+        ``shape`` (``shape`` itself included when it is a candidate), smallest first: its tree keeps the best ``n - 1``
+        of the same candidates down to its own depth, so a row accepts the leading nodes of its path of rank below
+        ``n``. (EAGLE-2 expands only the best K nodes of each level, so a smaller K can expand a node a larger one
+        does not; the estimate ignores that.)"""
+        nested = []
+        for candidate in self.shapes:
+            fits = candidate.nodes <= shape.nodes and candidate.top_k <= shape.top_k and candidate.depth <= shape.depth
+            if candidate.speculative and fits:
+                leading = (path_rank < candidate.nodes).long().cumprod(dim=1).sum(dim=1)
+                nested.append((candidate, leading.clamp(max=candidate.levels)))
+        return nested
+
+
+def _padded(values: list[float], length: int) -> list[float]:
+    """``values`` followed by zeros up to ``length``."""
+    return values + [0.0] * (length - len(values))
 
 
 def controller_from_config(

@@ -46,12 +46,15 @@ class DraftTree:
 
     tokens: ``[B, N]`` target token ids. parent: ``[B, N]`` parent node (-1 for the root).
     depth: ``[B, N]`` (root 0). ancestors: ``[B, N, N]`` bool, ``[b, i, j]`` when node j is i or an ancestor of i.
+    rank: ``[B, N]`` place of each node by score (root 0, best draft node 1): the best ``n - 1`` draft nodes of a row
+    are those of rank ``1..n - 1``, the tree a shape of ``n`` nodes would have kept from the same candidates.
     """
 
     tokens: torch.Tensor
     parent: torch.Tensor
     depth: torch.Tensor
     ancestors: torch.Tensor
+    rank: torch.Tensor
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -147,7 +150,8 @@ def _select(
     b, m = tok.shape
     keep = min(nodes - 1, m)
     rank = score.double() - 1e-9 * depth
-    chosen = rank.topk(keep, dim=-1).indices.sort(dim=-1).values  # parents precede children in candidate order
+    # Sorted by candidate index, parents precede children; ``place[b, j]`` is chosen node j's place by score.
+    chosen, place = rank.topk(keep, dim=-1).indices.sort(dim=-1)
     node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tok.device)  # candidate -> node (slot m: the root)
     node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=tok.device).expand(b, keep))
     cand_parent = parent.gather(1, chosen)
@@ -156,4 +160,5 @@ def _select(
     tree_parent = torch.cat([minus_one, tree_parent], 1)
     tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
     depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
-    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels))
+    ranks = torch.cat([torch.zeros_like(minus_one), place + 1], 1)
+    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks)
