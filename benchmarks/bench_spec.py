@@ -127,9 +127,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--prompt-sets", type=int, default=1, help="disjoint sets of prompts run at each concurrency")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
+    parser.add_argument("--decoding", default="greedy,sampled", help="greedy, sampled (T=1, top-p 0.95) or both")
     parser.add_argument("--skip-memory", action="store_true")
     parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args()
+    decodings = [m.strip() for m in args.decoding.split(",") if m.strip()]
+    if not decodings or any(m not in ("greedy", "sampled") for m in decodings):
+        raise SystemExit(f"--decoding must name greedy and/or sampled, got {args.decoding!r}")
     if args.memory_only:
         shapes = parse_shapes(args.shapes)
         concurrency = max(int(c) for c in args.concurrency.split(","))
@@ -153,10 +157,11 @@ def main() -> None:
     if args.prompt_sets < 1:
         raise SystemExit(f"--prompt-sets must be >= 1, got {args.prompt_sets}")
     prompts = prompts_for(tokenizer, "test", max(concurrency) * args.prompt_sets)
-    sampling = {
-        "greedy": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0),
-        "T=1,top-p=0.95": SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95),
+    modes = {
+        "greedy": ("greedy", SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)),
+        "sampled": ("T=1,top-p=0.95", SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)),
     }
+    sampling = dict(modes[m] for m in decodings)
     for engine in engines.values():  # warm-up: the first call of a process pays one-off costs (kernels, allocation)
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0))
     shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.depth}" for n, s in shapes.items())
