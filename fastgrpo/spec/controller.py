@@ -333,35 +333,44 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
+        depths = torch.arange(self.limits.l_max, device=accepted.device)
+        pooled = (accepted[:, None] > depths).float().mean(dim=0).tolist()
         for d in range(shape.levels):
-            value = float((accepted > d).float().mean())
-            self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (value - self.depth_accept[d])
+            self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (pooled[d] - self.depth_accept[d])
         if path_rank is None:  # the accepted nodes taken as the best-scored chain
-            depth = torch.arange(1, shape.levels + 1, device=accepted.device)
-            path_rank = torch.where(depth[None, :] <= accepted[:, None], depth[None, :], shape.nodes)
-        nested = self._nested_acceptance(shape, path_rank)
+            chain = depths[: shape.levels] + 1
+            path_rank = torch.where(chain <= accepted[:, None], chain, shape.nodes)
+        candidates, reached = self._nested_acceptance(shape, path_rank)
         self._estimates = None
-        first = {c: list(self._fractions(c)) for c, _ in nested if c not in self.shape_accept}  # their priors
-        for candidate, would_accept in nested:
+        first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
+        for candidate, fractions in zip(candidates, reached, strict=True):
             own = self.shape_accept.setdefault(candidate, first.get(candidate))
             rate = self._accept_weight(candidate, rows)
             for d in range(candidate.levels):
-                own[d] += rate * (float((would_accept > d).float().mean()) - own[d])
+                own[d] += rate * (fractions[d] - own[d])
         self._estimates = None
 
-    def _nested_acceptance(self, shape: TreeShape, path_rank: torch.Tensor) -> list[tuple[TreeShape, torch.Tensor]]:
-        """``[B]`` draft tokens each row would have accepted, on this step, with each candidate no bigger than
-        ``shape`` (``shape`` itself included when it is a candidate), smallest first: its tree keeps the best ``n - 1``
-        of the same candidates down to its own depth, so a row accepts the leading nodes of its path of rank below
-        ``n``. (EAGLE-2 expands only the best K nodes of each level, so a smaller K can expand a node a larger one
-        does not; the estimate ignores that.)"""
-        nested = []
-        for candidate in self.shapes:
-            fits = candidate.nodes <= shape.nodes and candidate.top_k <= shape.top_k and candidate.depth <= shape.depth
-            if candidate.speculative and fits:
-                leading = (path_rank < candidate.nodes).long().cumprod(dim=1).sum(dim=1)
-                nested.append((candidate, leading.clamp(max=candidate.levels)))
-        return nested
+    def _nested_acceptance(
+        self, shape: TreeShape, path_rank: torch.Tensor
+    ) -> tuple[list[TreeShape], list[list[float]]]:
+        """The candidates no bigger than ``shape`` (``shape`` itself included when it is one), smallest first, and
+        for each, per depth, the fraction of rows that would have accepted a draft token at that depth on this step:
+        its tree keeps the best ``n - 1`` of the same candidates down to its own depth, so a row accepts the leading
+        nodes of its path (``path_rank`` ``[B, D]``) of rank below ``n``. (EAGLE-2 expands only the best K nodes of
+        each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
+        candidates = [
+            c
+            for c in self.shapes
+            if c.speculative and c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.depth <= shape.depth
+        ]
+        if not candidates:
+            return [], []
+        dev = path_rank.device
+        nodes = torch.tensor([c.nodes for c in candidates], device=dev)[:, None, None]
+        levels = torch.tensor([c.levels for c in candidates], device=dev)[:, None]
+        leading = (path_rank[None] < nodes).long().cumprod(dim=2).sum(dim=2).minimum(levels)  # [C, B]
+        depths = torch.arange(self.limits.l_max, device=dev)
+        return candidates, (leading[:, :, None] > depths).float().mean(dim=1).tolist()
 
 
 def _padded(values: list[float], length: int) -> list[float]:
