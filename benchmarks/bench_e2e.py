@@ -13,6 +13,10 @@ draft's held-out accuracy (``draft/accuracy``) over the first and last five step
 time and the reward of the last steps, and writes overlaid plots (``fastgrpo report``).
 
     python benchmarks/bench_e2e.py --draft drafts/smollm2-gsm8k-v8192 --steps 20 --output runs/bench_e2e
+
+``--dtype bfloat16`` loads the policy (and so the draft) in bfloat16: the rollouts run where a CPU with bfloat16
+units verifies a tree for little more than one token, and the updates write bfloat16 weights directly (no float32
+master copy, so an update much smaller than a weight rounds away).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ def config_for(args, run: str) -> GRPOConfig:
     )
     return GRPOConfig(
         model="smollm2",
+        dtype=args.dtype,
         dataset=DataConfig(name="gsm8k", path=str(GSM8K / "train.jsonl")),
         reward_funcs=["accuracy"],
         num_generations=NUM_GENERATIONS,
@@ -107,7 +112,7 @@ def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace)
     print(
         f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x {NUM_GENERATIONS} generations "
         "per step, "
-        f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, "
+        f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, {args.dtype} weights, "
         f"{torch.get_num_threads()} threads\n"
     )
     print(
@@ -161,6 +166,12 @@ def main() -> None:
     parser.add_argument("--runs", default="a,b,c,d")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--output", default="runs/bench_e2e")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="the policy's weights (bfloat16: rollouts and updates in bfloat16, no float32 master copy)",
+    )
     parser.add_argument(
         "--summarise-only", action="store_true", help="print the tables and plots of the runs already in --output"
     )
