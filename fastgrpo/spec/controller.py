@@ -62,21 +62,11 @@ class Controller(Protocol):
         ...
 
 
-@dataclass
-class StaticController:
-    """A fixed tree shape at every step."""
-
-    shape: TreeShape
-
-    @property
-    def max_shape(self) -> TreeShape:
-        return self.shape
+class _OpenLoop:
+    """A controller whose choice does not depend on what earlier steps did: ``begin`` and ``observe`` do nothing."""
 
     def begin(self, draft_changed: bool = False) -> None:
         pass
-
-    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        return self.shape
 
     def observe(
         self,
@@ -87,6 +77,20 @@ class StaticController:
         path_rank: torch.Tensor | None = None,
     ) -> None:
         pass
+
+
+@dataclass
+class StaticController(_OpenLoop):
+    """A fixed tree shape at every step."""
+
+    shape: TreeShape
+
+    @property
+    def max_shape(self) -> TreeShape:
+        return self.shape
+
+    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
+        return self.shape
 
 
 @dataclass
@@ -125,7 +129,7 @@ class ControllerLimits:
 
 
 @dataclass
-class PaperController:
+class PaperController(_OpenLoop):
     """FastGRPO's concurrency-aware rule: ``N_verify = C_peak // B`` tokens per row, recomputed every step."""
 
     c_peak: int
@@ -140,21 +144,8 @@ class PaperController:
     def max_shape(self) -> TreeShape:
         return self.limits.max_shape
 
-    def begin(self, draft_changed: bool = False) -> None:
-        pass
-
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.limits.shape_for(self.c_peak // max(rows, 1))
-
-    def observe(
-        self,
-        rows: int,
-        shape: TreeShape,
-        seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
-    ) -> None:
-        pass
 
 
 @dataclass
