@@ -101,7 +101,8 @@ def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> Non
 
 def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_fraction: float) -> list[TreeShape]:
     """Feed the controller steps whose times follow its profile and whose rows accept that fraction of the
-    draft tokens offered at every depth, along the best-scored chain of the tree (node ranks 1, 2, ...)."""
+    draft tokens offered at every depth. No ranks are passed, so the controller takes the accepted nodes as the
+    best-scored chain of the tree (node ranks 1, 2, ...)."""
     chosen = []
     for _ in range(steps):
         shape = controller.choose(rows)
@@ -111,12 +112,7 @@ def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_frac
         accepted = torch.full((rows,), levels if accept_fraction >= 1 else 0)
         if 0 < accept_fraction < 1:
             accepted = torch.tensor([round(levels * accept_fraction)] * rows)
-        if not shape.speculative:
-            controller.observe(rows, shape, seconds, None)
-            continue
-        depth = torch.arange(1, levels + 1)
-        path_rank = torch.where(depth[None, :] <= accepted[:, None], depth[None, :], shape.nodes)
-        controller.observe(rows, shape, seconds, accepted, path_rank)
+        controller.observe(rows, shape, seconds, accepted if shape.speculative else None)
     return chosen
 
 

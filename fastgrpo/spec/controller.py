@@ -224,7 +224,7 @@ class AdaptiveController:
             if own is None:
                 estimates[shape] = floor + self.depth_accept[len(floor) :]
                 continue
-            fractions = [max(o, f) for o, f in zip(own, _padded(floor, len(own)), strict=True)]
+            fractions = [max(o, floor[d]) if d < len(floor) else o for d, o in enumerate(own)]
             estimates[shape] = fractions
             floor = fractions[: shape.levels]
         return estimates
@@ -362,11 +362,6 @@ class AdaptiveController:
         leading = (path_rank[None] < nodes).long().cumprod(dim=2).sum(dim=2).minimum(levels)  # [C, B]
         depths = torch.arange(self.limits.l_max, device=dev)
         return candidates, (leading[:, :, None] > depths).float().mean(dim=1).tolist()
-
-
-def _padded(values: list[float], length: int) -> list[float]:
-    """``values`` followed by zeros up to ``length``."""
-    return values + [0.0] * (length - len(values))
 
 
 def controller_from_config(
