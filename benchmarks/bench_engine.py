@@ -8,7 +8,7 @@ the routes it measured on this machine (`fastgrpo.rollout.linear`).
 
 Usage::
 
-    python benchmarks/bench_engine.py --max-new-tokens 128 --batch-sizes 1,8,32,64 --repeats 3
+    python benchmarks/bench_engine.py --max-new-tokens 128 --batch-sizes 1,8,32,64 --repeats 3 [--dtype bfloat16]
 
 On a shared machine, pass ``--threads 1`` when other processes keep cores busy: an oversubscribed OpenMP pool
 makes the timings erratic.
@@ -92,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads (default: all cores)"
     )
     parser.add_argument("--data", type=Path, default=GSM8K_TEST, help="GSM8K-format prompt file")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype (both sides)")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
 
     tokenizer = load_tokenizer("smollm2")
-    model = load_model("smollm2").eval()
+    model = load_model("smollm2", dtype=args.dtype).eval()
     eos = eos_token_ids(model, tokenizer)
     engine = RolloutEngine(model, eos, tokenizer=tokenizer)
     rows = load_gsm8k(args.data)[: max(args.batch_sizes)]

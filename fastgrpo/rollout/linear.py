@@ -1,4 +1,4 @@
-"""The linear layers the rollout engine runs the model with on CPU in full precision.
+"""The linear layers the rollout engine runs the model with on CPU (float32, float64 and bfloat16).
 
 Decoding multiplies each weight ``W`` ``[out, in]`` by a few rows ``x`` ``[m, in]``, so it should run at the speed
 at which the weights stream from memory. Which kernel does that best depends on the CPU. Three routes compute the
@@ -7,19 +7,21 @@ same product:
 - ``linear``: ``F.linear``, MKL's ``x @ W.T`` (the only one autograd and autocast follow);
 - ``transposed``: ``(W @ x.T).T``, one row padded to two;
 - ``onednn``: oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, on the layer's own weight, no packed copy;
-  float32 only).
+  float32 only; in bfloat16 it is what ``linear`` runs already).
 
 On SmolLM2-135M's 30 x 7 decoder matrices in float32, 2 threads: on an AMD EPYC (avx512_bf16) ``linear`` took 27 to
 46 ms for 1 to 12 rows, ``transposed`` 13 to 16 ms for 1 to 4 rows and ``onednn`` 20 to 25 ms for 5 to 16; on an Intel
-Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. So the
-route is measured, not assumed: the first time `rollout_linears` patches layers of a dtype in a process, it times
-each route on those layers' own weights for a few row counts (`TIMED_ROWS`, interleaved rounds, medians; about a
-second for SmolLM2; the layers' first `CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every
-later product by the fastest for the nearest timed row count at or above its own. Until then the AMD table applies:
-``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (float64, which oneDNN lacks, ``linear``); with the
-environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always does, so that two processes (a run and its resume)
-round every product alike. Where autograd needs the product, or under autocast, ``F.linear`` runs. bfloat16 keeps
-``nn.Linear``, which already runs on oneDNN.
+Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. In
+bfloat16 on that Xeon, a whole decoder forward took 30 to 43 ms for 1 to 16 rows with ``transposed`` against 36 to 47
+ms with ``linear``, but 93 against 81 ms at 64 rows. So the route is measured, not assumed: the first time
+`rollout_linears` patches layers of a dtype in a process, it times each route on those layers' own weights for a few
+row counts (`TIMED_ROWS`, interleaved rounds, medians; about a second for SmolLM2; the layers' first
+`CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every later product by the fastest for the
+nearest timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster). Until
+then the AMD table applies: ``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and
+bfloat16, where that route does not exist); with the environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always
+does, so that two processes (a run and its resume) round every product alike. Where autograd needs the product, or
+under autocast, ``F.linear`` runs; other dtypes (float16) and devices keep ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ import torch.nn.functional as F
 from torch import nn
 
 FEW_ROWS = 4
-FULL_PRECISION = (torch.float32, torch.float64)
-TIMED_ROWS = (1, 2, 4, 8, 16, 64)
+ROUTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_ROUNDS = 3
+CALIBRATION_MARGIN = 0.1  # another route replaces ``linear`` only when it times at least this much faster
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
@@ -89,7 +92,7 @@ def default_routes() -> Iterator[None]:
 
 
 def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``[m, in] -> [m, out]`` by one route."""
+    """``[m, in] -> [m, out]`` (contiguous) by one route."""
     if name == "linear":
         return F.linear(x, weight, bias)
     if name == "onednn":
@@ -97,11 +100,12 @@ def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     m = x.shape[0]
     rows = torch.cat([x, x]) if m == 1 else x
     out = (weight @ rows.T).T[:m]
-    return out if bias is None else out + bias
+    out = out if bias is None else out + bias
+    return out.contiguous()  # a strided product: its copy to rows is part of the route's cost when routes are timed
 
 
 def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by the fastest route for a full-precision CPU weight (see the module's
+    """``F.linear(x, weight, bias)`` by the fastest route for a CPU weight of a routed dtype (see the module's
     docstring); other weights, and products autograd must differentiate, go through ``F.linear``.
 
     Args:
@@ -118,12 +122,16 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = _product(route(weight.dtype, rows.shape[0]), rows, weight, bias)
-    return out.contiguous().view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     """Time every route over ``weights`` (one dtype, ``[out, in]`` each) at each of `TIMED_ROWS` rows, in
-    `CALIBRATION_ROUNDS` interleaved rounds after a warm-up, and return the fastest route per row count (medians)."""
+    `CALIBRATION_ROUNDS` interleaved rounds after a warm-up, and return the fastest route per row count (medians).
+
+    ``linear`` keeps a row count unless another route is `CALIBRATION_MARGIN` faster: timed alone, the products
+    flatter the other routes (in bfloat16 on an Intel Xeon with AMX, ``transposed`` timed 4 % slower than ``linear``
+    at 64 rows alone but made a whole decoder forward 15 % slower)."""
     dtype = weights[0].dtype
     names = routes_for(dtype)
     inputs = {(m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype) for m in TIMED_ROWS for w in weights}
@@ -137,7 +145,12 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
                         _product(name, inputs[(m, w.shape[1])], w, None)
                     if round_:  # round 0 warms every kernel up
                         seconds[(m, name)].append(time.perf_counter() - start)
-    return {m: min(names, key=lambda n: statistics.median(seconds[(m, n)])) for m in TIMED_ROWS}
+    table = {}
+    for m in TIMED_ROWS:
+        median = {n: statistics.median(seconds[(m, n)]) for n in names}
+        fastest = min(names, key=median.__getitem__)
+        table[m] = fastest if median[fastest] < (1 - CALIBRATION_MARGIN) * median["linear"] else "linear"
+    return table
 
 
 def _calibration_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,7 +168,7 @@ def _calibration_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _runs_rollout_linear(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype in FULL_PRECISION
+    return weight.device.type == "cpu" and weight.dtype in ROUTED_DTYPES
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -164,9 +177,9 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 @contextmanager
 def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
-    """Run the float32 (and float64) CPU ``nn.Linear`` layers inside ``modules`` (None entries are skipped) with
-    `rollout_linear` inside the block, then restore them. The first time layers of a dtype are patched in this
-    process, the routes are timed on their weights (`calibrate`)."""
+    """Run the CPU ``nn.Linear`` layers of a routed dtype (float32, float64, bfloat16) inside ``modules`` (None
+    entries are skipped) with `rollout_linear` inside the block, then restore them. The first time layers of a dtype
+    are patched in this process, the routes are timed on their weights (`calibrate`)."""
     found = (m for module in modules if module is not None for m in module.modules())
     # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
     patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
