@@ -41,7 +41,7 @@ FEW_ROWS = 4
 ROUTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64)
 CALIBRATION_ROUNDS = 3
-CALIBRATION_MARGIN = 0.1  # another route replaces ``linear`` only when it times at least this much faster
+CALIBRATION_MARGIN = 0.03  # another route replaces ``linear`` only when it times at least this much faster
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
@@ -129,9 +129,10 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     """Time every route over ``weights`` (one dtype, ``[out, in]`` each) at each of `TIMED_ROWS` rows, in
     `CALIBRATION_ROUNDS` interleaved rounds after a warm-up, and return the fastest route per row count (medians).
 
-    ``linear`` keeps a row count unless another route is `CALIBRATION_MARGIN` faster: timed alone, the products
-    flatter the other routes (in bfloat16 on an Intel Xeon with AMX, ``transposed`` timed 4 % slower than ``linear``
-    at 64 rows alone but made a whole decoder forward 15 % slower)."""
+    ``linear`` keeps a row count unless another route is `CALIBRATION_MARGIN` faster, so that timing noise between
+    near-equal routes does not move products off ``F.linear``. A route's time includes making its product
+    contiguous: without that copy ``transposed`` timed 24 % faster than ``linear`` at 64 bfloat16 rows on the AMX
+    Xeon and made the whole forward 15 % slower; with it, 3 to 8 % slower."""
     dtype = weights[0].dtype
     names = routes_for(dtype)
     inputs = {(m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype) for m in TIMED_ROWS for w in weights}
