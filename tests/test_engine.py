@@ -6,13 +6,15 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import VOCAB, tiny_model
+from conftest import VOCAB, make_tiny_model, tiny_model
 from transformers import LlamaConfig, PreTrainedModel
 
+from fastgrpo.rollout.attention import ROLLOUT_ATTENTION, rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine, _fill_holes
 from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain, window_attention_mask
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
+from fastgrpo.spec.draft import DraftHead
 
 F64 = torch.float64
 ATOL = 1e-10
@@ -462,3 +464,18 @@ def test_generate_restores_training_mode(llama_model: PreTrainedModel) -> None:
         assert llama_model.training
     finally:
         llama_model.eval()
+
+
+def test_rollout_attention_switches_the_target_and_the_draft_body_and_restores_them() -> None:
+    model = make_tiny_model("llama")
+    body = DraftHead(model.config).body
+    configs = [model.config.get_text_config(), body.config]
+    with rollout_attention(model, None, body, model):  # None skipped, a model given twice switched once
+        assert [c._attn_implementation for c in configs] == [ROLLOUT_ATTENTION] * 2
+    assert [c._attn_implementation for c in configs] == ["sdpa"] * 2
+    with pytest.raises(RuntimeError), rollout_attention(body):
+        raise RuntimeError("inside")
+    assert body.config._attn_implementation == "sdpa"
+    body.config._attn_implementation = "eager"
+    with rollout_attention(body):
+        assert body.config._attn_implementation == "eager"  # only SDPA models are switched

@@ -50,15 +50,15 @@ AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
 
 
 @contextmanager
-def rollout_attention(model: PreTrainedModel) -> Iterator[None]:
-    """Run ``model`` with `gqa_sdpa_attention` inside the block (only if it uses SDPA), then restore it."""
-    config = model.config.get_text_config()
-    previous = config._attn_implementation
-    if previous != "sdpa":
-        yield
-        return
-    config._attn_implementation = ROLLOUT_ATTENTION
+def rollout_attention(*models: PreTrainedModel | None) -> Iterator[None]:
+    """Run ``models`` (None entries are skipped) with `gqa_sdpa_attention` inside the block (those that use SDPA),
+    then restore them."""
+    configs = [m.config.get_text_config() for m in models if m is not None]
+    switched = [c for c in {id(c): c for c in configs}.values() if c._attn_implementation == "sdpa"]
+    for config in switched:
+        config._attn_implementation = ROLLOUT_ATTENTION
     try:
         yield
     finally:
-        config._attn_implementation = previous
+        for config in switched:
+            config._attn_implementation = "sdpa"
