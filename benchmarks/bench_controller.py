@@ -151,7 +151,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
     parser.add_argument("--sweep-tokens", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds per concurrency in the sweep")
-    parser.add_argument("--plot", default="docs/controller_sweep.png")
+    parser.add_argument(
+        "--plot", default="runs/controller_sweep.png", help="PNG of the sweep (the README's plots are under docs/)"
+    )
     parser.add_argument("--skip-rollout", action="store_true")
     parser.add_argument(
         "--modes",
