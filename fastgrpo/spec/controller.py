@@ -324,12 +324,11 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
-        depths = torch.arange(self.limits.l_max, device=accepted.device)
-        pooled = (accepted[:, None] > depths).float().mean(dim=0).tolist()
+        pooled = self._depth_fractions(accepted)
         for d in range(shape.levels):
             self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (pooled[d] - self.depth_accept[d])
         if path_rank is None:  # the accepted nodes taken as the best-scored chain
-            chain = depths[: shape.levels] + 1
+            chain = torch.arange(1, shape.levels + 1, device=accepted.device)
             path_rank = torch.where(chain <= accepted[:, None], chain, shape.nodes)
         candidates, reached = self._nested_acceptance(shape, path_rank)
         self._estimates = None
@@ -360,8 +359,13 @@ class AdaptiveController:
         nodes = torch.tensor([c.nodes for c in candidates], device=dev)[:, None, None]
         levels = torch.tensor([c.levels for c in candidates], device=dev)[:, None]
         leading = (path_rank[None] < nodes).long().cumprod(dim=2).sum(dim=2).minimum(levels)  # [C, B]
-        depths = torch.arange(self.limits.l_max, device=dev)
-        return candidates, (leading[:, :, None] > depths).float().mean(dim=1).tolist()
+        return candidates, self._depth_fractions(leading)
+
+    def _depth_fractions(self, accepted: torch.Tensor) -> list:
+        """``[..., B]`` draft tokens each row accepted -> per depth up to ``l_max``, the fraction of rows that
+        accepted a token at that depth (``[..., l_max]`` as nested lists)."""
+        depths = torch.arange(self.limits.l_max, device=accepted.device)
+        return (accepted[..., None] > depths).float().mean(dim=-2).tolist()
 
 
 def controller_from_config(
