@@ -263,7 +263,7 @@ class RolloutEngine:
         try:
             with (
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
-                rollout_attention(self.model, self.draft.body if self.draft is not None else None),
+                rollout_attention(self.model, self.draft.decoder if self.draft is not None else None),
                 rollout_linears(self.model, self.draft),
             ):
                 return self._generate(prompt_ids, params, num_generations, generator, capture_hidden, uniforms)

@@ -260,7 +260,7 @@ def _measure(
         base = context_length - torch.randint(0, 2, (r,), generator=gen).to(dev)
         ids = torch.randint(0, vocab, (r, n), generator=gen).to(dev)
         tree_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
-    with rollout_attention(model, draft.body), rollout_linears(model, draft):
+    with rollout_attention(model, draft.decoder), rollout_linears(model, draft):
         seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)
     target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) : 2 * len(tokens)]
     measured = dict(zip(grid, seconds[2 * len(tokens) :], strict=True))
