@@ -29,7 +29,7 @@ from fastgrpo.data import load_gsm8k
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.draft_trainer import DraftTrainConfig
+from fastgrpo.spec.draft_trainer import LR_SCHEDULERS, DraftTrainConfig
 from fastgrpo.spec.offline import collect_mixed, fit_draft
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -46,6 +46,10 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--token-loss-weight", type=float, default=1.0)
+    parser.add_argument(
+        "--lr-scheduler", choices=LR_SCHEDULERS, default="constant", help="draft_training.lr_scheduler_type"
+    )
+    parser.add_argument("--warmup-ratio", type=float, default=0.0, help="draft_training.warmup_ratio")
     parser.add_argument("--draft-vocab-size", type=int, default=8192)
     parser.add_argument(
         "--unroll", type=int, default=1, help="tree depths trained per position (draft_training.unroll)"
@@ -106,6 +110,8 @@ def main() -> None:
         token_loss_weight=args.token_loss_weight,
         bf16=args.bf16,
         unroll=args.unroll,
+        lr_scheduler_type=args.lr_scheduler,
+        warmup_ratio=args.warmup_ratio,
     )
     vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})
     for name, size in vocabularies.items():

@@ -21,9 +21,8 @@ from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
 from fastgrpo.models import DTYPES
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.controller import ControllerLimits
-from fastgrpo.spec.draft_trainer import DraftTrainConfig
+from fastgrpo.spec.draft_trainer import LR_SCHEDULERS, DraftTrainConfig
 
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 REPORT_TO = ("jsonl", "tensorboard")
 
 
@@ -120,7 +119,7 @@ class GRPOConfig:
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 2
     max_steps: int = 20
-    lr_scheduler_type: str = field(default="constant", metadata=_choice(*SCHEDULERS))
+    lr_scheduler_type: str = field(default="constant", metadata=_choice(*LR_SCHEDULERS))
     warmup_ratio: float = 0.0
     weight_decay: float = 0.0
     adam_beta1: float = 0.9

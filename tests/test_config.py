@@ -59,6 +59,8 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--speculation.l_min", "6"], "speculation.l_max must be >= speculation.l_min"),
         (["--speculation.alpha", "1.5"], "speculation.alpha must be in (0, 1]"),
         (["--draft_training.unroll", "0"], "draft_training.unroll must be > 0, got 0"),
+        (["--draft_training.lr_scheduler_type", "step"], "draft_training.lr_scheduler_type must be one of"),
+        (["--draft_training.warmup_ratio", "2"], "draft_training.warmup_ratio must be in [0, 1], got 2"),
     ],
 )
 def test_invalid_options_name_the_option(overrides: list[str], message: str) -> None:

@@ -127,6 +127,38 @@ def test_draft_accuracy_is_measured_before_the_draft_trains_on_the_samples() -> 
     assert trainer.fit(samples).accuracy > fits[40].accuracy + 0.2
 
 
+def test_draft_learning_rate_schedule_spans_one_fit() -> None:
+    """A linear schedule falls from the configured rate to zero over one `fit` call, which takes no step at zero
+    (its last update still moves the draft), and the next call starts again from the full rate; a constant one keeps
+    the rate."""
+    torch.manual_seed(0)
+    model = make_tiny_model("llama").double()
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
+    samples = [
+        DraftSample(torch.tensor(p + c), h, len(p))
+        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
+    ]
+    rates = {}
+    for kind in ("constant", "linear"):
+        config = DraftTrainConfig(learning_rate=1e-3, epochs=4, token_budget=32, lr_scheduler_type=kind)
+        draft = DraftHead(model.config).double()
+        trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config)
+        used = []
+        trainer.optimizer.register_step_pre_hook(lambda opt, *_, used=used: used.append(opt.param_groups[0]["lr"]))
+        fit = trainer.fit(samples)
+        first = len(used)
+        trainer.fit(samples)
+        rates[kind] = used, first, len(fit.losses)
+    constant, _, _ = rates["constant"]
+    assert constant == [1e-3] * len(constant)
+    linear, first, updates = rates["linear"]
+    assert first == updates > 4
+    assert linear[0] == pytest.approx(1e-3) and linear[first] == pytest.approx(1e-3)
+    assert all(a > b > 0 for a, b in zip(linear[: first - 1], linear[1:first], strict=True))
+    assert linear[first - 1] == pytest.approx(1e-3 / first)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_unrolled_training_predicts_as_the_draft_drafts_deeper_levels(family: str) -> None:
     """Unroll step ``s`` of training (EAGLE-3's training-time test) must compute, at every row, what the draft

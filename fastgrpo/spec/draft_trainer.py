@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache
+from transformers import DynamicCache, get_scheduler
 
 from fastgrpo import distributed
 from fastgrpo.models import warn_if_bf16_emulated
@@ -26,6 +26,8 @@ from fastgrpo.spec.draft import DraftHead
 
 if TYPE_CHECKING:
     from fastgrpo.rollout.engine import GenerationOutput
+
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 
 @dataclass
@@ -65,7 +67,8 @@ class DraftFit:
 @dataclass
 class DraftTrainConfig:
     """Draft training options. Online (during GRPO, when speculation is on): ``online`` trains the draft on every
-    rollout, ``epochs`` passes over it per step."""
+    rollout, ``epochs`` passes over it per step. The learning-rate schedule (transformers' ``get_scheduler``) spans
+    one `DraftTrainer.fit` call: the whole of an offline fit, or one step's passes online."""
 
     online: bool = True
     learning_rate: float = 1e-4
@@ -76,6 +79,8 @@ class DraftTrainConfig:
     max_grad_norm: float = 1.0
     bf16: bool = False  # autocast the draft's forward/backward to bfloat16
     unroll: int = 1  # tree depths trained per position (1: teacher forcing only; see the module docstring)
+    lr_scheduler_type: str = "constant"
+    warmup_ratio: float = 0.0
 
     def validate(self) -> None:
         for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm", "unroll"):
@@ -83,6 +88,12 @@ class DraftTrainConfig:
                 raise ValueError(f"draft_training.{name} must be > 0, got {getattr(self, name)}")
         if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
             raise ValueError("draft_training loss weights must be >= 0")
+        if self.lr_scheduler_type not in LR_SCHEDULERS:
+            raise ValueError(
+                f"draft_training.lr_scheduler_type must be one of {list(LR_SCHEDULERS)}, got {self.lr_scheduler_type!r}"
+            )
+        if not 0 <= self.warmup_ratio <= 1:
+            raise ValueError(f"draft_training.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
 
 
 def unrolled_attention_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -228,6 +239,13 @@ class DraftTrainer:
         n_updates = distributed.max_over_ranks(len(batches))
         if n_updates and not batches:
             raise RuntimeError("draft training: this rank has no sequence of at least 2 tokens to train on")
+        total = self.config.epochs * n_updates
+        scheduler = get_scheduler(
+            self.config.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=int(self.config.warmup_ratio * total),
+            num_training_steps=total,
+        )
         self.draft.train()
         losses, counts = [], torch.zeros(2)
         for epoch in range(self.config.epochs):
@@ -241,6 +259,7 @@ class DraftTrainer:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
                 self.optimizer.step()
+                scheduler.step()
                 if i < len(batches):
                     losses.append(float(loss.detach()))
         self.draft.eval()
