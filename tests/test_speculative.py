@@ -29,7 +29,7 @@ from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 from fastgrpo.rollout.verify import Acceptance
 from fastgrpo.spec.controller import AUTOREGRESSIVE, StaticController
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer
+from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer, rollout_samples
 from fastgrpo.spec.tree import DraftTree, TreeShape
 
 EOS = 3
@@ -73,11 +73,18 @@ def trained_draft(model: PreTrainedModel, epochs: int = 30, seed: int = 0) -> Dr
     samples = []
     for temperature in (0.0, 1.0):
         out = engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=temperature), capture_hidden=True)
-        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True):
-            samples.append(DraftSample(torch.tensor(p + c), h, len(p)))
+        samples += rollout_samples(prompts, out, num_generations=1)
     config = DraftTrainConfig(learning_rate=3e-3, epochs=epochs, token_budget=512, token_loss_weight=1.0)
     DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), config).fit(samples)
     return draft
+
+
+def short_samples(model: PreTrainedModel, temperature: float = 1.0) -> list[DraftSample]:
+    """Draft samples of the model's continuations (24 tokens at most) of three short prompts."""
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    params = SamplingParams(max_new_tokens=24, temperature=temperature)
+    out = RolloutEngine(model, [EOS]).generate(prompts, params, capture_hidden=True)
+    return rollout_samples(prompts, out, num_generations=1)
 
 
 def test_draft_training_under_bfloat16_autocast_on_a_float32_model() -> None:
@@ -85,12 +92,7 @@ def test_draft_training_under_bfloat16_autocast_on_a_float32_model() -> None:
     autograd on the rollout linear layers' path (`tests/test_linear.py` checks that path against autocast)."""
     torch.manual_seed(0)
     model = make_tiny_model("llama").float()
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
-    samples = [
-        DraftSample(torch.tensor(p + c), h, len(p))
-        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
-    ]
+    samples = short_samples(model)
     config = DraftTrainConfig(learning_rate=3e-3, epochs=10, token_budget=512, token_loss_weight=1.0, bf16=True)
     losses = (
         DraftTrainer(DraftHead(model.config), model.get_input_embeddings(), model.get_output_embeddings(), config)
@@ -106,14 +108,7 @@ def test_draft_accuracy_is_measured_before_the_draft_trains_on_the_samples() -> 
     call on the same samples reports a higher one."""
     torch.manual_seed(0)
     model = make_tiny_model("llama").double()
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    out = RolloutEngine(model, [EOS]).generate(
-        prompts, SamplingParams(max_new_tokens=24, temperature=0.0), capture_hidden=True
-    )
-    samples = [
-        DraftSample(torch.tensor(p + c), h, len(p))
-        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
-    ]
+    samples = short_samples(model, temperature=0.0)
     initial = DraftHead(model.config).double()
     fits = {}
     for epochs in (1, 40):
@@ -133,12 +128,7 @@ def test_draft_learning_rate_schedule_spans_one_fit() -> None:
     the rate."""
     torch.manual_seed(0)
     model = make_tiny_model("llama").double()
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
-    samples = [
-        DraftSample(torch.tensor(p + c), h, len(p))
-        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
-    ]
+    samples = short_samples(model)
     rates = {}
     for kind in ("constant", "linear"):
         config = DraftTrainConfig(learning_rate=1e-3, epochs=4, token_budget=32, lr_scheduler_type=kind)
@@ -188,12 +178,7 @@ def test_unrolled_training_predicts_as_the_draft_drafts_deeper_levels(family: st
 def test_unrolled_training_lowers_its_loss() -> None:
     model = tiny_model("llama")
     torch.manual_seed(0)
-    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
-    out = RolloutEngine(model, [EOS]).generate(prompts, SamplingParams(max_new_tokens=24), capture_hidden=True)
-    samples = [
-        DraftSample(torch.tensor(p + c), h, len(p))
-        for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True)
-    ]
+    samples = short_samples(model)
     config = DraftTrainConfig(learning_rate=3e-3, epochs=30, token_budget=512, token_loss_weight=1.0, unroll=2)
     losses = (
         DraftTrainer(
