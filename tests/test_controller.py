@@ -180,6 +180,25 @@ def test_adaptive_corrects_the_profile_from_observed_times() -> None:
     assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1), "each band keeps its own factor"
 
 
+def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> None:
+    """At 64 rows past the knee a tree of 2 nodes costs twice a plain step and emits 1.7 tokens: plain steps win.
+    The first plain step ran twice as slow as usual (the machine was busy), which makes trees look better, and a
+    tree's steps say nothing of a plain step's time: the controller must run plain steps again to find out."""
+    rows, controller = 64, AdaptiveController(flat_profile())
+    chosen = []
+    for step in range(200):
+        shape = controller.choose(rows)
+        chosen.append(shape)
+        seconds = controller._profiled_seconds(rows, shape) * (2 if step == 0 else 1)
+        accepted = None
+        if shape.speculative:
+            draws = torch.rand(rows, shape.levels, generator=torch.Generator().manual_seed(step)) < 0.7
+            accepted = draws.long().cumprod(dim=1).sum(dim=1)
+        controller.observe(rows, shape, seconds, accepted)
+    assert chosen[0] == AUTOREGRESSIVE and chosen[1].speculative, "the slow step made trees look better"
+    assert not any(s.speculative for s in chosen[100:]), "plain probes found plain steps faster"
+
+
 def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> None:
     """A target forward costs what its tokens cost, rows or tree nodes: plain steps over 8 rows that take twice the
     profile make a 2-row tree of 4 nodes (8 tokens) twice as dear before any tree has run, while plain steps over

@@ -167,20 +167,25 @@ class AdaptiveController:
       ``B * K`` tokens, times a correction factor: observed over profiled step time, averaged separately for
       autoregressive and speculative steps and for each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
-      tokens), else the kind's average.
+      tokens), else the kind's average. An average moves towards a step faster than it predicts at a weight of at
+      least ``fast_time_rate``: a step slowed by the machine is common, one sped up is not.
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps the next bigger candidate runs
     instead (the smaller ones learn from every step), unless it would lose even with every draft token accepted
-    (counting the draft's catch-up on the plain steps before it); the interval
-    doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the start of
-    every generation call. After the draft has changed (online learning), the first due probe runs whatever its
-    catch-up costs: otherwise a draft that was once bad would never be measured again, however much it learns.
+    (counting the draft's catch-up on the plain steps before it). While a tree wins, every other probe is a plain
+    step instead: plain steps' time is learnt only from plain steps, so one slow plain step would otherwise keep
+    trees chosen for good at a concurrency where they lose. The interval doubles while probes lose (up to
+    ``max_probe_interval``) and resets when the winner changes, at the start of every generation call, and when a
+    plain probe ran more than 10 % faster than predicted (the next probe is a plain step again). After the draft
+    has changed (online learning), the first due probe runs whatever its catch-up costs: otherwise a draft that was
+    once bad would never be measured again, however much it learns.
     """
 
     profile: LatencyProfile
     limits: ControllerLimits = field(default_factory=ControllerLimits)
     accept_rate: float = 0.1
     time_rate: float = 0.2
+    fast_time_rate: float = 0.5
     prior_accept: float = 0.7
     prior_rows: int = 2
     probe_interval: int = 16
@@ -200,6 +205,7 @@ class AdaptiveController:
         self._interval = self.probe_interval
         self._since_probe = 0
         self._last_best: TreeShape | None = None
+        self._probed_up = False  # the last probe while a tree won was of a bigger tree (the next is a plain step)
         self._stale = False  # the draft changed since its acceptance was last measured
 
     @property
@@ -284,6 +290,10 @@ class AdaptiveController:
             return best
         self._since_probe = 0
         self._interval = min(2 * self._interval, self.max_probe_interval)
+        if best.speculative and self._probed_up:
+            self._probed_up = False
+            return AUTOREGRESSIVE
+        self._probed_up = True
         i = self.shapes.index(best)
         if i == len(self.shapes) - 1:
             return best
@@ -320,7 +330,13 @@ class AdaptiveController:
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
         for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
             current = self.correction.get(key, self.correction[(kind, None)])
-            self.correction[key] = current + self._rate(key, self.time_rate) * (ratio - current)
+            rate = self._rate(key, self.time_rate)
+            if ratio < current:
+                rate = max(rate, self.fast_time_rate)
+            self.correction[key] = current + rate * (ratio - current)
+        plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
+        if plain_probe and ratio < 0.9 * current:  # it beat its prediction: probe plain steps again soon
+            self._interval, self._probed_up = self.probe_interval, True
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
