@@ -186,7 +186,7 @@ def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> Non
     tree's steps say nothing of a plain step's time: the controller must run plain steps again to find out."""
     rows, controller = 64, AdaptiveController(flat_profile())
     chosen = []
-    for step in range(200):
+    for step in range(100):
         shape = controller.choose(rows)
         chosen.append(shape)
         seconds = controller._profiled_seconds(rows, shape) * (2 if step == 0 else 1)
@@ -196,7 +196,8 @@ def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> Non
             accepted = draws.long().cumprod(dim=1).sum(dim=1)
         controller.observe(rows, shape, seconds, accepted)
     assert chosen[0] == AUTOREGRESSIVE and chosen[1].speculative, "the slow step made trees look better"
-    assert not any(s.speculative for s in chosen[100:]), "plain probes found plain steps faster"
+    # Probes are due every 16, then 32 steps, a bigger tree first, then a plain step (at step 48).
+    assert not any(s.speculative for s in chosen[50:]), "one plain probe found plain steps faster"
 
 
 def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> None:

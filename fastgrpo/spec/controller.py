@@ -168,17 +168,17 @@ class AdaptiveController:
       autoregressive and speculative steps and for each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
       tokens), else the kind's average. An average moves towards a step faster than it predicts at a weight of at
-      least ``fast_time_rate``: a step slowed by the machine is common, one sped up is not.
+      least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a plain probe
+      (below) faster than its estimate replaces it.
 
     The highest ratio wins, autoregressive included. Every ``probe_interval`` steps the next bigger candidate runs
     instead (the smaller ones learn from every step), unless it would lose even with every draft token accepted
     (counting the draft's catch-up on the plain steps before it). While a tree wins, every other probe is a plain
     step instead: plain steps' time is learnt only from plain steps, so one slow plain step would otherwise keep
     trees chosen for good at a concurrency where they lose. The interval doubles while probes lose (up to
-    ``max_probe_interval``) and resets when the winner changes, at the start of every generation call, and when a
-    plain probe ran more than 10 % faster than predicted (the next probe is a plain step again). After the draft
-    has changed (online learning), the first due probe runs whatever its catch-up costs: otherwise a draft that was
-    once bad would never be measured again, however much it learns.
+    ``max_probe_interval``) and resets when the winner changes and at the start of every generation call. After
+    the draft has changed (online learning), the first due probe runs whatever its catch-up costs: otherwise a
+    draft that was once bad would never be measured again, however much it learns.
     """
 
     profile: LatencyProfile
@@ -328,15 +328,16 @@ class AdaptiveController:
     ) -> None:
         kind = self._kind(shape)
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
+        # A plain step while a tree wins is a probe, and nothing else measures plain steps: one that ran faster than
+        # estimated replaces the estimate. Too low an estimate is safe: plain steps then win and every step
+        # measures them.
+        plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
         for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
             current = self.correction.get(key, self.correction[(kind, None)])
             rate = self._rate(key, self.time_rate)
             if ratio < current:
-                rate = max(rate, self.fast_time_rate)
+                rate = 1.0 if plain_probe else max(rate, self.fast_time_rate)
             self.correction[key] = current + rate * (ratio - current)
-        plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
-        if plain_probe and ratio < 0.9 * current:  # it beat its prediction: probe plain steps again soon
-            self._interval, self._probed_up = self.probe_interval, True
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
