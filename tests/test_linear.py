@@ -156,7 +156,7 @@ def test_products_follow_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> 
         table[8],
         table[16],
         table[32],
-        table[64],
+        table[128],
     ]
     taken = []
     product = linear._product

@@ -17,7 +17,11 @@ ms with ``linear``, but 93 against 81 ms at 64 rows. So the route is measured, n
 `rollout_linears` patches layers of a dtype in a process, it times each route on those layers' own weights for a few
 row counts (`TIMED_ROWS`, interleaved rounds, medians; about a second for SmolLM2; the layers' first
 `CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every later product by the fastest for the
-nearest timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster). Until
+nearest timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster).
+Products beyond the largest timed count (prefills, wide verification trees) take its route, so that count is past
+the crossover: at 64 rows the two routes tie in bfloat16 on the AMX Xeon and the timing fell either way from one
+process to the next, and a process that timed ``transposed`` there ran a 64-row prefill 2.2x slower (5.9 against
+2.7 s) and speculative decoding at 16 rows 13 % slower; at 128 rows ``linear`` wins by a wide margin. Until
 then the AMD table applies: ``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and
 bfloat16, where that route does not exist); with the environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always
 does, so that two processes (a run and its resume) round every product alike. Where autograd needs the product, or
@@ -39,7 +43,7 @@ from torch import nn
 
 FEW_ROWS = 4
 ROUTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64)
+TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_ROUNDS = 3
 CALIBRATION_MARGIN = 0.03  # another route replaces ``linear`` only when it times at least this much faster
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
