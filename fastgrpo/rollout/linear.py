@@ -14,18 +14,18 @@ On SmolLM2-135M's 30 x 7 decoder matrices in float32, 2 threads: on an AMD EPYC 
 Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. In
 bfloat16 on that Xeon, a whole decoder forward took 30 to 43 ms for 1 to 16 rows with ``transposed`` against 36 to 47
 ms with ``linear``, but 93 against 81 ms at 64 rows. So the route is measured, not assumed: the first time
-`rollout_linears` patches layers of a dtype in a process, it times each route on those layers' own weights for a few
-row counts (`TIMED_ROWS`, interleaved rounds, medians; about a second for SmolLM2; the layers' first
-`CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every later product by the fastest for the
-nearest timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster).
-Products beyond the largest timed count (prefills, wide verification trees) take its route, so that count is past
-the crossover: at 64 rows the two routes tie in bfloat16 on the AMX Xeon and the timing fell either way from one
-process to the next, and a process that timed ``transposed`` there ran a 64-row prefill 2.2x slower (5.9 against
-2.7 s) and speculative decoding at 16 rows 13 % slower; at 128 rows ``linear`` wins by a wide margin. Until
-then the AMD table applies: ``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and
-bfloat16, where that route does not exist); with the environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always
-does, so that two processes (a run and its resume) round every product alike. Where autograd needs the product, or
-under autocast, ``F.linear`` runs; other dtypes (float16) and devices keep ``nn.Linear``.
+`rollout_linears` patches layers of a dtype in a process, it times each route on those layers' own weights for a few row
+counts (`TIMED_ROWS`, interleaved rounds, medians; 1 s in bfloat16 and 3 s in float32 for SmolLM2; the layers' first
+`CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every later product by the fastest for the nearest
+timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster). Products beyond
+the largest timed count (prefills, wide verification trees) take its route, so that count is past the crossover: at 64
+rows the two routes tie in bfloat16 on the AMX Xeon and the timing fell either way from one process to the next, and a
+process that timed ``transposed`` there ran a 64-row prefill 2.2x slower (5.9 against 2.7 s) and speculative decoding at
+16 rows 13 % slower; at 128 rows ``linear`` wins by a wide margin. Before the first timing the AMD table applies:
+``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and bfloat16, where that route does not
+exist); with the environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always does, so that two processes (a run
+and its resume) round every product alike. Where autograd needs the product, or under autocast, ``F.linear`` runs; other
+dtypes (float16) and devices keep ``nn.Linear``.
 """
 
 from __future__ import annotations
