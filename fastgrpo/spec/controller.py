@@ -205,7 +205,7 @@ class AdaptiveController:
         self._interval = self.probe_interval
         self._since_probe = 0
         self._last_best: TreeShape | None = None
-        self._probed_up = False  # the last probe while a tree won was of a bigger tree (the next is a plain step)
+        self._probed_up = False  # the last probe ran a bigger tree (while a tree wins, the next probe is a plain step)
         self._stale = False  # the draft changed since its acceptance was last measured
 
     @property
