@@ -103,10 +103,11 @@ def test_every_route_computes_the_product(dtype: torch.dtype, rows: int) -> None
     weight = torch.randn(24, 16, generator=g).to(dtype)
     bias = torch.randn(24, generator=g).to(dtype)
     tol = {"rtol": 1.6e-2, "atol": 2e-2} if dtype == torch.bfloat16 else {}
-    for name in routes_for(dtype):
+    for name in routes_for(dtype, rows):
         torch.testing.assert_close(linear._product(name, x, weight, bias), F.linear(x, weight, bias), **tol)
-    assert "onednn" not in routes_for(torch.float64)  # oneDNN has no float64 linear
-    assert "onednn" not in routes_for(torch.bfloat16)  # in bfloat16, F.linear already runs on oneDNN
+    assert ("vector" in routes_for(dtype, rows)) == (rows == 1)  # a matrix-vector product takes one row
+    assert "onednn" not in routes_for(torch.float64, rows)  # oneDNN has no float64 linear
+    assert "onednn" not in routes_for(torch.bfloat16, rows)  # in bfloat16, F.linear already runs on oneDNN
 
 
 def test_calibration_picks_the_fastest_route(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -121,7 +122,8 @@ def test_calibration_picks_the_fastest_route(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(linear, "_product", slow_linear)
     weights = [torch.randn(24, 16, dtype=torch.float64), torch.randn(16, 24, dtype=torch.float64)]
     table = calibrate(weights)
-    assert set(table) == set(TIMED_ROWS) and set(table.values()) == {"transposed"}
+    assert set(table) == set(TIMED_ROWS) and "linear" not in table.values()
+    assert table[1] in ("transposed", "vector") and {table[m] for m in TIMED_ROWS[1:]} == {"transposed"}
 
 
 @pytest.mark.parametrize(("transposed_cost", "chosen"), [(0.9, "transposed"), (0.99, "linear")])
@@ -131,7 +133,7 @@ def test_calibration_keeps_linear_unless_another_route_is_clearly_faster(
     """Timed on a clock that each product advances by its route's cost: ``transposed`` replaces ``linear`` when it
     is 10 % faster, not when it is 1 % faster (`CALIBRATION_MARGIN`)."""
     clock = [0.0]
-    cost = {"linear": 1.0, "transposed": transposed_cost, "onednn": 2.0}
+    cost = {"linear": 1.0, "transposed": transposed_cost, "onednn": 2.0, "vector": 2.0}
     product = linear._product
 
     def timed_product(name, x, weight, bias):
@@ -166,6 +168,20 @@ def test_products_follow_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> 
     with linear.default_routes():
         rollout_linear(x, weight)
     assert taken == [table[4], "transposed"]
+
+
+def test_only_one_row_products_take_the_vector_route(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A table that times ``vector`` fastest at one row sends one-row products there, and only those; an empty
+    product takes ``linear``."""
+    monkeypatch.setitem(linear._measured, torch.float64, {**dict.fromkeys(TIMED_ROWS, "transposed"), 1: "vector"})
+    taken = []
+    product = linear._product
+    monkeypatch.setattr(linear, "_product", lambda name, *a: taken.append(name) or product(name, *a))
+    weight, bias = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    for shape in [(1, 1, 16), (2, 16), (0, 16)]:
+        x = torch.randn(*shape, dtype=torch.float64)
+        torch.testing.assert_close(rollout_linear(x, weight, bias), F.linear(x, weight, bias))
+    assert taken == ["vector", "transposed", "linear"]
 
 
 def test_rollout_linears_calibrates_once_per_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
