@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.sampling import CDF_BLOCK, SamplingParams, process_logits, sample
 
 F64 = torch.float64
 # A 4-token distribution used throughout, stored in a shuffled order so filters must map back through the sort.
@@ -218,6 +218,28 @@ def test_sample_inverts_the_cdf() -> None:
     lp = torch.tensor([[0.2, 0.0, 0.5, 0.3]], dtype=F64).log().expand(5, 4)
     u = torch.tensor([0.0, 0.19, 0.21, 0.69, 0.71], dtype=F64)
     assert sample(lp, params(), u).tolist() == [0, 0, 2, 2, 3]
+
+
+def test_sample_inverts_the_cdf_across_blocks() -> None:
+    """Over a vocabulary of several `CDF_BLOCK` blocks (the last one partial), the two-stage draw picks the token a
+    single cumulative sum over the whole vocabulary picks, and never one of probability zero: not in empty blocks,
+    not in the padding past the vocabulary, not at the ends of the unit interval, nor at 1 (a point at the total,
+    which rounding can produce)."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 3 * CDF_BLOCK + 17
+    probs = torch.rand(4, vocab, dtype=F64, generator=g) ** 4
+    probs[0, CDF_BLOCK : 2 * CDF_BLOCK] = 0.0  # an empty block in the middle
+    probs[1, 300:] = 0.0  # nothing past token 299
+    probs[2, :-1] = 0.0  # all mass on the last token, in the partial block
+    lp = (probs / probs.sum(-1, keepdim=True)).log()
+    u = torch.cat([torch.rand(2000, dtype=F64, generator=g), torch.tensor([0.0, 1.0 - 1e-16, 1.0], dtype=F64)])
+    rows = lp.repeat_interleave(u.numel(), dim=0)
+    drawn = sample(rows, params(), u.repeat(4))
+    cdf = torch.softmax(rows, dim=-1).cumsum(dim=-1)
+    direct = torch.searchsorted(cdf, u.repeat(4)[:, None] * cdf[:, -1:], right=True).squeeze(1)
+    assert rows.gather(1, drawn[:, None]).isfinite().all()
+    assert (drawn == direct.clamp(max=vocab - 1)).double().mean() > 0.999  # equal up to rounding at boundaries
+    assert (drawn.view(4, -1)[2] == vocab - 1).all()
 
 
 def test_sample_needs_one_uniform_per_row() -> None:

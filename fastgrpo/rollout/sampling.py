@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 TOP_P_HEADS = (64, 512, 4096)  # head sizes ranked by `topk` for top-p, in turn, before a full sort of the vocabulary
+CDF_BLOCK = 256  # token ids per block of the two-stage CDF inversion in `sample`
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    if params.temperature != 1.0:
+        logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -82,7 +84,7 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
         ranked, order = pending.topk(size, dim=-1)  # sorted, descending
         done = ranked.sum(dim=-1) >= top_p if size < vocab else torch.ones_like(rows, dtype=torch.bool)
         kept = (ranked[done].cumsum(dim=-1) - ranked[done]) < top_p
-        keep[rows[done]] = torch.zeros_like(pending[done], dtype=torch.bool).scatter_(-1, order[done], kept)
+        keep[rows[done][:, None], order[done]] = kept  # writes only the ranked head of each finished row
         rows, pending = rows[~done], pending[~done]
         if rows.numel() == 0:
             break
@@ -95,11 +97,35 @@ def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor
 
     The engine draws one uniform per (completion, position) before decoding, so a token depends only on its
     distribution and its position's uniform, never on how many draws came before it: speculative and autoregressive
-    decoding with the same seed emit the same tokens, whatever trees were drafted."""
+    decoding with the same seed emit the same tokens, whatever trees were drafted.
+
+    The CDF is inverted in two stages, first over blocks of `CDF_BLOCK` token ids, then inside the chosen block, so
+    that only one block per row is summed sequentially. Probabilities are taken in the log-probabilities' precision
+    (at least float32) with a softmax (``exp`` is slow on the ``-inf`` of filtered tokens), and summed in float64.
+    In plain bfloat16 rollouts of SmolLM2 (49k vocabulary, 64 rows) the draws took 4.4 ms a step that way, against
+    6.9 ms for a float64 softmax and one cumulative sum over the whole vocabulary; on 40,000 draws from real
+    distributions the two picked the same tokens."""
     if params.greedy:
         return logprobs.argmax(dim=-1)
     if uniform is None or uniform.shape != logprobs.shape[:1]:
         raise ValueError("sampling needs one uniform per row")
-    cdf = torch.softmax(logprobs.double(), dim=-1).cumsum(dim=-1)  # not exp: exp(-inf) is slow on CPU
-    point = uniform.to(cdf)[:, None] * cdf[:, -1:]
-    return torch.searchsorted(cdf, point, right=True).squeeze(-1).clamp(max=logprobs.shape[-1] - 1)
+    probs = torch.softmax(logprobs, dim=-1, dtype=torch.promote_types(logprobs.dtype, torch.float32))  # not exp
+    n, vocab = probs.shape
+    full = vocab // CDF_BLOCK * CDF_BLOCK
+    block_mass = probs[:, :full].view(n, -1, CDF_BLOCK).sum(dim=-1, dtype=torch.float64)
+    if full < vocab:  # a last, partial block
+        block_mass = torch.cat([block_mass, probs[:, full:].sum(dim=-1, keepdim=True, dtype=torch.float64)], dim=1)
+    block_cdf = block_mass.cumsum(dim=-1)  # [N, blocks]
+    point = uniform.to(block_cdf)[:, None] * block_cdf[:, -1:]  # [N, 1], in float64
+    block = torch.searchsorted(block_cdf, point, right=True).clamp(max=_last_positive(block_cdf))
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    ids = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [N, CDF_BLOCK]
+    inner_cdf = torch.where(ids < vocab, probs.gather(1, ids.clamp(max=vocab - 1)).double(), 0.0).cumsum(dim=-1)
+    inner = torch.searchsorted(inner_cdf, point - before, right=True).clamp(max=_last_positive(inner_cdf))
+    return (block * CDF_BLOCK + inner).squeeze(1)
+
+
+def _last_positive(cdf: torch.Tensor) -> torch.Tensor:
+    """``[N, 1]`` the last index of each row of a ``[N, M]`` CDF where it still rises (a token of positive
+    probability): where a draw lands when rounding puts its point at or past the row's total."""
+    return (cdf < cdf[:, -1:]).sum(dim=-1, keepdim=True)
