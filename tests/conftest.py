@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,27 @@ from transformers import (
 from fastgrpo.models import load_tokenizer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Tests (and the processes they start) keep latency profiles in a cache of their own, so that a profile saved
+    on this machine by a real run changes no test and no test leaves profiles behind; the converted embedded model
+    is shared with the user's cache (converted there once)."""
+    from fastgrpo.models import resolve_model_path
+
+    converted = Path(resolve_model_path("smollm2"))
+    root = tmp_path_factory.mktemp("fastgrpo-cache")
+    (root / converted.name).symlink_to(converted)
+    before = os.environ.get("FASTGRPO_CACHE")
+    os.environ["FASTGRPO_CACHE"] = str(root)
+    yield root
+    if before is None:
+        del os.environ["FASTGRPO_CACHE"]
+    else:
+        os.environ["FASTGRPO_CACHE"] = before
+
+
 VOCAB = 128
 
 _COMMON = {

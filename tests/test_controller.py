@@ -4,13 +4,13 @@ and losslessness of every mode."""
 from __future__ import annotations
 
 import math
-import time
 from functools import partial
 
 import pytest
 import torch
 from transformers import PreTrainedModel
 
+from fastgrpo import machine
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec import profiler
@@ -297,14 +297,18 @@ def test_find_knee_recovers_a_known_knee(knee: int) -> None:
     assert find_knee(tokens, seconds) == knee
 
 
-def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreTrainedModel, tmp_path) -> None:
-    """The tiny model's decoder is slowed to a synthetic roofline (flat 20 ms up to 16 tokens, then proportional);
-    measuring it must find 16."""
+def test_profiler_finds_the_knee_of_a_model_with_known_latency(
+    llama_model: PreTrainedModel, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tiny model's decoder runs on a fake clock that each forward advances by a synthetic roofline (flat 20 ms
+    up to 16 tokens, then proportional); measuring it must find 16."""
+    clock = [0.0]
 
     def slow(module, args, kwargs):
         tokens = (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape
-        time.sleep(0.02 * max(1.0, tokens[0] * tokens[1] / 16))
+        clock[0] += 0.02 * max(1.0, tokens[0] * tokens[1] / 16)
 
+    monkeypatch.setattr(profiler.time, "perf_counter", lambda: clock[0])
     handle = llama_model.get_decoder().register_forward_pre_hook(slow, with_kwargs=True)
     llama_model.train()  # as a trainer's model is when its first rollout calibrates the controller
     try:
@@ -315,10 +319,8 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(llama_model: PreT
         llama_model.eval()
     assert was_training, "measuring must leave the model in the mode it had"
     assert profile.c_peak == 16
-    # one forward's median: at least the 20 ms sleep, well under the 60 ms that three repeats summed would take (the
-    # tiny model's own compute on a loaded CI machine has added up to 12 ms)
-    assert 0.02 <= profile.target_seconds[0] < 0.055
-    assert profile.target_time(64) > 2 * profile.target_time(8)  # 80 ms of sleep against 20 ms, plus overhead
+    assert profile.target_seconds[0] == pytest.approx(0.02)  # one forward's median, not three repeats summed
+    assert profile.target_time(64) == pytest.approx(4 * profile.target_time(8))
     assert profile.tree_rows == [1, 2, 4, 8, 16, 32, 64] and profile.tree_nodes == list(profiler.TREE_NODES)
     assert profile.tree_time(4, 16) > 2 * profile.tree_time(1, 8)  # the grid: 64 tokens in 4 rows against 8 in one
     path = profile.save(tmp_path / "profile.json")
@@ -335,22 +337,32 @@ def test_profile_path_is_keyed_by_model_device_and_dtype(tmp_path) -> None:
     assert all(p.name.endswith(f"-v{profiler.PROFILE_VERSION}.json") for p in (a, b, c)), "older kernels, other name"
 
 
-def test_cpu_profiles_are_keyed_by_instruction_set_and_threads(tmp_path, monkeypatch) -> None:
+def test_cpu_profiles_are_keyed_by_cpu_instruction_set_threads_and_torch(tmp_path, monkeypatch) -> None:
     path = partial(profiler.profile_path, "smollm2", torch.device("cpu"), torch.float32, tmp_path)
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     avx2 = path()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     avx512 = path()
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
-    assert len({avx2, avx512, path()}) == 3
+    threads = path()
+    monkeypatch.setattr(machine, "cpu_model", lambda: "Another CPU")
+    cpu = path()
+    monkeypatch.setattr(torch, "__version__", "9.9.9")
+    assert len({avx2, avx512, threads, cpu, path()}) == 5
 
 
-def test_load_or_calibrate_prefers_a_saved_profile(llama_model: PreTrainedModel, tmp_path, monkeypatch) -> None:
+def test_load_or_calibrate_prefers_a_saved_profile_and_saves_its_calibration(
+    llama_model: PreTrainedModel, tmp_path, monkeypatch
+) -> None:
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
+    path = profiler.profile_path("tiny", torch.device("cpu"), torch.float64)
     calibrated = profiler.load_or_calibrate(llama_model, None, "tiny")
     assert calibrated.tokens == list(profiler.CALIBRATION_TOKENS)
+    assert LatencyProfile.load(path) == calibrated, "the next run on this machine reads the calibration"
+    monkeypatch.setattr(profiler, "calibrate", lambda *a: pytest.fail("calibrated again"))
+    assert profiler.load_or_calibrate(llama_model, None, "tiny") == calibrated
     saved = flat_profile()
-    saved.save(profiler.profile_path("tiny", torch.device("cpu"), torch.float64))
+    saved.save(path)
     assert profiler.load_or_calibrate(llama_model, None, "tiny") == saved
 
 

@@ -1,49 +1,48 @@
 """The linear layers the rollout engine runs the model with on CPU (float32, float64 and bfloat16).
 
 Decoding multiplies each weight ``W`` ``[out, in]`` by a few rows ``x`` ``[m, in]``, so it should run at the speed
-at which the weights stream from memory. Which kernel does that best depends on the CPU. Four routes compute the
-same product:
+at which the weights stream from memory. Which kernel comes closest depends on the CPU, the dtype and the row count,
+and the differences are large (on some CPUs MKL's ``x @ W.T`` streams few-row products at a fraction of the memory's
+speed while ``W @ x.T`` does not; on others the reverse). Four routes compute the same product:
 
 - ``linear``: ``F.linear``, MKL's ``x @ W.T`` (the only one autograd and autocast follow);
 - ``transposed``: ``(W @ x.T).T``, one row padded to two;
 - ``onednn``: oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, on the layer's own weight, no packed copy;
   float32 only; in bfloat16 it is what ``linear`` runs already);
-- ``vector``: ``W @ x`` for a single row, a matrix-vector product with no padding, transposes or copies (one row
-  only). In bfloat16 on the AMX Xeon the 30 x 7 SmolLM2 matrices took 13.8 ms that way against 15.7 ms for
-  ``transposed`` and 19.1 ms for ``linear``, and a one-token forward 30.5 against 32.5 ms; in float32 it ties with
-  ``linear`` there (16.4 and 16.3 ms), and ``transposed`` takes 41 ms.
+- ``vector``: ``W @ x`` for a single row, a matrix-vector product with no padding, transposes or copies.
 
-On SmolLM2-135M's 30 x 7 decoder matrices in float32, 2 threads: on an AMD EPYC (avx512_bf16) ``linear`` took 27 to
-46 ms for 1 to 12 rows, ``transposed`` 13 to 16 ms for 1 to 4 rows and ``onednn`` 20 to 25 ms for 5 to 16; on an Intel
-Xeon with AMX, ``linear`` took 16 to 27 ms for 1 to 8 rows, ``onednn`` 24 to 32 and ``transposed`` 35 to 39. In
-bfloat16 on that Xeon, a whole decoder forward took 30 to 43 ms for 1 to 16 rows with ``transposed`` against 36 to 47
-ms with ``linear``, but 93 against 81 ms at 64 rows. So the route is measured, not assumed: the first time
-`rollout_linears` patches layers of a dtype in a process, it times each route on those layers' own weights for a few row
-counts (`TIMED_ROWS`, interleaved rounds, medians; 1 s in bfloat16 and 3 s in float32 for SmolLM2; the layers' first
-`CALIBRATION_ELEMENTS` weight elements, on a bigger model) and routes every later product by the fastest for the nearest
-timed row count at or above its own (``linear`` unless another route is `CALIBRATION_MARGIN` faster). Products beyond
-the largest timed count (prefills, wide verification trees) take its route, so that count is past the crossover: at 64
-rows the two routes tie in bfloat16 on the AMX Xeon and the timing fell either way from one process to the next, and a
-process that timed ``transposed`` there ran a 64-row prefill 2.2x slower (5.9 against 2.7 s) and speculative decoding at
-16 rows 13 % slower; at 128 rows ``linear`` wins by a wide margin. Before the first timing the AMD table applies:
-``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and bfloat16, where that route does not
-exist); with the environment variable ``FASTGRPO_LINEAR_ROUTES=default`` it always does, so that two processes (a run
-and its resume) round every product alike. Where autograd needs the product, or under autocast, ``F.linear`` runs; other
-dtypes (float16) and devices keep ``nn.Linear``.
+So the route is measured, not assumed: `calibrate` times each route on the layers' own weights (the first
+`CALIBRATION_ELEMENTS` weight elements on a big model) at each of `TIMED_ROWS` row counts, in interleaved rounds, and
+every later product takes the fastest route of the nearest timed row count at or above its own (``linear`` unless
+another route is `CALIBRATION_MARGIN` faster, so that noise between near-equal routes does not move products off it).
+Products beyond the largest timed count (prefills, wide verification trees) take its route, so that count lies past
+every crossover. The measurement takes seconds, so it is made once per machine: saved under the cache directory
+(`routes_path`, keyed by CPU, thread count, torch version, dtype and the weights' shapes) and read by every later
+process, which also makes a run and its ``--resume`` round every product alike. Before any measurement a fixed table
+applies: ``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and bfloat16). The environment
+variable ``FASTGRPO_LINEAR_ROUTES`` is ``measured`` (the default), ``default`` (that table, nothing measured) or
+``off`` (``F.linear`` everywhere, nothing measured). Where autograd needs the product, or
+under autocast, ``F.linear`` runs; other dtypes (float16) and devices keep ``nn.Linear``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fastgrpo.machine import device_key, file_key
+from fastgrpo.models import cache_root
 
 FEW_ROWS = 4
 ROUTED_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -51,10 +50,12 @@ TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_ROUNDS = 3
 CALIBRATION_MARGIN = 0.03  # another route replaces ``linear`` only when it times at least this much faster
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
+ROUTES_VERSION = 1  # raised when the routes or their timing change, so that cached tables are measured again
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
 _measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
-_defaults_only = False  # set inside `default_routes`
+ROUTE_MODES = ("measured", "default", "off")
+_forced: str | None = None  # "default" or "off" inside `forced_routes`
 
 
 def _has_onednn(dtype: torch.dtype) -> bool:
@@ -77,30 +78,33 @@ def route(dtype: torch.dtype, rows: int) -> str:
     """The route a product of ``rows`` rows of this dtype takes: the measured fastest for the nearest timed row
     count at or above ``rows`` (the largest beyond it), or the default table before any measurement. An empty
     product has no speed to gain and takes ``linear``."""
-    if rows < 1:
+    if rows < 1 or _forced == "off":
         return "linear"
-    table = None if _defaults_only else _measured.get(dtype)
+    table = None if _forced == "default" else _measured.get(dtype)
     if table is None:
         return _default_route(dtype, rows)
     return table[_TIMED_AT_OR_ABOVE[min(rows, TIMED_ROWS[-1])]]
 
 
-def _pinned_to_defaults() -> bool:
+def _mode_from_environment() -> str:
     value = os.environ.get("FASTGRPO_LINEAR_ROUTES", "measured")
-    if value not in ("measured", "default"):
-        raise ValueError(f"FASTGRPO_LINEAR_ROUTES must be 'measured' or 'default', got {value!r}")
-    return value == "default"
+    if value not in ROUTE_MODES:
+        raise ValueError(f"FASTGRPO_LINEAR_ROUTES must be one of {list(ROUTE_MODES)}, got {value!r}")
+    return value
 
 
 @contextmanager
-def default_routes() -> Iterator[None]:
-    """Route by the default table inside the block, whatever was measured (to compare the two)."""
-    global _defaults_only
-    before, _defaults_only = _defaults_only, True
+def forced_routes(mode: str) -> Iterator[None]:
+    """Inside the block, route every product by the default table (``default``) or through ``F.linear`` (``off``),
+    whatever was measured (to compare them)."""
+    global _forced
+    if mode not in ROUTE_MODES[1:]:
+        raise ValueError(f"mode must be one of {list(ROUTE_MODES[1:])}, got {mode!r}")
+    before, _forced = _forced, mode
     try:
         yield
     finally:
-        _defaults_only = before
+        _forced = before
 
 
 def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -146,8 +150,7 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
 
     ``linear`` keeps a row count unless another route is `CALIBRATION_MARGIN` faster, so that timing noise between
     near-equal routes does not move products off ``F.linear``. A route's time includes making its product
-    contiguous: without that copy ``transposed`` timed 24 % faster than ``linear`` at 64 bfloat16 rows on the AMX
-    Xeon and made the whole forward 15 % slower; with it, 3 to 8 % slower."""
+    contiguous, as the model needs it: timed without that copy, a strided product looks faster than it is."""
     dtype = weights[0].dtype
     names = {m: routes_for(dtype, m) for m in TIMED_ROWS}
     inputs = {(m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype) for m in TIMED_ROWS for w in weights}
@@ -183,6 +186,33 @@ def _calibration_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return chosen
 
 
+def routes_path(weights: list[torch.Tensor]) -> Path:
+    """Where the routes measured for these weights (one dtype) on this machine are kept: keyed by the CPU, thread
+    count and torch version (`fastgrpo.machine.device_key`), the dtype and the weights' shapes."""
+    shapes = sorted({tuple(w.shape) for w in weights})
+    digest = hashlib.sha1(repr(shapes).encode()).hexdigest()[:12]
+    key = file_key(device_key(weights[0].device), str(weights[0].dtype), digest)
+    return cache_root() / "linear_routes" / f"{key}-v{ROUTES_VERSION}.json"
+
+
+def load_or_calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
+    """The routes of these weights (one dtype) measured on this machine: read from the cache when a process measured
+    them before (`routes_path`), else measured by `calibrate` and saved there (atomically)."""
+    path = routes_path(weights)
+    try:
+        table = {int(rows): name for rows, name in json.loads(path.read_text()).items()}
+        if set(table) == set(TIMED_ROWS) and all(table[m] in routes_for(weights[0].dtype, m) for m in table):
+            return table
+    except (OSError, ValueError, AttributeError):  # none yet, or unreadable: measure again
+        pass
+    table = calibrate(weights)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(table))
+    os.replace(tmp, path)
+    return table
+
+
 def _runs_rollout_linear(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and weight.dtype in ROUTED_DTYPES
 
@@ -199,13 +229,15 @@ def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
     found = (m for module in modules if module is not None for m in module.modules())
     # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
     patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
-    pinned = _pinned_to_defaults()
-    for dtype in () if pinned else {m.weight.dtype for m in patched} - set(_measured):
-        _measured[dtype] = calibrate(_calibration_weights([m.weight for m in patched if m.weight.dtype == dtype]))
+    mode = _mode_from_environment()
+    for dtype in {m.weight.dtype for m in patched} - set(_measured) if mode == "measured" else ():
+        _measured[dtype] = load_or_calibrate(
+            _calibration_weights([m.weight for m in patched if m.weight.dtype == dtype])
+        )
     for m in patched:
         m.forward = partial(_forward, m)
     try:
-        with default_routes() if pinned else nullcontext():
+        with nullcontext() if mode == "measured" else forced_routes(mode):
             yield
     finally:
         for m in patched:

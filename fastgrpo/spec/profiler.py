@@ -11,8 +11,8 @@ not ``B * N``, and on a CPU one row of 8 tokens can cost what one token costs wh
 that. So the profile also times a grid of ``B`` rows (the powers of two among the token counts) by ``N`` tokens per
 row (`TREE_NODES`, up to the largest token count in all).
 
-Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (a GPU's name, or a CPU's
-instruction set and thread count), dtype and `PROFILE_VERSION`, and reused.
+Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (`fastgrpo.machine.device_key`),
+dtype and `PROFILE_VERSION`, and reused.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from __future__ import annotations
 import bisect
 import json
 import os
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -31,6 +30,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from fastgrpo.machine import device_key, file_key
+from fastgrpo.models import cache_root
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.linear import rollout_linears
@@ -151,20 +152,12 @@ def find_knee(tokens: list[int], seconds: list[float]) -> int:
     return best
 
 
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    # The CPU's instruction set is part of the key: a profile measured on an AVX-512 machine is wrong on an AVX2 one.
-    return f"cpu-{torch.backends.cpu.get_cpu_capability()}-{torch.get_num_threads()}threads"
-
-
 def profile_path(
     model_name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | Path | None = None
 ) -> Path:
-    """Where the profile of this model on this device and dtype is kept."""
-    root = Path(cache_dir or os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo")) / "profiles"
-    key = "-".join(re.sub(r"[^A-Za-z0-9_.]+", "_", part) for part in (model_name, _device_name(device), str(dtype)))
-    return root / f"{key}-v{PROFILE_VERSION}.json"
+    """Where the profile of this model on this device (`fastgrpo.machine.device_key`) and dtype is kept."""
+    root = Path(cache_dir or cache_root()) / "profiles"
+    return root / f"{file_key(model_name, device_key(device), str(dtype))}-v{PROFILE_VERSION}.json"
 
 
 def _sync(device: torch.device) -> None:
@@ -266,7 +259,7 @@ def _measure(
     measured = dict(zip(grid, seconds[2 * len(tokens) :], strict=True))
     return LatencyProfile(
         model=model_name,
-        device=_device_name(dev),
+        device=device_key(dev),
         dtype=str(param.dtype).removeprefix("torch."),
         context_length=context_length,
         tokens=list(tokens),
@@ -299,10 +292,15 @@ def calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) 
 
 
 def load_or_calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) -> LatencyProfile:
-    """The saved profile of this model, device and dtype when there is one, else a short calibration."""
+    """The saved profile of this model, device and dtype when there is one, else a short calibration, which is
+    saved there so that the next run on this machine starts at once (`fastgrpo profile` replaces it)."""
     param = next(model.parameters())
     path = profile_path(model_name, param.device, param.dtype)
-    return LatencyProfile.load(path) if path.is_file() else calibrate(model, draft, model_name)
+    if path.is_file():
+        return LatencyProfile.load(path)
+    profile = calibrate(model, draft, model_name)
+    profile.save(path)
+    return profile
 
 
 def plot(profile: LatencyProfile, path: str | Path) -> Path:
