@@ -1,7 +1,11 @@
 """Command line: ``fastgrpo train | generate | eval | report | profile | draft train``.
 
-``train`` and ``eval`` take a YAML config (``--config``) and any option as ``--name value`` (nested ones as
-``--dataset.name gsm8k``); everything is validated before a model loads.
+``train``, ``eval`` and ``draft train`` take a YAML config (``--config``) and any option as ``--name value`` (nested
+ones as ``--dataset.name gsm8k``); everything is validated before a model loads. torch and transformers are imported
+by the commands that use them, so that ``--help`` answers at once.
+
+The commands that run a model set one process-wide thing first: glibc keeps freed memory in the process
+(`fastgrpo.rollout.allocator`); ``FASTGRPO_MALLOC=system`` turns that off.
 """
 
 from __future__ import annotations
@@ -11,15 +15,18 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm.auto import tqdm
+if TYPE_CHECKING:
+    from fastgrpo.config import GRPOConfig
 
-from fastgrpo.config import GRPOConfig, load_config
-from fastgrpo.spec.profiler import DEFAULT_TOKENS as DEFAULT_PROFILE_TOKENS
+PROFILE_TOKENS = "1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256"
+CONFIG_COMMANDS = ("train", "eval", "draft")  # the commands whose options come from the config
 
 
 def _train(args: argparse.Namespace, overrides: list[str]) -> None:
+    from fastgrpo.config import load_config
+
     config = load_config(args.config, overrides)
     from fastgrpo import distributed
     from fastgrpo.grpo.trainer import GRPOTrainer
@@ -63,6 +70,10 @@ def _read_prompts(args: argparse.Namespace) -> list[str | list[dict]]:
 
 
 def _generate(args: argparse.Namespace, overrides: list[str]) -> None:
+    if args.num_generations < 1 or args.max_new_tokens < 1:
+        raise ValueError("--num-generations and --max-new-tokens must be >= 1")
+    import torch
+
     from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.rollout.sampling import SamplingParams
@@ -96,6 +107,9 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
+    import torch
+    from tqdm.auto import tqdm
+
     from fastgrpo.data import load_dataset
     from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
@@ -123,6 +137,8 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
 
 def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
+    from fastgrpo.config import load_config
+
     config = load_config(args.config, overrides)
     result = evaluate(config, args.batch_size)
     print(json.dumps({"model": config.model, "dataset": config.dataset.name, **result}))
@@ -131,6 +147,8 @@ def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
 def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     if not 0.0 <= args.greedy_fraction <= 1.0:
         raise ValueError(f"--greedy-fraction must be in [0, 1], got {args.greedy_fraction}")
+    from fastgrpo.config import load_config
+
     config = load_config(args.config, overrides)
     from fastgrpo.data import load_dataset
     from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
@@ -174,11 +192,14 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError("--repeats must be >= 1 and --context-length >= 2")
     if args.draft is not None and not Path(args.draft).is_dir():
         raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
+    import torch
+
     from fastgrpo.models import load_model
     from fastgrpo.spec import profiler
     from fastgrpo.spec.draft import DraftHead
 
-    model = load_model(args.model, dtype=args.dtype, device=args.device)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    model = load_model(args.model, dtype=args.dtype, device=device)
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model) if args.draft else None
     profile = profiler.measure(model, draft, args.model, tokens, args.context_length, args.repeats, progress=True)
@@ -213,59 +234,99 @@ def _report(args: argparse.Namespace, overrides: list[str]) -> None:
     print("plots: " + ", ".join(map(str, paths)))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastgrpo", description=__doc__.splitlines()[0])
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows every option's default (also where there is no help text)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            action.default not in (None, argparse.SUPPRESS, False)
+            and "%(default)" not in text
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def _add_config_options(parser: argparse.ArgumentParser) -> None:
+    """List every config option in ``parser``'s help (parsed as overrides of the YAML file, not by argparse)."""
+    from fastgrpo.config import option_rows, yaml_value
+
+    parser.usage = "%(prog)s [-h] [--config FILE] [command options] [--OPTION VALUE ...]"
+    group = parser.add_argument_group(
+        "config options",
+        "any option of the config file, set or overridden as --name value (nested ones as --dataset.name value); "
+        "reference: docs/options.md",
+    )
+    for name, _, default, help_ in option_rows():
+        value = yaml_value(default).replace("%", "%%")
+        group.add_argument(f"--{name}", metavar="V", help=f"{help_.replace('%', '%%')} (default: {value})")
+
+
+def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
+    """The command-line parser; ``config_options`` lists every config option in the help of the commands that read
+    a config (it imports the config module, so only a help request builds it)."""
+    parser = argparse.ArgumentParser(
+        prog="fastgrpo",
+        description="GRPO fine-tuning of language models with lossless speculative rollouts. "
+        "`fastgrpo COMMAND --help` lists a command's options.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="GRPO training (options: see fastgrpo.config.GRPOConfig)")
-    train.add_argument("--config", help="YAML config file")
+    def command(name: str, help_: str, parent: argparse._SubParsersAction = sub) -> argparse.ArgumentParser:
+        return parent.add_parser(name, help=help_, description=help_, formatter_class=_HelpFormatter)
+
+    train = command("train", "GRPO training of a model on a dataset")
+    train.add_argument("--config", help="YAML config file (every option below can be set there)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     train.set_defaults(func=_train)
 
-    gen = sub.add_parser("generate", help="sample completions for prompts")
-    gen.add_argument("--model", default="smollm2")
-    gen.add_argument("--dtype", default="float32")
+    gen = command("generate", "sample completions for prompts")
+    gen.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
+    gen.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
     gen.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
     gen.add_argument("--prompts-file", help=".txt (one prompt per line) or .jsonl with a 'prompt' column")
-    gen.add_argument("--max-new-tokens", type=int, default=256)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--num-generations", type=int, default=1)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per completion at most")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k")
+    gen.add_argument("--num-generations", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     gen.add_argument("--output", help="write JSONL here instead of printing")
     gen.set_defaults(func=_generate)
 
-    ev = sub.add_parser("eval", help="mean reward of a model or checkpoint on a dataset")
-    ev.add_argument("--config", help="YAML config file (model, dataset, reward_funcs, sampling)")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev = command("eval", "mean reward of a model or checkpoint on a dataset, one sample per prompt")
+    ev.add_argument(
+        "--config", help="YAML config file (model, dataset, reward_funcs, sampling); options below override it"
+    )
+    ev.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
     ev.set_defaults(func=_eval)
 
-    rep = sub.add_parser("report", help="plot a run's metrics, or several runs' overlaid")
+    rep = command("report", "plot a run's metrics, or several runs' overlaid")
     rep.add_argument("run_dirs", nargs="+", help="run directories (output_dir of fastgrpo train)")
     rep.add_argument("--output", help="directory for the PNGs (default: RUN_DIR/report of the first run)")
     rep.set_defaults(func=_report)
 
-    prof = sub.add_parser(
-        "profile", help="measure forward latency against tokens per forward and find the verification capacity"
-    )
-    prof.add_argument("--model", default="smollm2")
-    prof.add_argument("--dtype", default="float32")
-    prof.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    prof = command("profile", "measure forward latency against tokens per forward and find the verification capacity")
+    prof.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
+    prof.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    prof.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda")
     prof.add_argument("--draft", help="a saved draft to time (default: a fresh draft of the same architecture)")
-    prof.add_argument("--tokens", default=",".join(map(str, DEFAULT_PROFILE_TOKENS)), help="token counts to time")
+    prof.add_argument("--tokens", default=PROFILE_TOKENS, help="token counts to time")
     prof.add_argument("--context-length", type=int, default=256, help="cached tokens each row attends to")
     prof.add_argument("--repeats", type=int, default=9, help="rounds timing every token count once (median)")
     prof.add_argument("--output", help="JSON path (default: the profile cache, where training finds it)")
     prof.set_defaults(func=_profile)
 
     draft = sub.add_parser("draft", help="draft-model commands").add_subparsers(dest="draft_command", required=True)
-    dt = draft.add_parser(
+    dt = command(
         "train",
-        help="generate responses with the target for a dataset's prompts, then fit a draft head on them "
-        "(options: model, dataset.*, sampling, draft_training.*)",
+        "generate responses with the target for a dataset's prompts, then fit a draft head on them",
+        parent=draft,
     )
-    dt.add_argument("--config", help="YAML config file")
+    dt.add_argument(
+        "--config", help="YAML config file (model, dataset, sampling, draft_training); options below override it"
+    )
     dt.add_argument("--output", required=True, help="directory to save the draft in")
     dt.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
     dt.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
@@ -276,15 +337,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the prompts answered greedily; the rest are sampled with the config's sampling options",
     )
     dt.set_defaults(func=_draft_train)
+    if config_options:
+        for p in (train, ev, dt):
+            _add_config_options(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    wants_help = any(a in ("-h", "--help") for a in argv)
+    parser = build_parser(config_options=wants_help and bool(argv) and argv[0] in CONFIG_COMMANDS)
     args, rest = parser.parse_known_args(argv)
     if rest and args.command in ("generate", "report", "profile"):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "report":
+        from fastgrpo.rollout.allocator import keep_freed_memory
+
+        keep_freed_memory()
     try:
         args.func(args, rest)
     except (ValueError, FileNotFoundError) as e:

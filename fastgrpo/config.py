@@ -9,7 +9,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import yaml
 
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
+from fastgrpo.fields import option
 from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
 from fastgrpo.models import DTYPES
 from fastgrpo.rollout.sampling import SamplingParams
@@ -27,10 +28,6 @@ REPORT_TO = ("jsonl", "tensorboard")
 
 
 SPECULATION_MODES = ("off", "static", "paper", "adaptive")
-
-
-def _choice(*choices: Any) -> dict[str, Any]:
-    return {"choices": choices}
 
 
 @dataclass
@@ -47,18 +44,28 @@ class SpeculationConfig:
     most this many most frequent tokens of the first rollout's completions (that rollout runs plain, as a random
     draft could not speed it up), so that drafting and online draft learning do not pay for the full LM head."""
 
-    mode: str = field(default="adaptive", metadata=_choice(*SPECULATION_MODES))
-    draft: str | None = None
-    draft_vocab_size: int | None = None
-    nodes: int = 16
-    top_k: int = 4
-    depth: int = 5
-    c_peak: int | str = "auto"
-    n_max: int = 64
-    k_max: int = 8
-    l_min: int = 3
-    l_max: int = 5
-    alpha: float = 0.75
+    mode: str = option(
+        "adaptive",
+        help="`off` (plain decoding), `static` (one tree shape), `paper` (FastGRPO's rule from c_peak and the active "
+        "rows) or `adaptive` (the tree of the highest predicted goodput at every step, plain steps when none pays)",
+        choices=SPECULATION_MODES,
+    )
+    draft: str | None = option(None, help="a directory saved by `fastgrpo draft train` (None: a fresh draft)")
+    draft_vocab_size: int | None = option(
+        None,
+        help="a fresh draft's reduced vocabulary: the most frequent tokens of the first rollout, which runs plain",
+    )
+    nodes: int = option(16, help="`static`: verified tokens per row, the root included (1: plain decoding)")
+    top_k: int = option(4, help="`static`: children per expanded node")
+    depth: int = option(5, help="`static`: tree levels")
+    c_peak: int | str = option(
+        "auto", help="verification capacity in tokens, or `auto`: the saved `fastgrpo profile` or a short calibration"
+    )
+    n_max: int = option(64, help="most verified tokens per row (`paper`, `adaptive`)")
+    k_max: int = option(8, help="most children per node (`paper`, `adaptive`)")
+    l_min: int = option(3, help="fewest tree levels (`paper`, `adaptive`)")
+    l_max: int = option(5, help="most tree levels (`paper`, `adaptive`)")
+    alpha: float = option(0.75, help="expected acceptance in the paper's depth rule")
 
     def limits(self) -> ControllerLimits:
         """The constants of the paper's rule (and the adaptive controller's bounds)."""
@@ -93,65 +100,84 @@ class GRPOConfig:
     """
 
     # model
-    model: str = "smollm2"
-    dtype: str = field(default="float32", metadata=_choice(*DTYPES))
-    # where it runs: `auto` is each process's GPU if there is one, else the CPU (several processes: torchrun)
-    device: str = field(default="auto", metadata=_choice(*DEVICES))
-    ddp_timeout: int = 1800  # seconds a collective waits for the other ranks before the job fails
-    fsdp: bool = False  # several processes: shard the policy with FSDP2 instead of replicating it with DDP
+    model: str = option("smollm2", help="a local Hugging Face directory, a hub id, or `smollm2` (the embedded default)")
+    dtype: str = option("float32", help="the policy's weights", choices=tuple(DTYPES))
+    device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
+    ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
+    fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")
     # data and rewards
-    dataset: DataConfig = field(default_factory=DataConfig)
-    reward_funcs: list[str] = field(default_factory=lambda: ["accuracy"])
-    reward_weights: list[float] | None = None
+    dataset: DataConfig = option(default_factory=DataConfig, help="where the prompts come from (`dataset.*`)")
+    reward_funcs: list[str] = option(
+        default_factory=lambda: ["accuracy"],
+        help="built-in names (`accuracy`, `gsm8k_strict`, `math_accuracy`, `format`) or `module:function`",
+    )
+    reward_weights: list[float] | None = option(None, help="one weight per reward function (None: all 1)")
     # generation
-    num_generations: int = 8
-    max_prompt_length: int = 512
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-    draft_training: DraftTrainConfig = field(default_factory=DraftTrainConfig)
+    num_generations: int = option(8, help="completions sampled per prompt (the group)")
+    max_prompt_length: int = option(512, help="longer prompts keep their last tokens")
+    max_completion_length: int = option(256, help="new tokens per completion at most")
+    temperature: float = option(1.0, help="sampling temperature (0: greedy)")
+    top_p: float = option(1.0, help="nucleus sampling mass")
+    top_k: int = option(0, help="sample among the k most likely tokens (0: all)")
+    min_p: float = option(0.0, help="drop tokens below this share of the most likely one's probability")
+    stop: list[str] = option(default_factory=list, help="strings that end a completion")
+    speculation: SpeculationConfig = option(
+        default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
+    )
+    draft_training: DraftTrainConfig = option(
+        default_factory=DraftTrainConfig, help="online and offline draft learning (`draft_training.*`)"
+    )
     # optimisation
-    learning_rate: float = 1e-6
-    per_device_train_batch_size: int = 8
-    gradient_accumulation_steps: int = 2
-    max_steps: int = 20
-    lr_scheduler_type: str = field(default="constant", metadata=_choice(*LR_SCHEDULERS))
-    warmup_ratio: float = 0.0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    max_grad_norm: float = 1.0
-    bf16: bool = False  # autocast the training forward/backward to bfloat16 (weights stay in `dtype`)
-    logprob_chunk_tokens: int = 1024
+    learning_rate: float = option(1e-6, help="AdamW learning rate of the policy")
+    per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process")
+    gradient_accumulation_steps: int = option(
+        2, help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions"
+    )
+    max_steps: int = option(20, help="optimizer steps of the run")
+    lr_scheduler_type: str = option("constant", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up")
+    weight_decay: float = option(0.0, help="AdamW weight decay")
+    adam_beta1: float = option(0.9, help="AdamW beta1")
+    adam_beta2: float = option(0.999, help="AdamW beta2")
+    max_grad_norm: float = option(1.0, help="gradient clipping")
+    bf16: bool = option(
+        False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
+    )
+    logprob_chunk_tokens: int = option(1024, help="completion tokens per chunk of the LM head in the policy update")
     # GRPO
-    loss_type: str = field(default="dapo", metadata=_choice(*LOSS_TYPES))
-    scale_rewards: str = field(default="group", metadata=_choice(*SCALE_REWARDS))
-    beta: float = 0.0
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    num_iterations: int = 1
-    mask_truncated_completions: bool = False
+    loss_type: str = option("dapo", help="how token losses are averaged, as in TRL", choices=LOSS_TYPES)
+    scale_rewards: str = option(
+        "group", help="divide advantages by the group's or the batch's reward std, or not", choices=SCALE_REWARDS
+    )
+    beta: float = option(0.0, help="KL coefficient (k3 estimator); > 0 loads a reference model")
+    epsilon: float = option(0.2, help="lower clipping range of the ratio")
+    epsilon_high: float | None = option(None, help="upper clipping range (None: epsilon)")
+    num_iterations: int = option(1, help="policy updates per rollout")
+    mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
     # LoRA through peft
-    use_peft: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.05
-    lora_target_modules: list[str] | None = None
+    use_peft: bool = option(False, help="train LoRA adapters instead of the whole policy")
+    lora_r: int = option(16, help="LoRA rank")
+    lora_alpha: int = option(32, help="LoRA scale numerator")
+    lora_dropout: float = option(0.05, help="LoRA dropout")
+    lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
     # outputs
-    output_dir: str = "runs/default"
-    seed: int = 42
-    logging_steps: int = 1
-    save_steps: int = 10
-    save_total_limit: int | None = 2
-    report_to: list[str] = field(default_factory=lambda: ["jsonl"])
-    log_completions: bool = True
-    num_completions_to_print: int = 2
-    log_completions_steps: int = 5
-    progress_bar: bool = True
+    output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run")
+    seed: int = option(42, help="seeds data order, sampling and initialisation")
+    logging_steps: int = option(1, help="write metrics every this many steps")
+    save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)")
+    save_total_limit: int | None = option(2, help="keep this many checkpoints, removing the oldest (None: all)")
+    save_only_model: bool = option(
+        False,
+        help="checkpoints hold the policy (and draft) only, not the optimizer state: a third of the disk, "
+        "but --resume cannot continue from them",
+    )
+    report_to: list[str] = option(
+        default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
+    )
+    log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
+    num_completions_to_print: int = option(2, help="sample completions printed each time")
+    log_completions_steps: int = option(5, help="steps between printed samples")
+    progress_bar: bool = option(True, help="show a progress bar")
 
     @property
     def generation_batch_size(self) -> int:
@@ -328,4 +354,54 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def config_to_dict(config: GRPOConfig) -> dict[str, Any]:
-    return dataclasses.asdict(config)
+    """The options as plain data (what ``config.yaml`` holds); a reward function given as a callable is written as
+    ``module:name``."""
+    values = dataclasses.asdict(config)
+    values["reward_funcs"] = [
+        f if isinstance(f, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__name__)}"
+        for f in config.reward_funcs
+    ]
+    return values
+
+
+def yaml_value(value: Any) -> str:
+    """``value`` as one line of YAML (``null``, ``false``, ``[accuracy]``)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """``(name, type, default, help)`` of every option in declaration order, nested ones dotted
+    (``dataset.name``)."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            rows += option_rows(type(default), f"{prefix}{f.name}.")
+            continue
+        help_ = f.metadata["help"]
+        if "choices" in f.metadata:
+            help_ += " (" + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + ")"
+        rows.append((prefix + f.name, str(f.type), default, help_))
+    return rows
+
+
+def options_markdown() -> str:
+    """The option reference, ``docs/options.md``: ``python -m fastgrpo.config > docs/options.md`` writes it."""
+    lines = [
+        "# Options",
+        "",
+        "Every option of `fastgrpo train` (and of `eval` and `draft train`, which read the same config), as a YAML key",
+        "(nested ones as mappings: `dataset: {name: gsm8k}`) or on the command line (`--learning_rate 1e-5`,",
+        "`--dataset.name gsm8k`); the command line wins. Names follow TRL's `GRPOConfig` where TRL has the option.",
+        "This page is generated from `fastgrpo/config.py` by `python -m fastgrpo.config > docs/options.md`.",
+        "",
+        "| option | type | default | what it does |",
+        "|---|---|---|---|",
+    ]
+    for name, type_, default, help_ in option_rows():
+        lines.append(f"| `{name}` | `{type_.replace(' | ', ' or ')}` | `{yaml_value(default)}` | {help_} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(options_markdown(), end="")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fastgrpo.fields import option
 from fastgrpo.rewards import extract_boxed, extract_hash_answer
 
 logger = logging.getLogger(__name__)
@@ -45,20 +46,28 @@ class DataConfig:
     rows. ``seed`` and the remaining fields drive the arithmetic generator.
     """
 
-    name: str = "arithmetic"
-    path: str | None = None
-    split: str = "train"
-    prompt_column: str = "prompt"
-    answer_column: str | None = None
-    system_prompt: str | None = None
-    instruction: str | None = None
-    limit: int | None = None
-    seed: int = 0
-    num_examples: int = 2000
-    digits: int = 1
-    operands: int = 2
-    operators: str = "+"
-    word_problems: bool = False
+    name: str = option(
+        "arithmetic",
+        help="`arithmetic` (built-in generator), a preset (`gsm8k`, `math`, `dapo-math`, `simplerl`), a .jsonl, "
+        ".json or .parquet file, or a Hugging Face datasets id (needs `datasets` and a network)",
+    )
+    path: str | None = option(None, help="the file a preset reads (None: the preset's hub dataset)")
+    split: str = option("train", help="split of a hub dataset")
+    prompt_column: str = option("prompt", help="column holding the question or chat messages")
+    answer_column: str | None = option(
+        None, help="column holding the gold answer (a dotted path into nested records works); None: the preset's"
+    )
+    system_prompt: str | None = option(None, help="a system message added to every prompt")
+    instruction: str | None = option(
+        None, help="appended on a new line to every question; None keeps the preset's, an empty string disables it"
+    )
+    limit: int | None = option(None, help="keep the first rows only")
+    seed: int = option(0, help="seed of the arithmetic generator")
+    num_examples: int = option(2000, help="rows the arithmetic generator makes")
+    digits: int = option(1, help="digits per arithmetic operand")
+    operands: int = option(2, help="operands per arithmetic question")
+    operators: str = option("+", help="arithmetic operators to draw from, characters of `+-*`")
+    word_problems: bool = option(False, help="phrase arithmetic questions as short word problems")
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""

@@ -44,10 +44,19 @@ def test_bad_value_names_the_variable(fresh, monkeypatch):
         allocator.keep_freed_memory()
 
 
-def test_engine_on_cpu_sets_them(monkeypatch, llama_model):
+def test_the_cli_sets_them_and_an_engine_does_not(monkeypatch, llama_model, tmp_path):
+    """Building an engine changes nothing process-wide; the command line sets the allocator before a command that
+    runs a model (here `generate`, stopped by its argument check) and not for `report`."""
+    from fastgrpo import cli
     from fastgrpo.rollout.engine import RolloutEngine
 
     calls = []
-    monkeypatch.setattr("fastgrpo.rollout.engine.keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1))
     RolloutEngine(llama_model, eos_token_ids=[0])
+    assert calls == []
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--prompt", "hi", "--num-generations", "0"])
+    assert calls == [1]
+    with pytest.raises(SystemExit):
+        cli.main(["report", str(tmp_path)])
     assert calls == [1]

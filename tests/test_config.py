@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from fastgrpo.cli import main
-from fastgrpo.config import GRPOConfig, load_config, parse_overrides
+from fastgrpo.config import GRPOConfig, load_config, option_rows, options_markdown, parse_overrides
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -100,3 +102,43 @@ def test_cli_profile_rejects_bad_token_counts_before_loading_a_model(capsys: pyt
         main(["profile", "--model", "no/such-model", "--tokens", "8,4"])
     assert excinfo.value.code == 2
     assert "--tokens must be increasing positive integers" in capsys.readouterr().err
+
+
+def test_every_option_is_documented_and_the_reference_is_current() -> None:
+    """Each option carries help text; docs/options.md is what `python -m fastgrpo.config` writes (regenerate it when
+    an option changes)."""
+    rows = option_rows()
+    assert len(rows) > 60 and all(help_.strip() for *_, help_ in rows)
+    assert "dataset.digits" in {name for name, *_ in rows} and "speculation.mode" in {name for name, *_ in rows}
+    reference = Path(__file__).resolve().parent.parent / "docs" / "options.md"
+    assert reference.read_text() == options_markdown()
+
+
+def test_help_imports_neither_torch_nor_transformers() -> None:
+    """`fastgrpo --help` answers at once: the command line imports the libraries only in the commands that use them."""
+    code = (
+        "import sys\nfrom fastgrpo.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "usage: fastgrpo" in out and out.strip().endswith("[]")
+
+
+def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["eval", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "override" in text and "--batch-size" in text and "(default: 32)" in text
+    for name, *_ in option_rows():
+        assert f"--{name} V" in text
+    assert "--learning_rate V AdamW learning rate of the policy (default: 1.0e-06)" in text
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    assert "(default: 256)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_profile_help_shows_the_profilers_default_token_counts() -> None:
+    from fastgrpo import cli
+    from fastgrpo.spec import profiler
+
+    assert ",".join(map(str, profiler.DEFAULT_TOKENS)) == cli.PROFILE_TOKENS

@@ -131,6 +131,19 @@ def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir:
     assert logged == [1, 2, 3, 4]
 
 
+def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """As TRL's option: the checkpoint loads as a model, holds no optimizer state, and --resume says why it cannot
+    continue from it; a callable reward is written to config.yaml by name."""
+    config = make_config(tiny_model_dir, tmp_path, save_only_model=True, reward_funcs=[length_reward])
+    make_trainer(config).train()
+    checkpoint = tmp_path / "checkpoint-2"
+    AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng"}
+    assert "test_trainer:length_reward" in (tmp_path / "config.yaml").read_text()
+    with pytest.raises(ValueError, match="save_only_model"):
+        make_trainer(config, resume=True)
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)

@@ -139,6 +139,12 @@ class GRPOTrainer:
         checkpoint = latest_checkpoint(self.output_dir) if resume else None
         if resume and checkpoint is None:
             raise FileNotFoundError(f"--resume: no checkpoint under {self.output_dir}")
+        resume_state = load_state(checkpoint) if checkpoint is not None else None
+        if resume_state is not None and "optimizer" not in resume_state:
+            raise ValueError(
+                f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
+                "from; start a new run from its weights with --model instead"
+            )
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
@@ -176,7 +182,7 @@ class GRPOTrainer:
             num_training_steps=config.max_steps * config.num_iterations,
         )
         if checkpoint is not None:
-            self._restore(checkpoint)
+            self._restore(checkpoint, resume_state)
         self.sampling = config.sampling_params()
         self.prompt_cache: dict[int, list[int]] = {}
         self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to and self.dist.is_main else None
@@ -252,8 +258,7 @@ class GRPOTrainer:
             raise ImportError("report_to: tensorboard needs `pip install tensorboard`") from e
         return SummaryWriter(str(self.output_dir / "tensorboard"))
 
-    def _restore(self, checkpoint: Path) -> None:
-        state = load_state(checkpoint)
+    def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -526,9 +531,11 @@ class GRPOTrainer:
                 if self.draft is not None:
                     self.draft.save(path / DRAFT_DIR)
 
-            state = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
-            if self.draft_trainer is not None:
-                state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
+            state = {}
+            if not self.config.save_only_model:
+                state = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
+                if self.draft_trainer is not None:
+                    state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
         distributed.barrier()
         return path

@@ -3,14 +3,14 @@
 A CPU forward allocates and frees the same large tensors at every step (logits, MLP activations, attention masks,
 a step's cache views). glibc serves allocations above its mmap threshold (128 KB, raised on the fly up to 32 MB)
 with fresh ``mmap`` pages and returns them on ``free``, and it trims the top of the heap whenever more than 128 KB of
-it is free; either way the next step faults the pages in and the kernel zeroes them again. On the AMX machine of the
-README this took 13 s of system time in a 35 s run of 64 rows x 48 tokens with SmolLM2 in bfloat16, and decoding
-ran at 519 tokens/s; with both thresholds at 1 GB, 1.7 s of system time and 564 tokens/s. It also made the speed of
-one engine depend on what other engines in the process had allocated before, by up to 10 %.
+it is free; either way the next step faults the pages in and the kernel zeroes them again, which shows as system
+time in a rollout and makes one engine's speed depend on what was allocated before it.
 
-`keep_freed_memory` raises both thresholds once per process. The cost: memory a step frees stays mapped to the
-process (reused by the next step) instead of returning to the system, so the resident size stays near its peak.
-``FASTGRPO_MALLOC=system`` leaves glibc's settings alone. Elsewhere than glibc on Linux nothing changes.
+`keep_freed_memory` raises both thresholds once per process. It is a process-wide setting, so no library object
+makes it: the ``fastgrpo`` command line calls it before a command that runs a model, and a Python program may call
+it itself. The cost: memory a step frees stays mapped to the process (reused by the next step) instead of returning
+to the system, so the resident size stays near its peak. ``FASTGRPO_MALLOC=system`` leaves glibc's settings alone.
+Elsewhere than glibc on Linux nothing changes.
 """
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastgrpo.rollout.allocator import keep_freed_memory
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.linear import rollout_linears
@@ -174,8 +173,6 @@ class RolloutEngine:
         controller: instead of ``tree``, chooses each step's shape from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
             `fastgrpo.rollout.lora`).
-
-    On CPU, building an engine also sets glibc to keep freed memory in the process (`keep_freed_memory`).
     """
 
     def __init__(
@@ -204,8 +201,6 @@ class RolloutEngine:
         self.draft_cache: RowCache | None = None
         self._backlog_seconds = 0.0  # catch-up time of the last speculative step that belongs to earlier plain steps
         self._draft_state: tuple[tuple[int, int], ...] | None = None  # see `_draft_changed`
-        if self.device.type == "cpu":
-            keep_freed_memory()
 
     @property
     def device(self) -> torch.device:

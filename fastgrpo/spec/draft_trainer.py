@@ -21,6 +21,7 @@ from torch import nn
 from transformers import DynamicCache, get_scheduler
 
 from fastgrpo import distributed
+from fastgrpo.fields import option
 from fastgrpo.models import warn_if_bf16_emulated
 from fastgrpo.spec.draft import DraftHead
 
@@ -70,17 +71,21 @@ class DraftTrainConfig:
     rollout, ``epochs`` passes over it per step. The learning-rate schedule (transformers' ``get_scheduler``) spans
     one `DraftTrainer.fit` call: the whole of an offline fit, or one step's passes online."""
 
-    online: bool = True
-    learning_rate: float = 1e-4
-    hidden_loss_weight: float = 2.0
-    token_loss_weight: float = 0.1
-    token_budget: int = 2048
-    epochs: int = 1
-    max_grad_norm: float = 1.0
-    bf16: bool = False  # autocast the draft's forward/backward to bfloat16
-    unroll: int = 1  # tree depths trained per position (1: teacher forcing only; see the module docstring)
-    lr_scheduler_type: str = "constant"
-    warmup_ratio: float = 0.0
+    online: bool = option(True, help="train the draft on every rollout while speculation is on")
+    learning_rate: float = option(1e-4, help="the draft's AdamW learning rate")
+    hidden_loss_weight: float = option(2.0, help="weight of the SmoothL1 loss on the predicted hidden state")
+    token_loss_weight: float = option(0.1, help="weight of the soft cross-entropy against the target's next token")
+    token_budget: int = option(2048, help="tokens per draft training batch (sequences are packed up to it)")
+    epochs: int = option(1, help="passes over each rollout (online) or the whole data set (offline)")
+    max_grad_norm: float = option(1.0, help="gradient clipping of the draft")
+    bf16: bool = option(False, help="bfloat16 autocast for the draft's forward and backward")
+    unroll: int = option(
+        1, help="tree depths trained per position, feeding the draft its own predictions (1: teacher forcing only)"
+    )
+    lr_scheduler_type: str = option(
+        "constant", help="learning-rate schedule over one fit (transformers' get_scheduler)", choices=LR_SCHEDULERS
+    )
+    warmup_ratio: float = option(0.0, help="share of a fit's optimizer steps spent warming the learning rate up")
 
     def validate(self) -> None:
         for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm", "unroll"):
@@ -199,9 +204,7 @@ class DraftTrainer:
         for step in range(self.config.unroll):
             mask = unrolled_attention_mask(t, step, embeds.device)
             preds.append(
-                self.forward(
-                    embeds, inputs, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True
-                )
+                self.forward(embeds, inputs, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
             )
             inputs = torch.cat([hid[:, :1], preds[-1][:, :-1]], dim=1)
         return preds
