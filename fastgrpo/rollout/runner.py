@@ -80,7 +80,7 @@ def forward_block(
         inputs_embeds=inputs_embeds,
         attention_mask=mask,
         position_ids=positions,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )
     return out.last_hidden_state
