@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CURVES = (
-    ("reward", "reward"),
-    ("completions/mean_length", "completion length (tokens)"),
-    ("spec/accept_length", "accepted length (solid: all steps, dashed: tree steps)"),
-    ("rollout/tokens_per_second", "rollout tokens/s"),
-    ("draft/accuracy", "draft accuracy (before training on the step)"),
-    ("draft/loss", "draft loss"),
+CURVES = (  # metric, panel title, y-axis label
+    ("reward", "Mean reward", "reward"),
+    ("completions/mean_length", "Completion length", "tokens"),
+    ("spec/accept_length", "Accepted length (dashed: tree steps only)", "tokens per row per forward"),
+    ("rollout/tokens_per_second", "Rollout throughput", "tokens/s"),
+    ("draft/accuracy", "Draft accuracy (before training on the step)", "share of tokens"),
+    ("draft/loss", "Draft loss", "loss"),
 )
 DASHED = {"spec/accept_length": "spec/tree_accept_length"}  # drawn dashed in the same panel and colour
 PHASES = (
@@ -75,11 +75,12 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
-    for ax, (key, label) in zip(axes.flat, CURVES, strict=True):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), layout="constrained")
+    for ax, (key, title, ylabel) in zip(axes.flat, CURVES, strict=True):
         for i, (name, rows) in enumerate(runs.items()):
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:  # one colour per run in every panel, also where earlier runs have no such metric
@@ -87,26 +88,29 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
             dashed = [(r["step"], r[DASHED[key]]) for r in rows if DASHED.get(key) in r]
             if dashed:
                 ax.plot(*zip(*dashed, strict=True), marker=".", linestyle="--", color=f"C{i}")
+        if not ax.lines:
+            ax.text(0.5, 0.5, "not logged by this run", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(title)
         ax.set_xlabel("step")
-        ax.set_ylabel(label)
+        ax.set_ylabel(ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
-    axes.flat[0].legend()
-    fig.tight_layout()
+    if len(runs) > 1:
+        fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside upper center", ncol=len(runs))
     curves = out / "curves.png"
     fig.savefig(curves, dpi=110)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2), 4))
     names = list(runs)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2) + 2.2, 4), layout="constrained")
     bottom = [0.0] * len(names)
     for _, label in PHASES:
         values = [phase_seconds(runs[n])[label] for n in names]
-        ax.bar(names, values, bottom=bottom, label=label)
+        ax.bar(names, values, bottom=bottom, label=label, width=0.6)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_ylabel("mean seconds per step")
-    ax.set_title("time per phase")
-    ax.legend()
-    fig.tight_layout()
+    ax.set_title("Time per step, by phase")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the bars, covering none
     phases = out / "phases.png"
     fig.savefig(phases, dpi=110)
     plt.close(fig)
