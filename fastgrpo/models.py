@@ -92,8 +92,7 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices in hardware: a GPU that supports bfloat16, or a CPU with
-    avx512_bf16 or AMX. Elsewhere bfloat16 autocast is emulated, several times slower than float32 (10x for a linear
-    layer on an AVX2-only AMD EPYC)."""
+    avx512_bf16 or AMX. Elsewhere bfloat16 autocast is emulated, several times slower than float32."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
     if device.type == "cpu":

@@ -1,9 +1,8 @@
 """Rollouts of a LoRA policy with its adapters merged into the base weights.
 
 A peft LoRA layer computes ``W x + s B A x``: two more products, a dropout and an addition per linear layer, small
-work that still costs a call each at the few rows per forward of decoding (SmolLM2-135M with rank-16 adapters on all
-linear layers decodes 1.2x to 1.4x slower in float32 than without them on this project's CPU, at 32 down to 1 rows;
-`benchmarks/bench_lora.py`). During a rollout the adapters do not change, so they are added into the base weights in
+work that still costs a call each at the few rows per forward of decoding (`benchmarks/bench_lora.py` measures how
+much). During a rollout the adapters do not change, so they are added into the base weights in
 place, ``W += s B A`` (the weights stay one copy), the layers run as plain linear layers, and ``s B A`` is subtracted
 again afterwards, as TRL does before handing the weights to vLLM.
 
