@@ -25,6 +25,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from record import Record
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
@@ -156,6 +157,7 @@ def main() -> None:
         "--replay-prompts", type=int, default=4, help="prompts whose rows decode together, as bench_controller's replay"
     )
     args = parser.parse_args()
+    record = Record("bench_ceiling")
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
@@ -202,24 +204,28 @@ def main() -> None:
     def mean_accepted(depths: list[torch.Tensor]) -> float:
         return 1.0 + float(torch.cat(depths).float().mean())
 
-    print("\n## Accepted tokens per step, full trees (K children per node, L levels, N nodes with the root)\n")
-    print("| K | L | N | perfect draft | trained draft |")
-    print("|---|---|---|---|---|")
+    table = []
     for k, depth in SHAPES:
         n = sum(k**i for i in range(depth + 1))
         oracle = mean_accepted(
             [depth_in_full_tree(r.target.target[None].expand(depth, -1), k, depth) for r in completions]
         )
         trained = mean_accepted([depth_in_full_tree(r.drafted, k, depth) for r in completions])
-        print(f"| {k} | {depth} | {n} | {oracle:.2f} | {trained:.2f} |")
+        table.append([k, depth, n, f"{oracle:.2f}", f"{trained:.2f}"])
+    record.table(
+        "Accepted tokens per step, full trees (K children per node, L levels, N nodes with the root)",
+        ["K", "L", "N", "perfect draft", "trained draft"],
+        table,
+    )
 
     needs = [nodes_needed(r.target, MAX_NODES - 1) for r in completions]
     bound = {n: mean_accepted([depth_bound(need, n) for need in needs]) for n in range(1, MAX_NODES + 1)}
-    print("\n## Upper bound on the accepted tokens per step of any N-node tree, any draft, any lossless rule\n")
     shown = [2, 3, 4, 6, 8, 12, 16, 24, 32]
-    print("| N | " + " | ".join(str(n) for n in shown) + " |")
-    print("|---|" + "---|" * len(shown))
-    print("| bound | " + " | ".join(f"{bound[n]:.2f}" for n in shown) + " |")
+    record.table(
+        "Upper bound on the accepted tokens per step of any N-node tree, any draft, any lossless rule",
+        ["N", *map(str, shown)],
+        [["bound", *(f"{bound[n]:.2f}" for n in shown)]],
+    )
 
     g = args.num_generations
     concurrency = [int(c) for c in args.concurrency.split(",")]
@@ -230,34 +236,35 @@ def main() -> None:
     spaced = [b for b in (12, 16, 24, 32, 48, 64, 96, 128) if b < replay_rows]  # interpolated in between
     timed_rows = sorted(set(concurrency) | set(range(1, g + 1)) | set(spaced) | {replay_rows})
     cost = StepCosts(step_costs(model, timed_rows, nodes, context=256, repeats=args.repeats))
-    print("\n## Cost of verifying N tokens per row against one token per row, t(B, N) / t(B, 1)\n")
-    print("| rows | t(B, 1) ms | " + " | ".join(f"N={n}" for n in nodes[1:]) + " |")
-    print("|---|---|" + "---|" * (len(nodes) - 1))
-    for b in concurrency:
-        ratios = " | ".join(f"{cost(b, n) / cost(b, 1):.2f}" for n in nodes[1:])
-        print(f"| {b} | {1000 * cost(b, 1):.1f} | {ratios} |")
-
-    print("\n## Upper bound on the speedup over autoregressive decoding at fixed concurrency (drafting free)\n")
-    print("| rows | bound | at N |")
-    print("|---|---|---|")
-    for b in concurrency:
-        best, n = speedup_bound(cost, b, bound)
-        print(f"| {b} | {best:.2f}x | {n} |")
+    record.table(
+        "Cost of verifying N tokens per row against one token per row, t(B, N) / t(B, 1)",
+        ["rows", "t(B, 1) ms", *(f"N={n}" for n in nodes[1:])],
+        [[b, f"{1000 * cost(b, 1):.1f}", *(f"{cost(b, n) / cost(b, 1):.2f}" for n in nodes[1:])] for b in concurrency],
+    )
+    record.table(
+        "Upper bound on the speedup over autoregressive decoding at fixed concurrency (drafting free)",
+        ["rows", "bound", "at N"],
+        [[b, f"{best:.2f}x", n] for b in concurrency for best, n in [speedup_bound(cost, b, bound)]],
+    )
 
     lengths = [len(c) for c in out.completion_ids]
     times = [rollout_times(cost, lengths[i : i + g], bound) for i in range(0, len(lengths), g)]
     ratios = [plain / fast for plain, fast in times]
     total = sum(plain for plain, _ in times) / sum(fast for _, fast in times)
-    print(
-        f"\nRollouts of one prompt x {g} generations (a bench_e2e step), from the concurrency of their "
-        f"autoregressive steps: bound {total:.2f}x on their total time ({min(ratios):.2f}x to {max(ratios):.2f}x "
-        "per rollout)"
-    )
     plain, fast = rollout_times(cost, lengths[:replay_rows], bound)
-    print(
-        f"The first {replay_rows // g} prompts' {replay_rows} rows decoded together (bench_controller's replay): "
-        f"bound {plain / fast:.2f}x"
+    record.table(
+        "Upper bound on the speedup of whole rollouts, from the concurrency of their autoregressive steps",
+        ["rollouts", "bound"],
+        [
+            [f"one prompt x {g} generations (a bench_e2e step), total time", f"{total:.2f}x"],
+            ["the same, per rollout", f"{min(ratios):.2f}x to {max(ratios):.2f}x"],
+            [
+                f"the first {replay_rows // g} prompts' {replay_rows} rows together (bench_controller's replay)",
+                f"{plain / fast:.2f}x",
+            ],
+        ],
     )
+    record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

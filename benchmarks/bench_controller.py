@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Record
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
@@ -57,22 +58,24 @@ def timed(engine: RolloutEngine, prompts, params: SamplingParams, num_generation
     return time.perf_counter() - t0, out
 
 
-def rollout_table(engines, prompts, params: SamplingParams, num_generations: int) -> None:
-    print(f"\n## Rollout replay: {len(prompts)} prompts x {num_generations} generations, T=1, top-p 0.95\n")
-    print("| mode | time s | tokens | tokens/s | speedup | mean accepted | mean N verify | same tokens as AR |")
-    print("|---|---|---|---|---|---|---|---|")
-    reference, base = None, None
+def rollout_table(engines, prompts, params: SamplingParams, num_generations: int, record: Record) -> None:
+    rows, reference, base = [], None, None
     for name, engine in engines.items():
         seconds, out = timed(engine, prompts, params, num_generations, seed=0)
         if reference is None:
             reference, base = out.completion_ids, seconds
         same = sum(a == b for a, b in zip(out.completion_ids, reference, strict=True))
         s = out.stats
-        print(
-            f"| {name} | {seconds:.1f} | {s.tokens_emitted} | {s.tokens_emitted / seconds:.1f} | "
-            f"{base / seconds:.2f}x | {s.accept_length:.2f} | {s.n_verify_mean:.1f} | {same}/{len(reference)} |",
-            flush=True,
+        rows.append(
+            [name, f"{seconds:.1f}", s.tokens_emitted, f"{s.tokens_emitted / seconds:.1f}", f"{base / seconds:.2f}x"]
+            + [f"{s.accept_length:.2f}", f"{s.n_verify_mean:.1f}", f"{same}/{len(reference)}"]
         )
+        print(f"{name}: {seconds:.1f} s", flush=True)
+    record.table(
+        f"Rollout replay: {len(prompts)} prompts x {num_generations} generations, T=1, top-p 0.95",
+        ["mode", "time s", "tokens", "tokens/s", "speedup", "mean accepted", "mean N verify", "same tokens as AR"],
+        rows,
+    )
 
 
 def full_concurrency_rate(stats, rows: int) -> float:
@@ -82,18 +85,14 @@ def full_concurrency_rate(stats, rows: int) -> float:
     return sum(stats.tokens_per_forward[i] for i in steps) / sum(stats.step_times[i] for i in steps)
 
 
-def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: int) -> dict[str, list[float]]:
+def sweep_table(
+    engines, prompts, concurrency: list[int], tokens: int, repeats: int, record: Record
+) -> dict[str, list[float]]:
     """Each concurrency runs ``repeats`` rounds of every mode in turn; a mode's speedup is the median over rounds of
     its rate over the autoregressive rate of the same round, so a slow spell of the machine bends one round of all
     modes rather than one mode."""
-    print(
-        f"\n## Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (decoding "
-        "tokens/s over the steps that ran all c rows, share of decoding steps that ran a tree), "
-        f"median of {repeats} interleaved rounds\n"
-    )
     names = list(engines)
-    print("| concurrency | AR tok/s | " + " | ".join(names[1:]) + " |")
-    print("|---|---|" + "---|" * (len(names) - 1))
+    table = []
     params = SamplingParams(max_new_tokens=tokens, temperature=1.0, top_p=0.95)
     speedups: dict[str, list[float]] = {name: [] for name in names[1:]}
     for c in concurrency:
@@ -116,7 +115,15 @@ def sweep_table(engines, prompts, concurrency: list[int], tokens: int, repeats: 
             speedups[name].append(ratio)
             share = sum(trees[name]) / len(trees[name])
             cells.append(f"{ratio:.2f}x ({statistics.median(rates[name]):.0f}, {share:.0%} trees)")
-        print(f"| {c} | {statistics.median(ar):.1f} | " + " | ".join(cells) + " |", flush=True)
+        table.append([c, f"{statistics.median(ar):.1f}", *cells])
+        print(f"{c} rows: " + ", ".join(cells), flush=True)
+    record.table(
+        f"Fixed concurrency: c rows x {tokens} tokens, no EOS, T=1, top-p 0.95; speedup over AR (decoding tokens/s "
+        f"over the steps that ran all c rows, share of decoding steps that ran a tree), median of {repeats} "
+        "interleaved rounds",
+        ["concurrency", "AR tok/s", *names[1:]],
+        table,
+    )
     return speedups
 
 
@@ -162,6 +169,7 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (on CPUs with bf16 matrix units)")
     args = parser.parse_args()
+    record = Record("bench_controller")
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
@@ -182,9 +190,11 @@ def main() -> None:
         engine.generate(prompts[:2], warm)
     if not args.skip_rollout:
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=0.95)
-        rollout_table(engines, prompts[: args.prompts], params, args.num_generations)
-    speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens, args.repeats)
+        rollout_table(engines, prompts[: args.prompts], params, args.num_generations, record)
+    speedups = sweep_table(engines, prompts, concurrency, args.sweep_tokens, args.repeats, record)
     plot(concurrency, speedups, args.plot, args.dtype)
+    record.notes["plot"] = args.plot
+    record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Record
 
 from fastgrpo.config import GRPOConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
@@ -87,7 +88,7 @@ def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def tree_accept_length(rows: list[dict[str, float]]) -> str:
+def tree_accept_length(rows: list[dict[str, float]]) -> list[str]:
     """Accepted length on tree steps (``spec/tree_accept_length``) over the first and last five steps: the mean of the
     steps that ran a tree, a dash where none did. Unlike ``spec/accept_length`` it does not count plain steps as 1.00,
     so it follows the draft rather than how often the controller chose a tree."""
@@ -98,32 +99,20 @@ def tree_accept_length(rows: list[dict[str, float]]) -> str:
         ]
         return f"{mean(values):.2f} ({len(values)})" if values else "–"
 
-    return f"{window(rows[:5])} | {window(rows[-5:])}"
+    return [window(rows[:5]), window(rows[-5:])]
 
 
-def draft_accuracy(rows: list[dict[str, float]]) -> str:
+def draft_accuracy(rows: list[dict[str, float]]) -> list[str]:
     """Held-out draft accuracy over the first and last five steps, or a dash for a run without draft learning."""
     if "draft/accuracy" not in rows[0]:
-        return "– | –"
-    return f"{mean([r['draft/accuracy'] for r in rows[:5]]):.3f} | {mean([r['draft/accuracy'] for r in rows[-5:]]):.3f}"
+        return ["–", "–"]
+    return [f"{mean([r['draft/accuracy'] for r in part]):.3f}" for part in (rows[:5], rows[-5:])]
 
 
-def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace) -> None:
-    """Print the comparison table, the reward comparison with (a) and the rollout share of a plain step."""
-    print(
-        f"\nSmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x {NUM_GENERATIONS} generations "
-        "per step, "
-        f"T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, {args.dtype} weights, "
-        f"{torch.get_num_threads()} threads\n"
-    )
-    print(
-        "| run | total s | rollout s | rollout tok/s | draft s | update s | end-to-end speedup | rollout speedup "
-        "| accepted first 5 | accepted last 5 | tree steps' accepted first 5 | tree steps' accepted last 5 "
-        "| draft accuracy first 5 | draft accuracy last 5 | draft share of step "
-        "| reward last 5 |"
-    )
-    print("|---" * 16 + "|")
+def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace, record: Record) -> None:
+    """Record the comparison table, the reward comparison with (a) and the rollout share of a plain step."""
     base = runs.get(LABELS["a"])
+    table = []
     for name, rows in runs.items():
         total = sum(r["time/step"] for r in rows)
         rollout = sum(r["time/rollout"] for r in rows)
@@ -132,26 +121,42 @@ def summarise(runs: dict[str, list[dict[str, float]]], args: argparse.Namespace)
         roll = sum(r["time/rollout"] for r in base) / rollout if base else float("nan")
         share = sum(r.get("draft/time", 0.0) for r in rows) / total
         tokens = sum(r["completions/mean_length"] for r in rows) * args.prompts_per_step * NUM_GENERATIONS
-        print(
-            f"| {name} | {total:.0f} | {rollout:.0f} | {tokens / rollout:.1f} | "
-            f"{phases['draft update'] * len(rows):.0f} | "
-            f"{phases['policy update'] * len(rows):.0f} | {e2e:.2f}x | {roll:.2f}x | "
-            f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f} | "
-            f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f} | {tree_accept_length(rows)} | "
-            f"{draft_accuracy(rows)} | "
-            f"{100 * share:.1f} % | "
-            f"{mean([r['reward'] for r in rows[-5:]]):.3f} |",
-            flush=True,
+        table.append(
+            [
+                name,
+                f"{total:.0f}",
+                f"{rollout:.0f}",
+                f"{tokens / rollout:.1f}",
+                f"{phases['draft update'] * len(rows):.0f}",
+            ]
+            + [f"{phases['policy update'] * len(rows):.0f}", f"{e2e:.2f}x", f"{roll:.2f}x"]
+            + [f"{mean([r['spec/accept_length'] for r in rows[:5]]):.2f}"]
+            + [f"{mean([r['spec/accept_length'] for r in rows[-5:]]):.2f}", *tree_accept_length(rows)]
+            + [*draft_accuracy(rows), f"{100 * share:.1f} %", f"{mean([r['reward'] for r in rows[-5:]]):.3f}"]
         )
+    record.table(
+        f"SmolLM2-135M-Instruct, GSM8K train, {args.prompts_per_step} prompt(s) x {NUM_GENERATIONS} generations per "
+        f"step, T=1, top-p 0.95, max {args.max_new_tokens} new tokens, {args.steps} steps, {args.dtype} weights, "
+        f"{torch.get_num_threads()} threads",
+        ["run", "total s", "rollout s", "rollout tok/s", "draft s", "update s", "end-to-end speedup"]
+        + ["rollout speedup", "accepted first 5", "accepted last 5", "tree steps' accepted first 5"]
+        + ["tree steps' accepted last 5", "draft accuracy first 5", "draft accuracy last 5", "draft share of step"]
+        + ["reward last 5"],
+        table,
+    )
     if base:
-        print("\nreward per step (a):", [round(r["reward"], 3) for r in base])
+        record.notes["reward per step (a)"] = [round(r["reward"], 3) for r in base]
         for name, rows in runs.items():
             if rows is not base:
                 same = sum(a["reward"] == b["reward"] for a, b in zip(rows, base, strict=False))
                 diffs = [a["reward"] - b["reward"] for a, b in zip(rows, base, strict=False)]
-                print(f"{name}: same reward as (a) at {same}/{len(rows)} steps, mean difference {mean(diffs):+.4f}")
+                record.notes[f"{name}: same reward as (a)"] = (
+                    f"{same}/{len(rows)} steps, mean difference {mean(diffs):+.4f}"
+                )
         share = statistics.mean(r["time/rollout"] / r["time/step"] for r in base)
-        print(f"rollout share of step time in (a): {100 * share:.0f} %")
+        record.notes["rollout share of step time in (a)"] = f"{100 * share:.0f} %"
+    for key, value in record.notes.items():
+        print(f"{key}: {value}")
 
 
 def _train(args: argparse.Namespace, run: str) -> None:
@@ -160,8 +165,8 @@ def _train(args: argparse.Namespace, run: str) -> None:
 
 
 def train_in_fresh_process(args: argparse.Namespace, run: str) -> list[dict[str, float]]:
-    """Train one run in a new process and read back its metrics. In one process the later runs were slower: run (d)
-    alone rolled out the same tokens 12 % faster than as the last of four (231 s against 264 s, bfloat16)."""
+    """Train one run in a new process and read back its metrics: in one process the later runs were measurably
+    slower than the same run alone."""
     proc = mp.get_context("spawn").Process(target=_train, args=(args, run))
     proc.start()
     proc.join()
@@ -205,9 +210,12 @@ def main() -> None:
         print(f"\n== {LABELS[run]} ==", flush=True)
         runs[LABELS[run]] = train_in_fresh_process(args, run)
 
-    summarise(runs, args)
+    record = Record("bench_e2e")
+    summarise(runs, args, record)
     paths = plot_runs(runs, Path(args.output) / "report")
+    record.notes["plots"] = [str(p) for p in paths]
     print("\nplots: " + ", ".join(map(str, paths)))
+    record.save()
     if not args.summarise_only:
         print(f"total wall time {time.perf_counter() - start:.0f} s")
 

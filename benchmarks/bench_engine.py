@@ -3,8 +3,8 @@
 Runs the embedded SmolLM2-135M-Instruct greedily on GSM8K test prompts at several batch sizes and prints a
 markdown table. Throughput counts useful completion tokens (up to and including the first EOS) per second of
 wall time; each side is warmed up once per batch size, the sides are timed in turn, and the median over
-repeats is reported. A third side is the engine with its CPU linear layers routed by the default table instead of
-the routes it measured on this machine (`fastgrpo.rollout.linear`).
+repeats is reported. A third side is the engine with plain ``F.linear`` instead of the CPU linear-layer routes it
+measured on this machine (`fastgrpo.rollout.linear`), which are kept only where they are faster.
 
 Usage::
 
@@ -24,12 +24,13 @@ import time
 from pathlib import Path
 
 import torch
+from record import Record
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.linear import default_routes
+from fastgrpo.rollout.linear import forced_routes
 from fastgrpo.rollout.sampling import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -104,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    record = Record("bench_engine")
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
 
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         engine_rates, default_rates, generate_rates = [], [], []
         for _ in range(args.repeats):
             e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
-            with default_routes():
+            with forced_routes("off"):
                 d_ids, d_time = run_engine(engine, prompts, args.max_new_tokens)
             g_ids, g_time = run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
             engine_rates.append(sum(map(len, e_ids)) / e_time)
@@ -141,14 +143,13 @@ def main(argv: list[str] | None = None) -> None:
         results.append((bs, *rates, same, len(prompts)))
         print(f"batch {bs}: engine {rates[0]:.1f} tok/s, generate {rates[2]:.1f} tok/s, identical {same}", flush=True)
 
-    print()
-    print(
-        "| batch | engine tok/s | engine, default routes tok/s | generate tok/s | ratio (engine/generate) "
-        "| identical completions |"
+    record.table(
+        f"Greedy decoding of GSM8K test prompts, {args.max_new_tokens} new tokens, {model.dtype}, useful tokens/s "
+        f"(median of {args.repeats})",
+        ["batch", "engine tok/s", "engine, F.linear tok/s", "generate tok/s", "engine / generate", "identical"],
+        [[bs, f"{e:.1f}", f"{d:.1f}", f"{g:.1f}", f"{e / g:.2f}x", f"{same}/{n}"] for bs, e, d, g, same, n in results],
     )
-    print("|---:|---:|---:|---:|---:|---:|")
-    for bs, e_rate, d_rate, g_rate, same, n in results:
-        print(f"| {bs} | {e_rate:.1f} | {d_rate:.1f} | {g_rate:.1f} | {e_rate / g_rate:.2f}x | {same}/{n} |")
+    record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.1f} s")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
+from record import Record
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="float32 (merged) or bfloat16 (adapters stay unmerged)")
     args = parser.parse_args()
+    record = Record("bench_lora")
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
@@ -59,10 +61,7 @@ def main() -> None:
     }
     for engine in engines.values():  # one-off costs
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=4, temperature=0.0))
-    print(f"\nSmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads, LoRA rank {args.rank} on all")
-    print(f"linear layers, greedy, {args.max_new_tokens} new tokens, median of {args.repeats} rounds\n")
-    print("| rows | adapters disabled tok/s | unmerged tok/s | merged tok/s | merged / unmerged | merged / disabled |")
-    print("|---|---|---|---|---|---|")
+    table = []
     for c in concurrency:
         speed: dict[str, list[float]] = {name: [] for name in engines}
         for _ in range(args.repeats):
@@ -75,11 +74,18 @@ def main() -> None:
             if completions["merged"] != completions["unmerged"]:
                 print(f"note: at {c} rows the merged and unmerged rollouts differ (rounding of W + s B A)")
         s = {name: statistics.median(v) for name, v in speed.items()}
-        print(
-            f"| {c} | {s['disabled']:.1f} | {s['unmerged']:.1f} | {s['merged']:.1f} | "
-            f"{s['merged'] / s['unmerged']:.2f}x | {s['merged'] / s['disabled']:.2f}x |",
-            flush=True,
+        table.append(
+            [c, f"{s['disabled']:.1f}", f"{s['unmerged']:.1f}", f"{s['merged']:.1f}"]
+            + [f"{s['merged'] / s['unmerged']:.2f}x", f"{s['merged'] / s['disabled']:.2f}x"]
         )
+        print(f"{c} rows: merged {s['merged']:.1f} tok/s", flush=True)
+    record.table(
+        f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads, LoRA rank {args.rank} on all linear "
+        f"layers, greedy, {args.max_new_tokens} new tokens, median of {args.repeats} rounds",
+        ["rows", "adapters disabled tok/s", "unmerged tok/s", "merged tok/s", "merged / unmerged", "merged / disabled"],
+        table,
+    )
+    record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Record
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
@@ -96,7 +97,7 @@ def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int
     queue.put((loaded, _status_mb("VmHWM")))
 
 
-def measure_memory(shapes: dict[str, TreeShape], draft_dir: str, batch: int, max_new: int, dtype: str) -> None:
+def measure_memory(shapes: dict[str, TreeShape], draft_dir: str, batch: int, max_new: int, dtype: str) -> str:
     """Peak memory of an autoregressive and a speculative generation (the largest tree) of the same batch, each in a
     fresh process."""
     ctx = mp.get_context("spawn")
@@ -108,11 +109,13 @@ def measure_memory(shapes: dict[str, TreeShape], draft_dir: str, batch: int, max
         peaks[name or "ar"] = queue.get()
         proc.join()
     (ar_loaded, ar_peak), (sp_loaded, sp_peak) = peaks.values()
-    print(
-        f"\npeak RSS of a generation at concurrency {batch}: autoregressive {ar_peak:.0f} MB, speculative "
+    text = (
+        f"peak RSS of a generation at concurrency {batch}: autoregressive {ar_peak:.0f} MB, speculative "
         f"{sp_peak:.0f} MB ({sp_peak / ar_peak:.2f}x); above the loaded process "
         f"({ar_loaded:.0f} / {sp_loaded:.0f} MB): {ar_peak - ar_loaded:.0f} MB vs {sp_peak - sp_loaded:.0f} MB"
     )
+    print("\n" + text)
+    return text
 
 
 def main() -> None:
@@ -134,10 +137,13 @@ def main() -> None:
     decodings = [m.strip() for m in args.decoding.split(",") if m.strip()]
     if not decodings or any(m not in ("greedy", "sampled") for m in decodings):
         raise SystemExit(f"--decoding must name greedy and/or sampled, got {args.decoding!r}")
+    record = Record("bench_spec")
     if args.memory_only:
         shapes = parse_shapes(args.shapes)
         concurrency = max(int(c) for c in args.concurrency.split(","))
-        return measure_memory(shapes, args.draft, concurrency, args.max_new_tokens, args.dtype)
+        record.notes["memory"] = measure_memory(shapes, args.draft, concurrency, args.max_new_tokens, args.dtype)
+        record.save()
+        return
     torch.set_num_threads(os.cpu_count())
     start = time.perf_counter()
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
@@ -171,11 +177,9 @@ def main() -> None:
         f"{args.prompt_sets} prompt set(s) per concurrency"
     )
     print(f"draft vocabulary: {draft.draft_vocab.numel() if draft.draft_vocab is not None else 'full'}; {shape_text}\n")
-    header = "| decoding | concurrency | AR tok/s | " + " | ".join(
-        f"{n} tok/s | {n} speedup | {n} accept" for n in shapes
-    )
-    print(header + " |")
-    print("|" + "---|" * (3 + 3 * len(shapes)))
+    columns = ["decoding", "concurrency", "AR tok/s"]
+    columns += [f"{n} {what}" for n in shapes for what in ("tok/s", "speedup", "accept")]
+    rows = []
     for label, params in sampling.items():
         for c in concurrency:
             results = {name: [] for name in engines}
@@ -189,10 +193,18 @@ def main() -> None:
                 tps = statistics.median(t for t, _ in results[name])
                 acc = statistics.median(a for _, a in results[name])
                 cells += [f"{tps:.1f}", f"{tps / ar:.2f}x", f"{acc:.2f}"]
-            print(f"| {label} | {c} | " + " | ".join(cells) + " |", flush=True)
+            rows.append([label, c, *cells])
+            print(f"{label}, {c} rows: " + ", ".join(cells), flush=True)
+    record.table(
+        f"Static trees against autoregressive decoding (SmolLM2-135M-Instruct, {args.dtype}, {threads} threads, "
+        f"{args.max_new_tokens} new tokens, {args.prompt_sets} prompt set(s); {shape_text})",
+        columns,
+        rows,
+    )
     if not args.skip_memory:
         shapes = parse_shapes(args.shapes)
-        measure_memory(shapes, args.draft, max(concurrency), args.max_new_tokens, args.dtype)
+        record.notes["memory"] = measure_memory(shapes, args.draft, max(concurrency), args.max_new_tokens, args.dtype)
+    record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.0f} s")
 
 

@@ -21,6 +21,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import datasets  # noqa: E402
 import trl  # noqa: E402
+from record import Record
 from transformers import TrainerCallback  # noqa: E402
 
 from fastgrpo.config import SpeculationConfig  # noqa: E402
@@ -104,6 +105,7 @@ def main() -> None:
     if args.steps < 2:
         raise SystemExit("--steps must be >= 2 (the first step is reported apart)")
 
+    record = Record("bench_trl")
     results = {}
     for name, fast in (("TRL generation", False), ("TRL + fastgrpo rollout_func", True)):
         seconds, logs = run(args, fast)
@@ -115,13 +117,17 @@ def main() -> None:
             print(f"  step {e['step']}: reward {e['reward']:.3f}, mean completion length {length:.0f}{extra}")
 
     base, fast = results.values()
-    print(f"\n| run | step 1 (s) | mean of steps 2..{args.steps} (s) |\n|---|---|---|")
-    for name, seconds in results.items():
-        print(f"| {name} | {seconds[0]:.1f} | {statistics.mean(seconds[1:]):.1f} |")
-    print(
-        f"\nstep time ratio (TRL generation / fastgrpo rollout_func), steps 2..{args.steps}: "
-        f"{statistics.mean(base[1:]) / statistics.mean(fast[1:]):.2f}x; all steps: {sum(base) / sum(fast):.2f}x"
+    record.table(
+        f"TRL GRPOTrainer step times, {args.prompts_per_step} prompt(s) x 8 generations, {args.max_new_tokens} new "
+        f"tokens, {args.dtype}",
+        ["run", "step 1 (s)", f"mean of steps 2..{args.steps} (s)", "step time ratio"],
+        [
+            [name, f"{seconds[0]:.1f}", f"{statistics.mean(seconds[1:]):.1f}"]
+            + [f"{statistics.mean(base[1:]) / statistics.mean(seconds[1:]):.2f}x"]
+            for name, seconds in results.items()
+        ],
     )
+    record.save()
 
 
 if __name__ == "__main__":

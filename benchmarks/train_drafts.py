@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from record import Record
 
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
@@ -113,6 +114,9 @@ def main() -> None:
         lr_scheduler_type=args.lr_scheduler,
         warmup_ratio=args.warmup_ratio,
     )
+    record = Record("train_drafts")
+    record.notes.update(sequences=len(samples), completion_tokens=tokens, generate_seconds=round(generate_s, 1))
+    fitted = []
     vocabularies = {f"v{args.draft_vocab_size}": args.draft_vocab_size} | ({"full": None} if args.full_vocab else {})
     for name, size in vocabularies.items():
         torch.manual_seed(0)
@@ -126,6 +130,9 @@ def main() -> None:
             "first_epoch_accuracy": fit.accuracy,
         }
         print(json.dumps(report), flush=True)
+        fitted.append([str(path), f"{report['train_seconds']:.0f}", f"{fit.losses[-1]:.4f}", f"{fit.accuracy:.3f}"])
+    record.table("Drafts fit", ["draft", "train s", "last loss", "first-epoch accuracy"], fitted)
+    record.save()
 
 
 if __name__ == "__main__":
