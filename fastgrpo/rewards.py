@@ -10,6 +10,8 @@ cannot score.
 from __future__ import annotations
 
 import importlib
+import inspect
+import logging
 import math
 import os
 import re
@@ -20,7 +22,11 @@ from typing import Any
 
 import torch
 
+from fastgrpo.errors import RewardFunctionError
+
 RewardFunc = Callable[..., list[float | None]]
+logger = logging.getLogger(__name__)
+
 
 MATH_VERIFY_TIMEOUT_S = 5
 _UNICODE_MINUS = "\u2212"
@@ -213,6 +219,34 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
     return funcs
 
 
+def required_columns(func: RewardFunc) -> list[str]:
+    """The dataset columns ``func`` takes without a default (besides prompts, completions and completion_ids)."""
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a callable without an inspectable signature
+        return []
+    given = {"prompts", "completions", "completion_ids"}
+    return [
+        p.name
+        for p in parameters
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in given
+    ]
+
+
+def check_columns(funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], checked: int = 8) -> None:
+    """Raise ``ValueError`` when a reward function needs a column that one of the first ``checked`` rows lacks,
+    before any rollout is spent on a batch it cannot score."""
+    for func in funcs:
+        for column in required_columns(func):
+            for index, row in enumerate(rows[:checked]):
+                if column not in row:
+                    raise ValueError(
+                        f"reward function {reward_name(func)!r} needs the dataset column {column!r}, which row {index} "
+                        f"of the dataset does not have (its columns: {', '.join(row)}); name the column with "
+                        "dataset.answer_column, or choose reward_funcs that fit the data"
+                    )
+
+
 def reward_name(func: RewardFunc) -> str:
     """Name used in metrics: the function's ``__name__``, else its class name."""
     return getattr(func, "__name__", None) or type(func).__name__
@@ -235,7 +269,7 @@ def _excerpt(prompt: Any) -> str:
 
 
 def _call_reward(func: RewardFunc, batch: dict[str, Any], size: int) -> Any:
-    """Call ``func`` on the batch; if it raises, raise a RuntimeError naming the first failing row."""
+    """Call ``func`` on the batch; if it raises, raise a `RewardFunctionError` naming the first failing row."""
     try:
         return func(**batch)
     except Exception as batch_error:
@@ -246,17 +280,19 @@ def _call_reward(func: RewardFunc, batch: dict[str, Any], size: int) -> Any:
             except Exception as row_error:
                 prompts = batch["prompts"]
                 where = f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
-                raise RuntimeError(
+                raise RewardFunctionError(
                     f"reward function {name!r} failed on {where}: {type(row_error).__name__}: {row_error}"
                 ) from row_error
-        raise RuntimeError(
+        raise RewardFunctionError(
             f"reward function {name!r} failed on a batch of {size} completions (no single row fails alone): "
             f"{type(batch_error).__name__}: {batch_error}"
         ) from batch_error
 
 
-def _as_tensor(name: str, values: Any, size: int) -> torch.Tensor:
-    """Check a reward function's output and turn it into a float32 tensor with NaN for None."""
+def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None) -> torch.Tensor:
+    """Check a reward function's output and turn it into a float32 tensor with NaN for None (and for NaN, which
+    TRL treats as None). An infinite reward is an error naming the function and the row: it would make every weight
+    NaN at the next update."""
     if not isinstance(values, (list, tuple)) or len(values) != size:
         got = f"length {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
         raise ValueError(f"reward function {name!r} must return a list of {size} floats or None, got {got}")
@@ -264,6 +300,13 @@ def _as_tensor(name: str, values: Any, size: int) -> torch.Tensor:
         floats = [math.nan if value is None else float(value) for value in values]
     except (TypeError, ValueError) as exc:
         raise ValueError(f"reward function {name!r} returned a value that is not a number: {exc}") from exc
+    for index, value in enumerate(floats):
+        if math.isinf(value):
+            where = f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
+            raise ValueError(
+                f"reward function {name!r} returned {value} for {where}; rewards must be finite numbers, or None "
+                "for a row the function cannot score. The run stopped before this step's update."
+            )
     return torch.tensor(floats, dtype=torch.float32)
 
 
@@ -318,7 +361,15 @@ def compute_rewards(
         "completion_ids": completion_ids,
         **_columns(rows),
     }
-    per_func = torch.stack([_as_tensor(reward_name(f), _call_reward(f, batch, size), size) for f in funcs])
+    per_func = torch.stack([_as_tensor(reward_name(f), _call_reward(f, batch, size), size, prompts) for f in funcs])
+    unscored = int(torch.isnan(per_func).all(dim=0).sum())
+    if unscored:
+        logger.warning(
+            "%d of %d completions got no reward from any reward function (all returned None or NaN); as in TRL, "
+            "they count as reward 0",
+            unscored,
+            size,
+        )
     total = (per_func * weight_tensor.unsqueeze(1)).nansum(dim=0)
     metrics: dict[str, float] = {}
     for func, values in zip(funcs, per_func, strict=True):
