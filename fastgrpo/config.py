@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -19,12 +22,28 @@ from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
 from fastgrpo.fields import option
 from fastgrpo.grpo.losses import LOSS_TYPES, SCALE_REWARDS
-from fastgrpo.models import DTYPES
+from fastgrpo.models import DTYPES, check_model_source
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.controller import ControllerLimits
+from fastgrpo.spec.draft import DRAFT_CONFIG
 from fastgrpo.spec.draft_trainer import LR_SCHEDULERS, DraftTrainConfig
 
 REPORT_TO = ("jsonl", "tensorboard")
+
+
+class YAMLLoader(yaml.SafeLoader):
+    """YAML with the booleans of YAML 1.2: only true and false (any case). YAML 1.1 also reads on, off, yes and no
+    as booleans, which would turn ``speculation.mode: off`` into False."""
+
+
+YAML11_BOOLEANS = {"yes": True, "on": True, "no": False, "off": False}  # still read so for boolean options
+YAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 SPECULATION_MODES = ("off", "static", "paper", "adaptive")
@@ -87,8 +106,10 @@ class SpeculationConfig:
                 "speculation.draft_vocab_size applies to a fresh draft; the saved draft in speculation.draft "
                 f"({self.draft}) keeps its own vocabulary"
             )
-        if self.draft is not None and not Path(self.draft).is_dir():
-            raise ValueError(f"speculation.draft: {self.draft} is not a directory with a saved draft")
+        if self.draft is not None and not (Path(self.draft) / DRAFT_CONFIG).is_file():
+            raise ValueError(
+                f"speculation.draft: {self.draft} is not a directory saved by fastgrpo draft train (no {DRAFT_CONFIG})"
+            )
 
 
 @dataclass
@@ -162,6 +183,10 @@ class GRPOConfig:
     lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
     # outputs
     output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run")
+    overwrite_output_dir: bool = option(
+        False,
+        help="start a new run in an output_dir that holds another one, deleting that run's metrics and checkpoints",
+    )
     seed: int = option(42, help="seeds data order, sampling and initialisation")
     logging_steps: int = option(1, help="write metrics every this many steps")
     save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)")
@@ -219,6 +244,7 @@ class GRPOConfig:
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
             )
+        _check_finite(self)
         checks = [
             ("learning_rate", self.learning_rate > 0, "> 0"),
             ("temperature", self.temperature >= 0, ">= 0"),
@@ -246,12 +272,29 @@ class GRPOConfig:
         for target in self.report_to:
             if target not in REPORT_TO:
                 raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
+        if "tensorboard" in self.report_to and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("report_to: tensorboard needs the tensorboard package: pip install tensorboard")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        check_model_source(self.model)
         self.dataset.validate()
         self.speculation.validate()
         self.draft_training.validate()
         from fastgrpo.rewards import resolve_reward_funcs
 
         resolve_reward_funcs(self.reward_funcs)
+
+
+def _check_finite(config: Any, prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first float option (nested ones too) that is infinite or NaN."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
 
 
 def _coerce(name: str, value: Any, annotation: Any) -> Any:
@@ -280,6 +323,8 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
             return float(value)
         except ValueError:
             pass
+    if annotation is bool and isinstance(value, str) and value.lower() in YAML11_BOOLEANS:
+        return YAML11_BOOLEANS[value.lower()]
     if annotation in (int, float, str, bool) and not (
         isinstance(value, annotation) and not (annotation is int and isinstance(value, bool))
     ):
@@ -326,7 +371,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
         *parents, leaf = key.replace("-", "_").split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = yaml.safe_load(raw) if raw != "" else ""
+        try:
+            node[leaf] = yaml.load(raw, Loader=YAMLLoader) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ValueError(f"--{key}: {raw!r} is not a YAML value ({getattr(e, 'problem', e)})") from None
     return out
 
 
@@ -344,7 +392,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file {path} does not exist")
-        values = yaml.safe_load(path.read_text()) or {}
+        try:
+            values = yaml.load(path.read_text(), Loader=YAMLLoader) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a mapping of options")
     values = _merge(values, parse_overrides(overrides or []))

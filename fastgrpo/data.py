@@ -26,6 +26,7 @@ Messages = list[dict[str, Any]]
 Record = tuple[str, Any]  # a raw record and where it came from ("line 3", "row 7"), for error messages
 
 ARITHMETIC_OPERATORS = "+-*"
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 GSM8K_INSTRUCTION = "Solve step by step and give the final answer after '####'."
 BOXED_INSTRUCTION = "Solve step by step and put the final answer within \\boxed{}."
@@ -192,6 +193,8 @@ def _prompt_problem(value: Any) -> str | None:
             return "must be a list of {role, content} messages; found an entry without a string 'role'"
         if not isinstance(message.get("content"), str):
             return "must be a list of {role, content} messages; found a message without string 'content'"
+        if message["role"] not in CHAT_ROLES:
+            return f"has a message with role {message['role']!r}; roles are {', '.join(CHAT_ROLES)}"
     if not any(message["role"] == "user" for message in value):
         return "has no user message"
     return None

@@ -81,9 +81,29 @@ def resolve_model_path(name: str) -> str:
     return str(target)
 
 
+def check_model_source(name: str, option: str = "model") -> None:
+    """Raise ``ValueError`` naming ``option`` when ``name`` can be told not to be a loadable model without loading
+    anything: a path that does not exist, or a directory without ``config.json``. A name like ``org/model`` is taken
+    for a hub id."""
+    if name == EMBEDDED_MODEL:
+        return
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{option}: {name} is not a Hugging Face model directory (it has no config.json)")
+        return
+    looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
+    if looks_like_path:
+        raise ValueError(f"{option}: {name} does not exist")
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """Tokenizer of a model (left padding, a pad token always set)."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    check_model_source(name)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: cannot load a tokenizer from {name}: {e}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -116,9 +136,13 @@ def load_model(name: str, dtype: str = "float32", device: str | torch.device = "
     """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = AutoModelForCausalLM.from_pretrained(
-        resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa"
-    )
+    check_model_source(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa"
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: cannot load {name} as a causal language model: {e}") from None
     if model.config.model_type not in SUPPORTED_FAMILIES:
         logger.warning("model type %r is outside the tested families %s", model.config.model_type, SUPPORTED_FAMILIES)
     return model.to(device)
