@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastgrpo.errors import RewardFunctionError
+
 if TYPE_CHECKING:
     from fastgrpo.config import GRPOConfig
 
@@ -29,11 +31,17 @@ def _train(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, overrides)
     from fastgrpo import distributed
+    from fastgrpo.grpo.checkpoint import latest_checkpoint
     from fastgrpo.grpo.trainer import GRPOTrainer
 
     try:
         trainer = GRPOTrainer(config, resume=args.resume)
         history = trainer.train()
+    except KeyboardInterrupt:
+        latest = latest_checkpoint(Path(config.output_dir))
+        kept = f"the latest checkpoint is {latest}; add --resume to continue from it" if latest else "no checkpoint yet"
+        print(f"fastgrpo train: interrupted; {kept}", file=sys.stderr)
+        sys.exit(130)
     finally:
         distributed.shutdown()
     if history and trainer.dist.is_main:
@@ -74,9 +82,11 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError("--num-generations and --max-new-tokens must be >= 1")
     import torch
 
-    from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.models import check_model_source, encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.rollout.sampling import SamplingParams
+
+    check_model_source(args.model, "--model")
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
@@ -194,9 +204,11 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
     import torch
 
-    from fastgrpo.models import load_model
+    from fastgrpo.models import check_model_source, load_model
     from fastgrpo.spec import profiler
     from fastgrpo.spec.draft import DraftHead
+
+    check_model_source(args.model, "--model")
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     model = load_model(args.model, dtype=args.dtype, device=device)
@@ -357,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
         keep_freed_memory()
     try:
         args.func(args, rest)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, RewardFunctionError) as e:
         print(f"fastgrpo {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        print(f"fastgrpo {args.command}: interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -30,6 +30,17 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _umask() -> int:
+    """The process's file-mode creation mask, read without changing it (Linux), else the usual 0o022."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022
+
+
 def save_checkpoint(
     output_dir: Path,
     step: int,
@@ -48,18 +59,42 @@ def save_checkpoint(
     final = output_dir / f"checkpoint-{step}"
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}.", dir=output_dir))
     try:
+        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is as readable as any other directory
         write_model(tmp)
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.replace(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if save_total_limit is not None:
         for old in list_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(old)
+            _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Delete a checkpoint directory: first renamed to a temporary name, so that a run killed while deleting leaves
+    a temporary (removed by `remove_leftovers`), never a checkpoint with part of its files."""
+    doomed = checkpoint.with_name(f".{checkpoint.name}.removing")
+    os.replace(checkpoint, doomed)
+    shutil.rmtree(doomed)
+
+
+def remove_leftovers(output_dir: Path) -> list[Path]:
+    """Delete what an interrupted run leaves behind: temporaries of saves and deletions (``.checkpoint-*``) and
+    ``checkpoint-N`` directories without a trainer state. Returns what was removed."""
+    if not output_dir.is_dir():
+        return []
+    removed = []
+    for path in sorted(output_dir.iterdir()):
+        stale = path.name.startswith(".checkpoint-")
+        incomplete = CHECKPOINT_RE.match(path.name) is not None and not (path / STATE_FILE).is_file()
+        if path.is_dir() and (stale or incomplete):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
@@ -78,3 +113,32 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 def load_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state saved with a checkpoint (RNG state is restored by the caller via `set_rng_state`)."""
     return torch.load(checkpoint / STATE_FILE, weights_only=False)
+
+
+def damage(checkpoint: Path) -> str | None:
+    """Why a checkpoint cannot be resumed from (an unreadable weights file), or None. The trainer state is checked
+    by loading it (`load_state`)."""
+    from safetensors import safe_open
+
+    for weights in sorted(checkpoint.rglob("*.safetensors")):
+        try:
+            with safe_open(str(weights), framework="pt"):
+                pass
+        except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
+            return f"{weights.relative_to(checkpoint)} is unreadable ({e})"
+    return None
+
+
+def load_latest_intact(output_dir: Path) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
+    """The newest checkpoint whose weights and trainer state are readable and its state (None and None when there
+    is none), and why each newer one was passed over."""
+    passed = []
+    for checkpoint in reversed(list_checkpoints(output_dir)):
+        problem = damage(checkpoint)
+        if problem is None:
+            try:
+                return checkpoint, load_state(checkpoint), passed
+            except Exception as e:  # torch.load raises several types on a truncated or corrupt file
+                problem = f"{STATE_FILE} is unreadable ({type(e).__name__}: {e})"
+        passed.append(f"{checkpoint.name}: {problem}")
+    return None, None, passed

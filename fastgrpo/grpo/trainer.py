@@ -6,6 +6,7 @@ import json
 import logging
 import random
 import resource
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -23,7 +24,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
-from fastgrpo.grpo.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from fastgrpo.grpo.checkpoint import (
+    list_checkpoints,
+    load_latest_intact,
+    remove_leftovers,
+    save_checkpoint,
+    set_rng_state,
+)
 from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, group_advantages, grpo_loss
 from fastgrpo.models import (
     encode_prompts,
@@ -33,7 +40,7 @@ from fastgrpo.models import (
     resolve_model_path,
     warn_if_bf16_emulated,
 )
-from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
+from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
@@ -129,6 +136,7 @@ class GRPOTrainer:
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
+        check_columns(self.reward_funcs, self.dataset)
         self.global_prompts = config.prompts_per_step * self.dist.world_size
         if len(self.dataset) < self.global_prompts:
             raise ValueError(
@@ -136,15 +144,8 @@ class GRPOTrainer:
                 f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
         self.start_step = 0
-        checkpoint = latest_checkpoint(self.output_dir) if resume else None
-        if resume and checkpoint is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {self.output_dir}")
-        resume_state = load_state(checkpoint) if checkpoint is not None else None
-        if resume_state is not None and "optimizer" not in resume_state:
-            raise ValueError(
-                f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
-                "from; start a new run from its weights with --model instead"
-            )
+        with distributed.main_first(self.dist):
+            checkpoint, resume_state = self._prepare_output_dir(resume)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
@@ -185,9 +186,45 @@ class GRPOTrainer:
             self._restore(checkpoint, resume_state)
         self.sampling = config.sampling_params()
         self.prompt_cache: dict[int, list[int]] = {}
+        self._warned_truncation = False
         self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to and self.dist.is_main else None
 
     # -- set-up -------------------------------------------------------------------------------------------
+    def _prepare_output_dir(self, resume: bool) -> tuple[Path | None, dict[str, Any] | None]:
+        """Refuse an ``output_dir`` that holds another run unless resuming it or ``overwrite_output_dir`` (which
+        deletes it), remove what an interrupted run left behind, and pick the checkpoint to resume from: the newest
+        whose weights and state are readable. Returns it and its state (None and None for a new run)."""
+        out, main = self.output_dir, self.dist.is_main
+        earlier = [p for p in (out / "metrics.jsonl", *list_checkpoints(out)) if p.exists()]
+        if earlier and not resume:
+            if not self.config.overwrite_output_dir:
+                raise ValueError(
+                    f"output_dir {out} holds another run ({', '.join(p.name for p in earlier)}): continue it with "
+                    "--resume, start over there with --overwrite_output_dir true (which deletes it), or choose "
+                    "another output_dir"
+                )
+            if main:
+                for path in earlier:
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                logger.warning("overwrite_output_dir: deleted the earlier run in %s", out)
+        if main:
+            for path in remove_leftovers(out):
+                logger.warning("removed %s, left behind by an interrupted run", path)
+        if not resume:
+            return None, None
+        checkpoint, state, passed = load_latest_intact(out)
+        for reason in passed:
+            logger.warning("--resume: passing over %s", reason)
+        if checkpoint is None:
+            detail = f" intact ({'; '.join(passed)})" if passed else ""
+            raise FileNotFoundError(f"--resume: no{detail} checkpoint under {out}")
+        if "optimizer" not in state:
+            raise ValueError(
+                f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
+                "from; start a new run from its weights with --model instead"
+            )
+        return checkpoint, state
+
     def _load_reference(self) -> PreTrainedModel | None:
         """A frozen copy of the initial policy for the KL penalty (none with LoRA: adapters are disabled)."""
         if self.config.use_peft:
@@ -205,7 +242,10 @@ class GRPOTrainer:
         if checkpoint is not None and (checkpoint / DRAFT_DIR).is_dir():
             return DraftHead.load(checkpoint / DRAFT_DIR, self.model)
         if spec.draft is not None:
-            return DraftHead.load(spec.draft, self.model)
+            try:
+                return DraftHead.load(spec.draft, self.model)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"speculation.draft: {e}") from None
         if spec.draft_vocab_size is not None:
             return None
         return self._fresh_draft()
@@ -249,7 +289,10 @@ class GRPOTrainer:
             target_modules=self.config.lora_target_modules or "all-linear",
             task_type="CAUSAL_LM",
         )
-        return get_peft_model(model, lora)
+        try:
+            return get_peft_model(model, lora)
+        except ValueError as e:
+            raise ValueError(f"lora_target_modules {self.config.lora_target_modules}: {e}") from None
 
     def _tensorboard(self) -> Any:
         try:
@@ -284,12 +327,21 @@ class GRPOTrainer:
 
     def _encode(self, rows: list[dict[str, Any]]) -> list[list[int]]:
         out = []
+        limit = self.config.max_prompt_length
         for row in rows:
             key = id(row)
             if key not in self.prompt_cache:
-                self.prompt_cache[key] = encode_prompts(self.tokenizer, [row["prompt"]], self.config.max_prompt_length)[
-                    0
-                ]
+                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1)[0]
+                if len(ids) > limit and not self._warned_truncation:
+                    self._warned_truncation = True
+                    logger.warning(
+                        "a prompt is longer than max_prompt_length (%d tokens): it keeps its last %d tokens and loses "
+                        "its beginning, the chat template's header included; raise max_prompt_length (later prompts "
+                        "are cut without another warning)",
+                        limit,
+                        limit,
+                    )
+                self.prompt_cache[key] = ids[-limit:]
             out.append(self.prompt_cache[key])
         return out
 
