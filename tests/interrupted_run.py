@@ -1,0 +1,61 @@
+"""``python interrupted_run.py CONFIG MOMENT STEP``: ``fastgrpo train --config CONFIG`` in this process, killed with
+SIGKILL at ``MOMENT`` of step ``STEP`` (1-based): ``rollout`` (inside the rollout's decoding), ``save`` (the trainer
+state half written to its temporary directory) or ``prune`` (one file of the checkpoint being pruned deleted)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+
+from fastgrpo import cli
+from fastgrpo.grpo import checkpoint
+from fastgrpo.rollout.engine import RolloutEngine
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main(config: str, moment: str, step: int) -> None:
+    calls = {"rollout": 0}
+    if moment == "rollout":
+        real_generate = RolloutEngine._generate
+
+        def generate(self, *args, **kwargs):
+            calls["rollout"] += 1
+            if calls["rollout"] == step:
+                self._emit = lambda *a: die()  # after the prefill, at the first decoded tokens
+            return real_generate(self, *args, **kwargs)
+
+        RolloutEngine._generate = generate
+    elif moment == "save":
+        real_save = torch.save
+
+        def save(obj, path, *args, **kwargs):
+            real_save(obj, path, *args, **kwargs)
+            if str(path).endswith(checkpoint.STATE_FILE) and int(obj["step"]) == step:
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
+                die()
+
+        checkpoint.torch.save = save
+    elif moment == "prune":
+
+        def rmtree(path, *args, **kwargs):
+            files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+            os.remove(os.path.join(path, files[0]))
+            die()
+
+        checkpoint.shutil.rmtree = rmtree
+    else:
+        raise SystemExit(f"unknown moment {moment!r}")
+    cli.main(["train", "--config", config, "--progress_bar", "false"])
+    raise SystemExit(f"the run ended without being killed at {moment} of step {step}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))

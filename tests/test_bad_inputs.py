@@ -1,0 +1,380 @@
+"""Bad inputs and faults, as a user meets them on the command line: each mistake ends in the right behaviour or in a
+one-paragraph message (no traceback) that names the option, file, row or function; a run killed at any moment
+resumes to the same weights and leaves nothing behind."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import save_tiny_llama
+from safetensors.torch import load_file
+from transformers import LlamaConfig, T5Config
+
+from fastgrpo.cli import main
+from fastgrpo.grpo import trainer as trainer_module
+from fastgrpo.grpo.checkpoint import STATE_FILE
+from fastgrpo.models import load_tokenizer
+
+TESTS = Path(__file__).parent
+
+
+# Reward functions the runs below name as test_bad_inputs:NAME (the tests folder is importable, as pytest runs it).
+def inf_reward(completions: list, **kwargs) -> list[float]:
+    return [math.inf] * len(completions)
+
+
+def none_reward(completions: list, **kwargs) -> list[None]:
+    return [None] * len(completions)
+
+
+def nan_reward(completions: list, **kwargs) -> list[float]:
+    return [math.nan] * len(completions)
+
+
+def raising_reward(completions: list, **kwargs) -> list[float]:
+    return [1.0 / (len(c) - len(c)) for c in completions]
+
+
+def short_reward(completions: list, **kwargs) -> list[float]:
+    return [1.0]
+
+
+def scalar_reward(completions: list, **kwargs) -> float:
+    return 1.0
+
+
+def length_reward(completions: list, **kwargs) -> list[float]:
+    return [float(len(c) % 7) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
+
+
+def write_config(path: Path, model_dir: Path, **overrides) -> Path:
+    """A YAML config of a tiny run: 1 prompt x 4 completions of 8 tokens a step."""
+    values = {
+        "model": str(model_dir),
+        "dataset": {"num_examples": 16},
+        "reward_funcs": ["test_bad_inputs:length_reward"],
+        "num_generations": 4,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "max_completion_length": 8,
+        "learning_rate": 1e-3,
+        "max_steps": 1,
+        "save_steps": 1,
+        "output_dir": str(path.parent / f"{path.stem}-run"),
+        "progress_bar": False,
+        "log_completions": False,
+        "speculation": {"mode": "off"},
+    }
+    values.update(overrides)
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    """Exit code and standard error of ``fastgrpo ARGV`` (0 when it returns)."""
+    try:
+        main(list(argv))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    return code, capsys.readouterr().err
+
+
+def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """The one-line message of a command that must stop with exit code 2 and no traceback."""
+    code, err = run_cli(capsys, *argv)
+    assert code == 2, err
+    assert "Traceback" not in err
+    return err
+
+
+# -- refused with a message ----------------------------------------------------------------------------------------
+
+CONFIG_ERRORS = [
+    ({"temperature": ".inf"}, "temperature must be a finite number"),
+    ({"draft_training": {"learning_rate": ".inf"}}, "draft_training.learning_rate must be a finite number"),
+    ({"stop": [""]}, "stop strings must not be empty"),
+    ({"model": "/nonexistent/model"}, "model: /nonexistent/model does not exist"),
+    ({"speculation": {"mode": "adaptive", "draft": "."}}, "speculation.draft: . is not a directory saved by"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), CONFIG_ERRORS)
+def test_bad_options_are_refused_before_a_model_loads(
+    capsys, monkeypatch, model_dir: Path, tmp_path: Path, overrides: dict, message: str
+) -> None:
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    config = write_config(tmp_path / "c.yaml", model_dir)
+    text = yaml.safe_load(config.read_text()) | overrides
+    config.write_text(yaml.safe_dump(text).replace("'.inf'", ".inf"))
+    assert message in refused(capsys, "train", "--config", str(config))
+
+
+def test_output_dir_that_is_a_file(capsys, model_dir: Path, tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    config = write_config(tmp_path / "c.yaml", model_dir, output_dir=str(tmp_path / "file"))
+    assert "is a file, not a directory" in refused(capsys, "train", "--config", str(config))
+
+
+def test_report_to_tensorboard_without_tensorboard(capsys, monkeypatch, model_dir: Path, tmp_path: Path) -> None:
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else find_spec(name)
+    )
+    config = write_config(tmp_path / "c.yaml", model_dir, report_to=["jsonl", "tensorboard"])
+    assert "pip install tensorboard" in refused(capsys, "train", "--config", str(config))
+
+
+def test_a_yaml_syntax_error_names_the_file_and_line(capsys, tmp_path: Path) -> None:
+    config = tmp_path / "broken.yaml"
+    config.write_text("learning_rate: 1e-5\ndataset:\n  name: [gsm8k\n")
+    err = refused(capsys, "train", "--config", str(config))
+    assert f"{config}, line " in err and "not valid YAML" in err
+
+
+def test_off_is_the_string_off_for_string_options(model_dir: Path, tmp_path: Path) -> None:
+    """YAML 1.1 reads off, on, yes and no as booleans; a string option keeps the word, a boolean one reads it."""
+    from fastgrpo.config import load_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("speculation:\n  mode: off\nbf16: no\n")
+    loaded = load_config(config, ["--log_completions", "off"])
+    assert loaded.speculation.mode == "off" and loaded.bf16 is False and loaded.log_completions is False
+    assert load_config(None, ["--speculation.mode", "off"]).speculation.mode == "off"
+
+
+def test_a_chat_role_outside_the_known_ones(capsys, model_dir: Path, tmp_path: Path) -> None:
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "wizard", "content": "2 + 2?"}], "answer": "4"}) + "\n")
+    config = write_config(tmp_path / "c.yaml", model_dir, dataset={"name": str(data)})
+    err = refused(capsys, "train", "--config", str(config))
+    assert "line 1" in err and "'wizard'" in err
+
+
+def test_a_dataset_without_the_column_a_reward_needs(capsys, monkeypatch, model_dir: Path, tmp_path: Path) -> None:
+    monkeypatch.setattr(trainer_module.RolloutEngine, "generate", lambda *a, **k: pytest.fail("a rollout ran"))
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i} + 1?"}) + "\n" for i in range(4)))
+    config = write_config(tmp_path / "c.yaml", model_dir, dataset={"name": str(data)}, reward_funcs=["accuracy"])
+    err = refused(capsys, "train", "--config", str(config))
+    assert "'gsm8k_flexible' needs the dataset column 'answer'" in err and "row 0" in err
+
+
+def test_models_that_cannot_load(capsys, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert f"{empty} is not a Hugging Face model directory" in refused(capsys, "generate", "--model", str(empty))
+    assert "--model: /no/such/model does not exist" in refused(capsys, "generate", "--model", "/no/such/model")
+    seq2seq = tmp_path / "t5"  # a model directory with a tokenizer, of a model that is not a causal LM
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_kv=8, d_ff=8, vocab_size=16).save_pretrained(seq2seq)
+    load_tokenizer("smollm2").save_pretrained(seq2seq)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"model": str(seq2seq), "dataset": {"num_examples": 8}}))
+    assert f"model: cannot load {seq2seq} as a causal language model" in refused(
+        capsys, "eval", "--config", str(config)
+    )
+
+
+def test_generate_without_generations(capsys) -> None:
+    assert "--num-generations and --max-new-tokens must be >= 1" in refused(
+        capsys, "generate", "--prompt", "hi", "--num-generations", "0"
+    )
+
+
+def test_a_draft_for_another_model_and_bad_lora_targets(capsys, model_dir: Path, tmp_path: Path) -> None:
+    from fastgrpo.spec.draft import DraftHead
+
+    wide = LlamaConfig(
+        vocab_size=128,
+        hidden_size=48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    DraftHead(wide, "wide").save(tmp_path / "draft")
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, speculation={"mode": "adaptive", "draft": str(tmp_path / "draft")}
+    )
+    assert "speculation.draft: draft in" in refused(capsys, "train", "--config", str(config))
+    config = write_config(tmp_path / "l.yaml", model_dir, use_peft=True, lora_target_modules=["no_such_layer"])
+    assert "lora_target_modules ['no_such_layer']" in refused(capsys, "train", "--config", str(config))
+
+
+# -- rewards ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        ("inf_reward", "'inf_reward' returned inf for row 0"),
+        ("raising_reward", "'raising_reward' failed on row 0"),
+        ("short_reward", "'short_reward' must return a list of 4 floats or None, got length 1"),
+        ("scalar_reward", "'scalar_reward' must return a list of 4 floats or None, got float"),
+    ],
+)
+def test_a_bad_reward_stops_the_run_before_any_update(
+    capsys, monkeypatch, model_dir: Path, tmp_path: Path, reward: str, message: str
+) -> None:
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "optimize", lambda *a: pytest.fail("the policy was updated"))
+    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"test_bad_inputs:{reward}"])
+    assert message in refused(capsys, "train", "--config", str(config))
+
+
+def test_an_infinite_reward_never_reaches_the_weights(model_dir: Path, tmp_path: Path) -> None:
+    """Among finite rewards, one infinite row stops the step in which it comes, and the weights stay finite and as
+    they were after the step before."""
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo.trainer import GRPOTrainer
+
+    calls = []
+
+    def late_inf(completions: list, **kwargs) -> list[float]:
+        calls.append(1)
+        values = [float(len(c) % 7) for c in completions]
+        return values if len(calls) < 2 else [*values[:-1], -math.inf]
+
+    config = load_config(write_config(tmp_path / "c.yaml", model_dir, max_steps=3, save_steps=10))
+    trainer = GRPOTrainer(config)
+    trainer.reward_funcs = [late_inf]
+    trainer.train_step(0)
+    after_first = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match="'late_inf' returned -inf for row 3"):
+        trainer.train_step(1)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.isfinite(value).all() and torch.equal(value, after_first[name]), name
+
+
+@pytest.mark.parametrize("reward", ["none_reward", "nan_reward"])
+def test_rewards_that_score_nothing_warn(caplog, model_dir: Path, tmp_path: Path, reward: str) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"test_bad_inputs:{reward}"])
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.rewards"):
+        main(["train", "--config", str(config)])
+    assert "4 of 4 completions got no reward from any reward function" in caplog.text
+
+
+def test_a_prompt_longer_than_max_prompt_length_warns(caplog, model_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir, max_prompt_length=8)
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.grpo.trainer"):
+        main(["train", "--config", str(config)])
+    assert caplog.text.count("a prompt is longer than max_prompt_length (8 tokens)") == 1
+
+
+# -- output directories and checkpoints ------------------------------------------------------------------------------
+
+
+def test_a_new_run_in_the_directory_of_another_is_refused_unless_overwritten(
+    capsys, model_dir: Path, tmp_path: Path
+) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=3, save_total_limit=1)
+    assert run_cli(capsys, "train", "--config", str(config))[0] == 0
+    out = tmp_path / "c-run"
+    assert "holds another run (metrics.jsonl, checkpoint-3)" in refused(capsys, "train", "--config", str(config))
+    # Starting over deletes the earlier run: its higher-numbered checkpoint cannot outlive the new run's.
+    code, err = run_cli(capsys, "train", "--config", str(config), "--max_steps", "1", "--overwrite_output_dir", "true")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-1"]
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_checkpoints_are_readable_by_the_group(model_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir)
+    old = os.umask(0o022)
+    try:
+        main(["train", "--config", str(config)])
+    finally:
+        os.umask(old)
+    assert (tmp_path / "c-run" / "checkpoint-1").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize("damaged", ["model.safetensors", STATE_FILE])
+def test_resume_falls_back_to_the_latest_intact_checkpoint(
+    caplog, model_dir: Path, tmp_path: Path, damaged: str
+) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=2, save_total_limit=None)
+    main(["train", "--config", str(config)])
+    latest = tmp_path / "c-run" / "checkpoint-2" / damaged
+    with open(latest, "r+b") as f:
+        f.truncate(latest.stat().st_size // 2)
+    with caplog.at_level(logging.INFO, logger="fastgrpo.grpo.trainer"):
+        main(["train", "--config", str(config), "--resume", "--max_steps", "3"])
+    assert f"passing over checkpoint-2: {damaged}" in caplog.text
+    assert "resumed from" in caplog.text and "checkpoint-1 at step 1" in caplog.text
+    steps = [json.loads(line)["step"] for line in (tmp_path / "c-run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_ctrl_c_says_which_checkpoint_to_resume_from(capsys, monkeypatch, model_dir: Path, tmp_path: Path) -> None:
+    step = trainer_module.GRPOTrainer.train_step
+
+    def interrupted(self, index: int) -> dict:
+        if index == 1:
+            raise KeyboardInterrupt
+        return step(self, index)
+
+    monkeypatch.setattr(trainer_module.GRPOTrainer, "train_step", interrupted)
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=2)
+    code, err = run_cli(capsys, "train", "--config", str(config))
+    assert code == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        f"fastgrpo train: interrupted; the latest checkpoint is {tmp_path / 'c-run' / 'checkpoint-1'}; "
+        "add --resume to continue from it"
+    )
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return {f"draft.{k}": v for k, v in load_file(checkpoint / "draft" / "draft.safetensors").items()} | load_file(
+        checkpoint / "model.safetensors"
+    )
+
+
+def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL mid-rollout, mid-save and mid-prune, then --resume: the final policy and draft equal an uninterrupted
+    run's bit for bit, and no temporary or incomplete checkpoint is left."""
+    options = {
+        "max_steps": 4,
+        "save_total_limit": 2,
+        "speculation": {"mode": "static", "nodes": 4, "top_k": 2, "depth": 2},
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+
+    def train(config: Path, *extra: str) -> None:
+        cmd = [sys.executable, "-m", "fastgrpo", "train", "--config", str(config), "--progress_bar", "false", *extra]
+        result = subprocess.run([*cmd], env=env, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    reference = write_config(tmp_path / "whole.yaml", model_dir, **options)
+    train(reference)
+    expected = weights(tmp_path / "whole-run" / "checkpoint-4")
+    for moment, step in (("rollout", 3), ("save", 2), ("prune", 3)):
+        config = write_config(tmp_path / f"{moment}.yaml", model_dir, **options)
+        killed = subprocess.run(
+            [sys.executable, str(TESTS / "interrupted_run.py"), str(config), moment, str(step)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert killed.returncode == -9, killed.stderr[-3000:]
+        train(config, "--resume")
+        out = tmp_path / f"{moment}-run"
+        assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3", "checkpoint-4"]
+        got = weights(out / "checkpoint-4")
+        assert got.keys() == expected.keys()
+        assert all(torch.equal(got[k], expected[k]) for k in expected), moment
