@@ -83,13 +83,13 @@ def resolve_model_path(name: str) -> str:
 
 def check_model_source(name: str, option: str = "model") -> None:
     """Raise ``ValueError`` naming ``option`` when ``name`` can be told not to be a loadable model without loading
-    anything: a path that does not exist, or a directory without ``config.json``. A name like ``org/model`` is taken
-    for a hub id."""
+    anything: a path that does not exist, or a directory with neither ``config.json`` nor a peft adapter's
+    ``adapter_config.json``. A name like ``org/model`` is taken for a hub id."""
     if name == EMBEDDED_MODEL:
         return
     path = Path(name).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
             raise ValueError(f"{option}: {name} is not a Hugging Face model directory (it has no config.json)")
         return
     looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
