@@ -122,11 +122,12 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
     from fastgrpo.data import load_dataset
     from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
-    from fastgrpo.rewards import compute_rewards, resolve_reward_funcs
+    from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
 
     rows = load_dataset(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs)
+    check_columns(funcs, rows)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)

@@ -172,8 +172,9 @@ def test_a_dataset_without_the_column_a_reward_needs(capsys, monkeypatch, model_
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} + 1?"}) + "\n" for i in range(4)))
     config = write_config(tmp_path / "c.yaml", model_dir, dataset={"name": str(data)}, reward_funcs=["accuracy"])
-    err = refused(capsys, "train", "--config", str(config))
-    assert "'gsm8k_flexible' needs the dataset column 'answer'" in err and "row 0" in err
+    for command in ("train", "eval"):
+        err = refused(capsys, command, "--config", str(config))
+        assert "'gsm8k_flexible' needs the dataset column 'answer'" in err and "row 0" in err
 
 
 def test_models_that_cannot_load(capsys, tmp_path: Path) -> None:
