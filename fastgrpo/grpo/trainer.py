@@ -205,7 +205,10 @@ class GRPOTrainer:
                 )
             if main:
                 for path in earlier:
-                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    else:
+                        path.unlink()
                 logger.warning("overwrite_output_dir: deleted the earlier run in %s", out)
         if main:
             for path in remove_leftovers(out):
