@@ -110,7 +110,7 @@ class LatencyProfile:
         """Write the profile as JSON (atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: ranks may save the same profile
         tmp.write_text(json.dumps(asdict(self), indent=2))
         os.replace(tmp, path)
         return path
