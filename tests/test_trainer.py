@@ -373,3 +373,28 @@ def test_draft_vocab_size_is_for_a_fresh_draft_only(tmp_path: Path) -> None:
         SpeculationConfig(draft=str(tmp_path), draft_vocab_size=64).validate()
     with pytest.raises(ValueError, match="speculation.draft_vocab_size must be >= 2"):
         SpeculationConfig(draft_vocab_size=1).validate()
+
+
+def test_budget_samples_follow_how_often_the_rollout_ran_trees() -> None:
+    from fastgrpo.spec.draft_trainer import budget_samples
+
+    samples = list(range(16))
+    assert budget_samples(samples, 0.0, 0.25) == ([0, 5, 10, 15], 0.25)  # evenly spaced: every group keeps some
+    assert budget_samples(samples, 0.5, 0.25)[1] == 0.5
+    assert budget_samples(samples, 1.0, 0.25) == (samples, 1.0)
+    assert budget_samples(samples, 0.0, 1.0) == (samples, 1.0)
+    assert budget_samples([7], 0.0, 0.25) == ([7], 1.0)
+
+
+@pytest.mark.parametrize(("nodes", "trained"), [(1, 0.25), (4, 1.0)])
+def test_online_draft_learning_trains_on_less_while_the_rollouts_run_no_tree(
+    tiny_model_dir: Path, tmp_path: Path, nodes: int, trained: float
+) -> None:
+    """Plain steps only (a one-node static tree): the draft trains on a quarter of the completions and the metrics
+    say why; a tree at every step: on all of them."""
+    from fastgrpo.config import SpeculationConfig
+
+    config = make_config(tiny_model_dir, tmp_path, speculation=SpeculationConfig(mode="static", nodes=nodes, depth=2))
+    (metrics,) = make_trainer(config).train()[:1]
+    assert metrics["draft/tree_share"] == (0.0 if nodes == 1 else 1.0)
+    assert metrics["draft/trained_share"] == trained and metrics["draft/time"] > 0

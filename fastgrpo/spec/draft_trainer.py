@@ -12,6 +12,7 @@ what a depth-``s + 1`` tree node sees. The loss is averaged over the steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -86,6 +87,11 @@ class DraftTrainConfig:
         "constant", help="learning-rate schedule over one fit (transformers' get_scheduler)", choices=LR_SCHEDULERS
     )
     warmup_ratio: float = option(0.0, help="share of a fit's optimizer steps spent warming the learning rate up")
+    min_share: float = option(
+        0.25,
+        help="online: share of a rollout's completions the draft trains on when the rollout ran no tree; the share "
+        "follows the share of decoding steps that ran a tree, up to all (1.0: always all)",
+    )
 
     def validate(self) -> None:
         for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm", "unroll"):
@@ -99,6 +105,8 @@ class DraftTrainConfig:
             )
         if not 0 <= self.warmup_ratio <= 1:
             raise ValueError(f"draft_training.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
+        if not 0 < self.min_share <= 1:
+            raise ValueError(f"draft_training.min_share must be in (0, 1], got {self.min_share}")
 
 
 def unrolled_attention_mask(t: int, step: int, device: torch.device) -> torch.Tensor:
@@ -109,6 +117,19 @@ def unrolled_attention_mask(t: int, step: int, device: torch.device) -> torch.Te
     j = torch.arange(t, device=device)[None, :]
     blocks = [j <= i - step] + [j == i - step + e for e in range(1, step + 1)]
     return torch.cat(blocks, dim=1)[None, None]
+
+
+def budget_samples(samples: list[DraftSample], tree_share: float, min_share: float) -> tuple[list[DraftSample], float]:
+    """The completions an online update trains on: while the controller keeps plain steps a draft update buys
+    nothing in that rollout, so the share trained on follows ``tree_share`` (the share of decoding steps that ran a
+    tree), at least ``min_share`` so that the draft keeps learning. They are evenly spaced over the rollout (every
+    prompt's group keeps some). Returns them and the share actually taken."""
+    share = max(min_share, min(tree_share, 1.0))
+    count = max(1, math.ceil(share * len(samples)))
+    if count >= len(samples):
+        return samples, 1.0
+    index = torch.linspace(0, len(samples) - 1, count).round().long().tolist()
+    return [samples[i] for i in index], count / len(samples)
 
 
 def rollout_samples(prompt_ids: list[list[int]], out: GenerationOutput, num_generations: int) -> list[DraftSample]:
