@@ -44,7 +44,7 @@ from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_func
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainer, budget_samples, rollout_samples
+from fastgrpo.spec.draft_trainer import DraftTrainer, rollout_samples
 from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
 
 logger = logging.getLogger(__name__)
@@ -372,14 +372,9 @@ class GRPOTrainer:
     def update_draft(self, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
         """Online draft learning on a rollout's completions (also those of groups the policy update skips), with the
         target hidden states its forwards captured: all of them when the rollout ran trees at every step, fewer as
-        it ran fewer (`budget_samples`; the same share on every rank). The policy is frozen meanwhile (the draft's
+        it ran fewer (`DraftTrainer.fit_online`). The policy is frozen meanwhile (the draft's
         loss reaches no policy weight)."""
-        t0 = time.perf_counter()
-        tree_share = max(distributed.gather(out.stats.tree_step_share))
-        samples = rollout_samples(prompt_ids, out, self.config.num_generations)
-        samples, share = budget_samples(samples, tree_share, self.config.draft_training.min_share)
-        fit = self.draft_trainer.fit(samples)
-        return {**fit.metrics(time.perf_counter() - t0), "draft/trained_share": share, "draft/tree_share": tree_share}
+        return self.draft_trainer.fit_online(rollout_samples(prompt_ids, out, self.config.num_generations), [out.stats])
 
     def _logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped

@@ -16,21 +16,19 @@ weights), saves the draft into every TRL checkpoint (``checkpoint-N/draft``) and
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from packaging.version import Version
 
-from fastgrpo import distributed
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
 from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.spec.controller import controller_from_config
 from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer, budget_samples, rollout_samples
+from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer, rollout_samples
 from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
@@ -227,19 +225,14 @@ class SpeculativeRollout:
 
     # -- online draft learning --------------------------------------------------------------------------------
     def update_draft(self) -> dict[str, float]:
-        """Train the draft on the rollouts since the last update (all completions, hidden states captured by the
-        rollout forwards); returns ``draft/loss``, ``draft/accuracy`` and ``draft/time``."""
+        """Train the draft on the rollouts since the last update (their completions, hidden states captured by the
+        rollout forwards, on the share `DraftTrainer.fit_online` takes); returns the ``draft/*`` metrics."""
         if self.draft_trainer is None or not self.pending:
             return {}
-        t0 = time.perf_counter()
         samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
-        steps = sum(len(out.stats.concurrency) for _, out, _ in self.pending)
-        trees = sum(len(out.stats.tree_nodes) for _, out, _ in self.pending)
-        tree_share = max(distributed.gather(trees / max(steps, 1)))
+        rollouts = [out.stats for _, out, _ in self.pending]
         self.pending.clear()
-        samples, share = budget_samples(samples, tree_share, self.draft_training.min_share)
-        fit = self.draft_trainer.fit(samples)
-        return {**fit.metrics(time.perf_counter() - t0), "draft/trained_share": share, "draft/tree_share": tree_share}
+        return self.draft_trainer.fit_online(samples, rollouts)
 
     def save_draft(self, checkpoint: Path) -> None:
         """Write the draft (and its optimizer's state) into ``checkpoint/draft``."""

@@ -74,11 +74,6 @@ class GenerationStats:
         return (sum(self.tree_nodes) + steps - len(self.tree_nodes)) / max(steps, 1)
 
     @property
-    def tree_step_share(self) -> float:
-        """Share of the decoding forwards that verified a draft tree (0 for plain decoding)."""
-        return len(self.tree_nodes) / max(len(self.concurrency), 1)
-
-    @property
     def accept_length(self) -> float:
         """Tokens emitted per row per decoding forward (1.0 for autoregressive decoding)."""
         return self.decode_tokens / max(sum(self.concurrency), 1)

@@ -13,6 +13,7 @@ what a depth-``s + 1`` tree node sees. The loss is averaged over the steps.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,7 +28,7 @@ from fastgrpo.models import warn_if_bf16_emulated
 from fastgrpo.spec.draft import DraftHead
 
 if TYPE_CHECKING:
-    from fastgrpo.rollout.engine import GenerationOutput
+    from fastgrpo.rollout.engine import GenerationOutput, GenerationStats
 
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
@@ -249,6 +250,19 @@ class DraftTrainer:
             hits = (self.draft.to_target_ids(draft_logp.argmax(-1)) == nxt[:, 1:][rows]).sum()
         counts = torch.stack([hits, torch.tensor(len(pred), device=hits.device)]).float()
         return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss, counts
+
+    def fit_online(self, samples: list[DraftSample], rollouts: list[GenerationStats]) -> dict[str, float]:
+        """One online update on the completions of ``rollouts`` (``samples``, from `rollout_samples`): on all of them
+        when every decoding step ran a tree, on fewer as fewer did (`budget_samples`, with the share of tree steps of
+        the rank that ran most, so that every rank takes the same share). Returns `DraftFit.metrics` with
+        ``draft/trained_share`` and ``draft/tree_share``, which say why."""
+        t0 = time.perf_counter()
+        steps = sum(len(stats.concurrency) for stats in rollouts)
+        trees = sum(len(stats.tree_nodes) for stats in rollouts)
+        tree_share = max(distributed.gather(trees / max(steps, 1)))
+        samples, share = budget_samples(samples, tree_share, self.config.min_share)
+        fit = self.fit(samples)
+        return {**fit.metrics(time.perf_counter() - t0), "draft/trained_share": share, "draft/tree_share": tree_share}
 
     def fit(self, samples: list[DraftSample], progress: bool = False) -> DraftFit:
         """``epochs`` passes over ``samples`` packed by the token budget; returns the loss of every update and the
