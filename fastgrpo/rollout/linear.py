@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastgrpo.machine import device_key, file_key
+from fastgrpo.machine import device_key, file_key, write_atomically
 from fastgrpo.models import cache_root
 
 FEW_ROWS = 4
@@ -206,10 +206,7 @@ def load_or_calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     except (OSError, ValueError, AttributeError):  # none yet, or unreadable: measure again
         pass
     table = calibrate(weights)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(table))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(table))
     return table
 
 

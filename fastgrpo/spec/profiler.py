@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from fastgrpo.machine import device_key, file_key
+from fastgrpo.machine import device_key, file_key, write_atomically
 from fastgrpo.models import cache_root
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
@@ -108,12 +107,7 @@ class LatencyProfile:
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: ranks may save the same profile
-        tmp.write_text(json.dumps(asdict(self), indent=2))
-        os.replace(tmp, path)
-        return path
+        return write_atomically(Path(path), json.dumps(asdict(self), indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> LatencyProfile:
