@@ -257,6 +257,11 @@ def _row_slice(batch: dict[str, Any], index: int) -> dict[str, Any]:
     return {key: None if value is None else value[index : index + 1] for key, value in batch.items()}
 
 
+def _row(prompts: Sequence[Any] | None, index: int) -> str:
+    """``row N`` and, when the prompts are known, an excerpt of its prompt, for error messages."""
+    return f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
+
+
 def _excerpt(prompt: Any) -> str:
     """Short text of a prompt (a string or chat messages) for error messages."""
     if isinstance(prompt, str):
@@ -278,10 +283,9 @@ def _call_reward(func: RewardFunc, batch: dict[str, Any], size: int) -> Any:
             try:
                 func(**_row_slice(batch, index))
             except Exception as row_error:
-                prompts = batch["prompts"]
-                where = f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
                 raise RewardFunctionError(
-                    f"reward function {name!r} failed on {where}: {type(row_error).__name__}: {row_error}"
+                    f"reward function {name!r} failed on {_row(batch['prompts'], index)}: "
+                    f"{type(row_error).__name__}: {row_error}"
                 ) from row_error
         raise RewardFunctionError(
             f"reward function {name!r} failed on a batch of {size} completions (no single row fails alone): "
@@ -302,10 +306,9 @@ def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None)
         raise ValueError(f"reward function {name!r} returned a value that is not a number: {exc}") from exc
     for index, value in enumerate(floats):
         if math.isinf(value):
-            where = f"row {index}" + ("" if prompts is None else f" (prompt: {_excerpt(prompts[index])!r})")
             raise ValueError(
-                f"reward function {name!r} returned {value} for {where}; rewards must be finite numbers, or None "
-                "for a row the function cannot score. The run stopped before this step's update."
+                f"reward function {name!r} returned {value} for {_row(prompts, index)}; rewards must be finite "
+                "numbers, or None for a row the function cannot score. The run stopped before this step's update."
             )
     return torch.tensor(floats, dtype=torch.float32)
 
