@@ -203,15 +203,14 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError("--repeats must be >= 1 and --context-length >= 2")
     if args.draft is not None and not Path(args.draft).is_dir():
         raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
-    import torch
-
+    from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_model_source, load_model
     from fastgrpo.spec import profiler
     from fastgrpo.spec.draft import DraftHead
 
     check_model_source(args.model, "--model")
 
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device("auto") if args.device == "auto" else args.device
     model = load_model(args.model, dtype=args.dtype, device=device)
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model) if args.draft else None
