@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import save_tiny_llama
+from conftest import save_tiny_llama, tiny_model
 from safetensors.torch import load_file
-from transformers import LlamaConfig, T5Config
+from transformers import T5Config
 
 from fastgrpo.cli import main
 from fastgrpo.grpo import trainer as trainer_module
@@ -201,15 +201,7 @@ def test_generate_without_generations(capsys) -> None:
 def test_a_draft_for_another_model_and_bad_lora_targets(capsys, model_dir: Path, tmp_path: Path) -> None:
     from fastgrpo.spec.draft import DraftHead
 
-    wide = LlamaConfig(
-        vocab_size=128,
-        hidden_size=48,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    DraftHead(wide, "wide").save(tmp_path / "draft")
+    DraftHead(tiny_model("qwen2").config, "qwen2").save(tmp_path / "draft")  # a draft for another model
     config = write_config(
         tmp_path / "c.yaml", model_dir, speculation={"mode": "adaptive", "draft": str(tmp_path / "draft")}
     )
