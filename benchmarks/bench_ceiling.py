@@ -3,7 +3,7 @@ accepted, what speedup that would buy at each concurrency, and how close the tra
 
 SmolLM2-135M-Instruct samples GRPO rollouts (GSM8K test prompts x ``--num-generations``, T=1, top-p 0.95, up to 256
 new tokens, as in ``bench_controller.py``), capturing its hidden states. Along the sampled completions
-(`fastgrpo.spec.ceiling`) it measures the accepted length of full trees proposed by a perfect draft (the target's
+(`fastgrpo.speculative.ceiling`) it measures the accepted length of full trees proposed by a perfect draft (the target's
 own top-K) and by the trained draft (its top-K, fed its own drafted features below depth 1, as in the engine), and
 an upper bound on the accepted length of any N-node tree from any draft under any lossless rule.
 
@@ -27,18 +27,27 @@ from pathlib import Path
 import torch
 from record import Record
 
+from fastgrpo.config import DraftTrainConfig
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.forward import decoder_and_head, forward_block
 from fastgrpo.rollout.linear import rollout_linears
-from fastgrpo.rollout.runner import decoder_and_head, forward_block
-from fastgrpo.rollout.sampling import SamplingParams, process_logits
-from fastgrpo.spec.ceiling import NO_RANK, CompletionRanks, depth_bound, depth_in_full_tree, nodes_needed, ranks_against
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer
-from fastgrpo.spec.profiler import interleaved_medians, interpolate
+from fastgrpo.rollout.sampling import process_logits
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.ceiling import (
+    NO_RANK,
+    CompletionRanks,
+    depth_bound,
+    depth_in_full_tree,
+    nodes_needed,
+    ranks_against,
+)
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.draft_trainer import DraftTrainer
+from fastgrpo.speculative.profiler import interleaved_medians, interpolate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHAPES = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (2, 3), (4, 1), (4, 2)]  # (K children, L levels)

@@ -29,11 +29,13 @@ from record import Record
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.controller import AdaptiveController, PaperController, StaticController
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.profiler import load_or_calibrate
-from fastgrpo.spec.tree import TreeShape
+from fastgrpo.rollout.scheduling import StaticController
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.controller import AdaptiveController, CapacityController
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.profiler import load_or_calibrate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
@@ -43,12 +45,12 @@ def make_engines(model, tokenizer, draft: DraftHead, eos: list[int], c_peak: int
     controllers = {
         "static N4/K2/L3": StaticController(TreeShape(4, 2, 3)),
         "static N16/K4/L5": StaticController(TreeShape(16, 4, 5)),
-        f"paper (C_peak {c_peak})": PaperController(c_peak),
+        f"paper (C_peak {c_peak})": CapacityController(c_peak),
         "adaptive": AdaptiveController(profile),
     }
     engines = {"autoregressive": RolloutEngine(model, eos, tokenizer)}
     for name, controller in controllers.items():
-        engines[name] = RolloutEngine(model, eos, tokenizer, draft=draft, controller=controller)
+        engines[name] = RolloutEngine(model, eos, tokenizer, drafter=EagleDrafter(draft, model), controller=controller)
     return engines
 
 

@@ -32,12 +32,11 @@ from pathlib import Path
 import torch
 from record import Record
 
-from fastgrpo.config import GRPOConfig, SpeculationConfig
+from fastgrpo.config import DraftTrainConfig, GRPOConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.grpo.trainer import GRPOTrainer
 from fastgrpo.models import native_bf16
 from fastgrpo.report import phase_seconds, plot_runs, read_metrics
-from fastgrpo.spec.draft_trainer import DraftTrainConfig
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 BF16 = native_bf16(torch.device("cpu"))  # autocast pays only where the CPU has bf16 units

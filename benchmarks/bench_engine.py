@@ -31,7 +31,7 @@ from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.linear import forced_routes
-from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GSM8K_TEST = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"

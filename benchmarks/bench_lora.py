@@ -26,7 +26,7 @@ from record import Record
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.sampling_params import SamplingParams
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 

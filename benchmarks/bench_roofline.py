@@ -29,9 +29,9 @@ from record import Record
 
 from fastgrpo.models import load_model
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.runner import decoder_and_head
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.profiler import interleaved_medians
+from fastgrpo.rollout.forward import decoder_and_head
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.profiler import interleaved_medians
 
 PEAK_ROWS = 256
 

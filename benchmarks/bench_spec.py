@@ -29,9 +29,10 @@ from record import Record
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.tree import TreeShape
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle import EagleDrafter
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHAPES = {"small": TreeShape(4, 2, 3), "medium": TreeShape(8, 3, 4), "large": TreeShape(16, 4, 5)}
@@ -89,7 +90,9 @@ def peak_rss_mb(shape_name: str | None, draft_dir: str, batch: int, max_new: int
     model, tokenizer = load_model("smollm2", dtype=dtype), load_tokenizer("smollm2")
     draft = DraftHead.load(draft_dir, model) if shape_name else None
     tree = parse_shapes(shape_name)[shape_name] if shape_name else None
-    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer, draft=draft, tree=tree)
+    engine = RolloutEngine(
+        model, eos_token_ids(model, tokenizer), tokenizer, drafter=EagleDrafter(draft, model), tree=tree
+    )
     prompts = prompts_for(tokenizer, "test", batch)
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident size
     loaded = _status_mb("VmRSS")
@@ -152,13 +155,18 @@ def main() -> None:
     eos = eos_token_ids(model, tokenizer)
     shapes = parse_shapes(args.shapes)
     engines = {"ar": RolloutEngine(model, eos, tokenizer)}
-    engines.update({name: RolloutEngine(model, eos, tokenizer, draft=draft, tree=s) for name, s in shapes.items()})
+    engines.update(
+        {
+            name: RolloutEngine(model, eos, tokenizer, drafter=EagleDrafter(draft, model), tree=s)
+            for name, s in shapes.items()
+        }
+    )
     if args.full_vocab and draft.draft_vocab is not None:
         full = copy.deepcopy(draft)
         full.draft_vocab = None  # the same network, proposing from the whole vocabulary
         name = f"{args.full_vocab}-fullvocab"
         shapes[name] = parse_shapes(args.full_vocab)[args.full_vocab]
-        engines[name] = RolloutEngine(model, eos, tokenizer, draft=full, tree=shapes[name])
+        engines[name] = RolloutEngine(model, eos, tokenizer, drafter=EagleDrafter(full, model), tree=shapes[name])
     concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.prompt_sets < 1:
         raise SystemExit(f"--prompt-sets must be >= 1, got {args.prompt_sets}")

@@ -24,12 +24,14 @@ import trl  # noqa: E402
 from record import Record
 from transformers import TrainerCallback  # noqa: E402
 
-from fastgrpo.config import SpeculationConfig  # noqa: E402
+from fastgrpo.config import (
+    DraftTrainConfig,  # noqa: E402
+    SpeculationConfig,  # noqa: E402
+)
 from fastgrpo.data import DataConfig, load_dataset  # noqa: E402
 from fastgrpo.integrations.trl import DraftCallback, SpeculativeRollout  # noqa: E402
 from fastgrpo.models import load_model, load_tokenizer, native_bf16  # noqa: E402
 from fastgrpo.rewards import gsm8k_flexible  # noqa: E402
-from fastgrpo.spec.draft_trainer import DraftTrainConfig  # noqa: E402
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 from record import Record
 
+from fastgrpo.config import LR_SCHEDULERS, DraftTrainConfig
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.draft_trainer import LR_SCHEDULERS, DraftTrainConfig
-from fastgrpo.spec.offline import collect_mixed, fit_draft
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.offline import collect_mixed, fit_draft
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

@@ -84,7 +84,7 @@ def _generate(args: argparse.Namespace, overrides: list[str]) -> None:
 
     from fastgrpo.models import check_model_source, encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.rollout.sampling import SamplingParams
+    from fastgrpo.sampling_params import SamplingParams
 
     check_model_source(args.model, "--model")
 
@@ -164,7 +164,7 @@ def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.data import load_dataset
     from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.spec.offline import train_offline
+    from fastgrpo.speculative.offline import train_offline
 
     rows = load_dataset(config.dataset)
     tokenizer = load_tokenizer(config.model)
@@ -205,8 +205,8 @@ def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_model_source, load_model
-    from fastgrpo.spec import profiler
-    from fastgrpo.spec.draft import DraftHead
+    from fastgrpo.speculative import profiler
+    from fastgrpo.speculative.draft import DraftHead
 
     check_model_source(args.model, "--model")
 

@@ -23,6 +23,7 @@ from fastgrpo.cli import main
 from fastgrpo.grpo import trainer as trainer_module
 from fastgrpo.grpo.checkpoint import STATE_FILE
 from fastgrpo.models import load_tokenizer
+from fastgrpo.rollout.engine import RolloutEngine
 
 TESTS = Path(__file__).parent
 
@@ -168,7 +169,7 @@ def test_a_chat_role_outside_the_known_ones(capsys, model_dir: Path, tmp_path: P
 
 
 def test_a_dataset_without_the_column_a_reward_needs(capsys, monkeypatch, model_dir: Path, tmp_path: Path) -> None:
-    monkeypatch.setattr(trainer_module.RolloutEngine, "generate", lambda *a, **k: pytest.fail("a rollout ran"))
+    monkeypatch.setattr(RolloutEngine, "generate", lambda *a, **k: pytest.fail("a rollout ran"))
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} + 1?"}) + "\n" for i in range(4)))
     config = write_config(tmp_path / "c.yaml", model_dir, dataset={"name": str(data)}, reward_funcs=["accuracy"])
@@ -199,7 +200,7 @@ def test_generate_without_generations(capsys) -> None:
 
 
 def test_a_draft_for_another_model_and_bad_lora_targets(capsys, model_dir: Path, tmp_path: Path) -> None:
-    from fastgrpo.spec.draft import DraftHead
+    from fastgrpo.speculative.draft import DraftHead
 
     DraftHead(tiny_model("qwen2").config, "qwen2").save(tmp_path / "draft")  # a draft for another model
     config = write_config(

@@ -139,6 +139,6 @@ def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.Capt
 
 def test_profile_help_shows_the_profilers_default_token_counts() -> None:
     from fastgrpo import cli
-    from fastgrpo.spec import profiler
+    from fastgrpo.speculative import profiler
 
     assert ",".join(map(str, profiler.DEFAULT_TOKENS)) == cli.PROFILE_TOKENS

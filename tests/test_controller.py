@@ -11,19 +11,16 @@ import torch
 from transformers import PreTrainedModel
 
 from fastgrpo import machine
+from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec import profiler
-from fastgrpo.spec.controller import (
-    AUTOREGRESSIVE,
-    AdaptiveController,
-    ControllerLimits,
-    PaperController,
-    StaticController,
-)
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.profiler import LatencyProfile, find_knee
-from fastgrpo.spec.tree import TreeShape
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative import profiler
+from fastgrpo.speculative.controller import AdaptiveController, CapacityController, shape_for
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.profiler import LatencyProfile, find_knee
 
 EOS = 1
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4]]
@@ -60,7 +57,7 @@ def flat_profile(target: float = 0.05, draft: float = 0.002, knee: int = 32) -> 
     ],
 )
 def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -> None:
-    controller = PaperController(c_peak=64)
+    controller = CapacityController(c_peak=64)
     assert controller.choose(rows) == expected
     n = max(1, min(64 // rows, 64))
     if n > 1:
@@ -70,7 +67,7 @@ def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -
 
 def test_paper_controller_respects_custom_limits() -> None:
     limits = ControllerLimits(n_max=8, k_max=2, l_min=2, l_max=3, alpha=0.5)
-    controller = PaperController(c_peak=100, limits=limits)
+    controller = CapacityController(c_peak=100, limits=limits)
     assert controller.choose(1) == TreeShape(8, 2, 3)  # N capped at 8, log2(16) = 4 capped at 3
     assert controller.choose(25) == TreeShape(4, 2, 3)  # N = 4, log2(8) = 3
     assert controller.choose(50) == TreeShape(2, 1, 2)  # N = 2, log2(4) = 2
@@ -80,7 +77,7 @@ def test_paper_controller_respects_custom_limits() -> None:
 @pytest.mark.parametrize("bad", [dict(n_max=0), dict(l_max=3, l_min=4), dict(alpha=0.0), dict(k_max=0)])
 def test_bad_limits_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
-        PaperController(c_peak=16, limits=ControllerLimits(**bad))
+        CapacityController(c_peak=16, limits=ControllerLimits(**bad))
 
 
 def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> None:
@@ -89,7 +86,9 @@ def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> Non
     draft.body.register_forward_hook(lambda *args: calls.append(1))
     params = SamplingParams(max_new_tokens=12, temperature=0)
     reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
-    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=PaperController(c_peak=1))
+    engine = RolloutEngine(
+        llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=CapacityController(c_peak=1)
+    )
     out = engine.generate(PROMPTS, params)
     assert out.completion_ids == reference.completion_ids
     assert out.stats.draft_forwards == 0 and not calls
@@ -144,7 +143,7 @@ def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
     shallow = TreeShape(4, 3, 3)
     for _ in range(5):
         controller.observe(1, shallow, controller._profiled_seconds(1, shallow), torch.zeros(1, dtype=torch.long))
-    deep = controller.limits.shape_for(24)
+    deep = shape_for(controller.limits, 24)
     assert deep.levels == 5 and controller.depth_accept[3] > 0
     assert controller.expected_tokens(deep) == pytest.approx(1.0)
     assert controller.best(1) == AUTOREGRESSIVE
@@ -257,7 +256,9 @@ def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(ll
     never = torch.tensor([t for t in range(llama_model.config.vocab_size) if t not in emitted][:8])
     draft = DraftHead(llama_model.config, draft_vocab=never).double()
     controller = AdaptiveController(profiler.calibrate(llama_model, draft, "tiny"))
-    out = RolloutEngine(llama_model, [EOS], draft=draft, controller=controller).generate(PROMPTS, params)
+    out = RolloutEngine(llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=controller).generate(
+        PROMPTS, params
+    )
     assert out.completion_ids == reference.completion_ids
     assert out.stats.accept_length == 1.0
     assert controller.best(1) == AUTOREGRESSIVE
@@ -273,12 +274,14 @@ def test_every_mode_is_lossless_under_greedy_decoding(family_model: PreTrainedMo
     draft = DraftHead(family_model.config).double()
     controllers = {
         "static": StaticController(TreeShape(8, 3, 4)),
-        "paper": PaperController(c_peak=24, limits=ControllerLimits(n_max=16)),
+        "paper": CapacityController(c_peak=24, limits=ControllerLimits(n_max=16)),
         "adaptive": AdaptiveController(flat_profile(), probe_interval=2),
     }
     params = SamplingParams(max_new_tokens=30, temperature=0)
     reference = RolloutEngine(family_model, [EOS]).generate(PROMPTS, params, 3)
-    out = RolloutEngine(family_model, [EOS], draft=draft, controller=controllers[mode]).generate(PROMPTS, params, 3)
+    out = RolloutEngine(
+        family_model, [EOS], drafter=EagleDrafter(draft, family_model), controller=controllers[mode]
+    ).generate(PROMPTS, params, 3)
     assert out.completion_ids == reference.completion_ids
     assert out.finish_reasons == reference.finish_reasons
     if mode == "paper":  # 12 rows: N = 2, then bigger trees as rows finish
@@ -414,7 +417,7 @@ class RecordingController(StaticController):
 def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model: PreTrainedModel) -> None:
     draft = DraftHead(llama_model.config).double()
     controller = RecordingController(TreeShape(4, 2, 2))
-    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=controller)
+    engine = RolloutEngine(llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=controller)
     params = SamplingParams(max_new_tokens=4, temperature=0)
     engine.generate(PROMPTS, params)
     engine.generate(PROMPTS, params)
@@ -431,7 +434,7 @@ def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model:
 def test_a_tree_ranks_its_nodes_so_that_ranks_below_n_are_the_tree_of_n_nodes() -> None:
     """Two rows of candidates (root children, then two children of each); the nodes of rank below ``n`` in the
     tree of 6 nodes are exactly the nodes of the tree of ``n`` nodes drafted from the same candidates."""
-    from fastgrpo.spec.tree import _select
+    from fastgrpo.speculative.eagle import _select
 
     cand_tok = [torch.tensor([[10, 11], [20, 21]]), torch.tensor([[12, 13, 14, 15], [22, 23, 24, 25]])]
     cand_score = [
@@ -478,7 +481,9 @@ def test_the_engine_reports_the_ranks_of_the_accepted_path(llama_model: PreTrain
         def observe(self, rows, shape, seconds, accepted, path_rank=None):
             seen.append((shape, accepted.clone(), path_rank.clone()))
 
-    engine = RolloutEngine(llama_model, [EOS], draft=draft, controller=Recording(TreeShape(6, 3, 3)))
+    engine = RolloutEngine(
+        llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=Recording(TreeShape(6, 3, 3))
+    )
     engine.generate(PROMPTS, SamplingParams(max_new_tokens=12), num_generations=2)
     assert sum(int(accepted.sum()) for _, accepted, _ in seen) > 0, "some draft tokens were accepted"
     for shape, accepted, path_rank in seen:

@@ -11,10 +11,12 @@ from transformers import LlamaConfig, PreTrainedModel
 
 from fastgrpo.rollout.attention import ROLLOUT_ATTENTION, rollout_attention
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine, _fill_holes
-from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain, window_attention_mask
-from fastgrpo.rollout.sampling import SamplingParams, process_logits
-from fastgrpo.spec.draft import DraftHead
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain, window_attention_mask
+from fastgrpo.rollout.sampling import process_logits
+from fastgrpo.rollout.sequence import GenerationOutput, fill_holes
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
 
 F64 = torch.float64
 ATOL = 1e-10
@@ -127,10 +129,10 @@ def test_select_rows_compacts_up_to() -> None:
 
 def test_dropping_finished_rows_moves_only_rows_from_the_tail_into_their_slots() -> None:
     # Rows 1 and 4 of 6 finish: kept rows 0, 2, 3 stay; row 5, past the new size 4, fills the hole at 1.
-    assert _fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
-    assert _fill_holes([0, 1, 2]) == [0, 1, 2]  # the last rows finished: nothing moves
-    assert _fill_holes([4, 5]) == [5, 4]
-    assert _fill_holes([]) == []
+    assert fill_holes([0, 2, 3, 5]) == [0, 5, 2, 3]
+    assert fill_holes([0, 1, 2]) == [0, 1, 2]  # the last rows finished: nothing moves
+    assert fill_holes([4, 5]) == [5, 4]
+    assert fill_holes([]) == []
     cache = small_cache()
     before = snapshot(cache)
     cache.select_rows(torch.tensor([0, 3]))  # only row 1 changes

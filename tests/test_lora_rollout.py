@@ -10,7 +10,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.lora import merged_lora
-from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.sampling_params import SamplingParams
 
 PROMPTS = [[5, 9, 2], [7, 1, 3, 8, 4, 6, 11], [12, 30]]
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0.0)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fastgrpo.grpo.losses import LOSS_TYPES, completion_logprobs, group_advantages, grpo_loss
+from fastgrpo.config import LOSS_TYPES
+from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_loss
 
 F64 = torch.float64
 

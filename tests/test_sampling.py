@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from fastgrpo.rollout.sampling import CDF_BLOCK, SamplingParams, process_logits, sample
+from fastgrpo.rollout.sampling import CDF_BLOCK, process_logits, sample
+from fastgrpo.sampling_params import SamplingParams
 
 F64 = torch.float64
 # A 4-token distribution used throughout, stored in a shuffled order so filters must map back through the sort.

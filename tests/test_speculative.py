@@ -23,14 +23,17 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from fastgrpo.config import DraftTrainConfig
 from fastgrpo.rollout import engine as engine_module
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
+from fastgrpo.rollout.tree import DraftTree, TreeShape
 from fastgrpo.rollout.verify import Acceptance
-from fastgrpo.spec.controller import AUTOREGRESSIVE, StaticController
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftSample, DraftTrainConfig, DraftTrainer, rollout_samples
-from fastgrpo.spec.tree import DraftTree, TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.draft_trainer import DraftSample, DraftTrainer, rollout_samples
+from fastgrpo.speculative.eagle import EagleDrafter
 
 EOS = 3
 COMMON = dict(
@@ -203,7 +206,9 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
     model, drafts = model_and_drafts
     params = SamplingParams(max_new_tokens=30, temperature=0)
     reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params)
-    out = RolloutEngine(model, [EOS], draft=drafts[draft_kind], tree=shape).generate(PROMPTS, params, 2)
+    out = RolloutEngine(model, [EOS], drafter=EagleDrafter(drafts[draft_kind], model), tree=shape).generate(
+        PROMPTS, params, 2
+    )
     for i, expected in enumerate(reference.completion_ids):
         assert out.completion_ids[2 * i] == expected
         assert out.completion_ids[2 * i + 1] == expected
@@ -236,7 +241,9 @@ def test_tree_accept_length_counts_tree_steps_only(model_and_drafts) -> None:
     plain = RolloutEngine(model, [EOS]).generate(PROMPTS, params)
     assert math.isnan(plain.stats.tree_accept_length)
     controller = AlternatingController(SHAPES[2])
-    out = RolloutEngine(model, [EOS], draft=drafts["trained"], controller=controller).generate(PROMPTS, params)
+    out = RolloutEngine(model, [EOS], drafter=EagleDrafter(drafts["trained"], model), controller=controller).generate(
+        PROMPTS, params
+    )
     assert out.completion_ids == plain.completion_ids
     s = out.stats
     trees = [i for i, shape in enumerate(controller.chosen) if shape.speculative]
@@ -255,7 +262,9 @@ def test_sampled_output_equals_autoregressive_for_the_same_seed(model_and_drafts
     params = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9)
 
     def run(draft: DraftHead | None, tree: TreeShape | None):
-        engine = RolloutEngine(model, [EOS], draft=draft, tree=tree)
+        engine = RolloutEngine(
+            model, [EOS], drafter=EagleDrafter(draft, model) if draft is not None else None, tree=tree
+        )
         return engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(4))
 
     reference, out = run(None, None), run(drafts["trained"], shape)
@@ -268,7 +277,7 @@ def test_sampled_output_equals_autoregressive_for_the_same_seed(model_and_drafts
 def test_emitted_logprobs_equal_a_fresh_forward(model_and_drafts) -> None:
     model, drafts = model_and_drafts
     params = SamplingParams(max_new_tokens=20, temperature=0.8, top_p=0.9, top_k=30)
-    engine = RolloutEngine(model, [EOS], draft=drafts["trained"], tree=TreeShape(8, 3, 4))
+    engine = RolloutEngine(model, [EOS], drafter=EagleDrafter(drafts["trained"], model), tree=TreeShape(8, 3, 4))
     out = engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(0))
     for i, (completion, logprobs) in enumerate(zip(out.completion_ids, out.logprobs, strict=True)):
         prompt = PROMPTS[i // 2]
@@ -287,9 +296,9 @@ def test_eos_and_length_limit_inside_an_accepted_path(model_and_drafts) -> None:
     for max_new in (5, 30):
         params = SamplingParams(max_new_tokens=max_new, temperature=0)
         reference = RolloutEngine(model, [EOS, eos]).generate(PROMPTS, params)
-        out = RolloutEngine(model, [EOS, eos], draft=drafts["trained"], tree=TreeShape(16, 4, 5)).generate(
-            PROMPTS, params
-        )
+        out = RolloutEngine(
+            model, [EOS, eos], drafter=EagleDrafter(drafts["trained"], model), tree=TreeShape(16, 4, 5)
+        ).generate(PROMPTS, params)
         assert out.completion_ids == reference.completion_ids
         assert out.finish_reasons == reference.finish_reasons
         assert all(len(c) <= max_new for c in out.completion_ids)
@@ -305,7 +314,7 @@ def test_draft_save_and_load_reproduces_outputs(model_and_drafts, tmp_path: Path
     torch.testing.assert_close(loaded(x, x), draft(x, x), atol=0, rtol=0)
     params = SamplingParams(max_new_tokens=12, temperature=1.0)
     outs = [
-        RolloutEngine(model, [EOS], draft=d, tree=TreeShape(8, 3, 4)).generate(
+        RolloutEngine(model, [EOS], drafter=EagleDrafter(d, model), tree=TreeShape(8, 3, 4)).generate(
             PROMPTS, params, generator=torch.Generator().manual_seed(3)
         )
         for d in (draft, loaded)
@@ -390,7 +399,7 @@ def peaked_model_and_draft() -> tuple[PreTrainedModel, DraftHead]:
 
 def first_tokens(model, draft, params: SamplingParams, draws: int, seed: int) -> tuple[Counter, float]:
     shape = TreeShape(12, 3, 4) if draft is not None else None
-    engine = RolloutEngine(model, [EOS], draft=draft, tree=shape)
+    engine = RolloutEngine(model, [EOS], drafter=EagleDrafter(draft, model) if draft is not None else None, tree=shape)
     out = engine.generate([[7, 21, 40]], params, draws, generator=torch.Generator().manual_seed(seed))
     return Counter(tuple(c) for c in out.completion_ids), out.stats.accept_length
 

@@ -66,7 +66,7 @@ def test_bf16_on_a_device_without_bf16_units_warns_naming_the_option(
     caplog: pytest.LogCaptureFixture,
     native: bool,
 ) -> None:
-    from fastgrpo.spec.draft_trainer import DraftTrainConfig
+    from fastgrpo.config import DraftTrainConfig
 
     monkeypatch.setattr("fastgrpo.models.native_bf16", lambda device: native)
     draft_training = DraftTrainConfig(online=True, bf16=True)  # the draft trainer warns for its own option
@@ -217,7 +217,7 @@ def test_speculative_rollouts_in_training_save_the_draft(tiny_model_dir: Path, t
     assert first["spec/n_verify_mean"] == 4.0 and first["spec/draft_time"] > 0
     assert (tmp_path / "checkpoint-2" / "draft" / "draft.safetensors").is_file()
     resumed = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec, max_steps=3), resume=True)
-    for a, b in zip(resumed.draft.parameters(), trainer.draft.parameters(), strict=True):
+    for a, b in zip(resumed.rollouts.draft.parameters(), trainer.rollouts.draft.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -228,7 +228,7 @@ def test_speculation_with_online_draft_learning_changes_nothing_in_training(
     """Every position is sampled with its own uniform, so a speculative run trains on the very completions a plain
     run samples: the rewards and the updated weights are those of ``mode: off``."""
     from fastgrpo.config import SpeculationConfig
-    from fastgrpo.spec.profiler import LatencyProfile, profile_path
+    from fastgrpo.speculative.profiler import LatencyProfile, profile_path
 
     # A saved flat profile (trees look cheap), so that the adaptive controller's first choice is a tree whatever this
     # machine's timings are.
@@ -251,8 +251,7 @@ def test_speculation_with_online_draft_learning_changes_nothing_in_training(
 
 def online_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:
     """Static trees (acceptance comparable across steps) and a draft trained fast on every rollout."""
-    from fastgrpo.config import SpeculationConfig
-    from fastgrpo.spec.draft_trainer import DraftTrainConfig
+    from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 
     spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3)
     draft_training = DraftTrainConfig(learning_rate=1e-2, epochs=4, token_loss_weight=1.0)
@@ -278,8 +277,8 @@ def test_lora_with_speculation_resumes_the_adapter_and_the_draft(tiny_model_dir:
     resumed.train()
     for (name, a), (_, b) in zip(resumed.model.named_parameters(), full.model.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    full_draft = full.draft.state_dict()
-    for name, value in resumed.draft.state_dict().items():
+    full_draft = full.rollouts.draft.state_dict()
+    for name, value in resumed.rollouts.draft.state_dict().items():
         torch.testing.assert_close(value, full_draft[name], msg=name)
 
 
@@ -295,14 +294,14 @@ def test_online_learning_raises_the_acceptance_of_a_random_draft(peaked_model_di
 
 def test_a_draft_update_moves_the_draft_and_not_the_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = make_trainer(online_config(tiny_model_dir, tmp_path))
-    prompt_ids, out = trainer.rollout(0, trainer.step_rows(0))
+    trainer.rollout(0, trainer.prompts.rows(0))
     policy = [p.detach().clone() for p in trainer.model.parameters()]
-    draft = [p.detach().clone() for p in trainer.draft.parameters()]
-    metrics = trainer.update_draft(prompt_ids, out)
+    draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
+    metrics = trainer.rollouts.update_draft()
     assert metrics["draft/loss"] > 0
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), policy, strict=True))
     assert all(p.grad is None for p in trainer.model.parameters()), "no gradient reaches the policy"
-    assert not all(torch.equal(a, b) for a, b in zip(trainer.draft.parameters(), draft, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(trainer.rollouts.draft.parameters(), draft, strict=True))
 
 
 def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -310,10 +309,10 @@ def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path
     optimize, seen = trainer.optimize, []
 
     def checked(batch):
-        draft = [p.detach().clone() for p in trainer.draft.parameters()]
+        draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
         policy = [p.detach().clone() for p in trainer.model.parameters()]
         out = optimize(batch)
-        assert all(torch.equal(a, b) for a, b in zip(trainer.draft.parameters(), draft, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(trainer.rollouts.draft.parameters(), draft, strict=True))
         assert not all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), policy, strict=True))
         seen.append(True)
         return out
@@ -330,9 +329,9 @@ def test_online_draft_state_survives_checkpoint_and_resume(tiny_model_dir: Path,
     resumed = make_trainer(online_config(tiny_model_dir, tmp_path / "cut", max_steps=4, save_steps=4), resume=True)
     assert resumed.start_step == 2
     resumed.train()
-    for a, b in zip(resumed.draft.parameters(), full.draft.parameters(), strict=True):
+    for a, b in zip(resumed.rollouts.draft.parameters(), full.rollouts.draft.parameters(), strict=True):
         torch.testing.assert_close(a, b)
-    state = resumed.draft_trainer.optimizer.state_dict()["state"]
+    state = resumed.rollouts.draft_trainer.optimizer.state_dict()["state"]
     assert state and all(s["step"] == 16 for s in state.values()), "4 steps x 4 epochs of one batch each"
 
 
@@ -344,25 +343,25 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     (lossless), and a resumed run restores the draft with its vocabulary."""
     from dataclasses import replace
 
-    from fastgrpo.spec.offline import frequent_tokens
+    from fastgrpo.speculative.offline import frequent_tokens
 
     config = online_config(tiny_model_dir, tmp_path / "vocab", max_steps=3, save_steps=2)
     config = replace(config, speculation=replace(config.speculation, draft_vocab_size=6))
     first = make_trainer(config)
-    assert first.draft is None and first.awaits_draft_vocab
-    _, out = first.rollout(0, first.step_rows(0))
+    assert first.rollouts.draft is None and first.rollouts.awaits_draft_vocab
+    _, out = first.rollout(0, first.prompts.rows(0))
     expected = frequent_tokens(out.completion_ids, 6, first.eos)
 
     trainer = make_trainer(config)
     history = trainer.train()
-    assert torch.equal(trainer.draft.draft_vocab, expected) and len(expected) <= 6 + len(trainer.eos)
+    assert torch.equal(trainer.rollouts.draft.draft_vocab, expected) and len(expected) <= 6 + len(trainer.eos)
     assert history[0]["spec/n_verify_mean"] == 1.0 and "draft/loss" in history[0]
     assert all(m["spec/n_verify_mean"] == 4.0 for m in history[1:])
     plain = make_trainer(make_config(tiny_model_dir, tmp_path / "plain", max_steps=3, save_steps=10)).train()
     assert [m["reward"] for m in history] == [m["reward"] for m in plain]
 
     resumed = make_trainer(replace(config, max_steps=4), resume=True)
-    assert resumed.start_step == 3 and torch.equal(resumed.draft.draft_vocab, expected)
+    assert resumed.start_step == 3 and torch.equal(resumed.rollouts.draft.draft_vocab, expected)
     resumed.train()
 
 
@@ -376,7 +375,7 @@ def test_draft_vocab_size_is_for_a_fresh_draft_only(tmp_path: Path) -> None:
 
 
 def test_budget_samples_follow_how_often_the_rollout_ran_trees() -> None:
-    from fastgrpo.spec.draft_trainer import budget_samples
+    from fastgrpo.speculative.draft_trainer import budget_samples
 
     samples = list(range(16))
     assert budget_samples(samples, 0.0, 0.25) == ([0, 5, 10, 15], 0.25)  # evenly spaced: every group keeps some

@@ -61,10 +61,18 @@ def tiny_grpo_trainer(
     )
 
 
+class CountingRollout(SpeculativeRollout):
+    calls = 0
+
+    def __call__(self, prompts, trainer):
+        self.calls += 1
+        return super().__call__(prompts, trainer)
+
+
 def main(model_dir: str, out: str) -> None:
     # A reduced vocabulary: the ranks' first rollouts differ, so it must be taken from all of them to stay the same.
     spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3, draft_vocab_size=6)
-    rollout = SpeculativeRollout(speculation=spec)
+    rollout = CountingRollout(speculation=spec)
     trainer = tiny_grpo_trainer(model_dir, out, rollout, [DraftCallback(rollout)])
     trainer.train()
     assert rollout.calls == 2 and "draft/loss" in {k for e in trainer.state.log_history for k in e}

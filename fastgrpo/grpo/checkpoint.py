@@ -6,6 +6,7 @@ dies mid-write leaves either the previous checkpoints or a complete new one, nev
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import re
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -142,3 +145,43 @@ def load_latest_intact(output_dir: Path) -> tuple[Path | None, dict[str, Any] | 
                 problem = f"{STATE_FILE} is unreadable ({type(e).__name__}: {e})"
         passed.append(f"{checkpoint.name}: {problem}")
     return None, None, passed
+
+
+def prepare_output_dir(
+    out: Path, resume: bool, overwrite: bool, main: bool
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """Refuse an ``output_dir`` that holds another run unless resuming it or ``overwrite`` (which deletes it), remove
+    what an interrupted run left behind (``main``: this process writes), and pick the checkpoint to resume from: the
+    newest whose weights and state are readable. Returns it and its state (None and None for a new run)."""
+    earlier = [p for p in (out / "metrics.jsonl", *list_checkpoints(out)) if p.exists()]
+    if earlier and not resume:
+        if not overwrite:
+            raise ValueError(
+                f"output_dir {out} holds another run ({', '.join(p.name for p in earlier)}): continue it with "
+                "--resume, start over there with --overwrite_output_dir true (which deletes it), or choose "
+                "another output_dir"
+            )
+        if main:
+            for path in earlier:
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+            logger.warning("overwrite_output_dir: deleted the earlier run in %s", out)
+    if main:
+        for path in remove_leftovers(out):
+            logger.warning("removed %s, left behind by an interrupted run", path)
+    if not resume:
+        return None, None
+    checkpoint, state, passed = load_latest_intact(out)
+    for reason in passed:
+        logger.warning("--resume: passing over %s", reason)
+    if checkpoint is None:
+        detail = f" intact ({'; '.join(passed)})" if passed else ""
+        raise FileNotFoundError(f"--resume: no{detail} checkpoint under {out}")
+    if "optimizer" not in state:
+        raise ValueError(
+            f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
+            "from; start a new run from its weights with --model instead"
+        )
+    return checkpoint, state

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+from fastgrpo.config import LOSS_TYPES, SCALE_REWARDS
+
 STD_EPS = 1e-4
 
 
@@ -242,3 +242,34 @@ def grpo_loss(
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     loss = _aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def micro_batch_rows(
+    advantages: Tensor, lengths: Tensor, loss_type: str, beta: float, micro_batch_size: int
+) -> list[Tensor]:
+    """Row indices of each micro-batch of ``micro_batch_size`` rows (``advantages`` and ``lengths`` ``[N]``).
+
+    For ``grpo``, ``dr_grpo`` and ``dapo`` the loss is a sum of per-row terms over a normaliser fixed by the whole
+    batch, so rows can be regrouped freely: they are sorted by length (less padding), and rows whose advantage is 0
+    are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo`` normalises by each
+    micro-batch's token count, so its micro-batches keep TRL's consecutive order.
+    """
+    rows = torch.arange(advantages.shape[0])
+    if loss_type != "bnpo":
+        if beta == 0:
+            rows = rows[advantages != 0]
+        rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    return [rows[i : i + micro_batch_size] for i in range(0, rows.numel(), micro_batch_size)]
+
+
+def micro_batch_loss(
+    loss: Tensor, loss_type: str, rows: int, batch_rows: int, micro_batches: int, world: int
+) -> Tensor:
+    """Scale a micro-batch's `grpo_loss` (over ``rows`` of the process's ``batch_rows`` rows, one of
+    ``micro_batches``) to its share of the whole batch's loss, so that the accumulated gradient, averaged over the
+    ``world`` processes as DDP does, is the gradient of the whole job's batch."""
+    if loss_type in ("grpo", "dr_grpo"):
+        return loss * rows / batch_rows
+    if loss_type == "bnpo":
+        return loss / micro_batches
+    return loss * world

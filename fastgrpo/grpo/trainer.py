@@ -2,115 +2,42 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import random
-import resource
-import shutil
-import sys
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
 
 from fastgrpo import distributed
-from fastgrpo.config import GRPOConfig, config_to_dict
+from fastgrpo.config import GRPOConfig
 from fastgrpo.data import load_dataset
-from fastgrpo.grpo.checkpoint import (
-    list_checkpoints,
-    load_latest_intact,
-    remove_leftovers,
-    save_checkpoint,
-    set_rng_state,
+from fastgrpo.grpo.batch import RolloutBatch, build_batch, select_rows
+from fastgrpo.grpo.checkpoint import prepare_output_dir, save_checkpoint, set_rng_state
+from fastgrpo.grpo.losses import (
+    CompletionLogprobs,
+    completion_logprobs,
+    group_advantages,
+    grpo_loss,
+    micro_batch_loss,
+    micro_batch_rows,
 )
-from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, group_advantages, grpo_loss
-from fastgrpo.models import (
-    encode_prompts,
-    eos_token_ids,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-    warn_if_bf16_emulated,
-)
+from fastgrpo.grpo.policy import peak_memory_mb, reference_model, wrap_lora
+from fastgrpo.grpo.prompts import StepPrompts
+from fastgrpo.grpo.run_log import RunLog
+from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
-from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
-from fastgrpo.spec.controller import controller_from_config
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainer, rollout_samples
-from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
+from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.rollouts import Rollouts
 
 logger = logging.getLogger(__name__)
 DRAFT_DIR = "draft"
-
-
-@dataclass
-class RolloutBatch:
-    """One step's completions as training tensors (``N = prompts * num_generations`` rows).
-
-    ``input_ids`` is ``[N, P + C]``: the prompt left-padded to ``P``, the completion right-padded to ``C``;
-    ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained.
-    """
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    completion_mask: torch.Tensor
-    advantages: torch.Tensor
-    old_logps: torch.Tensor | None = None
-    ref_logps: torch.Tensor | None = None
-
-
-def build_batch(
-    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, advantages: torch.Tensor
-) -> RolloutBatch:
-    """Pack prompts (one per completion) and completions into left/right padded tensors."""
-    n = len(completion_ids)
-    p_len = max(map(len, prompt_ids))
-    c_len = max(max(map(len, completion_ids)), 1)
-    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
-    attn = torch.zeros(n, p_len + c_len, dtype=torch.long)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=False)):
-        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
-        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
-        attn[i, p_len - len(p) : p_len + len(c)] = 1
-    return RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
-
-
-def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
-    """Some rows of a batch (``rows``: ``[n]`` indices), trimmed to the prompt and completion columns they use."""
-    attn = batch.attention_mask[rows]
-    c_len = batch.completion_mask.shape[1]
-    p_len = attn.shape[1] - c_len
-    used = attn.any(dim=0).nonzero().squeeze(-1)
-    start = min(int(used.min()), p_len - 1)
-    keep = max(int(used.max()) + 1 - p_len, 1)
-
-    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t[rows, :keep]
-
-    return RolloutBatch(
-        input_ids=batch.input_ids[rows, start : p_len + keep],
-        attention_mask=attn[:, start : p_len + keep],
-        completion_mask=batch.completion_mask[rows, :keep],
-        advantages=batch.advantages[rows],
-        old_logps=cut(batch.old_logps),
-        ref_logps=cut(batch.ref_logps),
-    )
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of the process so far: allocated device memory on CUDA, max resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 class GRPOTrainer:
@@ -145,7 +72,9 @@ class GRPOTrainer:
             )
         self.start_step = 0
         with distributed.main_first(self.dist):
-            checkpoint, resume_state = self._prepare_output_dir(resume)
+            checkpoint, resume_state = prepare_output_dir(
+                self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
+            )
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
@@ -157,16 +86,20 @@ class GRPOTrainer:
         self.device = next(self.model.parameters()).device
         if config.bf16:
             warn_if_bf16_emulated("bf16", self.device)
-        self.ref_model = self._load_reference() if config.beta > 0 else None
+        self.ref_model = reference_model(config, self.device) if config.beta > 0 else None
         if config.use_peft:
-            self.model = self._wrap_peft(self.model, checkpoint)
+            self.model = wrap_lora(self.model, config, checkpoint)
         self.eos = eos_token_ids(self.model, self.tokenizer)
-        self.engine = RolloutEngine(self.model, self.eos, self.tokenizer)
-        self.draft: DraftHead | None = None
-        self.draft_trainer: DraftTrainer | None = None
-        draft = self._load_draft(checkpoint)
-        if draft is not None:
-            self._attach_draft(draft)
+        self.rollouts = Rollouts(
+            self.model,
+            self.tokenizer,
+            self.eos,
+            config.speculation,
+            config.draft_training,
+            config.model,
+            self._load_draft(checkpoint),
+            config.seed,
+        )
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
         self.policy = distributed.wrap_policy(CompletionLogprobs(self.model), config.fsdp)
@@ -185,60 +118,20 @@ class GRPOTrainer:
         if checkpoint is not None:
             self._restore(checkpoint, resume_state)
         self.sampling = config.sampling_params()
-        self.prompt_cache: dict[int, list[int]] = {}
-        self._warned_truncation = False
-        self.tb_writer = self._tensorboard() if "tensorboard" in config.report_to and self.dist.is_main else None
+        self.prompts = StepPrompts(
+            self.dataset,
+            self.tokenizer,
+            config.prompts_per_step,
+            self.dist.rank,
+            self.dist.world_size,
+            config.seed,
+            config.max_prompt_length,
+        )
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _prepare_output_dir(self, resume: bool) -> tuple[Path | None, dict[str, Any] | None]:
-        """Refuse an ``output_dir`` that holds another run unless resuming it or ``overwrite_output_dir`` (which
-        deletes it), remove what an interrupted run left behind, and pick the checkpoint to resume from: the newest
-        whose weights and state are readable. Returns it and its state (None and None for a new run)."""
-        out, main = self.output_dir, self.dist.is_main
-        earlier = [p for p in (out / "metrics.jsonl", *list_checkpoints(out)) if p.exists()]
-        if earlier and not resume:
-            if not self.config.overwrite_output_dir:
-                raise ValueError(
-                    f"output_dir {out} holds another run ({', '.join(p.name for p in earlier)}): continue it with "
-                    "--resume, start over there with --overwrite_output_dir true (which deletes it), or choose "
-                    "another output_dir"
-                )
-            if main:
-                for path in earlier:
-                    if path.is_dir():
-                        shutil.rmtree(path)
-                    else:
-                        path.unlink()
-                logger.warning("overwrite_output_dir: deleted the earlier run in %s", out)
-        if main:
-            for path in remove_leftovers(out):
-                logger.warning("removed %s, left behind by an interrupted run", path)
-        if not resume:
-            return None, None
-        checkpoint, state, passed = load_latest_intact(out)
-        for reason in passed:
-            logger.warning("--resume: passing over %s", reason)
-        if checkpoint is None:
-            detail = f" intact ({'; '.join(passed)})" if passed else ""
-            raise FileNotFoundError(f"--resume: no{detail} checkpoint under {out}")
-        if "optimizer" not in state:
-            raise ValueError(
-                f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
-                "from; start a new run from its weights with --model instead"
-            )
-        return checkpoint, state
-
-    def _load_reference(self) -> PreTrainedModel | None:
-        """A frozen copy of the initial policy for the KL penalty (none with LoRA: adapters are disabled)."""
-        if self.config.use_peft:
-            return None
-        ref = load_model(self.config.model, dtype=self.config.dtype).to(self.device).eval()
-        ref.requires_grad_(False)
-        return ref
-
     def _load_draft(self, checkpoint: Path | None) -> DraftHead | None:
-        """The draft for speculative rollouts: from the checkpoint being resumed, a saved draft, or a fresh one
-        (None with ``speculation.draft_vocab_size``: that one is made after the first rollout, `attach_vocab_draft`)."""
+        """The draft to start from: the one of the checkpoint being resumed or a saved one (None: `Rollouts` makes a
+        fresh one)."""
         spec = self.config.speculation
         if spec.mode == "off":
             return None
@@ -249,132 +142,26 @@ class GRPOTrainer:
                 return DraftHead.load(spec.draft, self.model)
             except (ValueError, FileNotFoundError) as e:
                 raise ValueError(f"speculation.draft: {e}") from None
-        if spec.draft_vocab_size is not None:
-            return None
-        return self._fresh_draft()
-
-    def _fresh_draft(self, vocab: torch.Tensor | None = None) -> DraftHead:
-        """An untrained draft, over the ``[V_d]`` target ids ``vocab`` or the full vocabulary."""
-        param = next(self.model.parameters())
-        return DraftHead(self.model.config, self.config.model, vocab).to(device=param.device, dtype=param.dtype)
-
-    def _attach_draft(self, draft: DraftHead) -> None:
-        """Roll out speculatively with ``draft`` from now on, and train it online when draft learning is on."""
-        cfg = self.config
-        controller = controller_from_config(cfg.speculation, self.model, draft, cfg.model)
-        self.engine = RolloutEngine(self.model, self.eos, self.tokenizer, draft=draft, controller=controller)
-        self.draft = draft
-        if cfg.draft_training.online:
-            embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-            self.draft_trainer = DraftTrainer(draft, embed, head, cfg.draft_training)
-
-    @property
-    def awaits_draft_vocab(self) -> bool:
-        """Speculation is on but its fresh draft waits for the first rollout to choose its reduced vocabulary."""
-        return self.config.speculation.mode != "off" and self.draft is None
-
-    def attach_vocab_draft(self, out: GenerationOutput) -> None:
-        """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
-        tokens of this rollout's completions on all ranks (so that every rank builds the same draft)."""
-        vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.config.speculation.draft_vocab_size, self.eos)
-        self._attach_draft(self._fresh_draft(vocab))
-
-    def _wrap_peft(self, model: PreTrainedModel, checkpoint: Path | None) -> PreTrainedModel:
-        from peft import LoraConfig, PeftModel, get_peft_model
-
-        if checkpoint is not None:
-            return PeftModel.from_pretrained(model, str(checkpoint), is_trainable=True)
-
-        lora = LoraConfig(
-            r=self.config.lora_r,
-            lora_alpha=self.config.lora_alpha,
-            lora_dropout=self.config.lora_dropout,
-            target_modules=self.config.lora_target_modules or "all-linear",
-            task_type="CAUSAL_LM",
-        )
-        try:
-            return get_peft_model(model, lora)
-        except ValueError as e:
-            raise ValueError(f"lora_target_modules {self.config.lora_target_modules}: {e}") from None
-
-    def _tensorboard(self) -> Any:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise ImportError("report_to: tensorboard needs `pip install tensorboard`") from e
-        return SummaryWriter(str(self.output_dir / "tensorboard"))
+        return None
 
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        if self.draft_trainer is not None and "draft_optimizer" in state:
-            self.draft_trainer.optimizer.load_state_dict(state["draft_optimizer"])
+        if "draft_optimizer" in state:
+            self.rollouts.load_optimizer_state(state["draft_optimizer"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
 
     # -- one step -----------------------------------------------------------------------------------------
-    def step_rows(self, step: int) -> list[dict[str, Any]]:
-        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones.
-
-        The step's prompts for the whole job are cut into one consecutive share per rank, so a run on N processes
-        sees the prompts, in the same order, that one process sees with an N times larger batch."""
-        per_rank = self.config.prompts_per_step
-        first = step * self.global_prompts + self.dist.rank * per_rank
-        rows = []
-        for k in range(first, first + per_rank):
-            epoch, index = divmod(k, len(self.dataset))
-            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.config.seed + epoch))
-            rows.append(self.dataset[int(order[index])])
-        return rows
-
-    def _encode(self, rows: list[dict[str, Any]]) -> list[list[int]]:
-        out = []
-        limit = self.config.max_prompt_length
-        for row in rows:
-            key = id(row)
-            if key not in self.prompt_cache:
-                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1)[0]
-                if len(ids) > limit and not self._warned_truncation:
-                    self._warned_truncation = True
-                    logger.warning(
-                        "a prompt is longer than max_prompt_length (%d tokens): it keeps its last %d tokens and loses "
-                        "its beginning, the chat template's header included; raise max_prompt_length (later prompts "
-                        "are cut without another warning)",
-                        limit,
-                        limit,
-                    )
-                self.prompt_cache[key] = ids[-limit:]
-            out.append(self.prompt_cache[key])
-        return out
-
     def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:
-        """Sample ``num_generations`` completions per prompt.
-
-        The uniforms that pick the sampled tokens are drawn for the whole job's rows from a generator seeded by
-        (seed, step), and each rank takes its own rows' share: a completion does not depend on how many
-        processes share the step."""
-        cfg = self.config
-        prompt_ids = self._encode(rows)
-        uniforms = None
-        if not self.sampling.greedy:
-            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-            rows_per_rank = cfg.prompts_per_step * cfg.num_generations
-            shape = (rows_per_rank * self.dist.world_size, cfg.max_completion_length)
-            uniforms = torch.rand(shape, generator=generator, dtype=torch.float64)
-            uniforms = uniforms[self.dist.rank * rows_per_rank : (self.dist.rank + 1) * rows_per_rank]
-        capture = self.draft_trainer is not None or (self.awaits_draft_vocab and self.config.draft_training.online)
-        out = self.engine.generate(
-            prompt_ids, self.sampling, cfg.num_generations, capture_hidden=capture, uniforms=uniforms
+        """Sample ``num_generations`` completions per prompt (`Rollouts.generate`: the same completions whatever the
+        number of processes sharing the step)."""
+        prompt_ids = self.prompts.encode(rows)
+        out = self.rollouts.generate(
+            prompt_ids, self.sampling, self.config.num_generations, step, self.dist.rank, self.dist.world_size
         )
         return prompt_ids, out
-
-    def update_draft(self, prompt_ids: list[list[int]], out: GenerationOutput) -> dict[str, float]:
-        """Online draft learning on a rollout's completions (also those of groups the policy update skips), with the
-        target hidden states its forwards captured: all of them when the rollout ran trees at every step, fewer as
-        it ran fewer (`DraftTrainer.fit_online`). The policy is frozen meanwhile (the draft's
-        loss reaches no policy weight)."""
-        return self.draft_trainer.fit_online(rollout_samples(prompt_ids, out, self.config.num_generations), [out.stats])
 
     def _logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
@@ -410,22 +197,10 @@ class GRPOTrainer:
                     batch.ref_logps = self._batch_logps(self.policy, batch)
 
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """Row indices of each micro-batch of ``per_device_train_batch_size`` rows.
-
-        For ``grpo``, ``dr_grpo`` and ``dapo`` the loss is a sum of per-row terms over a normaliser fixed by the
-        whole batch, so rows can be regrouped freely: they are sorted by length (less padding), and rows whose
-        advantage is 0 are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo``
-        normalises by each micro-batch's token count, so its micro-batches keep TRL's consecutive order.
-        """
+        """Row indices of each micro-batch (`micro_batch_rows`)."""
         cfg = self.config
-        mb = cfg.per_device_train_batch_size
-        rows = torch.arange(batch.input_ids.shape[0])
-        if cfg.loss_type != "bnpo":
-            if cfg.beta == 0:
-                rows = rows[batch.advantages != 0]
-            lengths = batch.attention_mask[rows].sum(dim=1)
-            rows = rows[torch.argsort(lengths, descending=True, stable=True)]
-        return [rows[i : i + mb] for i in range(0, rows.numel(), mb)]
+        lengths = batch.attention_mask.sum(dim=1)
+        return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, cfg.beta, cfg.per_device_train_batch_size)
 
     def optimize(self, batch: RolloutBatch) -> dict[str, float]:
         """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
@@ -467,13 +242,7 @@ class GRPOTrainer:
                         max_completion_length=cfg.max_completion_length,
                         num_items_in_batch=total_tokens,
                     )
-                    # Scale each micro-batch's loss to its share of the whole batch's loss (DDP divides by `world`).
-                    if cfg.loss_type in ("grpo", "dr_grpo"):
-                        loss = loss * rows.numel() / n
-                    elif cfg.loss_type == "bnpo":
-                        loss = loss / n_micro
-                    else:
-                        loss = loss * world
+                    loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
                     if padding:
                         loss = loss * 0.0
                     loss.backward()
@@ -499,10 +268,11 @@ class GRPOTrainer:
 
     def score(
         self, rows: list[dict[str, Any]], out: GenerationOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float]]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float], list[tuple[Any, str, float]]]:
         """Rewards of this rank's completions and their advantages within the whole job's batch.
 
-        Returns ``(advantages [n], all_rewards [N], all_group_std [N], reward metrics)``: groups are whole
+        Returns ``(advantages [n], all_rewards [N], all_group_std [N], reward metrics, (prompt, completion, reward)
+        of each completion)``: groups are whole
         on every rank, and the job's rewards are gathered so that ``scale_rewards: batch`` sees them all."""
         cfg = self.config
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
@@ -514,23 +284,21 @@ class GRPOTrainer:
         all_rewards = torch.cat([torch.as_tensor(r) for r in distributed.gather(rewards.tolist())])
         all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
         mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
-        self._last_samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
-        return all_advantages[mine].to(rewards.dtype), all_rewards, all_std, reward_metrics
+        samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
+        return all_advantages[mine].to(rewards.dtype), all_rewards, all_std, reward_metrics, samples
 
     def train_step(self, step: int) -> dict[str, float]:
         """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
         cfg = self.config
-        rows = self.step_rows(step)
+        rows = self.prompts.rows(step)
         t0 = time.perf_counter()
         # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
         with distributed.gathered(self.policy):
             prompt_ids, out = self.rollout(step, rows)
             t1 = time.perf_counter()
-            advantages, all_rewards, all_std, reward_metrics = self.score(rows, out)
+            advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
             t2 = time.perf_counter()
-            if self.awaits_draft_vocab:
-                self.attach_vocab_draft(out)
-            draft_metrics = self.update_draft(prompt_ids, out) if self.draft_trainer is not None else {}
+            draft_metrics = self.rollouts.update_draft()
         t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
@@ -559,14 +327,7 @@ class GRPOTrainer:
             "time/reward": t2 - t1,
             "time/train": t3 - t_policy,
             "time/step": t3 - t0,
-            "rollout/tokens_per_second": out.stats.tokens_per_second,
-            "rollout/target_forwards": out.stats.target_forwards,
-            "spec/accept_length": out.stats.accept_length,
-            "spec/tree_accept_length": out.stats.tree_accept_length,
-            "spec/n_verify_mean": out.stats.n_verify_mean,
-            "spec/concurrency_mean": out.stats.concurrency_mean,
-            "spec/draft_time": out.stats.draft_time,
-            "spec/verify_time": out.stats.verify_time,
+            **out.stats.metrics(),
             "memory/peak_mb": peak_memory_mb(self.device),
         }
         metrics = distributed.reduce_metrics(metrics)
@@ -582,30 +343,17 @@ class GRPOTrainer:
             def write_model(path: Path) -> None:
                 self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
                 self.tokenizer.save_pretrained(path)
-                if self.draft is not None:
-                    self.draft.save(path / DRAFT_DIR)
+                if self.rollouts.draft is not None:
+                    self.rollouts.draft.save(path / DRAFT_DIR)
 
             state = {}
             if not self.config.save_only_model:
                 state = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
-                if self.draft_trainer is not None:
-                    state["draft_optimizer"] = self.draft_trainer.optimizer.state_dict()
+                if self.rollouts.draft_trainer is not None:
+                    state["draft_optimizer"] = self.rollouts.optimizer_state()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
         distributed.barrier()
         return path
-
-    def _open_log(self) -> Any:
-        """``metrics.jsonl`` for appending (rank 0 only), without the lines of steps after the resumed checkpoint."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(self.config), sort_keys=False))
-        metrics_path = self.output_dir / "metrics.jsonl"
-        if metrics_path.exists():
-            # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
-            kept = [
-                line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= self.start_step
-            ]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
-        return metrics_path.open("a")
 
     def train(self) -> list[dict[str, float]]:
         """Run until ``max_steps``; returns the metrics of the steps run by this call (the same on every rank)."""
@@ -619,24 +367,18 @@ class GRPOTrainer:
             desc="GRPO",
             disable=not (cfg.progress_bar and main),
         )
-        with self._open_log() if main else nullcontext() as log:
+        log = RunLog(cfg, self.start_step) if main else None
+        try:
             for step in bar:
                 metrics = self.train_step(step)
                 history.append(metrics)
-                if main and (step + 1) % cfg.logging_steps == 0:
-                    log.write(json.dumps(metrics) + "\n")
-                    log.flush()
-                    if self.tb_writer is not None:
-                        for k, v in metrics.items():
-                            self.tb_writer.add_scalar(k, v, step + 1)
+                if log is not None:
+                    log.write(step + 1, metrics)
+                    log.samples(step + 1, self._last_samples)
                 bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}")
-                if main and cfg.log_completions and (step + 1) % cfg.log_completions_steps == 0:
-                    self._print_samples(step + 1)
                 if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                     self.save(step + 1)
+        finally:
+            if log is not None:
+                log.close()
         return history
-
-    def _print_samples(self, step: int) -> None:
-        for prompt, completion, reward in self._last_samples[: self.config.num_completions_to_print]:
-            text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-            tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}")

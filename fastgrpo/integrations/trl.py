@@ -15,6 +15,7 @@ weights), saves the draft into every TRL checkpoint (``checkpoint-N/draft``) and
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,14 +23,13 @@ from typing import Any
 import torch
 from packaging.version import Version
 
-from fastgrpo.config import SpeculationConfig
+from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
-from fastgrpo.rollout.engine import GenerationOutput, RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.controller import controller_from_config
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftTrainConfig, DraftTrainer, rollout_samples
-from fastgrpo.spec.offline import frequent_tokens_on_all_ranks
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.rollouts import Rollouts
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
 DRAFT_DIR = "draft"
@@ -102,34 +102,35 @@ class SpeculativeRollout:
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize
-        self.engine: RolloutEngine | None = None
-        self.eos: list[int] = []  # the model's end-of-sequence ids, set with the engine
-        self.draft: DraftHead | None = None
-        self.draft_trainer: DraftTrainer | None = None
+        self.rollouts: Rollouts | None = None  # built on the first call, on the trainer's model
         self.trainer: Any = None
         self.resume_from: Path | None = None  # a TRL checkpoint whose draft replaces `draft` (set by DraftCallback)
-        self.pending: list[tuple[list[list[int]], GenerationOutput, int]] = []
-        self.calls = 0
+
+    @property
+    def engine(self) -> RolloutEngine | None:
+        """The rollout engine (None before the first rollout)."""
+        return None if self.rollouts is None else self.rollouts.engine
+
+    @property
+    def draft(self) -> DraftHead | None:
+        """The draft (None before the first rollout, and with ``draft_vocab_size`` until the first rollout ended)."""
+        return None if self.rollouts is None else self.rollouts.draft
 
     # -- TRL's hook -----------------------------------------------------------------------------------------
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
         self.trainer = trainer
-        engine = self._engine(trainer)
-        params = self._sampling_params(trainer)
+        rollouts = self._rollouts(trainer)
         n = _groups(prompts)
-        tokenizer = trainer.processing_class
-        prompt_ids = encode_prompts(tokenizer, prompts[::n], self.max_prompt_length)
-        # Seeded by the step (so a resumed run samples as the uninterrupted one would) and the process.
-        seed = (trainer.args.seed * 1_000_003 + trainer.state.global_step) * 1009 + trainer.accelerator.process_index
-        self.calls += 1
-        generator = torch.Generator().manual_seed(seed)
-        awaits_vocab = self.draft is None
-        capture = self.draft_trainer is not None or (awaits_vocab and self.draft_training.online)
-        out = engine.generate(prompt_ids, params, n, generator, capture_hidden=capture)
-        if awaits_vocab:
-            self._attach_vocab_draft(trainer, out)
-        if capture:
-            self.pending.append((prompt_ids, out, n))
+        prompt_ids = encode_prompts(trainer.processing_class, prompts[::n], self.max_prompt_length)
+        accelerator = trainer.accelerator
+        out = rollouts.generate(
+            prompt_ids,
+            self._sampling_params(trainer),
+            n,
+            trainer.state.global_step,
+            accelerator.process_index,
+            accelerator.num_processes,
+        )
         self._log(trainer, out)
         return {
             "prompt_ids": [p for p in prompt_ids for _ in range(n)],
@@ -137,53 +138,32 @@ class SpeculativeRollout:
             "logprobs": out.logprobs,
         }
 
-    def _engine(self, trainer: Any) -> RolloutEngine:
-        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains). With
-        ``speculation.draft_vocab_size`` and no saved draft, the first rollout runs plain (`_attach_vocab_draft`)."""
-        if self.engine is not None:
-            return self.engine
+    def _rollouts(self, trainer: Any) -> Rollouts:
+        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains), with the
+        draft of the checkpoint TRL resumes from, the saved draft given, or a fresh one."""
+        if self.rollouts is not None:
+            return self.rollouts
         self._check_supported(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
-        self.eos = eos_token_ids(model, trainer.processing_class)
         saved = self.resume_from / DRAFT_DIR if self.resume_from is not None else None
+        draft = None
         if saved is not None and saved.is_dir():
-            self._attach(model, trainer, DraftHead.load(saved, model), saved)
+            draft = DraftHead.load(saved, model)
         elif self.draft_path is not None:
-            self._attach(model, trainer, DraftHead.load(self.draft_path, model))
-        elif self.speculation.draft_vocab_size is not None:
-            self.engine = RolloutEngine(model, self.eos, trainer.processing_class)
-        else:
-            self._attach(model, trainer, self._fresh_draft(model, trainer))
-        return self.engine
-
-    @staticmethod
-    def _fresh_draft(model: Any, trainer: Any, vocab: torch.Tensor | None = None) -> DraftHead:
-        """An untrained draft over the ``[V_d]`` target ids ``vocab`` (None: the full vocabulary), the same on every
-        process."""
-        with torch.random.fork_rng(devices=[]):  # leaves the training run's random state alone
-            torch.manual_seed(trainer.args.seed)
-            return DraftHead(model.config, model.config.name_or_path, vocab)
-
-    def _attach(self, model: Any, trainer: Any, draft: DraftHead, saved: Path | None = None) -> None:
-        """Roll out speculatively with ``draft`` from now on, and train it online when draft learning is on (with
-        the optimizer state of the checkpoint draft directory ``saved``, if it has one)."""
-        param = next(model.parameters())
-        self.draft = draft.to(device=param.device, dtype=param.dtype)
-        name = model.config.name_or_path or model.config.model_type
-        controller = controller_from_config(self.speculation, model, self.draft, name)
-        self.engine = RolloutEngine(model, self.eos, trainer.processing_class, self.draft, controller=controller)
-        if self.draft_training.online:
-            embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-            self.draft_trainer = DraftTrainer(self.draft, embed, head, self.draft_training)
-            if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
-                self.draft_trainer.optimizer.load_state_dict(torch.load(saved / DRAFT_OPTIMIZER))
-
-    def _attach_vocab_draft(self, trainer: Any, out: GenerationOutput) -> None:
-        """Make and attach the fresh draft of ``speculation.draft_vocab_size``: its vocabulary is the most frequent
-        tokens of this rollout's completions on all processes (so that every process builds the same draft)."""
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.speculation.draft_vocab_size, self.eos)
-        self._attach(model, trainer, self._fresh_draft(model, trainer, vocab))
+            draft = DraftHead.load(self.draft_path, model)
+        self.rollouts = Rollouts(
+            model,
+            trainer.processing_class,
+            eos_token_ids(model, trainer.processing_class),
+            self.speculation,
+            self.draft_training,
+            model.config.name_or_path or model.config.model_type,
+            draft,
+            trainer.args.seed,
+        )
+        if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
+            self.rollouts.load_optimizer_state(torch.load(saved / DRAFT_OPTIMIZER))
+        return self.rollouts
 
     @staticmethod
     def _check_supported(trainer: Any) -> None:
@@ -213,34 +193,27 @@ class SpeculativeRollout:
 
     @staticmethod
     def _log(trainer: Any, out: GenerationOutput) -> None:
-        """Add the rollout's speculation figures to the metrics TRL logs at its next logging step."""
-        s = out.stats
+        """Add the rollout's figures to the metrics TRL logs at its next logging step (a rollout of plain steps only
+        has no tree acceptance to average in)."""
         metrics = trainer._metrics["train"]
-        metrics["spec/accept_length"].append(s.accept_length)
-        if s.depth_offered:  # a rollout of plain steps only has no tree acceptance to average in
-            metrics["spec/tree_accept_length"].append(s.tree_accept_length)
-        metrics["spec/n_verify_mean"].append(s.n_verify_mean)
-        metrics["spec/concurrency_mean"].append(s.concurrency_mean)
-        metrics["rollout/tokens_per_second"].append(s.tokens_per_second)
+        for key, value in out.stats.metrics().items():
+            if not math.isnan(value):
+                metrics[key].append(value)
 
     # -- online draft learning --------------------------------------------------------------------------------
     def update_draft(self) -> dict[str, float]:
-        """Train the draft on the rollouts since the last update (their completions, hidden states captured by the
-        rollout forwards, on the share `DraftTrainer.fit_online` takes); returns the ``draft/*`` metrics."""
-        if self.draft_trainer is None or not self.pending:
-            return {}
-        samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
-        rollouts = [out.stats for _, out, _ in self.pending]
-        self.pending.clear()
-        return self.draft_trainer.fit_online(samples, rollouts)
+        """Train the draft on the rollouts since the last update (`Rollouts.update_draft`); returns the ``draft/*``
+        metrics."""
+        return {} if self.rollouts is None else self.rollouts.update_draft()
 
     def save_draft(self, checkpoint: Path) -> None:
         """Write the draft (and its optimizer's state) into ``checkpoint/draft``."""
         if self.draft is None:
             return
         self.draft.save(checkpoint / DRAFT_DIR)
-        if self.draft_trainer is not None:
-            torch.save(self.draft_trainer.optimizer.state_dict(), checkpoint / DRAFT_DIR / DRAFT_OPTIMIZER)
+        state = self.rollouts.optimizer_state()
+        if state is not None:
+            torch.save(state, checkpoint / DRAFT_DIR / DRAFT_OPTIMIZER)
 
 
 class DraftCallback(TrainerCallback):

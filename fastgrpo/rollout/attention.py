@@ -12,6 +12,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -50,10 +51,11 @@ AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
 
 
 @contextmanager
-def rollout_attention(*models: PreTrainedModel | None) -> Iterator[None]:
-    """Run ``models`` (None entries are skipped) with `gqa_sdpa_attention` inside the block (those that use SDPA),
-    then restore them."""
-    configs = [m.config.get_text_config() for m in models if m is not None]
+def rollout_attention(*modules: nn.Module | None) -> Iterator[None]:
+    """Run the transformers models inside ``modules`` (a model, or a module holding one such as a draft head; None
+    entries are skipped) with `gqa_sdpa_attention` inside the block (those that use SDPA), then restore them."""
+    found = (m for module in modules if module is not None for m in module.modules())
+    configs = [m.config.get_text_config() for m in found if isinstance(m, PreTrainedModel)]
     switched = [c for c in {id(c): c for c in configs}.values() if c._attn_implementation == "sdpa"]
     for config in switched:
         config._attn_implementation = ROLLOUT_ATTENTION

@@ -1,164 +1,49 @@
 """Batched rollout engine with continuous batching over a static per-row KV cache.
 
 A call prefills each distinct prompt once, replicates its cache rows for the ``num_generations`` samples, then
-decodes. Every step runs one target forward over the active rows and emits a variable number of tokens per row:
-one for an autoregressive step, the accepted path plus one for a speculative step, where a draft head proposes a
-tree per row and the target verifies all trees in one forward. A row that ends (EOS, a stop string or the length
-limit) leaves the batch at once, so the concurrency falls during the call; it is recorded per step.
+decodes. Every `step` is four stages: a controller chooses the tree budget for the live number of rows (schedule),
+a drafter proposes a tree per row (propose), one target forward verifies every tree and accepts a path per row
+(verify), and the emitted tokens are appended, finished rows dropped and the caches compacted (postprocess). A plain
+step verifies the pending token alone and emits one token per row; a speculative step emits the accepted path plus
+one. A row that ends (EOS, a stop string or the length limit) leaves the batch at once, so the concurrency falls
+during the call; it is recorded per step.
 """
 
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.drafter import Drafter, Proposal
+from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.lora import merged_lora
-from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
-from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.scheduling import Controller, StaticController
+from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
+from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.rollout.verify import accept
-from fastgrpo.spec.controller import Controller, StaticController
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.tree import TreeShape, expand_tree
+from fastgrpo.sampling_params import SamplingParams
 
 
 @dataclass
-class GenerationStats:
-    """What one generation call did. Per-step lists have one entry per target forward after the prefill."""
+class Verified:
+    """What a step's target forward accepted: ``tokens`` and ``logprobs`` ``[B, E]`` of which each row emits the first
+    ``count[b]``; ``hidden`` ``[B, E, H]`` the target's hidden state each was sampled from (the fed tokens' states);
+    for a tree, ``path_rank`` ``[B, E - 1]`` the score rank of each accepted draft node (`DraftTree.rank`, ``N``
+    past the row's accepted ones), from which the controller tells what smaller trees would have accepted."""
 
-    target_forwards: int = 0
-    draft_forwards: int = 0
-    tokens_emitted: int = 0
-    prefill_time: float = 0.0
-    decode_time: float = 0.0
-    draft_time: float = 0.0
-    verify_time: float = 0.0
-    concurrency: list[int] = field(default_factory=list)
-    tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
-    step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
-    tree_nodes: list[int] = field(default_factory=list)
-    depth_offered: list[int] = field(default_factory=list)
-    depth_accepted: list[int] = field(default_factory=list)
-
-    @property
-    def total_time(self) -> float:
-        return self.prefill_time + self.decode_time
-
-    @property
-    def bookkeeping_time(self) -> float:
-        return self.decode_time - self.draft_time - self.verify_time
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens_emitted / max(self.total_time, 1e-9)
-
-    @property
-    def concurrency_mean(self) -> float:
-        return sum(self.concurrency) / max(len(self.concurrency), 1)
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens emitted by decoding forwards (the first token of each row comes from the prefill)."""
-        return sum(self.tokens_per_forward)
-
-    @property
-    def n_verify_mean(self) -> float:
-        """Mean tokens verified per row per target forward (1 for autoregressive steps)."""
-        steps = len(self.concurrency)
-        return (sum(self.tree_nodes) + steps - len(self.tree_nodes)) / max(steps, 1)
-
-    @property
-    def accept_length(self) -> float:
-        """Tokens emitted per row per decoding forward (1.0 for autoregressive decoding)."""
-        return self.decode_tokens / max(sum(self.concurrency), 1)
-
-    @property
-    def tree_accept_length(self) -> float:
-        """1 + draft tokens accepted per row per speculative step: the draft's acceptance, apart from how often the
-        controller chose a tree (`accept_length` counts plain steps as 1.0). NaN without a speculative step."""
-        if not self.depth_offered:
-            return float("nan")
-        return 1.0 + sum(self.depth_accepted) / self.depth_offered[0]
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
-        return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
-
-    def record_depths(self, tree_depth: torch.Tensor, accepted: torch.Tensor) -> None:
-        """``tree_depth`` ``[B]`` deepest node per row, ``accepted`` ``[B]`` accepted draft tokens per row."""
-        for d in range(1, int(tree_depth.max()) + 1):
-            if len(self.depth_offered) < d:
-                self.depth_offered.append(0)
-                self.depth_accepted.append(0)
-            self.depth_offered[d - 1] += int((tree_depth >= d).sum())
-            self.depth_accepted[d - 1] += int((accepted >= d).sum())
-
-
-@dataclass
-class GenerationOutput:
-    """Completions in prompt-major order: row ``p * num_generations + g`` is sample ``g`` of prompt ``p``."""
-
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    finish_reasons: list[str]
-    stats: GenerationStats
-    hidden_states: list[torch.Tensor] | None = None
-    """With ``capture_hidden``: per row ``[prompt + completion - 1, H]`` target final hidden states of every token
-    that was fed to the target (all but the last), from the forwards the decoding ran anyway."""
-
-
-@dataclass
-class _Batch:
-    """State of the active rows; row ``i`` of every tensor is cache row ``i`` (target and draft caches).
-
-    With a draft, ``pend_tok``/``pend_hid`` ``[B, C + 1]``/``[B, C + 1, H]`` hold the (token, preceding target
-    hidden state) pairs that the draft cache has not consumed yet, the first ``pend_n[b]`` of row ``b``; the capacity
-    ``C`` grows by doubling and the last column is a spare one that scatters of nothing write to.
-    """
-
-    ids: torch.Tensor  # [B] index of the completion this row produces
-    row_len: torch.Tensor  # [B] filled target cache slots
-    pending: torch.Tensor  # [B] emitted token not yet written to the target cache
-    emitted: torch.Tensor  # [B] tokens of the completion so far
-    draft_len: torch.Tensor | None = None  # [B] filled draft cache slots
-    pend_tok: torch.Tensor | None = None
-    pend_hid: torch.Tensor | None = None
-    pend_n: torch.Tensor | None = None
-
-    def select(self, rows: torch.Tensor) -> _Batch:
-        return _Batch(*(None if t is None else t[rows] for t in vars(self).values()))
-
-    def push_pairs(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
-        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs."""
-        b, e = tokens.shape
-        need, cap = int((self.pend_n + count).max()), self.pend_tok.shape[1] - 1
-        if need > cap:
-            grown = max(need, 2 * cap)
-            new_tok = self.pend_tok.new_zeros(b, grown + 1)
-            new_hid = self.pend_hid.new_zeros(b, grown + 1, hidden.shape[-1])
-            new_tok[:, :cap], new_hid[:, :cap] = self.pend_tok[:, :cap], self.pend_hid[:, :cap]
-            self.pend_tok, self.pend_hid, cap = new_tok, new_hid, grown
-        steps = torch.arange(e, device=tokens.device)[None, :]
-        index = torch.where(steps < count[:, None], self.pend_n[:, None] + steps, cap)  # the spare column
-        rows = torch.arange(b, device=tokens.device)[:, None]
-        self.pend_tok[rows, index] = tokens  # index assignment, not scatter_ (slow on bfloat16, see cache.py)
-        self.pend_hid[rows, index] = hidden.to(self.pend_hid.dtype)
-        self.pend_n = self.pend_n + count
-
-
-def _fill_holes(keep: list[int]) -> list[int]:
-    """New order of the rows after dropping finished ones (``keep``: the kept positions, ascending): a kept row
-    stays where it is unless it lies past the new batch size, then it moves into the slot of a finished row, so
-    the caches copy one row per finished row instead of shifting every row after it."""
-    kept, tail = set(keep), [p for p in keep if p >= len(keep)]
-    return [p if p in kept else tail.pop() for p in range(len(keep))]
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    count: torch.Tensor
+    hidden: torch.Tensor
+    path_rank: torch.Tensor | None = None
 
 
 class RolloutEngine:
@@ -168,7 +53,8 @@ class RolloutEngine:
         model: the policy; its weights are used as they are (no copy).
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
-        draft: an EAGLE-style draft head for speculative steps (None: autoregressive only).
+        drafter: proposes draft trees for speculative steps (None: autoregressive only), for example
+            `fastgrpo.speculative.eagle.EagleDrafter`.
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
         controller: instead of ``tree``, chooses each step's shape from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
@@ -180,56 +66,36 @@ class RolloutEngine:
         model: PreTrainedModel,
         eos_token_ids: list[int],
         tokenizer: PreTrainedTokenizerBase | None = None,
-        draft: DraftHead | None = None,
+        drafter: Drafter | None = None,
         tree: TreeShape | None = None,
         controller: Controller | None = None,
         merge_lora: bool = True,
     ):
+        self.model = model
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        self.tokenizer = tokenizer
+        self.merge_lora = merge_lora
+        self.cache: RowCache | None = None
+        self.drafter: Drafter | None = None
+        self.controller: Controller | None = None
+        self.speculate(drafter, tree, controller)
+
+    def speculate(
+        self, drafter: Drafter | None, tree: TreeShape | None = None, controller: Controller | None = None
+    ) -> None:
+        """From the next call on, draft with ``drafter`` and trees of ``tree`` or those ``controller`` chooses (None,
+        None, None: autoregressive only)."""
         if tree is not None and controller is not None:
             raise ValueError("give a static tree shape or a controller, not both")
         if tree is not None:
             controller = StaticController(tree)
-        if (draft is None) != (controller is None):
-            raise ValueError("speculative decoding needs both a draft and a tree shape or controller")
-        self.model = model
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
-        self.tokenizer = tokenizer
-        self.draft = draft
-        self.controller = controller
-        self.merge_lora = merge_lora
-        self.cache: RowCache | None = None
-        self.draft_cache: RowCache | None = None
-        self._backlog_seconds = 0.0  # catch-up time of the last speculative step that belongs to earlier plain steps
-        self._draft_state: tuple[tuple[int, int], ...] | None = None  # see `_draft_changed`
+        if (drafter is None) != (controller is None):
+            raise ValueError("speculative decoding needs both a drafter and a tree shape or controller")
+        self.drafter, self.controller = drafter, controller
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-    def _draft_changed(self) -> bool:
-        """Whether the draft's weights changed since the previous call (an optimizer step or a load writes them in
-        place, which bumps each tensor's version counter); True on the first call."""
-        if self.draft is None:
-            return False
-        state = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
-        changed, self._draft_state = state != self._draft_state, state
-        return changed
-
-    def _caches(self, rows: int, length: int) -> RowCache:
-        """Reuse the cache buffers when big enough (zeroed once at allocation, so always finite)."""
-        bound = self.controller.max_shape if self.controller else None
-        extra = bound.nodes if bound else 1
-        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
-            self.cache = None
-            self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device)
-        if self.draft is not None:
-            # Room for the context, a catch-up block as long as the longest row's pending pairs, and a tree.
-            need = 2 * length + bound.depth * bound.top_k
-            c = self.draft_cache
-            if c is None or c.max_rows < rows or c.max_len < need:
-                self.draft_cache = None
-                self.draft_cache = RowCache(self.draft.body.config, rows, need, self.model.dtype, self.device)
-        return self.cache
 
     @torch.inference_mode()
     def generate(
@@ -253,254 +119,203 @@ class RolloutEngine:
             raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
+        extra = self.drafter.modules if self.drafter is not None else ()
         was_training = self.model.training
         self.model.eval()
         try:
             with (
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
-                rollout_attention(self.model, self.draft.decoder if self.draft is not None else None),
-                rollout_linears(self.model, self.draft),
+                rollout_attention(self.model, *extra),
+                rollout_linears(self.model, *extra),
             ):
-                return self._generate(prompt_ids, params, num_generations, generator, capture_hidden, uniforms)
+                call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
+                self._begin(call, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
+                rows = self.prefill(prompt_ids, num_generations, call)
+                t0 = time.perf_counter()
+                while rows.size:
+                    rows = self.step(rows, call)
+                call.stats.decode_time = time.perf_counter() - t0
+                return call.output()
         finally:
             self.model.train(was_training)
 
-    def _generate(
+    def _call(
         self,
-        prompt_ids: list[list[int]],
+        n_rows: int,
         params: SamplingParams,
-        num_generations: int,
         generator: torch.Generator | None,
-        capture_hidden: bool,
+        capture: bool,
         uniforms: torch.Tensor | None,
-    ) -> GenerationOutput:
-        stats = GenerationStats()
-        n_rows = len(prompt_ids) * num_generations
-        out = GenerationOutput([[] for _ in range(n_rows)], [[] for _ in range(n_rows)], ["length"] * n_rows, stats)
-        cache = self._caches(n_rows, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
-        if self.controller is not None:
-            self.controller.begin(draft_changed=self._draft_changed())
-
-        t0 = time.perf_counter()
-        batch, logits, hidden, prompt_hidden = self._prefill(cache, prompt_ids, num_generations)
-        captured = None
-        if capture_hidden:
-            captured = [
-                [prompt_hidden[i // num_generations, : len(prompt_ids[i // num_generations])]] for i in range(n_rows)
-            ]
+    ) -> Generation:
+        """The call's state; when sampling, one uniform per (completion, position), see `sample`."""
         noise = None
-        if not params.greedy:  # one uniform per (completion, position), see `sample`
+        if not params.greedy:
             noise = uniforms
             if noise is None:
                 where = generator.device if generator is not None else torch.device("cpu")
                 shape = (n_rows, params.max_new_tokens)
                 noise = torch.rand(shape, generator=generator, dtype=torch.float64, device=where)
-            noise = noise.to(device=batch.ids.device, dtype=torch.float64)
-        logprobs = process_logits(logits, params)
-        first = sample(logprobs, params, None if noise is None else noise[:, 0])
-        ones = torch.ones_like(first)
-        if self.draft is not None:
-            batch.push_pairs(first[:, None], hidden[:, None], ones)
-        stats.prefill_time = time.perf_counter() - t0
+            noise = noise.to(device=self.device, dtype=torch.float64)
+        seqs = [Sequence(i, 0, hidden=[] if capture else None) for i in range(n_rows)]
+        return Generation(params, seqs, self.eos.to(self.device), noise, self.tokenizer, capture)
+
+    def _begin(self, call: Generation, length: int) -> None:
+        """Size the caches (reused when big enough; zeroed once at allocation, so always finite) and tell the
+        controller a call starts."""
+        rows = len(call.seqs)
+        bound = self.controller.max_shape if self.controller is not None else None
+        extra = bound.nodes if bound is not None else 1
+        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
+            self.cache = None
+            self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device)
+        if self.drafter is not None:
+            changed = self.drafter.begin(rows, length, bound)
+            self.controller.begin(draft_changed=changed)
+
+    def prefill(self, prompt_ids: list[list[int]], num_generations: int, call: Generation) -> ActiveRows:
+        """Prefill each prompt once (right-padded at slot 0), replicate its rows, sample and append each row's first
+        token; returns the rows still active."""
         t0 = time.perf_counter()
-        batch = self._emit(batch, first[:, None], logprobs.gather(1, first[:, None]), ones, params, out)
-        while batch.ids.numel():
-            rows = batch.ids.numel()
-            stats.concurrency.append(rows)
-            step_start = time.perf_counter()
-            backlog = int(batch.pend_n.max()) if self.draft is not None else 0
-            shape = self.controller.choose(rows, backlog) if self.controller else None
-            path_rank = None
-            if shape is not None and shape.speculative:
-                tokens, lps, count, fed, path_rank = self._speculative_step(batch, shape, params, noise, stats)
-            else:
-                tokens, lps, count, fed = self._autoregressive_step(batch, params, noise, stats)
-            stats.target_forwards += 1
-            if captured is not None:
-                for b, (i, n) in enumerate(zip(batch.ids.tolist(), count.tolist(), strict=True)):
-                    captured[i].append(fed[b, :n])
-            emitted_before = stats.tokens_emitted
-            accepted = count - 1
-            batch = self._emit(batch, tokens, lps, count, params, out)
-            stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
-            stats.step_times.append(time.perf_counter() - step_start)
-            if shape is not None:
-                seconds = stats.step_times[-1] - (self._backlog_seconds if shape.speculative else 0.0)
-                self.controller.observe(rows, shape, seconds, accepted, path_rank)
-        stats.decode_time = time.perf_counter() - t0
-        if captured is not None:
-            out.hidden_states = [
-                torch.cat(parts)[: len(prompt_ids[i // num_generations]) + len(out.completion_ids[i]) - 1]
-                for i, parts in enumerate(captured)
-            ]
-        return out
-
-    def _prefill(
-        self, cache: RowCache, prompt_ids: list[list[int]], num_generations: int
-    ) -> tuple[_Batch, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prefill each prompt once (right-padded at slot 0), then replicate rows.
-
-        Returns the batch, ``[R, V]`` last-position logits, ``[R, H]`` last-position hidden states and the
-        ``[P, T, H]`` hidden states of every prompt position.
-        """
         dev = self.device
         lens = torch.tensor([len(p) for p in prompt_ids], device=dev)
         ids = torch.zeros(len(prompt_ids), int(lens.max()), dtype=torch.long, device=dev)
         for i, p in enumerate(prompt_ids):
             ids[i, : len(p)] = torch.tensor(p, device=dev)
         decoder, head = decoder_and_head(self.model)
-        hidden = forward_chain(decoder, cache, torch.zeros_like(lens), input_ids=ids)
+        hidden = forward_chain(decoder, self.cache, torch.zeros_like(lens), input_ids=ids)  # [P, T, H]
         last = hidden[torch.arange(len(prompt_ids), device=dev), lens - 1]
         rows = torch.arange(len(prompt_ids), device=dev).repeat_interleave(num_generations)
         if num_generations > 1:
-            cache.select_rows(rows, upto=ids.shape[1])
+            self.cache.select_rows(rows, upto=ids.shape[1])
+        for seq in call.seqs:
+            prompt = seq.index // num_generations
+            seq.prompt_len = len(prompt_ids[prompt])
+            if seq.hidden is not None:
+                seq.hidden.append(hidden[prompt, : seq.prompt_len])
         zeros = torch.zeros_like(rows)
-        batch = _Batch(ids=torch.arange(rows.numel(), device=dev), row_len=lens[rows], pending=zeros, emitted=zeros)
-        if self.draft is not None:
-            # Pairs (x_{j+1}, h_j) of the prompt; the pair of the first sampled token is pushed by the caller.
-            pairs = lens - 1
-            batch.draft_len = torch.zeros_like(batch.row_len)
-            spare = torch.zeros(rows.numel(), 1, dtype=ids.dtype, device=dev)
-            batch.pend_tok = torch.cat([ids[rows, 1:], spare], 1)
-            batch.pend_hid = torch.cat([hidden[rows, :-1], hidden.new_zeros(rows.numel(), 1, hidden.shape[-1])], 1)
-            batch.pend_n = pairs[rows]
-        return batch, head(last)[rows], last[rows], hidden
+        active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], zeros, zeros)
+        logprobs = process_logits(head(last)[rows], call.params)
+        first = sample(logprobs, call.params, None if call.noise is None else call.noise[:, 0])
+        if self.drafter is not None:
+            active.draft = self.drafter.start(ids, lens, hidden, rows, first, last[rows])
+        ones = torch.ones_like(first)
+        active = self._append(active, Verified(first[:, None], logprobs.gather(1, first[:, None]), ones, last), call)
+        call.stats.prefill_time = time.perf_counter() - t0
+        return active
 
-    @staticmethod
-    def _uniforms(noise: torch.Tensor | None, batch: _Batch, width: int) -> torch.Tensor | None:
-        """``[B, width]`` uniforms of each row's next ``width`` completion positions (None when greedy)."""
-        if noise is None:
+    def step(self, rows: ActiveRows, call: Generation) -> ActiveRows:
+        """One decoding step over the active rows; returns those still active after it."""
+        start = time.perf_counter()
+        shape = self.schedule(rows)
+        proposal = self.propose(rows, shape, call)
+        verified = self.verify(rows, proposal, call)
+        return self.postprocess(rows, shape, proposal, verified, call, start)
+
+    def schedule(self, rows: ActiveRows) -> TreeShape | None:
+        """The tree budget of this step for the live rows (None or one node: a plain step)."""
+        if self.controller is None:
             return None
-        cols = batch.emitted[:, None] + torch.arange(width, device=noise.device)[None, :]
-        return noise[batch.ids[:, None], cols.clamp(max=noise.shape[1] - 1)]
+        return self.controller.choose(rows.size, self.drafter.backlog(rows))
 
-    def _autoregressive_step(
-        self, batch: _Batch, params: SamplingParams, noise: torch.Tensor | None, stats: GenerationStats
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One target forward over each row's pending token.
+    def propose(self, rows: ActiveRows, shape: TreeShape | None, call: Generation) -> Proposal | None:
+        """A draft tree per row when ``shape`` asks for one."""
+        if shape is None or not shape.speculative:
+            return None
+        t0 = time.perf_counter()
+        proposal = self.drafter.propose(rows, shape)
+        call.stats.draft_forwards += proposal.forwards
+        call.stats.draft_time += time.perf_counter() - t0
+        return proposal
 
-        Returns ``[B, 1]`` tokens and log-probs, ``[B]`` counts (ones) and the ``[B, 1, H]`` hidden state of the
-        fed token."""
+    def verify(self, rows: ActiveRows, proposal: Proposal | None, call: Generation) -> Verified:
+        """One target forward over each row's pending token (and its tree), accepting the tokens each row emits."""
         t0 = time.perf_counter()
         decoder, head = decoder_and_head(self.model)
-        hidden = forward_chain(decoder, self.cache, batch.row_len, input_ids=batch.pending[:, None])
-        logprobs = process_logits(head(hidden[:, -1]), params)
-        uniforms = self._uniforms(noise, batch, 1)
-        tokens = sample(logprobs, params, None if uniforms is None else uniforms[:, 0])
-        batch.row_len = batch.row_len + 1
-        ones = torch.ones_like(tokens)
-        if self.draft is not None:
-            batch.push_pairs(tokens[:, None], hidden, ones)
-        stats.verify_time += time.perf_counter() - t0
-        return tokens[:, None], logprobs.gather(1, tokens[:, None]), ones, hidden
+        params = call.params
+        if proposal is None:
+            hidden = forward_chain(decoder, self.cache, rows.row_len, input_ids=rows.pending[:, None])
+            logprobs = process_logits(head(hidden[:, -1]), params)
+            uniforms = call.uniforms(rows, 1)
+            tokens = sample(logprobs, params, None if uniforms is None else uniforms[:, 0])
+            rows.row_len = rows.row_len + 1
+            verified = Verified(tokens[:, None], logprobs.gather(1, tokens[:, None]), torch.ones_like(tokens), hidden)
+        else:
+            verified = self._verify_tree(rows, proposal, call)
+        call.stats.target_forwards += 1
+        call.stats.verify_time += time.perf_counter() - t0
+        return verified
 
-    def _draft_catch_up(self, batch: _Batch) -> torch.Tensor:
-        """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last
-        pair (the root of the next tree)."""
-        embed = self.model.get_input_embeddings()
-        width = int(batch.pend_n.max())
-        x = self.draft.features(embed(batch.pend_tok[:, :width]), batch.pend_hid[:, :width])
-        out = forward_chain(self.draft.decoder, self.draft_cache, batch.draft_len, inputs_embeds=x, position_offset=1)
-        root = out[torch.arange(out.shape[0], device=out.device), batch.pend_n - 1]
-        batch.draft_len = batch.draft_len + batch.pend_n
-        batch.pend_n = torch.zeros_like(batch.pend_n)
-        return root
-
-    def _speculative_step(
-        self,
-        batch: _Batch,
-        shape: TreeShape,
-        params: SamplingParams,
-        noise: torch.Tensor | None,
-        stats: GenerationStats,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Draft a tree of ``shape`` per row, verify all trees in one target forward, accept a path per row.
-
-        Returns ``[B, D]`` emitted tokens and log-probs, ``[B]`` counts, ``[B, D, H]`` hidden states of the
-        accepted path (the tokens now in the cache) and ``[B, D - 1]`` the score rank of each accepted draft node
-        (``N`` past the row's accepted ones), from which the controller tells what smaller trees would have
-        accepted."""
-        t0 = time.perf_counter()
-        backlog = float(batch.pend_n.float().mean())
-        root_hidden = self._draft_catch_up(batch)
-        # After plain steps the catch-up also feeds their tokens: that share is their cost, not this tree's.
-        self._backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
-        embed = self.model.get_input_embeddings()
+    def _verify_tree(self, rows: ActiveRows, proposal: Proposal, call: Generation) -> Verified:
+        """Verify every row's tree in one forward, then move the accepted path's cache entries to contiguous slots
+        right after the row's context."""
+        tree = proposal.tree
         decoder, head = decoder_and_head(self.model)
-        tree = expand_tree(
-            self.draft, embed, head, self.draft_cache, batch.draft_len, batch.pending, root_hidden, batch.row_len, shape
-        )
-        stats.draft_forwards += shape.levels
-        t1 = time.perf_counter()
         n = tree.tokens.shape[1]
         offsets = torch.arange(n, device=tree.tokens.device)
-        positions = batch.row_len[:, None] + tree.depth
+        positions = rows.row_len[:, None] + tree.depth
         hidden = forward_block(
-            decoder, self.cache, batch.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
+            decoder, self.cache, rows.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
         )
-        result = accept(tree, head(hidden), params, self._uniforms(noise, batch, int(tree.depth.max()) + 1))
-        t2 = time.perf_counter()
-        # Move the accepted path's cache entries to contiguous slots right after the row's context.
+        result = accept(tree, head(hidden), call.params, call.uniforms(rows, int(tree.depth.max()) + 1))
         path = result.path
         steps = torch.arange(path.shape[1], device=path.device)[None, :]
-        src = batch.row_len[:, None] + torch.where(path >= 0, path, steps)
-        self.cache.move_slots(src, batch.row_len[:, None] + steps)
-        batch.row_len = batch.row_len + result.length
+        src = rows.row_len[:, None] + torch.where(path >= 0, path, steps)
+        self.cache.move_slots(src, rows.row_len[:, None] + steps)
+        rows.row_len = rows.row_len + result.length
         path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        batch.push_pairs(result.tokens, path_hidden, result.length)
-        stats.draft_time += t1 - t0
-        stats.verify_time += t2 - t1
-        stats.tree_nodes.append(n)
-        stats.record_depths(tree.depth.max(dim=1).values, result.length - 1)
+        call.stats.tree_nodes.append(n)
+        call.stats.record_depths(tree.depth.max(dim=1).values, result.length - 1)
         drafted = path[:, 1:]
         path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
-        return result.tokens, result.logprobs, result.length, path_hidden, path_rank
+        return Verified(result.tokens, result.logprobs, result.length, path_hidden, path_rank)
 
-    def _emit(
+    def postprocess(
         self,
-        batch: _Batch,
-        tokens: torch.Tensor,
-        logprobs: torch.Tensor,
-        count: torch.Tensor,
-        params: SamplingParams,
-        out: GenerationOutput,
-    ) -> _Batch:
-        """Append the first ``count[b]`` of ``[B, E]`` tokens to each row's completion, stopping a row at EOS, a
-        stop string or the length limit (even inside an accepted path); drop finished rows from the batch."""
-        is_eos = torch.isin(tokens, self.eos.to(tokens.device)).tolist()
-        keep = []
-        emitted = 0
-        for pos, (i, toks, lps, n) in enumerate(
-            zip(batch.ids.tolist(), tokens.tolist(), logprobs.tolist(), count.tolist(), strict=True)
-        ):
-            ids, done = out.completion_ids[i], False
-            for j in range(n):
-                ids.append(toks[j])
-                out.logprobs[i].append(lps[j])
-                emitted += 1
-                if is_eos[pos][j] or (params.stop and self._hit_stop(ids, params.stop)):
-                    out.finish_reasons[i] = "stop"
-                    done = True
-                if done or len(ids) >= params.max_new_tokens:
-                    done = True
-                    break
-            if not done:
-                keep.append(pos)
-        out.stats.tokens_emitted += emitted
-        last = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
-        batch.pending = last
-        batch.emitted = batch.emitted + count
-        if len(keep) == batch.ids.numel():
-            return batch
-        rows = torch.tensor(_fill_holes(keep), dtype=torch.long, device=batch.ids.device)
-        if keep:
-            self.cache.select_rows(rows, upto=int(batch.row_len.max()))
-            if self.draft is not None:
-                self.draft_cache.select_rows(rows, upto=int(batch.draft_len.max()))
-        return batch.select(rows)
+        rows: ActiveRows,
+        shape: TreeShape | None,
+        proposal: Proposal | None,
+        verified: Verified,
+        call: Generation,
+        start: float,
+    ) -> ActiveRows:
+        """Hand the drafter what it needs of the step, append the emitted tokens, drop finished rows and tell the
+        controller what the step cost and accepted."""
+        stats = call.stats
+        stats.concurrency.append(rows.size)
+        if self.drafter is not None:
+            self.drafter.accepted(rows, verified.tokens, verified.hidden, verified.count)
+        if call.capture:
+            for seq, hidden, n in zip(rows.seqs, verified.hidden, verified.count.tolist(), strict=True):
+                seq.hidden.append(hidden[:n])
+        emitted_before = stats.tokens_emitted
+        remaining = self._append(rows, verified, call)
+        stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
+        stats.step_times.append(time.perf_counter() - start)
+        if shape is not None:
+            seconds = stats.step_times[-1] - (proposal.backlog_seconds if proposal is not None else 0.0)
+            self.controller.observe(rows.size, shape, seconds, verified.count - 1, verified.path_rank)
+        return remaining
 
-    def _hit_stop(self, completion: list[int], stop: tuple[str, ...]) -> bool:
-        """Whether the decoded tail of a completion contains a stop string."""
-        window = max(len(s) for s in stop) + 8
-        text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
-        return any(s in text for s in stop)
+    def _append(self, rows: ActiveRows, verified: Verified, call: Generation) -> ActiveRows:
+        """Append the first ``count[b]`` emitted tokens to each row's sequence and drop the rows that ended, moving
+        kept rows into the freed cache rows (`fill_holes`)."""
+        tokens, count = verified.tokens, verified.count
+        is_eos = torch.isin(tokens, call.eos).tolist()
+        keep = []
+        for pos, (seq, toks, lps, eos, n) in enumerate(
+            zip(rows.seqs, tokens.tolist(), verified.logprobs.tolist(), is_eos, count.tolist(), strict=True)
+        ):
+            before = len(seq.completion_ids)
+            if not seq.append(toks[:n], lps[:n], eos[:n], call):
+                keep.append(pos)
+            call.stats.tokens_emitted += len(seq.completion_ids) - before
+        rows.pending = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+        rows.emitted = rows.emitted + count
+        if len(keep) == rows.size:
+            return rows
+        order = torch.tensor(fill_holes(keep), dtype=torch.long, device=rows.ids.device)
+        if keep:
+            self.cache.select_rows(order, upto=int(rows.row_len.max()))
+            if self.drafter is not None:
+                self.drafter.keep(rows, order)
+        return rows.select(order)

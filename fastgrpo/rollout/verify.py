@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
-from fastgrpo.spec.tree import DraftTree
+from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.tree import DraftTree
+from fastgrpo.sampling_params import SamplingParams
 
 
 @dataclass

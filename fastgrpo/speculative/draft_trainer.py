@@ -23,14 +23,13 @@ from torch import nn
 from transformers import DynamicCache, get_scheduler
 
 from fastgrpo import distributed
-from fastgrpo.fields import option
+from fastgrpo.config import DraftTrainConfig
 from fastgrpo.models import warn_if_bf16_emulated
-from fastgrpo.spec.draft import DraftHead
+from fastgrpo.speculative.draft import DraftHead
 
 if TYPE_CHECKING:
-    from fastgrpo.rollout.engine import GenerationOutput, GenerationStats
-
-LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+    from fastgrpo.rollout.sequence import GenerationOutput
+    from fastgrpo.rollout.stats import GenerationStats
 
 
 @dataclass
@@ -65,49 +64,6 @@ class DraftFit:
         ``draft/accuracy`` and ``draft/time``."""
         loss = sum(self.losses) / len(self.losses) if self.losses else float("nan")
         return {"draft/loss": loss, "draft/accuracy": self.accuracy, "draft/time": seconds}
-
-
-@dataclass
-class DraftTrainConfig:
-    """Draft training options. Online (during GRPO, when speculation is on): ``online`` trains the draft on every
-    rollout, ``epochs`` passes over it per step. The learning-rate schedule (transformers' ``get_scheduler``) spans
-    one `DraftTrainer.fit` call: the whole of an offline fit, or one step's passes online."""
-
-    online: bool = option(True, help="train the draft on every rollout while speculation is on")
-    learning_rate: float = option(1e-4, help="the draft's AdamW learning rate")
-    hidden_loss_weight: float = option(2.0, help="weight of the SmoothL1 loss on the predicted hidden state")
-    token_loss_weight: float = option(0.1, help="weight of the soft cross-entropy against the target's next token")
-    token_budget: int = option(2048, help="tokens per draft training batch (sequences are packed up to it)")
-    epochs: int = option(1, help="passes over each rollout (online) or the whole data set (offline)")
-    max_grad_norm: float = option(1.0, help="gradient clipping of the draft")
-    bf16: bool = option(False, help="bfloat16 autocast for the draft's forward and backward")
-    unroll: int = option(
-        1, help="tree depths trained per position, feeding the draft its own predictions (1: teacher forcing only)"
-    )
-    lr_scheduler_type: str = option(
-        "constant", help="learning-rate schedule over one fit (transformers' get_scheduler)", choices=LR_SCHEDULERS
-    )
-    warmup_ratio: float = option(0.0, help="share of a fit's optimizer steps spent warming the learning rate up")
-    min_share: float = option(
-        0.25,
-        help="online: share of a rollout's completions the draft trains on when the rollout ran no tree; the share "
-        "follows the share of decoding steps that ran a tree, up to all (1.0: always all)",
-    )
-
-    def validate(self) -> None:
-        for name in ("learning_rate", "token_budget", "epochs", "max_grad_norm", "unroll"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"draft_training.{name} must be > 0, got {getattr(self, name)}")
-        if self.hidden_loss_weight < 0 or self.token_loss_weight < 0:
-            raise ValueError("draft_training loss weights must be >= 0")
-        if self.lr_scheduler_type not in LR_SCHEDULERS:
-            raise ValueError(
-                f"draft_training.lr_scheduler_type must be one of {list(LR_SCHEDULERS)}, got {self.lr_scheduler_type!r}"
-            )
-        if not 0 <= self.warmup_ratio <= 1:
-            raise ValueError(f"draft_training.warmup_ratio must be in [0, 1], got {self.warmup_ratio}")
-        if not 0 < self.min_share <= 1:
-            raise ValueError(f"draft_training.min_share must be in (0, 1], got {self.min_share}")
 
 
 def unrolled_attention_mask(t: int, step: int, device: torch.device) -> torch.Tensor:

@@ -13,11 +13,12 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo import distributed
+from fastgrpo.config import DraftTrainConfig
 from fastgrpo.models import encode_prompts
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.draft_trainer import DraftFit, DraftSample, DraftTrainConfig, DraftTrainer
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.draft_trainer import DraftFit, DraftSample, DraftTrainer
 
 
 def collect_samples(

@@ -33,9 +33,9 @@ from fastgrpo.machine import device_key, file_key, write_atomically
 from fastgrpo.models import cache_root
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
-from fastgrpo.rollout.runner import decoder_and_head, forward_block, forward_chain
-from fastgrpo.spec.draft import DraftHead
+from fastgrpo.speculative.draft import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)

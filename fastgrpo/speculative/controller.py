@@ -1,10 +1,7 @@
-"""Choosing each decoding step's draft tree from the live number of active rows.
+"""The controllers that size each decoding step's draft tree from the live number of active rows (the interface,
+`Controller`, and the fixed `StaticController` are the engine's, in `fastgrpo.rollout.scheduling`).
 
-A controller is asked for a `TreeShape` before every engine step (``nodes == 1`` means a plain autoregressive step
-with no draft forward) and told afterwards what the step cost and how many draft tokens each row accepted.
-
-- `StaticController`: the same shape at every step.
-- `PaperController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
+- `CapacityController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
   ``K = min(N - 1, K_max)``, ``L = clamp(floor(log2(N / alpha)), L_min, L_max)``.
 - `AdaptiveController`: the shape of the highest predicted goodput (expected tokens per row over predicted step
   time), from live acceptance statistics and a latency profile it corrects online; autoregressive steps whenever no
@@ -15,121 +12,34 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import PreTrainedModel
 
-from fastgrpo.spec.draft import DraftHead
-from fastgrpo.spec.profiler import LatencyProfile, load_or_calibrate
-from fastgrpo.spec.tree import TreeShape
-
-if TYPE_CHECKING:
-    from fastgrpo.config import SpeculationConfig
-
-AUTOREGRESSIVE = TreeShape(1, 1, 1)
+from fastgrpo.config import ControllerLimits, SpeculationConfig
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StatelessController, StaticController
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 
 
-class Controller(Protocol):
-    """Chooses the tree shape of every engine step."""
-
-    @property
-    def max_shape(self) -> TreeShape:
-        """Upper bounds of the nodes, top-k and depth it may ever choose (the engine sizes its caches by them)."""
-        ...
-
-    def begin(self, draft_changed: bool = False) -> None:
-        """A generation call starts; ``draft_changed`` when the draft's weights changed since the previous call
-        (online draft learning), so that what was measured of its acceptance is out of date."""
-        ...
-
-    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        """The shape of the next step, with ``rows`` active rows; a speculative step first feeds the draft the
-        ``backlog`` tokens per row it has not seen (those of the plain steps since its last tree)."""
-        ...
-
-    def observe(
-        self,
-        rows: int,
-        shape: TreeShape,
-        seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
-    ) -> None:
-        """A step ran: its wall time and, for a speculative step, the ``[B]`` draft tokens each row accepted and
-        ``[B, D]`` the score rank of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's
-        accepted ones), which tells what a smaller tree drafted from the same candidates would have accepted."""
-        ...
+def shape_for(limits: ControllerLimits, n_verify: int) -> TreeShape:
+    """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1)."""
+    n = max(1, min(n_verify, limits.n_max))
+    if n == 1:
+        return AUTOREGRESSIVE
+    k = min(n - 1, limits.k_max)
+    depth = min(max(math.floor(math.log2(n / limits.alpha)), limits.l_min), limits.l_max)
+    return TreeShape(n, k, depth)
 
 
-class _OpenLoop:
-    """A controller whose choice does not depend on what earlier steps did: ``begin`` and ``observe`` do nothing."""
-
-    def begin(self, draft_changed: bool = False) -> None:
-        pass
-
-    def observe(
-        self,
-        rows: int,
-        shape: TreeShape,
-        seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
-    ) -> None:
-        pass
+def largest_shape(limits: ControllerLimits) -> TreeShape:
+    """The bounds of every shape the limits allow."""
+    return TreeShape(limits.n_max, limits.k_max, limits.l_max)
 
 
 @dataclass
-class StaticController(_OpenLoop):
-    """A fixed tree shape at every step."""
-
-    shape: TreeShape
-
-    @property
-    def max_shape(self) -> TreeShape:
-        return self.shape
-
-    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        return self.shape
-
-
-@dataclass
-class ControllerLimits:
-    """The paper's constants: ``n_max`` verified tokens per row, ``k_max`` children per node, ``l_min``..``l_max``
-    levels, and ``alpha`` (expected acceptance) in the depth rule."""
-
-    n_max: int = 64
-    k_max: int = 8
-    l_min: int = 3
-    l_max: int = 5
-    alpha: float = 0.75
-
-    def validate(self, prefix: str = "") -> None:
-        """Raise ValueError naming the first bad constant (``prefix`` + its name, e.g. ``speculation.n_max``)."""
-        for name in ("n_max", "k_max", "l_min"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{prefix}{name} must be >= 1, got {getattr(self, name)}")
-        if self.l_max < self.l_min:
-            raise ValueError(f"{prefix}l_max must be >= {prefix}l_min, got {self.l_max} < {self.l_min}")
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"{prefix}alpha must be in (0, 1], got {self.alpha}")
-
-    def shape_for(self, n_verify: int) -> TreeShape:
-        """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1)."""
-        n = max(1, min(n_verify, self.n_max))
-        if n == 1:
-            return AUTOREGRESSIVE
-        k = min(n - 1, self.k_max)
-        depth = min(max(math.floor(math.log2(n / self.alpha)), self.l_min), self.l_max)
-        return TreeShape(n, k, depth)
-
-    @property
-    def max_shape(self) -> TreeShape:
-        return TreeShape(self.n_max, self.k_max, self.l_max)
-
-
-@dataclass
-class PaperController(_OpenLoop):
+class CapacityController(StatelessController):
     """FastGRPO's concurrency-aware rule: ``N_verify = C_peak // B`` tokens per row, recomputed every step."""
 
     c_peak: int
@@ -142,10 +52,10 @@ class PaperController(_OpenLoop):
 
     @property
     def max_shape(self) -> TreeShape:
-        return self.limits.max_shape
+        return largest_shape(self.limits)
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        return self.limits.shape_for(self.c_peak // max(rows, 1))
+        return shape_for(self.limits, self.c_peak // max(rows, 1))
 
 
 @dataclass
@@ -195,7 +105,7 @@ class AdaptiveController:
         self.limits.validate()
         ns = sorted({1, *[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
         ns = sorted({*ns, self.limits.n_max})
-        self.shapes = [self.limits.shape_for(n) for n in ns]
+        self.shapes = [shape_for(self.limits, n) for n in ns]
         depth = self.limits.l_max
         self.depth_accept = [self.prior_accept ** (d + 1) for d in range(depth)]  # pooled P(accepted >= d + 1)
         self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
@@ -210,7 +120,7 @@ class AdaptiveController:
 
     @property
     def max_shape(self) -> TreeShape:
-        return self.limits.max_shape
+        return largest_shape(self.limits)
 
     def _fractions(self, shape: TreeShape) -> list[float]:
         """Estimated fraction of rows that accept a draft token at each depth with this shape (see the class)."""
@@ -396,7 +306,7 @@ def controller_from_config(
     if spec.mode == "adaptive" or spec.c_peak == "auto":
         profile = load_or_calibrate(model, draft, model_name)
     if spec.mode == "paper":
-        return PaperController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits)
+        return CapacityController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits)
     if spec.mode == "adaptive":
         return AdaptiveController(profile, limits)
     raise ValueError(f"speculation.mode {spec.mode!r} has no controller")

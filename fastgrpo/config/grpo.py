@@ -1,0 +1,207 @@
+"""`GRPOConfig`: every option of a training run, with TRL's names wherever TRL has the option. Everything is
+validated before any model loads; an error names the option and what it accepts."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
+from fastgrpo.data import DataConfig
+from fastgrpo.distributed import DEVICES
+from fastgrpo.fields import option
+from fastgrpo.models import DTYPES, check_model_source
+from fastgrpo.sampling_params import SamplingParams
+
+REPORT_TO = ("jsonl", "tensorboard")
+SCALE_REWARDS = ("group", "batch", "none")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+@dataclass
+class GRPOConfig:
+    """All options of a training run. Names follow TRL's ``GRPOConfig`` wherever TRL has the same option.
+
+    Each optimizer step samples ``per_device_train_batch_size * gradient_accumulation_steps`` completions,
+    ``num_generations`` per prompt, and trains on them in ``gradient_accumulation_steps`` micro-batches.
+    """
+
+    # model
+    model: str = option("smollm2", help="a local Hugging Face directory, a hub id, or `smollm2` (the embedded default)")
+    dtype: str = option("float32", help="the policy's weights", choices=tuple(DTYPES))
+    device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
+    ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
+    fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")
+    # data and rewards
+    dataset: DataConfig = option(default_factory=DataConfig, help="where the prompts come from (`dataset.*`)")
+    reward_funcs: list[str] = option(
+        default_factory=lambda: ["accuracy"],
+        help="built-in names (`accuracy`, `gsm8k_strict`, `math_accuracy`, `format`) or `module:function`",
+    )
+    reward_weights: list[float] | None = option(None, help="one weight per reward function (None: all 1)")
+    # generation
+    num_generations: int = option(8, help="completions sampled per prompt (the group)")
+    max_prompt_length: int = option(512, help="longer prompts keep their last tokens")
+    max_completion_length: int = option(256, help="new tokens per completion at most")
+    temperature: float = option(1.0, help="sampling temperature (0: greedy)")
+    top_p: float = option(1.0, help="nucleus sampling mass")
+    top_k: int = option(0, help="sample among the k most likely tokens (0: all)")
+    min_p: float = option(0.0, help="drop tokens below this share of the most likely one's probability")
+    stop: list[str] = option(default_factory=list, help="strings that end a completion")
+    speculation: SpeculationConfig = option(
+        default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
+    )
+    draft_training: DraftTrainConfig = option(
+        default_factory=DraftTrainConfig, help="online and offline draft learning (`draft_training.*`)"
+    )
+    # optimisation
+    learning_rate: float = option(1e-6, help="AdamW learning rate of the policy")
+    per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process")
+    gradient_accumulation_steps: int = option(
+        2, help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions"
+    )
+    max_steps: int = option(20, help="optimizer steps of the run")
+    lr_scheduler_type: str = option("constant", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
+    warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up")
+    weight_decay: float = option(0.0, help="AdamW weight decay")
+    adam_beta1: float = option(0.9, help="AdamW beta1")
+    adam_beta2: float = option(0.999, help="AdamW beta2")
+    max_grad_norm: float = option(1.0, help="gradient clipping")
+    bf16: bool = option(
+        False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
+    )
+    logprob_chunk_tokens: int = option(1024, help="completion tokens per chunk of the LM head in the policy update")
+    # GRPO
+    loss_type: str = option("dapo", help="how token losses are averaged, as in TRL", choices=LOSS_TYPES)
+    scale_rewards: str = option(
+        "group", help="divide advantages by the group's or the batch's reward std, or not", choices=SCALE_REWARDS
+    )
+    beta: float = option(0.0, help="KL coefficient (k3 estimator); > 0 loads a reference model")
+    epsilon: float = option(0.2, help="lower clipping range of the ratio")
+    epsilon_high: float | None = option(None, help="upper clipping range (None: epsilon)")
+    num_iterations: int = option(1, help="policy updates per rollout")
+    mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
+    # LoRA through peft
+    use_peft: bool = option(False, help="train LoRA adapters instead of the whole policy")
+    lora_r: int = option(16, help="LoRA rank")
+    lora_alpha: int = option(32, help="LoRA scale numerator")
+    lora_dropout: float = option(0.05, help="LoRA dropout")
+    lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
+    # outputs
+    output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run")
+    overwrite_output_dir: bool = option(
+        False,
+        help="start a new run in an output_dir that holds another one, deleting that run's metrics and checkpoints",
+    )
+    seed: int = option(42, help="seeds data order, sampling and initialisation")
+    logging_steps: int = option(1, help="write metrics every this many steps")
+    save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)")
+    save_total_limit: int | None = option(2, help="keep this many checkpoints, removing the oldest (None: all)")
+    save_only_model: bool = option(
+        False,
+        help="checkpoints hold the policy (and draft) only, not the optimizer state: a third of the disk, "
+        "but --resume cannot continue from them",
+    )
+    report_to: list[str] = option(
+        default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
+    )
+    log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
+    num_completions_to_print: int = option(2, help="sample completions printed each time")
+    log_completions_steps: int = option(5, help="steps between printed samples")
+    progress_bar: bool = option(True, help="show a progress bar")
+
+    @property
+    def generation_batch_size(self) -> int:
+        """Completions per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def prompts_per_step(self) -> int:
+        return self.generation_batch_size // self.num_generations
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(
+            max_new_tokens=self.max_completion_length,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            stop=tuple(self.stop),
+        )
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        positive = (
+            "num_generations max_prompt_length max_completion_length per_device_train_batch_size "
+            "gradient_accumulation_steps max_steps num_iterations logging_steps save_steps logprob_chunk_tokens "
+            "ddp_timeout"
+        )
+        for name in positive.split():
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_generations < 2:
+            raise ValueError(f"num_generations must be >= 2 (GRPO compares samples), got {self.num_generations}")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
+                f"be a multiple of num_generations ({self.num_generations})"
+            )
+        _check_finite(self)
+        checks = [
+            ("learning_rate", self.learning_rate > 0, "> 0"),
+            ("temperature", self.temperature >= 0, ">= 0"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
+            ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
+            ("beta", self.beta >= 0, ">= 0"),
+            ("epsilon", self.epsilon > 0, "> 0"),
+            ("epsilon_high", self.epsilon_high is None or self.epsilon_high > 0, "> 0"),
+            ("warmup_ratio", 0 <= self.warmup_ratio <= 1, "in [0, 1]"),
+            ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
+            ("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1, ">= 1"),
+        ]
+        for name, ok, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.fsdp and self.use_peft:
+            raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs must name at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}"
+            )
+        for target in self.report_to:
+            if target not in REPORT_TO:
+                raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
+        if "tensorboard" in self.report_to and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("report_to: tensorboard needs the tensorboard package: pip install tensorboard")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        check_model_source(self.model)
+        self.dataset.validate()
+        self.speculation.validate()
+        self.draft_training.validate()
+        from fastgrpo.rewards import resolve_reward_funcs
+
+        resolve_reward_funcs(self.reward_funcs)
+
+
+def _check_finite(config: Any, prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first float option (nested ones too) that is infinite or NaN."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")

@@ -1,0 +1,61 @@
+"""One step's completions as training tensors, and the row subsets its micro-batches train on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    """One step's completions as training tensors (``N = prompts * num_generations`` rows).
+
+    ``input_ids`` is ``[N, P + C]``: the prompt left-padded to ``P``, the completion right-padded to ``C``;
+    ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+
+def build_batch(
+    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, advantages: torch.Tensor
+) -> RolloutBatch:
+    """Pack prompts (one per completion) and completions into left/right padded tensors."""
+    n = len(completion_ids)
+    p_len = max(map(len, prompt_ids))
+    c_len = max(max(map(len, completion_ids)), 1)
+    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
+    attn = torch.zeros(n, p_len + c_len, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=False)):
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        attn[i, p_len - len(p) : p_len + len(c)] = 1
+    return RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
+
+
+def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
+    """Some rows of a batch (``rows``: ``[n]`` indices), trimmed to the prompt and completion columns they use."""
+    attn = batch.attention_mask[rows]
+    c_len = batch.completion_mask.shape[1]
+    p_len = attn.shape[1] - c_len
+    used = attn.any(dim=0).nonzero().squeeze(-1)
+    start = min(int(used.min()), p_len - 1)
+    keep = max(int(used.max()) + 1 - p_len, 1)
+
+    def cut(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows, :keep]
+
+    return RolloutBatch(
+        input_ids=batch.input_ids[rows, start : p_len + keep],
+        attention_mask=attn[:, start : p_len + keep],
+        completion_mask=batch.completion_mask[rows, :keep],
+        advantages=batch.advantages[rows],
+        old_logps=cut(batch.old_logps),
+        ref_logps=cut(batch.ref_logps),
+    )

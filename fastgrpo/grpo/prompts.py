@@ -1,0 +1,72 @@
+"""Which prompts each training step samples, and their token ids."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.models import encode_prompts
+
+logger = logging.getLogger(__name__)
+
+
+class StepPrompts:
+    """The dataset's rows in a seeded order per epoch, cut into steps of ``global_prompts`` rows of which each of the
+    ``world_size`` processes takes ``per_rank`` consecutive ones, encoded once each."""
+
+    def __init__(
+        self,
+        dataset: list[dict[str, Any]],
+        tokenizer: PreTrainedTokenizerBase,
+        per_rank: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        max_prompt_length: int,
+    ):
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.per_rank = per_rank
+        self.rank = rank
+        self.global_prompts = per_rank * world_size
+        self.seed = seed
+        self.max_prompt_length = max_prompt_length
+        self.encoded: dict[int, list[int]] = {}
+        self._warned_truncation = False
+
+    def rows(self, step: int) -> list[dict[str, Any]]:
+        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones.
+
+        The step's prompts for the whole job are cut into one consecutive share per rank, so a run on N processes
+        sees the prompts, in the same order, that one process sees with an N times larger batch."""
+        first = step * self.global_prompts + self.rank * self.per_rank
+        rows = []
+        for k in range(first, first + self.per_rank):
+            epoch, index = divmod(k, len(self.dataset))
+            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+            rows.append(self.dataset[int(order[index])])
+        return rows
+
+    def encode(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+        """Token ids of the rows' prompts (chat template applied), keeping the last ``max_prompt_length``."""
+        out = []
+        limit = self.max_prompt_length
+        for row in rows:
+            key = id(row)
+            if key not in self.encoded:
+                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1)[0]
+                if len(ids) > limit and not self._warned_truncation:
+                    self._warned_truncation = True
+                    logger.warning(
+                        "a prompt is longer than max_prompt_length (%d tokens): it keeps its last %d tokens and loses "
+                        "its beginning, the chat template's header included; raise max_prompt_length (later prompts "
+                        "are cut without another warning)",
+                        limit,
+                        limit,
+                    )
+                self.encoded[key] = ids[-limit:]
+            out.append(self.encoded[key])
+        return out

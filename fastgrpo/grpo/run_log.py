@@ -1,0 +1,62 @@
+"""What a run writes as it goes: ``config.yaml``, ``metrics.jsonl`` (one line per logged step), TensorBoard scalars
+and a few sample completions printed beside the progress bar."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from tqdm.auto import tqdm
+
+from fastgrpo.config import GRPOConfig, config_to_dict
+
+
+class RunLog:
+    """The log of the run in ``output_dir`` (written by the main process only), continuing after ``start_step``."""
+
+    def __init__(self, config: GRPOConfig, start_step: int):
+        self.config = config
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        metrics_path = out / "metrics.jsonl"
+        if metrics_path.exists():
+            # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
+            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.tensorboard = self._tensorboard(out) if "tensorboard" in config.report_to else None
+        self.file = metrics_path.open("a")
+
+    @staticmethod
+    def _tensorboard(out: Path) -> Any:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise ImportError("report_to: tensorboard needs `pip install tensorboard`") from e
+        return SummaryWriter(str(out / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """The metrics of step ``step`` (1-based), every ``logging_steps``."""
+        if step % self.config.logging_steps:
+            return
+        self.file.write(json.dumps(metrics) + "\n")
+        self.file.flush()
+        if self.tensorboard is not None:
+            for k, v in metrics.items():
+                self.tensorboard.add_scalar(k, v, step)
+
+    def samples(self, step: int, samples: list[tuple[Any, str, float]]) -> None:
+        """A few ``(prompt, completion, reward)`` of step ``step``, every ``log_completions_steps``."""
+        cfg = self.config
+        if not cfg.log_completions or step % cfg.log_completions_steps:
+            return
+        for prompt, completion, reward in samples[: cfg.num_completions_to_print]:
+            text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+            tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}")
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()

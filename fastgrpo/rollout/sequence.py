@@ -1,0 +1,137 @@
+"""The state of a generation call: one `Sequence` per completion, the `ActiveRows` still decoding (row ``i`` of every
+tensor is cache row ``i``), and the call's `Generation` (sampling parameters, noise, statistics)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.rollout.stats import GenerationStats
+from fastgrpo.sampling_params import SamplingParams
+
+
+@dataclass
+class Sequence:
+    """One completion: its tokens, their log-probs, why it ended and, when captured, the target's hidden states of
+    the tokens fed to it (``[n, H]`` pieces, prompt first)."""
+
+    index: int
+    prompt_len: int
+    completion_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str = "length"
+    hidden: list[torch.Tensor] | None = None
+
+    def append(self, tokens: list[int], logprobs: list[float], is_eos: list[bool], call: Generation) -> bool:
+        """Append tokens until one ends the completion (EOS, a stop string or the length limit, even inside an
+        accepted path); returns whether it ended."""
+        for token, logprob, eos in zip(tokens, logprobs, is_eos, strict=True):
+            self.completion_ids.append(token)
+            self.logprobs.append(logprob)
+            if eos or call.hit_stop(self.completion_ids):
+                self.finish_reason = "stop"
+                return True
+            if len(self.completion_ids) >= call.params.max_new_tokens:
+                return True
+        return False
+
+
+@dataclass
+class ActiveRows:
+    """The rows still decoding: ``seqs[i]`` is produced by cache row ``i`` (of the target's and the drafter's caches).
+
+    ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots; ``pending`` ``[B]`` the
+    last emitted token, not yet in the target cache; ``emitted`` ``[B]`` tokens of the completion so far; ``draft``
+    the drafter's per-row state (see `fastgrpo.rollout.drafter`), None without one.
+    """
+
+    seqs: list[Sequence]
+    ids: torch.Tensor
+    row_len: torch.Tensor
+    pending: torch.Tensor
+    emitted: torch.Tensor
+    draft: Any = None
+
+    @property
+    def size(self) -> int:
+        return len(self.seqs)
+
+    def select(self, order: torch.Tensor) -> ActiveRows:
+        """Row ``i`` of the result is row ``order[i]``."""
+        positions = order.tolist()
+        return ActiveRows(
+            [self.seqs[p] for p in positions],
+            self.ids[order],
+            self.row_len[order],
+            self.pending[order],
+            self.emitted[order],
+            None if self.draft is None else self.draft.select(order),
+        )
+
+
+def fill_holes(keep: list[int]) -> list[int]:
+    """New order of the rows after dropping finished ones (``keep``: the kept positions, ascending): a kept row
+    stays where it is unless it lies past the new batch size, then it moves into the slot of a finished row, so
+    the caches copy one row per finished row instead of shifting every row after it."""
+    kept, tail = set(keep), [p for p in keep if p >= len(keep)]
+    return [p if p in kept else tail.pop() for p in range(len(keep))]
+
+
+@dataclass
+class GenerationOutput:
+    """Completions in prompt-major order: row ``p * num_generations + g`` is sample ``g`` of prompt ``p``."""
+
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]
+    finish_reasons: list[str]
+    stats: GenerationStats
+    hidden_states: list[torch.Tensor] | None = None
+    """With ``capture_hidden``: per row ``[prompt + completion - 1, H]`` target final hidden states of every token
+    that was fed to the target (all but the last), from the forwards the decoding ran anyway."""
+
+
+@dataclass
+class Generation:
+    """One `RolloutEngine.generate` call: its parameters, its sequences and what it measured.
+
+    ``noise`` ``[R, max_new_tokens]`` float64 holds one uniform per (completion, position) when sampling (None when
+    greedy); ``eos`` ``[E]`` the ids that end a completion."""
+
+    params: SamplingParams
+    seqs: list[Sequence]
+    eos: torch.Tensor
+    noise: torch.Tensor | None
+    tokenizer: PreTrainedTokenizerBase | None
+    capture: bool
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def uniforms(self, rows: ActiveRows, width: int) -> torch.Tensor | None:
+        """``[B, width]`` uniforms of each row's next ``width`` completion positions (None when greedy)."""
+        if self.noise is None:
+            return None
+        cols = rows.emitted[:, None] + torch.arange(width, device=self.noise.device)[None, :]
+        return self.noise[rows.ids[:, None], cols.clamp(max=self.noise.shape[1] - 1)]
+
+    def hit_stop(self, completion: list[int]) -> bool:
+        """Whether the decoded tail of a completion contains one of the stop strings."""
+        stop = self.params.stop
+        if not stop:
+            return False
+        window = max(len(s) for s in stop) + 8
+        text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+    def output(self) -> GenerationOutput:
+        hidden = None
+        if self.capture:
+            hidden = [torch.cat(s.hidden)[: s.prompt_len + len(s.completion_ids) - 1] for s in self.seqs]
+        return GenerationOutput(
+            [s.completion_ids for s in self.seqs],
+            [s.logprobs for s in self.seqs],
+            [s.finish_reason for s in self.seqs],
+            self.stats,
+            hidden,
+        )

@@ -1,0 +1,94 @@
+"""What a generation call did, step by step: concurrency, tokens per forward, tree sizes and acceptance by depth,
+and where its time went (prefill, drafting, verification, bookkeeping)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class GenerationStats:
+    """What one generation call did. Per-step lists have one entry per target forward after the prefill."""
+
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    tokens_emitted: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    concurrency: list[int] = field(default_factory=list)
+    tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
+    step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
+    tree_nodes: list[int] = field(default_factory=list)
+    depth_offered: list[int] = field(default_factory=list)
+    depth_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def total_time(self) -> float:
+        return self.prefill_time + self.decode_time
+
+    @property
+    def bookkeeping_time(self) -> float:
+        return self.decode_time - self.draft_time - self.verify_time
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_emitted / max(self.total_time, 1e-9)
+
+    @property
+    def concurrency_mean(self) -> float:
+        return sum(self.concurrency) / max(len(self.concurrency), 1)
+
+    @property
+    def decode_tokens(self) -> int:
+        """Tokens emitted by decoding forwards (the first token of each row comes from the prefill)."""
+        return sum(self.tokens_per_forward)
+
+    @property
+    def n_verify_mean(self) -> float:
+        """Mean tokens verified per row per target forward (1 for autoregressive steps)."""
+        steps = len(self.concurrency)
+        return (sum(self.tree_nodes) + steps - len(self.tree_nodes)) / max(steps, 1)
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per row per decoding forward (1.0 for autoregressive decoding)."""
+        return self.decode_tokens / max(sum(self.concurrency), 1)
+
+    @property
+    def tree_accept_length(self) -> float:
+        """1 + draft tokens accepted per row per speculative step: the draft's acceptance, apart from how often the
+        controller chose a tree (`accept_length` counts plain steps as 1.0). NaN without a speculative step."""
+        if not self.depth_offered:
+            return float("nan")
+        return 1.0 + sum(self.depth_accepted) / self.depth_offered[0]
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
+        return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
+
+    def record_depths(self, tree_depth: torch.Tensor, accepted: torch.Tensor) -> None:
+        """``tree_depth`` ``[B]`` deepest node per row, ``accepted`` ``[B]`` accepted draft tokens per row."""
+        for d in range(1, int(tree_depth.max()) + 1):
+            if len(self.depth_offered) < d:
+                self.depth_offered.append(0)
+                self.depth_accepted.append(0)
+            self.depth_offered[d - 1] += int((tree_depth >= d).sum())
+            self.depth_accepted[d - 1] += int((accepted >= d).sum())
+
+    def metrics(self) -> dict[str, float]:
+        """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``)."""
+        return {
+            "rollout/tokens_per_second": self.tokens_per_second,
+            "rollout/target_forwards": self.target_forwards,
+            "spec/accept_length": self.accept_length,
+            "spec/tree_accept_length": self.tree_accept_length,
+            "spec/n_verify_mean": self.n_verify_mean,
+            "spec/concurrency_mean": self.concurrency_mean,
+            "spec/draft_time": self.draft_time,
+            "spec/verify_time": self.verify_time,
+        }

@@ -1,0 +1,237 @@
+"""The EAGLE drafter: a learned draft head (`DraftHead`) that reads the target's hidden states and proposes
+EAGLE-2 style trees: expand the top-K children of the best K nodes per level, then keep the best ``N - 1`` nodes by
+cumulative log-probability. Every row of the batch is expanded at once (no loop over rows).
+
+A child's cumulative log-probability never exceeds its parent's, so the kept nodes always form a tree rooted at the
+row's pending token (node 0). Ties are broken towards shallower nodes for the same reason.
+
+The draft runs with a KV cache of its own, one row per engine row. It reads a row's tokens lazily: each emitted
+token and the target hidden state before it form a pair that waits in `PendingPairs` until the next tree, whose first
+draft forward reads them all (the catch-up); plain steps therefore cost the draft nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.drafter import Proposal
+from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
+from fastgrpo.rollout.sequence import ActiveRows
+from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
+from fastgrpo.speculative.draft import DraftHead
+
+
+@dataclass
+class PendingPairs:
+    """The draft's per-row state: ``draft_len`` ``[B]`` filled draft cache slots, and the (token, preceding target
+    hidden state) pairs ``tokens``/``hidden`` ``[B, C + 1]``/``[B, C + 1, H]`` that the draft cache has not read yet,
+    the first ``count[b]`` of row ``b``; the capacity ``C`` grows by doubling and the last column is a spare one that
+    writes of nothing go to."""
+
+    draft_len: torch.Tensor
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    count: torch.Tensor
+
+    def select(self, order: torch.Tensor) -> PendingPairs:
+        return PendingPairs(self.draft_len[order], self.tokens[order], self.hidden[order], self.count[order])
+
+    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
+        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs."""
+        b, e = tokens.shape
+        need, cap = int((self.count + count).max()), self.tokens.shape[1] - 1
+        if need > cap:
+            grown = max(need, 2 * cap)
+            new_tok = self.tokens.new_zeros(b, grown + 1)
+            new_hid = self.hidden.new_zeros(b, grown + 1, hidden.shape[-1])
+            new_tok[:, :cap], new_hid[:, :cap] = self.tokens[:, :cap], self.hidden[:, :cap]
+            self.tokens, self.hidden, cap = new_tok, new_hid, grown
+        steps = torch.arange(e, device=tokens.device)[None, :]
+        index = torch.where(steps < count[:, None], self.count[:, None] + steps, cap)  # the spare column
+        rows = torch.arange(b, device=tokens.device)[:, None]
+        self.tokens[rows, index] = tokens  # index assignment, not scatter_ (slow on bfloat16, see cache.py)
+        self.hidden[rows, index] = hidden.to(self.hidden.dtype)
+        self.count = self.count + count
+
+
+class EagleDrafter:
+    """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares)."""
+
+    def __init__(self, draft: DraftHead, model: nn.Module):
+        self.draft = draft
+        self.model = model
+        self.cache: RowCache | None = None
+        self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        return (self.draft,)
+
+    def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
+        """Size the draft cache: room for the context, a catch-up block as long as the longest row's pending pairs,
+        and a tree. The weights changed when an optimizer step or a load wrote them in place, which bumps each
+        tensor's version counter."""
+        need = 2 * length + bound.depth * bound.top_k
+        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < need:
+            self.cache = None
+            param = next(self.model.parameters())
+            self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device)
+        weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
+        changed, self._weights = weights != self._weights, weights
+        return changed
+
+    def start(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_len: torch.Tensor,
+        prompt_hidden: torch.Tensor,
+        rows: torch.Tensor,
+        first: torch.Tensor,
+        first_hidden: torch.Tensor,
+    ) -> PendingPairs:
+        """The prompt's pairs (x_{j+1}, h_j), then the first sampled token's."""
+        n = rows.numel()
+        spare = torch.zeros(n, 1, dtype=prompt_ids.dtype, device=prompt_ids.device)
+        hidden = prompt_hidden[rows, :-1]
+        state = PendingPairs(
+            draft_len=torch.zeros_like(rows),
+            tokens=torch.cat([prompt_ids[rows, 1:], spare], 1),
+            hidden=torch.cat([hidden, hidden.new_zeros(n, 1, hidden.shape[-1])], 1),
+            count=(prompt_len - 1)[rows],
+        )
+        state.push(first[:, None], first_hidden[:, None], torch.ones_like(first))
+        return state
+
+    def backlog(self, rows: ActiveRows) -> int:
+        return int(rows.draft.count.max())
+
+    def accepted(self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
+        rows.draft.push(tokens, hidden, count)
+
+    def keep(self, rows: ActiveRows, order: torch.Tensor) -> None:
+        self.cache.select_rows(order, upto=int(rows.draft.draft_len.max()))
+
+    def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
+        """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
+        t0 = time.perf_counter()
+        backlog = float(rows.draft.count.float().mean())
+        root_hidden = self._catch_up(rows.draft)
+        # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
+        backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
+        embed = self.model.get_input_embeddings()
+        _, head = decoder_and_head(self.model)
+        state = rows.draft
+        tree = expand_tree(
+            self.draft, embed, head, self.cache, state.draft_len, rows.pending, root_hidden, rows.row_len, shape
+        )
+        return Proposal(tree, shape.levels, backlog_seconds)
+
+    def _catch_up(self, state: PendingPairs) -> torch.Tensor:
+        """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
+        (the root of the next tree)."""
+        embed = self.model.get_input_embeddings()
+        width = int(state.count.max())
+        x = self.draft.features(embed(state.tokens[:, :width]), state.hidden[:, :width])
+        out = forward_chain(self.draft.decoder, self.cache, state.draft_len, inputs_embeds=x, position_offset=1)
+        root = out[torch.arange(out.shape[0], device=out.device), state.count - 1]
+        state.draft_len = state.draft_len + state.count
+        state.count = torch.zeros_like(state.count)
+        return root
+
+
+def _topk_logprobs(draft: DraftHead, lm_head: nn.Module, hidden: torch.Tensor, k: int):
+    """Top-``k`` draft tokens (target ids) and their log-probabilities for ``[..., H]`` hidden states."""
+    logp = torch.log_softmax(draft.logits(hidden, lm_head).float(), dim=-1)
+    values, ids = logp.topk(k, dim=-1)
+    return draft.to_target_ids(ids), values
+
+
+@torch.no_grad()
+def expand_tree(
+    draft: DraftHead,
+    embed: nn.Module,
+    lm_head: nn.Module,
+    cache: RowCache,
+    draft_len: torch.Tensor,
+    root_token: torch.Tensor,
+    root_hidden: torch.Tensor,
+    root_position: torch.Tensor,
+    shape: TreeShape,
+) -> DraftTree:
+    """Draft a tree per row.
+
+    Args:
+        cache: the draft's cache; its first ``draft_len[b]`` slots hold the row's context, the root pair last.
+        root_token: ``[B]`` the pending token. root_hidden: ``[B, H]`` the draft's output for the root pair.
+        root_position: ``[B]`` position of the root token.
+        shape: N, K, L; uses ``min(L, N - 1) - 1`` draft forwards (the root's output was computed by the caller;
+            no node deeper than ``N - 1`` can be kept, because a child never outscores its parent).
+    """
+    b, dev = root_token.shape[0], root_token.device
+    k = shape.top_k
+    tok, score = _topk_logprobs(draft, lm_head, root_hidden, k)  # [B, K]
+    cand_tok, cand_score = [tok], [score]
+    cand_parent = [torch.full((b, k), -1, device=dev)]
+    cand_depth = [torch.ones(b, k, dtype=torch.long, device=dev)]
+    frontier = torch.arange(k, device=dev).expand(b, k)  # candidate index of each frontier node
+    frontier_feat = root_hidden[:, None, :].expand(b, k, -1)
+    levels = shape.levels
+    width = (levels - 1) * k
+    seen = torch.zeros(b, k, max(width, 1), dtype=torch.bool, device=dev)  # window slots each frontier node sees
+    n_cand = k
+    for level in range(1, levels):
+        offsets = torch.arange((level - 1) * k, level * k, device=dev)
+        seen[:, torch.arange(k), offsets] = True
+        x = draft.features(embed(tok), frontier_feat)
+        positions = (root_position + level)[:, None].expand(b, k)
+        out = forward_block(
+            draft.decoder, cache, draft_len, offsets, positions, seen[:, :, : level * k], inputs_embeds=x
+        )
+        child_tok, child_lp = _topk_logprobs(draft, lm_head, out, k)  # [B, K, K]
+        child_score = (score[:, :, None] + child_lp).reshape(b, k * k)
+        cand_tok.append(child_tok.reshape(b, k * k))
+        cand_score.append(child_score)
+        cand_parent.append(frontier[:, :, None].expand(b, k, k).reshape(b, k * k))
+        cand_depth.append(torch.full((b, k * k), level + 1, device=dev))
+        score, best = child_score.topk(k, dim=-1)  # next frontier: the best K children
+        tok = child_tok.reshape(b, k * k).gather(1, best)
+        parent_slot = best // k
+        frontier = n_cand + best
+        frontier_feat = out.gather(1, parent_slot[:, :, None].expand(b, k, out.shape[-1]))
+        seen = seen.gather(1, parent_slot[:, :, None].expand(b, k, seen.shape[-1]))
+        n_cand += k * k
+    return _select(root_token, cand_tok, cand_score, cand_parent, cand_depth, shape.nodes, levels)
+
+
+def _select(
+    root_token: torch.Tensor,
+    cand_tok: list[torch.Tensor],
+    cand_score: list[torch.Tensor],
+    cand_parent: list[torch.Tensor],
+    cand_depth: list[torch.Tensor],
+    nodes: int,
+    levels: int,
+) -> DraftTree:
+    """Keep the best ``N - 1`` candidates (by score, shallower first on ties) and index them as a tree."""
+    tok, score = torch.cat(cand_tok, 1), torch.cat(cand_score, 1)
+    parent, depth = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
+    b, m = tok.shape
+    keep = min(nodes - 1, m)
+    rank = score.double() - 1e-9 * depth
+    # Sorted by candidate index, parents precede children; ``place[b, j]`` is chosen node j's place by score.
+    chosen, place = rank.topk(keep, dim=-1).indices.sort(dim=-1)
+    node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tok.device)  # candidate -> node (slot m: the root)
+    node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=tok.device).expand(b, keep))
+    cand_parent = parent.gather(1, chosen)
+    tree_parent = node_of.gather(1, torch.where(cand_parent < 0, m, cand_parent))
+    minus_one = torch.full((b, 1), -1, dtype=torch.long, device=tok.device)
+    tree_parent = torch.cat([minus_one, tree_parent], 1)
+    tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
+    depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
+    ranks = torch.cat([torch.zeros_like(minus_one), place + 1], 1)
+    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks)
