@@ -1,0 +1,82 @@
+"""The built-in synthetic dataset: arithmetic questions with exact answers, as bare expressions or word problems."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from fastgrpo.data.config import DataConfig
+from fastgrpo.data.prompts import build_prompt
+
+_ADDITION_TEMPLATES = (
+    "{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
+    "There are {a} {item} in a basket and {name} puts in {b} more. How many {item} are in the basket?",
+    "{name} found {a} {item} in the morning and {b} {item} in the afternoon. How many did {name} find?",
+)
+_SUBTRACTION_TEMPLATES = (
+    "{name} has {a} {item} and gives {b} of them to a friend. How many {item} does {name} have left?",
+    "A shelf holds {a} {item}. {name} takes {b} of them away. How many {item} are left on the shelf?",
+)
+_MULTIPLICATION_TEMPLATES = (
+    "{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?",
+    "Each box holds {b} {item}. How many {item} are in {a} boxes?",
+)
+_NAMES = ("Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena")
+_ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "shells")
+
+
+def _evaluate(numbers: list[int], operators: list[str]) -> int:
+    """Exact value of ``numbers[0] op numbers[1] op ...`` with ``*`` binding tighter than ``+`` and ``-``."""
+    terms = [numbers[0]]
+    for operator, number in zip(operators, numbers[1:], strict=True):
+        if operator == "*":
+            terms[-1] *= number
+        else:
+            terms.append(number if operator == "+" else -number)
+    return sum(terms)
+
+
+def _word_problem(rng: random.Random, numbers: list[int], operators: list[str]) -> str | None:
+    """A word problem for ``a op b`` when a template fits (two operands, no negative remainders)."""
+    if len(numbers) != 2:
+        return None
+    (a, b), operator = numbers, operators[0]
+    if operator == "+":
+        templates = _ADDITION_TEMPLATES
+    elif operator == "-" and a >= b:
+        templates = _SUBTRACTION_TEMPLATES
+    elif operator == "*":
+        templates = _MULTIPLICATION_TEMPLATES
+    else:
+        return None
+    return rng.choice(templates).format(name=rng.choice(_NAMES), item=rng.choice(_ITEMS), a=a, b=b)
+
+
+def _plain_question(numbers: list[int], operators: list[str]) -> str:
+    """``"What is 3 + 4 * 2?"``."""
+    parts = [str(numbers[0])]
+    for operator, number in zip(operators, numbers[1:], strict=True):
+        parts += [operator, str(number)]
+    return f"What is {' '.join(parts)}?"
+
+
+def make_arithmetic(cfg: DataConfig) -> list[dict[str, Any]]:
+    """Synthetic arithmetic prompts, deterministic in ``cfg.seed``.
+
+    Each example has ``cfg.operands`` numbers of 1 to ``cfg.digits`` digits joined by operators drawn from
+    ``cfg.operators`` (usual precedence). Rows hold ``prompt`` (chat messages with the bare question, plus
+    ``cfg.instruction`` only if set) and ``answer`` (the exact integer result as a string).
+    """
+    cfg.validate()
+    rng = random.Random(cfg.seed)
+    high = 10**cfg.digits - 1
+    rows = []
+    for _ in range(cfg.num_examples):
+        numbers = [rng.randint(1, high) for _ in range(cfg.operands)]
+        operators = [rng.choice(cfg.operators) for _ in range(cfg.operands - 1)]
+        question = (_word_problem(rng, numbers, operators) if cfg.word_problems else None) or _plain_question(
+            numbers, operators
+        )
+        prompt = build_prompt(question, cfg.system_prompt, cfg.instruction)
+        rows.append({"prompt": prompt, "answer": str(_evaluate(numbers, operators))})
+    return rows
