@@ -8,18 +8,14 @@ import threading
 import pytest
 import torch
 
+from fastgrpo.answers import completion_text, extract_boxed, extract_hash_answer, extract_last_number, normalize_number
 from fastgrpo.rewards import (
     REWARD_FUNCS,
-    completion_text,
     compute_rewards,
-    extract_boxed,
-    extract_hash_answer,
-    extract_last_number,
     format_reward,
     gsm8k_flexible,
     gsm8k_strict,
     math_accuracy,
-    normalize_number,
     resolve_reward_funcs,
 )
 
