@@ -11,239 +11,14 @@ The commands that run a model set one process-wide thing first: glibc keeps free
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+from fastgrpo import commands
 from fastgrpo.errors import RewardFunctionError
-
-if TYPE_CHECKING:
-    from fastgrpo.config import GRPOConfig
 
 PROFILE_TOKENS = "1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256"
 CONFIG_COMMANDS = ("train", "eval", "draft")  # the commands whose options come from the config
-
-
-def _train(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.config import load_config
-
-    config = load_config(args.config, overrides)
-    from fastgrpo import distributed
-    from fastgrpo.grpo.checkpoint import latest_checkpoint
-    from fastgrpo.grpo.trainer import GRPOTrainer
-
-    try:
-        trainer = GRPOTrainer(config, resume=args.resume)
-        history = trainer.train()
-    except KeyboardInterrupt:
-        latest = latest_checkpoint(Path(config.output_dir))
-        kept = f"the latest checkpoint is {latest}; add --resume to continue from it" if latest else "no checkpoint yet"
-        print(f"fastgrpo train: interrupted; {kept}", file=sys.stderr)
-        sys.exit(130)
-    finally:
-        distributed.shutdown()
-    if history and trainer.dist.is_main:
-        last = history[-5:]
-        mean = sum(m["reward"] for m in last) / len(last)
-        print(
-            f"done: {len(history)} steps, mean reward of the last {len(last)}: {mean:.3f}; run in {config.output_dir}"
-        )
-
-
-def _read_prompts(args: argparse.Namespace) -> list[str | list[dict]]:
-    prompts: list[str | list[dict]] = [[{"role": "user", "content": p}] for p in args.prompt]
-    if args.prompts_file:
-        path = Path(args.prompts_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            if path.suffix == ".jsonl":
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from e
-                if "prompt" not in row:
-                    raise ValueError(f"{path} line {n}: no 'prompt' column")
-                prompt = row["prompt"]
-            else:
-                prompt = line
-            prompts.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
-    if not prompts:
-        raise ValueError("give at least one --prompt or a --prompts-file")
-    return prompts
-
-
-def _generate(args: argparse.Namespace, overrides: list[str]) -> None:
-    if args.num_generations < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-generations and --max-new-tokens must be >= 1")
-    import torch
-
-    from fastgrpo.models import check_model_source, encode_prompts, eos_token_ids, load_model, load_tokenizer
-    from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.sampling_params import SamplingParams
-
-    check_model_source(args.model, "--model")
-
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
-    prompts = _read_prompts(args)
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=args.dtype)
-    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    ids = encode_prompts(tokenizer, prompts, max_prompt_length=4096)
-    generator = torch.Generator().manual_seed(args.seed)
-    out = engine.generate(ids, params, num_generations=args.num_generations, generator=generator)
-    texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    sink = open(args.output, "w") if args.output else None  # noqa: SIM115
-    for i, text in enumerate(texts):
-        prompt = prompts[i // args.num_generations]
-        if sink:
-            sink.write(json.dumps({"prompt": prompt, "completion": text}) + "\n")
-        else:
-            print(f"--- {prompt[-1]['content']}\n{text.strip()}\n")
-    if sink:
-        sink.close()
-    s = out.stats
-    print(
-        f"{s.tokens_emitted} tokens in {s.total_time:.2f}s ({s.tokens_per_second:.1f} tokens/s)",
-        file=sys.stderr,
-    )
-
-
-def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
-    """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
-    import torch
-    from tqdm.auto import tqdm
-
-    from fastgrpo.data import load_dataset
-    from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
-    from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
-    from fastgrpo.rollout.engine import RolloutEngine
-
-    rows = load_dataset(config.dataset)
-    funcs = resolve_reward_funcs(config.reward_funcs)
-    check_columns(funcs, rows)
-    tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, dtype=config.dtype)
-    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    params = config.sampling_params()
-    generator = torch.Generator().manual_seed(config.seed)
-    total, n = 0.0, 0
-    for start in tqdm(range(0, len(rows), batch_size), desc="eval"):
-        part = rows[start : start + batch_size]
-        ids = encode_prompts(tokenizer, [r["prompt"] for r in part], config.max_prompt_length)
-        out = engine.generate(ids, params, generator=generator)
-        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        rewards, _ = compute_rewards(
-            funcs, config.reward_weights, [r["prompt"] for r in part], texts, out.completion_ids, part
-        )
-        total += float(rewards.sum())
-        n += len(part)
-    return {"reward": total / n, "examples": n}
-
-
-def _eval(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.config import load_config
-
-    config = load_config(args.config, overrides)
-    result = evaluate(config, args.batch_size)
-    print(json.dumps({"model": config.model, "dataset": config.dataset.name, **result}))
-
-
-def _draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
-    if not 0.0 <= args.greedy_fraction <= 1.0:
-        raise ValueError(f"--greedy-fraction must be in [0, 1], got {args.greedy_fraction}")
-    from fastgrpo.config import load_config
-
-    config = load_config(args.config, overrides)
-    from fastgrpo.data import load_dataset
-    from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
-    from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.speculative.offline import train_offline
-
-    rows = load_dataset(config.dataset)
-    tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, dtype=config.dtype)
-    model.requires_grad_(False)
-    engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    draft, report = train_offline(
-        engine,
-        tokenizer,
-        rows,
-        config.sampling_params(),
-        config.draft_training,
-        target_name=config.model,
-        batch_size=args.batch_size,
-        max_prompt_length=config.max_prompt_length,
-        draft_vocab_size=args.draft_vocab_size,
-        greedy_fraction=args.greedy_fraction,
-    )
-    draft.save(args.output)
-    print(json.dumps({"draft": args.output, **report}))
-
-
-def _parse_tokens(text: str) -> tuple[int, ...]:
-    try:
-        tokens = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
-    if min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
-        raise ValueError(f"--tokens must be increasing positive integers, got {text!r}")
-    return tokens
-
-
-def _profile(args: argparse.Namespace, overrides: list[str]) -> None:
-    tokens = _parse_tokens(args.tokens)
-    if args.repeats < 1 or args.context_length < 2:
-        raise ValueError("--repeats must be >= 1 and --context-length >= 2")
-    if args.draft is not None and not Path(args.draft).is_dir():
-        raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
-    from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import check_model_source, load_model
-    from fastgrpo.speculative import profiler
-    from fastgrpo.speculative.draft import DraftHead
-
-    check_model_source(args.model, "--model")
-
-    device = resolve_device("auto") if args.device == "auto" else args.device
-    model = load_model(args.model, dtype=args.dtype, device=device)
-    model.requires_grad_(False)
-    draft = DraftHead.load(args.draft, model) if args.draft else None
-    profile = profiler.measure(model, draft, args.model, tokens, args.context_length, args.repeats, progress=True)
-    param = next(model.parameters())
-    path = profile.save(args.output or profiler.profile_path(args.model, param.device, param.dtype))
-    png = profiler.plot(profile, path.with_suffix(".png"))
-    print(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
-    print("| tokens | target forward ms | ms per token | draft level ms |")
-    print("|---|---|---|---|")
-    for t, target, draft_s in zip(profile.tokens, profile.target_seconds, profile.draft_seconds, strict=True):
-        print(f"| {t} | {1e3 * target:.1f} | {1e3 * target / t:.2f} | {1e3 * draft_s:.1f} |")
-    if profile.tree_rows:
-        print("\nTarget forward over rows x N tokens per row, as a multiple of one token per row:")
-        print("| rows | one token ms | " + " | ".join(f"N={n}" for n in profile.tree_nodes) + " |")
-        print("|---|---|" + "---|" * len(profile.tree_nodes))
-        for rows, seconds in zip(profile.tree_rows, profile.tree_seconds, strict=True):
-            one = profile.target_time(rows)
-            cells = ["" if s is None else f"{s / one:.2f}" for s in seconds]
-            print(f"| {rows} | {1e3 * one:.1f} | " + " | ".join(cells) + " |")
-    print(f"C_peak = {profile.c_peak} tokens; profile {path}; plot {png}")
-
-
-def _report(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.report import plot_runs, read_metrics, summary
-
-    runs = {}
-    for run_dir in args.run_dirs:
-        name = Path(run_dir).name if Path(run_dir).name not in runs else str(run_dir)
-        runs[name] = read_metrics(run_dir)
-    paths = plot_runs(runs, args.output or Path(args.run_dirs[0]) / "report")
-    print(summary(runs))
-    print("plots: " + ", ".join(map(str, paths)))
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -291,7 +66,7 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     train = command("train", "GRPO training of a model on a dataset")
     train.add_argument("--config", help="YAML config file (every option below can be set there)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
-    train.set_defaults(func=_train)
+    train.set_defaults(func=commands.train)
 
     gen = command("generate", "sample completions for prompts")
     gen.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
@@ -305,19 +80,19 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     gen.add_argument("--num-generations", type=int, default=1, help="completions per prompt")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
     gen.add_argument("--output", help="write JSONL here instead of printing")
-    gen.set_defaults(func=_generate)
+    gen.set_defaults(func=commands.generate)
 
     ev = command("eval", "mean reward of a model or checkpoint on a dataset, one sample per prompt")
     ev.add_argument(
         "--config", help="YAML config file (model, dataset, reward_funcs, sampling); options below override it"
     )
     ev.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
-    ev.set_defaults(func=_eval)
+    ev.set_defaults(func=commands.eval_command)
 
     rep = command("report", "plot a run's metrics, or several runs' overlaid")
     rep.add_argument("run_dirs", nargs="+", help="run directories (output_dir of fastgrpo train)")
     rep.add_argument("--output", help="directory for the PNGs (default: RUN_DIR/report of the first run)")
-    rep.set_defaults(func=_report)
+    rep.set_defaults(func=commands.report)
 
     prof = command("profile", "measure forward latency against tokens per forward and find the verification capacity")
     prof.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
@@ -328,7 +103,7 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     prof.add_argument("--context-length", type=int, default=256, help="cached tokens each row attends to")
     prof.add_argument("--repeats", type=int, default=9, help="rounds timing every token count once (median)")
     prof.add_argument("--output", help="JSON path (default: the profile cache, where training finds it)")
-    prof.set_defaults(func=_profile)
+    prof.set_defaults(func=commands.profile)
 
     draft = sub.add_parser("draft", help="draft-model commands").add_subparsers(dest="draft_command", required=True)
     dt = command(
@@ -348,7 +123,7 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
         default=0.0,
         help="share of the prompts answered greedily; the rest are sampled with the config's sampling options",
     )
-    dt.set_defaults(func=_draft_train)
+    dt.set_defaults(func=commands.draft_train)
     if config_options:
         for p in (train, ev, dt):
             _add_config_options(p)
