@@ -22,6 +22,7 @@ from transformers import T5Config
 from fastgrpo.cli import main
 from fastgrpo.grpo import trainer as trainer_module
 from fastgrpo.grpo.checkpoint import STATE_FILE
+from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.models import load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
 
@@ -226,7 +227,7 @@ def test_a_draft_for_another_model_and_bad_lora_targets(capsys, model_dir: Path,
 def test_a_bad_reward_stops_the_run_before_any_update(
     capsys, monkeypatch, model_dir: Path, tmp_path: Path, reward: str, message: str
 ) -> None:
-    monkeypatch.setattr(trainer_module.GRPOTrainer, "optimize", lambda *a: pytest.fail("the policy was updated"))
+    monkeypatch.setattr(PolicyUpdate, "optimize", lambda *a: pytest.fail("the policy was updated"))
     config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"test_bad_inputs:{reward}"])
     assert message in refused(capsys, "train", "--config", str(config))
 

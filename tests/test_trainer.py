@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM
 
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig, make_arithmetic
-from fastgrpo.grpo.trainer import GRPOTrainer, build_batch
+from fastgrpo.grpo.batch import build_batch
+from fastgrpo.grpo.trainer import GRPOTrainer
 
 
 def length_reward(completions: list[str], **kwargs) -> list[float]:
@@ -163,9 +164,9 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
         trainer = make_trainer(make_config(tiny_model_dir, tmp_path / str(regroup), loss_type=loss_type))
         if not regroup:
             size = trainer.config.per_device_train_batch_size
-            trainer.micro_batches = lambda b, size=size: list(torch.arange(b.input_ids.shape[0]).split(size))
+            trainer.update.micro_batches = lambda b, size=size: list(torch.arange(b.input_ids.shape[0]).split(size))
         batch = build_batch(prompts, completions, trainer.tokenizer.pad_token_id, advantages)
-        metrics = trainer.optimize(batch)
+        metrics = trainer.update.optimize(batch)
         results.append((metrics["loss"], [p.detach().clone() for p in trainer.model.parameters()]))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-5)
     for a, b in zip(results[0][1], results[1][1], strict=True):
@@ -306,7 +307,7 @@ def test_a_draft_update_moves_the_draft_and_not_the_policy(tiny_model_dir: Path,
 
 def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = make_trainer(online_config(tiny_model_dir, tmp_path))
-    optimize, seen = trainer.optimize, []
+    optimize, seen = trainer.update.optimize, []
 
     def checked(batch):
         draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
@@ -317,7 +318,7 @@ def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path
         seen.append(True)
         return out
 
-    trainer.optimize = checked
+    trainer.update.optimize = checked
     trainer.train_step(0)
     assert seen
 

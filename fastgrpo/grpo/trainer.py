@@ -5,39 +5,31 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, get_scheduler
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import load_dataset
-from fastgrpo.grpo.batch import RolloutBatch, build_batch, select_rows
+from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.checkpoint import prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.losses import (
-    CompletionLogprobs,
-    completion_logprobs,
     group_advantages,
-    grpo_loss,
-    micro_batch_loss,
-    micro_batch_rows,
 )
 from fastgrpo.grpo.policy import peak_memory_mb, reference_model, wrap_lora
+from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.rollouts import Rollouts
+from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
 
 logger = logging.getLogger(__name__)
-DRAFT_DIR = "draft"
 
 
 class GRPOTrainer:
@@ -97,24 +89,10 @@ class GRPOTrainer:
             config.speculation,
             config.draft_training,
             config.model,
-            self._load_draft(checkpoint),
+            starting_draft(self.model, config.speculation, checkpoint / DRAFT_DIR if checkpoint else None),
             config.seed,
         )
-        # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
-        # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
-        self.policy = distributed.wrap_policy(CompletionLogprobs(self.model), config.fsdp)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=config.learning_rate,
-            betas=(config.adam_beta1, config.adam_beta2),
-            weight_decay=config.weight_decay,
-        )
-        self.scheduler = get_scheduler(
-            config.lr_scheduler_type,
-            self.optimizer,
-            num_warmup_steps=int(config.warmup_ratio * config.max_steps * config.num_iterations),
-            num_training_steps=config.max_steps * config.num_iterations,
-        )
+        self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         if checkpoint is not None:
             self._restore(checkpoint, resume_state)
         self.sampling = config.sampling_params()
@@ -129,24 +107,9 @@ class GRPOTrainer:
         )
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _load_draft(self, checkpoint: Path | None) -> DraftHead | None:
-        """The draft to start from: the one of the checkpoint being resumed or a saved one (None: `Rollouts` makes a
-        fresh one)."""
-        spec = self.config.speculation
-        if spec.mode == "off":
-            return None
-        if checkpoint is not None and (checkpoint / DRAFT_DIR).is_dir():
-            return DraftHead.load(checkpoint / DRAFT_DIR, self.model)
-        if spec.draft is not None:
-            try:
-                return DraftHead.load(spec.draft, self.model)
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"speculation.draft: {e}") from None
-        return None
-
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        distributed.load_optimizer_state(self.policy, self.optimizer, state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
+        self.update.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         if "draft_optimizer" in state:
             self.rollouts.load_optimizer_state(state["draft_optimizer"])
@@ -162,109 +125,6 @@ class GRPOTrainer:
             prompt_ids, self.sampling, self.config.num_generations, step, self.dist.rank, self.dist.world_size
         )
         return prompt_ids, out
-
-    def _logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
-        training forward, which takes the same arguments without the model)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
-            return logprobs(
-                batch.input_ids.to(self.device),
-                batch.attention_mask.to(self.device),
-                batch.completion_mask.shape[1],
-                self.config.temperature or 1.0,
-                self.config.logprob_chunk_tokens,
-            )
-
-    @torch.no_grad()
-    def _batch_logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """``[N, C]`` completion log-probs of the whole batch, computed micro-batch by micro-batch."""
-        mb = self.config.per_device_train_batch_size
-        n, width = batch.completion_mask.shape
-        chunks = [
-            self._logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
-        ]
-        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
-
-    def _fixed_logps(self, batch: RolloutBatch) -> None:
-        """Old-policy log-probs (needed when the batch is reused) and reference log-probs (when beta > 0)."""
-        if self.config.num_iterations > 1:
-            batch.old_logps = self._batch_logps(self.policy, batch)
-        if self.config.beta > 0:
-            if self.ref_model is not None:
-                batch.ref_logps = self._batch_logps(partial(completion_logprobs, self.ref_model), batch)
-            else:
-                with self.model.disable_adapter():
-                    batch.ref_logps = self._batch_logps(self.policy, batch)
-
-    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """Row indices of each micro-batch (`micro_batch_rows`)."""
-        cfg = self.config
-        lengths = batch.attention_mask.sum(dim=1)
-        return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, cfg.beta, cfg.per_device_train_batch_size)
-
-    def optimize(self, batch: RolloutBatch) -> dict[str, float]:
-        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
-
-        With several processes, DDP averages the gradients at the last micro-batch; every rank runs as many
-        micro-batches as the busiest one (the extra ones with a zero loss), and the losses are scaled so that the
-        averaged gradient is the one of the whole job's batch."""
-        cfg = self.config
-        n = batch.input_ids.shape[0]
-        world = self.dist.world_size
-        total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
-        groups = self.micro_batches(batch)
-        n_micro = distributed.max_over_ranks(len(groups))
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        sums: dict[str, float] = {"loss": 0.0}
-        grad_norms: list[float] = []
-        count = 0
-        self.model.train()
-        for _ in range(cfg.num_iterations):
-            for i in range(n_micro):
-                padding = i >= len(groups)
-                rows = torch.arange(1) if padding else groups[i]
-                part = select_rows(batch, rows)
-                mask = part.completion_mask.to(self.device)
-                with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
-                    logps = self._logps(self.policy, part)
-                    old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
-                    ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
-                    loss, metrics = grpo_loss(
-                        logps,
-                        old,
-                        part.advantages.to(self.device),
-                        mask,
-                        loss_type=cfg.loss_type,
-                        epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta,
-                        ref_logps=ref,
-                        max_completion_length=cfg.max_completion_length,
-                        num_items_in_batch=total_tokens,
-                    )
-                    loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
-                    if padding:
-                        loss = loss * 0.0
-                    loss.backward()
-                if padding:
-                    continue
-                sums["loss"] += float(loss.detach())
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                count += 1
-            for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v / max(count, 1) for k, v in sums.items() if k != "loss"}
-        out["loss"] = sums["loss"] / cfg.num_iterations
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["learning_rate"] = self.scheduler.get_last_lr()[0]
-        out["train/rows_trained"] = float(sum(g.numel() for g in groups))
-        return out
 
     def score(
         self, rows: list[dict[str, Any]], out: GenerationOutput
@@ -293,7 +153,7 @@ class GRPOTrainer:
         rows = self.prompts.rows(step)
         t0 = time.perf_counter()
         # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
-        with distributed.gathered(self.policy):
+        with distributed.gathered(self.update.policy):
             prompt_ids, out = self.rollout(step, rows)
             t1 = time.perf_counter()
             advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
@@ -305,8 +165,8 @@ class GRPOTrainer:
         truncated = torch.tensor([r == "length" for r in out.finish_reasons])
         if cfg.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
-        self._fixed_logps(batch)
-        train_metrics = self.optimize(batch)
+        self.update.fixed_logps(batch)
+        train_metrics = self.update.optimize(batch)
         t3 = time.perf_counter()
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float)
         terminated = lengths[~truncated]
@@ -337,7 +197,9 @@ class GRPOTrainer:
     def save(self, step: int) -> Path:
         """Write ``checkpoint-{step}`` (rank 0 writes it; every rank waits until it is complete)."""
         path = self.output_dir / f"checkpoint-{step}"
-        weights, optimizer_state = distributed.full_state(self.policy, self.optimizer)  # all ranks take part
+        weights, optimizer_state = distributed.full_state(
+            self.update.policy, self.update.optimizer
+        )  # all ranks take part
         if self.dist.is_main:
 
             def write_model(path: Path) -> None:
@@ -348,7 +210,7 @@ class GRPOTrainer:
 
             state = {}
             if not self.config.save_only_model:
-                state = {"optimizer": optimizer_state, "scheduler": self.scheduler.state_dict()}
+                state = {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
                 if self.rollouts.draft_trainer is not None:
                     state["draft_optimizer"] = self.rollouts.optimizer_state()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)

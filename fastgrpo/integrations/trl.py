@@ -15,6 +15,7 @@ weights), saves the draft into every TRL checkpoint (``checkpoint-N/draft``) and
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 from pathlib import Path
@@ -29,10 +30,9 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.rollouts import Rollouts
+from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
-DRAFT_DIR = "draft"
 DRAFT_OPTIMIZER = "optimizer.pt"
 
 
@@ -90,15 +90,15 @@ class SpeculativeRollout:
         self.speculation.validate()
         if self.speculation.mode == "off":
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
-        draft = draft if draft is not None else self.speculation.draft
-        self.draft_path = None if draft is None else Path(draft)
-        if self.draft_path is not None and not self.draft_path.is_dir():
-            raise ValueError(f"draft: {self.draft_path} is not a directory with a saved draft")
-        if self.draft_path is not None and self.speculation.draft_vocab_size is not None:
-            raise ValueError(
-                f"speculation.draft_vocab_size applies to a fresh draft; the saved draft {self.draft_path} keeps its "
-                "own vocabulary"
-            )
+        if draft is not None:
+            if not Path(draft).is_dir():
+                raise ValueError(f"draft: {draft} is not a directory with a saved draft")
+            if self.speculation.draft_vocab_size is not None:
+                raise ValueError(
+                    f"speculation.draft_vocab_size applies to a fresh draft; the saved draft {draft} keeps its own "
+                    "vocabulary"
+                )
+            self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize
@@ -146,11 +146,6 @@ class SpeculativeRollout:
         self._check_supported(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
         saved = self.resume_from / DRAFT_DIR if self.resume_from is not None else None
-        draft = None
-        if saved is not None and saved.is_dir():
-            draft = DraftHead.load(saved, model)
-        elif self.draft_path is not None:
-            draft = DraftHead.load(self.draft_path, model)
         self.rollouts = Rollouts(
             model,
             trainer.processing_class,
@@ -158,7 +153,7 @@ class SpeculativeRollout:
             self.speculation,
             self.draft_training,
             model.config.name_or_path or model.config.model_type,
-            draft,
+            starting_draft(model, self.speculation, saved),
             trainer.args.seed,
         )
         if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():

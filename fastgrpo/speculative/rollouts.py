@@ -4,6 +4,7 @@ the sampling noise of every step. `GRPOTrainer` and the TRL integration both rol
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,6 +19,24 @@ from fastgrpo.speculative.draft import DraftHead
 from fastgrpo.speculative.draft_trainer import DraftTrainer, rollout_samples
 from fastgrpo.speculative.eagle import EagleDrafter
 from fastgrpo.speculative.offline import frequent_tokens_on_all_ranks
+
+DRAFT_DIR = "draft"  # a checkpoint's draft: GRPOTrainer's and the TRL integration's alike
+
+
+def starting_draft(model: PreTrainedModel, speculation: SpeculationConfig, resumed: Path | None) -> DraftHead | None:
+    """The draft a run starts from: the one saved in the checkpoint it resumes (``resumed``, that checkpoint's draft
+    directory, when it has one), else the saved draft of ``speculation.draft``, else None (`Rollouts` then makes a
+    fresh one); None when speculation is off."""
+    if speculation.mode == "off":
+        return None
+    if resumed is not None and resumed.is_dir():
+        return DraftHead.load(resumed, model)
+    if speculation.draft is not None:
+        try:
+            return DraftHead.load(speculation.draft, model)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"speculation.draft: {e}") from None
+    return None
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:

@@ -1,0 +1,146 @@
+"""The policy's side of a GRPO step: the training forward (under DDP, or FSDP2 with ``fsdp``, when several processes
+train), AdamW and its learning-rate schedule, the log-probs a batch needs before the update, and the clipped update
+itself, micro-batch by micro-batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from transformers import PreTrainedModel, get_scheduler
+
+from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.batch import RolloutBatch, select_rows
+from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, grpo_loss, micro_batch_loss, micro_batch_rows
+
+
+class PolicyUpdate:
+    """Updates ``model`` (its trainable parameters) by GRPO's loss; ``ref_model`` gives the KL penalty's reference
+    (None: the policy with its LoRA adapters disabled); ``world_size`` processes share each batch."""
+
+    def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, config: GRPOConfig, world_size: int):
+        self.model = model
+        self.ref_model = ref_model
+        self.config = config
+        self.world_size = world_size
+        self.device = next(model.parameters()).device
+        # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
+        # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
+        self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in model.parameters() if p.requires_grad],
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = get_scheduler(
+            config.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=int(config.warmup_ratio * config.max_steps * config.num_iterations),
+            num_training_steps=config.max_steps * config.num_iterations,
+        )
+
+    def logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+        """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
+        training forward, which takes the same arguments without the model)."""
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+            return logprobs(
+                batch.input_ids.to(self.device),
+                batch.attention_mask.to(self.device),
+                batch.completion_mask.shape[1],
+                self.config.temperature or 1.0,
+                self.config.logprob_chunk_tokens,
+            )
+
+    @torch.no_grad()
+    def batch_logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
+        """``[N, C]`` completion log-probs of the whole batch, computed micro-batch by micro-batch."""
+        mb = self.config.per_device_train_batch_size
+        n, width = batch.completion_mask.shape
+        chunks = [
+            self.logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
+        ]
+        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
+
+    def fixed_logps(self, batch: RolloutBatch) -> None:
+        """Old-policy log-probs (needed when the batch is reused) and reference log-probs (when beta > 0)."""
+        if self.config.num_iterations > 1:
+            batch.old_logps = self.batch_logps(self.policy, batch)
+        if self.config.beta > 0:
+            if self.ref_model is not None:
+                batch.ref_logps = self.batch_logps(partial(completion_logprobs, self.ref_model), batch)
+            else:
+                with self.model.disable_adapter():
+                    batch.ref_logps = self.batch_logps(self.policy, batch)
+
+    def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
+        """Row indices of each micro-batch (`micro_batch_rows`)."""
+        cfg = self.config
+        lengths = batch.attention_mask.sum(dim=1)
+        return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, cfg.beta, cfg.per_device_train_batch_size)
+
+    def optimize(self, batch: RolloutBatch) -> dict[str, float]:
+        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
+
+        With several processes, DDP averages the gradients at the last micro-batch; every rank runs as many
+        micro-batches as the busiest one (the extra ones with a zero loss), and the losses are scaled so that the
+        averaged gradient is the one of the whole job's batch."""
+        cfg = self.config
+        n = batch.input_ids.shape[0]
+        world = self.world_size
+        total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
+        groups = self.micro_batches(batch)
+        n_micro = distributed.max_over_ranks(len(groups))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sums: dict[str, float] = {"loss": 0.0}
+        grad_norms: list[float] = []
+        count = 0
+        self.model.train()
+        for _ in range(cfg.num_iterations):
+            for i in range(n_micro):
+                padding = i >= len(groups)
+                rows = torch.arange(1) if padding else groups[i]
+                part = select_rows(batch, rows)
+                mask = part.completion_mask.to(self.device)
+                with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
+                    logps = self.logps(self.policy, part)
+                    old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
+                    ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
+                    loss, metrics = grpo_loss(
+                        logps,
+                        old,
+                        part.advantages.to(self.device),
+                        mask,
+                        loss_type=cfg.loss_type,
+                        epsilon=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta,
+                        ref_logps=ref,
+                        max_completion_length=cfg.max_completion_length,
+                        num_items_in_batch=total_tokens,
+                    )
+                    loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
+                    if padding:
+                        loss = loss * 0.0
+                    loss.backward()
+                if padding:
+                    continue
+                sums["loss"] += float(loss.detach())
+                for k, v in metrics.items():
+                    sums[k] = sums.get(k, 0.0) + float(v)
+                count += 1
+            for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        out = {k: v / max(count, 1) for k, v in sums.items() if k != "loss"}
+        out["loss"] = sums["loss"] / cfg.num_iterations
+        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["learning_rate"] = self.scheduler.get_last_lr()[0]
+        out["train/rows_trained"] = float(sum(g.numel() for g in groups))
+        return out
