@@ -1,4 +1,5 @@
-"""Plots of training runs from their ``metrics.jsonl``: ``fastgrpo report RUN_DIR [RUN_DIR ...]``.
+"""Plots: of training runs from their ``metrics.jsonl`` (``fastgrpo report RUN_DIR [RUN_DIR ...]``), and of a latency
+profile (``fastgrpo profile``).
 
 ``curves.png`` draws reward, completion length, accepted length (over all decoding steps, and dashed over tree steps
 only), rollout tokens/s, and the online draft's held-out accuracy and loss against step (one line per run, so two
@@ -10,6 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastgrpo.speculative.profiler import LatencyProfile
 
 CURVES = (  # metric, panel title, y-axis label
     ("reward", "Mean reward", "reward"),
@@ -115,3 +120,45 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
     fig.savefig(phases, dpi=110)
     plt.close(fig)
     return [curves, phases]
+
+
+def plot_profile(profile: LatencyProfile, path: str | Path) -> Path:
+    """Draw the target and draft latency curves with the knee marked and, when the profile has the grid, what a
+    forward over ``N`` tokens per row costs against one token per row, for each row count; writes a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 2 if profile.tree_rows else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), squeeze=False)
+    ax = axes[0][0]
+    ax.plot(profile.tokens, [1e3 * s for s in profile.target_seconds], "o-", label="target forward")
+    ax.plot(profile.tokens, [1e3 * s for s in profile.draft_seconds], "s-", label="draft level")
+    ax.axvline(profile.c_peak, color="gray", linestyle="--", label=f"C_peak = {profile.c_peak} tokens")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens in the forward (rows x 1 token)")
+    ax.set_ylabel("latency (ms)")
+    ax.set_title(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    if profile.tree_rows:
+        ax = axes[0][1]
+        for i, rows in enumerate(profile.tree_rows):
+            points = profile.tree_points(i)
+            if points:
+                one = profile.target_time(rows)
+                ax.plot([1] + [n for n, _ in points], [1.0] + [s / one for _, s in points], "o-", label=f"{rows} rows")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per row (draft tree nodes N)")
+        ax.set_ylabel("forward latency / latency at one token per row")
+        ax.set_title("verification cost by rows and tree size")
+        ax.legend(fontsize="small", ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

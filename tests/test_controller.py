@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo import machine
 from fastgrpo.config import ControllerLimits
+from fastgrpo.report import plot_profile
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
 from fastgrpo.rollout.tree import TreeShape
@@ -328,7 +329,7 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(
     assert profile.tree_time(4, 16) > 2 * profile.tree_time(1, 8)  # the grid: 64 tokens in 4 rows against 8 in one
     path = profile.save(tmp_path / "profile.json")
     assert LatencyProfile.load(path) == profile
-    png = profiler.plot(profile, tmp_path / "profile.png")
+    png = plot_profile(profile, tmp_path / "profile.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
