@@ -14,11 +14,11 @@ ROOT = Path(fastgrpo.__file__).parent
 LAYERS = [
     ["fastgrpo.errors", "fastgrpo.fields", "fastgrpo.machine", "fastgrpo.sampling_params", "fastgrpo.distributed"],
     ["fastgrpo.models"],
-    ["fastgrpo.rewards", "fastgrpo.data", "fastgrpo.config"],
+    ["fastgrpo.answers", "fastgrpo.rewards", "fastgrpo.data", "fastgrpo.config"],
     ["fastgrpo.rollout"],
     ["fastgrpo.speculative"],
     ["fastgrpo.grpo", "fastgrpo.report"],
-    ["fastgrpo.integrations", "fastgrpo.cli", "fastgrpo.__main__"],
+    ["fastgrpo.integrations", "fastgrpo.cli", "fastgrpo.commands", "fastgrpo.__main__"],
 ]
 
 
