@@ -22,15 +22,15 @@ def die() -> None:
 def main(config: str, moment: str, step: int) -> None:
     calls = {"rollout": 0}
     if moment == "rollout":
-        real_generate = RolloutEngine._generate
+        real_generate = RolloutEngine.generate
 
         def generate(self, *args, **kwargs):
             calls["rollout"] += 1
             if calls["rollout"] == step:
-                self._emit = lambda *a: die()  # after the prefill, at the first decoded tokens
+                self.step = lambda *a: die()  # after the prefill, at the first decoding step
             return real_generate(self, *args, **kwargs)
 
-        RolloutEngine._generate = generate
+        RolloutEngine.generate = generate
     elif moment == "save":
         real_save = torch.save
 
