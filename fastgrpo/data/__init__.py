@@ -9,14 +9,13 @@ Every other column is handed to reward functions as a keyword argument.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from fastgrpo.data.arithmetic import make_arithmetic
 from fastgrpo.data.config import DataConfig
 from fastgrpo.data.files import DatasetSourceError
 from fastgrpo.data.presets import GSM8K_INSTRUCTION, PRESETS
 from fastgrpo.data.prompts import build_prompt
-from fastgrpo.data.records import load_external
+from fastgrpo.data.records import Row, load_external
 
 __all__ = [
     "GSM8K_INSTRUCTION",
@@ -28,8 +27,6 @@ __all__ = [
     "load_gsm8k",
     "make_arithmetic",
 ]
-
-Row = dict[str, Any]
 
 
 def load_dataset(cfg: DataConfig) -> list[Row]:

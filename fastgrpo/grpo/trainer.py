@@ -56,10 +56,10 @@ class GRPOTrainer:
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
         check_columns(self.reward_funcs, self.dataset)
-        self.global_prompts = config.prompts_per_step * self.dist.world_size
-        if len(self.dataset) < self.global_prompts:
+        global_prompts = config.prompts_per_step * self.dist.world_size
+        if len(self.dataset) < global_prompts:
             raise ValueError(
-                f"the dataset has {len(self.dataset)} rows, fewer than the {self.global_prompts} prompts per step "
+                f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per step "
                 f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
         self.start_step = 0
@@ -132,8 +132,8 @@ class GRPOTrainer:
         """Rewards of this rank's completions and their advantages within the whole job's batch.
 
         Returns ``(advantages [n], all_rewards [N], all_group_std [N], reward metrics, (prompt, completion, reward)
-        of each completion)``: groups are whole
-        on every rank, and the job's rewards are gathered so that ``scale_rewards: batch`` sees them all."""
+        of each completion)``: groups are whole on every rank, and the job's rewards are gathered so that
+        ``scale_rewards: batch`` sees them all."""
         cfg = self.config
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         full_rows = [row for row in rows for _ in range(cfg.num_generations)]

@@ -87,18 +87,11 @@ class SpeculativeRollout:
         max_prompt_length: int | None = None,
     ):
         self.speculation = speculation or SpeculationConfig()
+        if draft is not None:  # the saved draft given here stands for speculation.draft, and is checked as it is
+            self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
         self.speculation.validate()
         if self.speculation.mode == "off":
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
-        if draft is not None:
-            if not Path(draft).is_dir():
-                raise ValueError(f"draft: {draft} is not a directory with a saved draft")
-            if self.speculation.draft_vocab_size is not None:
-                raise ValueError(
-                    f"speculation.draft_vocab_size applies to a fresh draft; the saved draft {draft} keeps its own "
-                    "vocabulary"
-                )
-            self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize

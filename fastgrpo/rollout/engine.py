@@ -16,6 +16,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
@@ -240,16 +241,17 @@ class RolloutEngine:
             rows.row_len = rows.row_len + 1
             verified = Verified(tokens[:, None], logprobs.gather(1, tokens[:, None]), torch.ones_like(tokens), hidden)
         else:
-            verified = self._verify_tree(rows, proposal, call)
+            verified = self._verify_tree(decoder, head, rows, proposal, call)
         call.stats.target_forwards += 1
         call.stats.verify_time += time.perf_counter() - t0
         return verified
 
-    def _verify_tree(self, rows: ActiveRows, proposal: Proposal, call: Generation) -> Verified:
+    def _verify_tree(
+        self, decoder: nn.Module, head: nn.Module, rows: ActiveRows, proposal: Proposal, call: Generation
+    ) -> Verified:
         """Verify every row's tree in one forward, then move the accepted path's cache entries to contiguous slots
         right after the row's context."""
         tree = proposal.tree
-        decoder, head = decoder_and_head(self.model)
         n = tree.tokens.shape[1]
         offsets = torch.arange(n, device=tree.tokens.device)
         positions = rows.row_len[:, None] + tree.depth

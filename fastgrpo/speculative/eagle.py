@@ -20,7 +20,7 @@ from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.drafter import Proposal
-from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
+from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.speculative.draft import DraftHead
@@ -120,21 +120,19 @@ class EagleDrafter:
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
         t0 = time.perf_counter()
         backlog = float(rows.draft.count.float().mean())
-        root_hidden = self._catch_up(rows.draft)
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        root_hidden = self._catch_up(rows.draft, embed)
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
-        embed = self.model.get_input_embeddings()
-        _, head = decoder_and_head(self.model)
         state = rows.draft
         tree = expand_tree(
             self.draft, embed, head, self.cache, state.draft_len, rows.pending, root_hidden, rows.row_len, shape
         )
         return Proposal(tree, shape.levels, backlog_seconds)
 
-    def _catch_up(self, state: PendingPairs) -> torch.Tensor:
+    def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
         (the root of the next tree)."""
-        embed = self.model.get_input_embeddings()
         width = int(state.count.max())
         x = self.draft.features(embed(state.tokens[:, :width]), state.hidden[:, :width])
         out = forward_chain(self.draft.decoder, self.cache, state.draft_len, inputs_embeds=x, position_offset=1)

@@ -131,7 +131,7 @@ class Rollouts:
         if awaits_vocab:
             vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.speculation.draft_vocab_size, self.eos)
             self.attach(self._fresh_draft(vocab))
-        if capture and self.draft_trainer is not None:
+        if capture:  # a captured rollout has a draft trainer by now (made with the draft when it awaited one)
             self.pending.append((prompt_ids, out, num_generations))
         return out
 
