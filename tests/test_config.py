@@ -50,6 +50,7 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--max_steps", "ten"], "max_steps must be of type int, got 'ten'"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top_p", "0"], "top_p must be in (0, 1]"),
+        (["--cpu_threads", "-1"], "cpu_threads must be >= 0 (0 follows the free cores), got -1"),
         (["--num_generations", "3"], "must be a multiple of num_generations (3)"),
         (["--reward_funcs", "nope"], "nope"),
         (["--reward_weights", "[1.0, 2.0]"], "reward_weights has 2 entries but reward_funcs has 1"),

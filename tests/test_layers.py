@@ -12,7 +12,14 @@ ROOT = Path(fastgrpo.__file__).parent
 
 # Bottom to top. A module's layer is that of its longest listed prefix.
 LAYERS = [
-    ["fastgrpo.errors", "fastgrpo.fields", "fastgrpo.machine", "fastgrpo.sampling_params", "fastgrpo.distributed"],
+    [
+        "fastgrpo.errors",
+        "fastgrpo.fields",
+        "fastgrpo.machine",
+        "fastgrpo.sampling_params",
+        "fastgrpo.distributed",
+        "fastgrpo.threads",
+    ],
     ["fastgrpo.models"],
     ["fastgrpo.answers", "fastgrpo.rewards", "fastgrpo.data", "fastgrpo.config"],
     ["fastgrpo.rollout"],

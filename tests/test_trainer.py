@@ -103,6 +103,24 @@ def test_two_steps_change_weights_and_write_loadable_checkpoint(tiny_model_dir: 
     assert not list(tmp_path.glob(".checkpoint-*")), "a temporary checkpoint directory was left behind"
 
 
+def test_cpu_threads_hold_while_training_and_are_restored_after(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path, cpu_threads=1, max_steps=1, save_steps=1))
+    seen = []
+    rollout = trainer.rollout
+    monkeypatch.setattr(trainer, "rollout", lambda *a: seen.append(torch.get_num_threads()) or rollout(*a))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        (metrics,) = trainer.train()
+        assert seen == [1] and torch.get_num_threads() == 2
+        assert metrics["cpu/threads"] == 1.0
+        assert trainer.rollouts.engine.threads is trainer.threads and trainer.update.threads is trainer.threads
+    finally:
+        torch.set_num_threads(before)
+
+
 class Interrupt(Exception):
     pass
 

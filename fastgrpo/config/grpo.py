@@ -36,6 +36,11 @@ class GRPOConfig:
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
     ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
     fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")
+    cpu_threads: int = option(
+        0,
+        help="torch's CPU threads during training; 0: start from torch's count and run one fewer while another "
+        "process competes for the cores, N: exactly N",
+    )
     # data and rewards
     dataset: DataConfig = option(default_factory=DataConfig, help="where the prompts come from (`dataset.*`)")
     reward_funcs: list[str] = option(
@@ -160,6 +165,7 @@ class GRPOConfig:
             ("temperature", self.temperature >= 0, ">= 0"),
             ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
             ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
+            ("cpu_threads", self.cpu_threads >= 0, ">= 0 (0 follows the free cores)"),
             ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
             ("beta", self.beta >= 0, ">= 0"),
             ("epsilon", self.epsilon > 0, "> 0"),

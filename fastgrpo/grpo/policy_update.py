@@ -14,6 +14,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
 from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, grpo_loss, micro_batch_loss, micro_batch_rows
+from fastgrpo.threads import ThreadGovernor
 
 
 class PolicyUpdate:
@@ -26,6 +27,7 @@ class PolicyUpdate:
         self.config = config
         self.world_size = world_size
         self.device = next(model.parameters()).device
+        self.threads: ThreadGovernor | None = None  # consulted before every micro-batch when set
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
         self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
@@ -100,6 +102,8 @@ class PolicyUpdate:
         self.model.train()
         for _ in range(cfg.num_iterations):
             for i in range(n_micro):
+                if self.threads is not None:
+                    self.threads.update()
                 padding = i >= len(groups)
                 rows = torch.arange(1) if padding else groups[i]
                 part = select_rows(batch, rows)

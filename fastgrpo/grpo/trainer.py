@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_m
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
+from fastgrpo.threads import ThreadGovernor
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,11 @@ class GRPOTrainer:
             config.seed,
         )
         self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
+        # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.
+        self.threads = None
+        if self.device.type == "cpu":
+            self.threads = ThreadGovernor(config.cpu_threads or None, adapt=config.cpu_threads == 0)
+            self.rollouts.engine.threads = self.update.threads = self.threads
         if checkpoint is not None:
             self._restore(checkpoint, resume_state)
         self.sampling = config.sampling_params()
@@ -189,6 +196,7 @@ class GRPOTrainer:
             "time/step": t3 - t0,
             **out.stats.metrics(),
             "memory/peak_mb": peak_memory_mb(self.device),
+            **(self.threads.metrics() if self.threads is not None else {}),
         }
         metrics = distributed.reduce_metrics(metrics)
         return metrics
@@ -231,15 +239,17 @@ class GRPOTrainer:
         )
         log = RunLog(cfg, self.start_step) if main else None
         try:
-            for step in bar:
-                metrics = self.train_step(step)
-                history.append(metrics)
-                if log is not None:
-                    log.write(step + 1, metrics)
-                    log.samples(step + 1, self._last_samples)
-                bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}")
-                if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
-                    self.save(step + 1)
+            with self.threads or nullcontext():
+                for step in bar:
+                    metrics = self.train_step(step)
+                    history.append(metrics)
+                    if log is not None:
+                        log.write(step + 1, metrics)
+                        log.samples(step + 1, self._last_samples)
+                    tok_s = metrics["rollout/tokens_per_second"]
+                    bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{tok_s:.0f}")
+                    if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                        self.save(step + 1)
         finally:
             if log is not None:
                 log.close()

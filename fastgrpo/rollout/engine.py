@@ -31,6 +31,7 @@ from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, 
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.rollout.verify import accept
 from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.threads import ThreadGovernor
 
 
 @dataclass
@@ -60,6 +61,8 @@ class RolloutEngine:
         controller: instead of ``tree``, chooses each step's shape from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
             `fastgrpo.rollout.lora`).
+
+    Set ``threads`` to a `fastgrpo.threads.ThreadGovernor` to have every step follow the cores the process has.
     """
 
     def __init__(
@@ -76,6 +79,7 @@ class RolloutEngine:
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
+        self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None
         self.drafter: Drafter | None = None
         self.controller: Controller | None = None
@@ -213,7 +217,10 @@ class RolloutEngine:
         return self.postprocess(rows, shape, proposal, verified, call, start)
 
     def schedule(self, rows: ActiveRows) -> TreeShape | None:
-        """The tree budget of this step for the live rows (None or one node: a plain step)."""
+        """The tree budget of this step for the live rows (None or one node: a plain step); with a thread governor,
+        also the threads the step runs on."""
+        if self.threads is not None:
+            self.threads.update()
         if self.controller is None:
             return None
         return self.controller.choose(rows.size, self.drafter.backlog(rows))
