@@ -1,8 +1,12 @@
-"""TRL's GRPOTrainer with its own generation against TRL with fastgrpo's rollout_func (speculative rollouts and online
-draft learning through `DraftCallback`), on SmolLM2-135M-Instruct and GSM8K train prompts, same config and seed.
+"""TRL's GRPOTrainer with its own generation, TRL with fastgrpo's rollout_func (speculative rollouts and online
+draft learning through `DraftCallback`), and fastgrpo's own `GRPOTrainer`, on SmolLM2-135M-Instruct and the same
+GSM8K train prompts, with the same options (TRL's defaults where fastgrpo's differ: linear learning-rate decay) and
+seed.
 
-Prints the time of every optimizer step of both runs and the ratio of their mean step times (the first step, which
-warms caches and calibrates the controller, is reported apart).
+Prints the time of every optimizer step of each run, the ratio of their mean step times and their time per completion
+token (the first step, which warms caches and calibrates the controller, is reported apart). The runs sample
+different completions (each draws its own noise, and the prompts come in a different order), so their completion
+lengths differ: the time per completion token is the fairer comparison.
 
     python benchmarks/bench_trl.py --steps 5 --max-new-tokens 128
 """
@@ -24,11 +28,13 @@ import trl  # noqa: E402
 from record import Record
 from transformers import TrainerCallback  # noqa: E402
 
-from fastgrpo.config import (
-    DraftTrainConfig,  # noqa: E402
-    SpeculationConfig,  # noqa: E402
+from fastgrpo.config import (  # noqa: E402
+    DraftTrainConfig,
+    GRPOConfig,
+    SpeculationConfig,
 )
 from fastgrpo.data import DataConfig, load_dataset  # noqa: E402
+from fastgrpo.grpo.trainer import GRPOTrainer  # noqa: E402
 from fastgrpo.integrations.trl import DraftCallback, SpeculativeRollout  # noqa: E402
 from fastgrpo.models import load_model, load_tokenizer, native_bf16  # noqa: E402
 from fastgrpo.rewards import gsm8k_flexible  # noqa: E402
@@ -49,9 +55,21 @@ class StepTimer(TrainerCallback):
         self.seconds.append(time.perf_counter() - self.start)
 
 
+def data(args: argparse.Namespace) -> DataConfig:
+    """The GSM8K train rows every run trains on."""
+    return DataConfig(name="gsm8k", path=str(GSM8K), limit=args.steps * args.prompts_per_step)
+
+
+def speculation(args: argparse.Namespace) -> tuple[SpeculationConfig, DraftTrainConfig]:
+    """The speculation and online draft learning of both fastgrpo runs."""
+    spec = SpeculationConfig(mode=args.speculation, draft=args.draft)
+    return spec, DraftTrainConfig(token_loss_weight=1.0, bf16=native_bf16(torch.device("cpu")))
+
+
 def run(args: argparse.Namespace, fast: bool) -> tuple[list[float], list[dict]]:
+    """TRL's GRPOTrainer, with its own generation or (``fast``) fastgrpo's rollout_func: step times and the logs."""
     torch.manual_seed(args.seed)
-    rows = load_dataset(DataConfig(name="gsm8k", path=str(GSM8K), limit=args.steps * args.prompts_per_step))
+    rows = load_dataset(data(args))
     config = trl.GRPOConfig(
         output_dir=str(Path(args.output) / ("fastgrpo" if fast else "trl")),
         use_cpu=not torch.cuda.is_available(),
@@ -74,8 +92,7 @@ def run(args: argparse.Namespace, fast: bool) -> tuple[list[float], list[dict]]:
     callbacks: list[TrainerCallback] = [timer]
     rollout = None
     if fast:
-        spec = SpeculationConfig(mode=args.speculation, draft=args.draft)
-        learning = DraftTrainConfig(token_loss_weight=1.0, bf16=native_bf16(torch.device("cpu")))
+        spec, learning = speculation(args)
         rollout = SpeculativeRollout(speculation=spec, draft_training=learning)
         callbacks.append(DraftCallback(rollout))
     trainer = trl.GRPOTrainer(
@@ -89,6 +106,36 @@ def run(args: argparse.Namespace, fast: bool) -> tuple[list[float], list[dict]]:
     )
     trainer.train()
     return timer.seconds, [e for e in trainer.state.log_history if "reward" in e]
+
+
+def run_own(args: argparse.Namespace) -> tuple[list[float], list[dict]]:
+    """fastgrpo's GRPOTrainer on the same rows with TRL's options: step times and the metrics."""
+    spec, learning = speculation(args)
+    config = GRPOConfig(
+        model="smollm2",
+        dtype=args.dtype,
+        dataset=data(args),
+        reward_funcs=["fastgrpo.rewards:gsm8k_flexible"],
+        num_generations=8,
+        per_device_train_batch_size=8 * args.prompts_per_step,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        top_p=0.95,
+        learning_rate=1e-6,
+        lr_scheduler_type="linear",
+        max_steps=args.steps,
+        save_steps=args.steps,
+        save_only_model=True,
+        seed=args.seed,
+        speculation=spec,
+        draft_training=learning,
+        output_dir=str(Path(args.output) / "fastgrpo-trainer"),
+        overwrite_output_dir=True,
+        log_completions=False,
+    )
+    history = GRPOTrainer(config).train()
+    return [m["time/step"] for m in history], history
 
 
 def main() -> None:
@@ -108,26 +155,58 @@ def main() -> None:
         raise SystemExit("--steps must be >= 2 (the first step is reported apart)")
 
     record = Record("bench_trl")
+    runs = {
+        "TRL generation": lambda: run(args, fast=False),
+        "TRL + fastgrpo rollout_func": lambda: run(args, fast=True),
+        "fastgrpo GRPOTrainer": lambda: run_own(args),
+    }
     results = {}
-    for name, fast in (("TRL generation", False), ("TRL + fastgrpo rollout_func", True)):
-        seconds, logs = run(args, fast)
-        results[name] = seconds
+    completions = 8 * args.prompts_per_step
+    for name, start in runs.items():
+        seconds, logs = start()
+        # Completion tokens per step, from each step's mean completion length.
+        tokens = [completions * e["completions/mean_length"] for e in logs]
+        results[name] = (seconds, tokens, logs)
         print(f"\n{name}: step times (s) " + ", ".join(f"{s:.1f}" for s in seconds))
         for e in logs:
             extra = f", accept length {e['spec/accept_length']:.2f}" if "spec/accept_length" in e else ""
             length = e["completions/mean_length"]
             print(f"  step {e['step']}: reward {e['reward']:.3f}, mean completion length {length:.0f}{extra}")
 
-    base, fast = results.values()
+    def per_token(seconds: list[float], tokens: list[float]) -> float:
+        return sum(seconds[1:]) / sum(tokens[1:])
+
+    base_seconds, base_tokens, _ = results["TRL generation"]
+    later = f"steps 2..{args.steps}"
+    rows = []
+    for name, (seconds, tokens, logs) in results.items():
+        accepted = [e["spec/accept_length"] for e in logs[1:] if "spec/accept_length" in e]
+        rows.append(
+            [
+                name,
+                f"{seconds[0]:.1f}",
+                f"{statistics.mean(seconds[1:]):.1f}",
+                f"{statistics.mean(base_seconds[1:]) / statistics.mean(seconds[1:]):.2f}x",
+                f"{statistics.mean(tokens[1:]) / completions:.0f}",
+                f"{1e3 * per_token(seconds, tokens):.0f}",
+                f"{per_token(base_seconds, base_tokens) / per_token(seconds, tokens):.2f}x",
+                f"{min(accepted):.2f} to {max(accepted):.2f}" if accepted else "-",
+            ]
+        )
     record.table(
-        f"TRL GRPOTrainer step times, {args.prompts_per_step} prompt(s) x 8 generations, {args.max_new_tokens} new "
-        f"tokens, {args.dtype}",
-        ["run", "step 1 (s)", f"mean of steps 2..{args.steps} (s)", "step time ratio"],
+        f"GRPO step times, {args.prompts_per_step} prompt(s) x 8 generations, {args.max_new_tokens} new tokens, "
+        f"{args.dtype}",
         [
-            [name, f"{seconds[0]:.1f}", f"{statistics.mean(seconds[1:]):.1f}"]
-            + [f"{statistics.mean(base[1:]) / statistics.mean(seconds[1:]):.2f}x"]
-            for name, seconds in results.items()
+            "run",
+            "step 1 (s)",
+            f"mean of {later} (s)",
+            "step time ratio",
+            f"mean completion length, {later}",
+            "ms per completion token",
+            "per-token ratio",
+            f"accepted length, {later}",
         ],
+        rows,
     )
     record.save()
 
