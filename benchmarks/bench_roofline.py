@@ -6,6 +6,8 @@ In one run, on the machine at hand:
   `PEAK_ROWS` rows);
 - one target forward with the LM head over B rows x N tokens per row, every row reading ``--context`` cached tokens:
   N = 1 is a plain decoding step's forward, N > 1 what verifying an N-node tree costs;
+- the matrix products of that forward alone (every decoder matrix and the LM head over B x N rows, by the engine's
+  CPU linear-layer routes): how close torch's kernels themselves come to the roofline;
 - the engine's whole plain decoding step (forward, sampling, bookkeeping) at B rows, from a generation with EOS off;
 and prints for each the measured time, the roofline time, max(weight bytes / bandwidth, FLOPs / throughput) plus the
 KV-cache bytes read / bandwidth, and their ratio: the share of a step that is neither streaming weights nor
@@ -30,6 +32,7 @@ from record import Record
 from fastgrpo.models import load_model
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.forward import decoder_and_head
+from fastgrpo.rollout.linear import rollout_linear, rollout_linears
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.profiler import interleaved_medians
 
@@ -57,6 +60,24 @@ def ceilings(weights: list[torch.Tensor], repeats: int) -> tuple[float, float]:
     with torch.inference_mode():
         read, matmul = interleaved_medians([buffer.sum, products], repeats, buffer.device, progress=False)
     return total * buffer.element_size() / read, 2 * PEAK_ROWS * total / matmul
+
+
+def product_costs(model, weights: list[torch.Tensor], tokens: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of the products of one forward alone, ``rollout_linear`` of ``T`` rows on every matrix (the
+    engine's routes), for each ``T`` in ``tokens``."""
+    gen = torch.Generator().manual_seed(0)
+
+    def products(inputs: dict[int, torch.Tensor]) -> None:
+        for w in weights:
+            rollout_linear(inputs[w.shape[1]], w)
+
+    fns = []
+    for t in tokens:
+        inputs = {w.shape[1]: torch.randn(t, w.shape[1], generator=gen, dtype=w.dtype) for w in weights}
+        fns.append(lambda inputs=inputs: products(inputs))
+    with torch.inference_mode(), rollout_linears(model):
+        seconds = interleaved_medians(fns, repeats, weights[0].device, progress=False)
+    return dict(zip(tokens, seconds, strict=True))
 
 
 def engine_steps(model, rows: list[int], context: int, tokens: int) -> dict[int, float]:
@@ -125,16 +146,21 @@ def main() -> None:
         return max(stream, compute) + b * kv_bytes_per_row / bandwidth, "weights" if stream >= compute else "FLOPs"
 
     forwards = step_costs(model, rows, nodes, args.context, args.repeats)
+    products = product_costs(model, weights, sorted({b * n for b in rows for n in nodes}), args.repeats)
     table = []
     for b in rows:
         for n in nodes:
             bound, by = roofline(b, n)
-            measured = forwards[(b, n)]
-            table.append([b, n, b * n, f"{1e3 * measured:.1f}", f"{1e3 * bound:.1f}", f"{measured / bound:.2f}", by])
+            measured, alone = forwards[(b, n)], products[b * n]
+            table.append(
+                [b, n, b * n, f"{1e3 * measured:.1f}", f"{1e3 * bound:.1f}", f"{measured / bound:.2f}", by]
+                + [f"{1e3 * alone:.1f}", f"{alone / bound:.2f}"]
+            )
     record.table(
         f"Target forward with the LM head over B rows x N tokens, {args.context} cached tokens per row: measured "
-        "against the roofline",
-        ["rows B", "tokens per row N", "tokens", "measured ms", "roofline ms", "measured / roofline", "bound by"],
+        "against the roofline, and its matrix products alone",
+        ["rows B", "tokens per row N", "tokens", "measured ms", "roofline ms", "measured / roofline", "bound by"]
+        + ["products alone ms", "products / roofline"],
         table,
     )
     with torch.inference_mode():
