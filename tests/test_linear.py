@@ -107,15 +107,35 @@ def test_every_route_computes_the_product(dtype: torch.dtype, rows: int) -> None
     for name in routes_for(dtype, rows):
         torch.testing.assert_close(linear._product(name, x, weight, bias), F.linear(x, weight, bias), **tol)
     assert ("vector" in routes_for(dtype, rows)) == (rows == 1)  # a matrix-vector product takes one row
+    assert ("split" in routes_for(dtype, rows)) == (rows == 1)
     assert "onednn" not in routes_for(torch.float64, rows)  # oneDNN has no float64 linear
     assert "onednn" not in routes_for(torch.bfloat16, rows)  # in bfloat16, F.linear already runs on oneDNN
+
+
+@pytest.mark.parametrize(("threads", "out"), [(2, 24), (3, 24), (2, 25), (1, 24)])
+def test_the_split_route_cuts_the_rows_into_one_block_per_thread(threads: int, out: int) -> None:
+    """One row: blocks of output rows in one batched product, as many as threads where they divide the rows equally
+    (else, and on one thread, the matrix-vector product)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, generator=g, dtype=torch.float64)
+    weight = torch.randn(out, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(out, generator=g, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for b in (None, bias):
+            product = linear._product("split", x, weight, b)
+            assert product.shape == (1, out) and product.is_contiguous()
+            torch.testing.assert_close(product, F.linear(x, weight, b), rtol=0, atol=1e-12)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_calibration_picks_the_fastest_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a fake clock that each product advances by its route's cost, the cheapest route of every timed row count is
     chosen, and a route made slow never is."""
     clock = [0.0]
-    cost = {"linear": 3.0, "transposed": 1.0, "onednn": 2.0, "vector": 0.5}
+    cost = {"linear": 3.0, "transposed": 1.0, "onednn": 2.0, "vector": 0.5, "split": 0.7}
     product = linear._product
 
     def timed_product(name, x, weight, bias):
@@ -137,7 +157,7 @@ def test_calibration_keeps_linear_unless_another_route_is_clearly_faster(
     """Timed on a clock that each product advances by its route's cost: ``transposed`` replaces ``linear`` when it
     is 10 % faster, not when it is 1 % faster (`CALIBRATION_MARGIN`)."""
     clock = [0.0]
-    cost = {"linear": 1.0, "transposed": transposed_cost, "onednn": 2.0, "vector": 2.0}
+    cost = {"linear": 1.0, "transposed": transposed_cost, "onednn": 2.0, "vector": 2.0, "split": 2.0}
     product = linear._product
 
     def timed_product(name, x, weight, bias):

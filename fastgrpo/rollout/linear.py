@@ -3,13 +3,17 @@
 Decoding multiplies each weight ``W`` ``[out, in]`` by a few rows ``x`` ``[m, in]``, so it should run at the speed
 at which the weights stream from memory. Which kernel comes closest depends on the CPU, the dtype and the row count,
 and the differences are large (on some CPUs MKL's ``x @ W.T`` streams few-row products at a fraction of the memory's
-speed while ``W @ x.T`` does not; on others the reverse). Four routes compute the same product:
+speed while ``W @ x.T`` does not; on others the reverse; on some a matrix-vector product runs on one core however
+many threads torch has). Five routes compute the same product (up to the rounding of their summation order):
 
 - ``linear``: ``F.linear``, MKL's ``x @ W.T`` (the only one autograd and autocast follow);
 - ``transposed``: ``(W @ x.T).T``, one row padded to two;
 - ``onednn``: oneDNN's linear (``torch.ops.mkldnn._linear_pointwise``, on the layer's own weight, no packed copy;
   float32 only; in bfloat16 it is what ``linear`` runs already);
-- ``vector``: ``W @ x`` for a single row, a matrix-vector product with no padding, transposes or copies.
+- ``vector``: ``W @ x`` for a single row, a matrix-vector product with no padding, transposes or copies;
+- ``split``: for a single row, ``W``'s output rows cut into one block per thread (a view) and multiplied by ``x`` in
+  one ``torch.bmm``, which runs the blocks in parallel (``vector`` where the blocks would not be equal, or on one
+  thread).
 
 So the route is measured, not assumed: `calibrate` times each route on the layers' own weights (the first
 `CALIBRATION_ELEMENTS` weight elements on a big model) at each of `TIMED_ROWS` row counts, in interleaved rounds, and
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import time
@@ -50,7 +55,7 @@ TIMED_ROWS = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_ROUNDS = 3
 CALIBRATION_MARGIN = 0.03  # another route replaces ``linear`` only when it times at least this much faster
 CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 MB in float32)
-ROUTES_VERSION = 1  # raised when the routes or their timing change, so that cached tables are measured again
+ROUTES_VERSION = 2  # raised when the routes or their timing change, so that cached tables are measured again
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
 _measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
@@ -65,7 +70,7 @@ def _has_onednn(dtype: torch.dtype) -> bool:
 def routes_for(dtype: torch.dtype, rows: int) -> list[str]:
     """The routes that can compute a product of ``rows`` rows of this dtype."""
     names = ["linear", "transposed", "onednn"] if _has_onednn(dtype) else ["linear", "transposed"]
-    return names + ["vector"] if rows == 1 else names
+    return names + ["vector", "split"] if rows == 1 else names
 
 
 def _default_route(dtype: torch.dtype, rows: int) -> str:
@@ -113,6 +118,12 @@ def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return F.linear(x, weight, bias)
     if name == "onednn":
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if name == "split":
+        parts = math.gcd(weight.shape[0], torch.get_num_threads())
+        if parts > 1 and weight.is_contiguous():
+            out = torch.bmm(weight.view(parts, -1, weight.shape[1]), x.T.expand(parts, -1, -1)).view(1, -1)
+            return out if bias is None else out + bias
+        name = "vector"
     if name == "vector":
         out = weight @ x[0]
         return (out if bias is None else out + bias)[None]
