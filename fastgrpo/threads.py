@@ -1,8 +1,8 @@
 """How many threads torch's CPU kernels use while a run may share its cores with other processes.
 
 torch's OpenMP pool has each thread spin while it waits for the others. With as many threads as cores and another
-busy process on those cores, a thread often waits for one that is not running, and a step can take ten to fifty
-times longer than with one thread fewer (``docs/benchmarks.md``, "Threads on a shared machine"). `ThreadGovernor`
+busy process on those cores, a thread often waits for one that is not running, and a step can take many times
+longer than with one thread fewer (``docs/benchmarks.md``, "Threads on a shared machine", measures it). `ThreadGovernor`
 watches, over windows of a few seconds, how many cores the process actually had: its own CPU time plus the idle time
 of the CPUs it may run on, per second of wall time. When that falls clearly below its thread count it runs one thread
 fewer; when a core comes free again it runs one more, up to the count it started with. Where the CPUs' idle time
