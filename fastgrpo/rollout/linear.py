@@ -123,7 +123,7 @@ def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         if parts > 1 and weight.is_contiguous():
             out = torch.bmm(weight.view(parts, -1, weight.shape[1]), x.T.expand(parts, -1, -1)).view(1, -1)
             return out if bias is None else out + bias
-        name = "vector"
+        return _product("vector", x, weight, bias)
     if name == "vector":
         out = weight @ x[0]
         return (out if bias is None else out + bias)[None]
