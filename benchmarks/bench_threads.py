@@ -38,10 +38,10 @@ COMPETITORS = {
 CONTEXT = 128  # prompt tokens per row
 
 
-def step_ms(engine: RolloutEngine, rows: int, tokens: int, warm_up: int) -> float:
-    """Median milliseconds of a plain decoding step over ``rows`` rows, after a ``warm_up``-token generation."""
+def step_ms(engine: RolloutEngine, rows: int, tokens: int) -> float:
+    """Median milliseconds of a plain decoding step over ``rows`` rows, after a short warm-up generation."""
     prompts = torch.randint(0, 1000, (rows, CONTEXT), generator=torch.Generator().manual_seed(rows)).tolist()
-    engine.generate(prompts, SamplingParams(max_new_tokens=warm_up, temperature=1.0))
+    engine.generate(prompts, SamplingParams(max_new_tokens=4, temperature=1.0))
     params = SamplingParams(max_new_tokens=tokens, temperature=1.0)
     stats = engine.generate(prompts, params, generator=torch.Generator().manual_seed(0)).stats
     return 1e3 * statistics.median(stats.step_times[1:])
@@ -73,12 +73,14 @@ def main() -> None:
             for policy, (threads, adapt) in policies.items():
                 governor = ThreadGovernor(threads, adapt=adapt)
                 engine.threads = governor if adapt else None
-                # The adaptive warm-up lasts at least one governor window, whatever a step costs.
-                warm_up = 4 if not adapt else 4 + int(WINDOW_S / 0.05)
                 cells = []
                 with governor, torch.inference_mode():
+                    # Decode past one window, so that the governor has measured the cores by the first timed step.
+                    settled = time.monotonic() + WINDOW_S
+                    while adapt and time.monotonic() <= settled:
+                        engine.generate([[1, 2]], SamplingParams(max_new_tokens=4))
                     for b in rows:
-                        ms = step_ms(engine, b, args.tokens, warm_up if b == rows[0] else 4)
+                        ms = step_ms(engine, b, args.tokens)
                         if code is None:
                             alone[(policy, b)] = ms
                         base = alone[(f"{cores} threads", b)]
