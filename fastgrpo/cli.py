@@ -70,7 +70,8 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
 
     gen = command("generate", "sample completions for prompts")
     gen.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
-    gen.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    gen.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on CPU) or a dtype")
+    gen.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda")
     gen.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
     gen.add_argument("--prompts-file", help=".txt (one prompt per line) or .jsonl with a 'prompt' column")
     gen.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per completion at most")
@@ -96,7 +97,7 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
 
     prof = command("profile", "measure forward latency against tokens per forward and find the verification capacity")
     prof.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
-    prof.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 or float64")
+    prof.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on CPU) or a dtype")
     prof.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda")
     prof.add_argument("--draft", help="a saved draft to time (default: a fresh draft of the same architecture)")
     prof.add_argument("--tokens", default=PROFILE_TOKENS, help="token counts to time")

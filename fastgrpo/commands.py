@@ -69,21 +69,23 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
         raise ValueError("--num-generations and --max-new-tokens must be >= 1")
     import torch
 
+    from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_model_source, encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.sampling_params import SamplingParams
 
     check_model_source(args.model, "--model")
+    device = resolve_device(args.device)
 
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=args.dtype)
+    model = load_model(args.model, dtype=args.dtype, device=device)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     ids = encode_prompts(tokenizer, prompts, max_prompt_length=4096)
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator(device="cpu").manual_seed(args.seed)
     out = engine.generate(ids, params, num_generations=args.num_generations, generator=generator)
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
     sink = open(args.output, "w") if args.output else None  # noqa: SIM115
@@ -108,6 +110,7 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     from tqdm.auto import tqdm
 
     from fastgrpo.data import load_dataset
+    from fastgrpo.distributed import resolve_device
     from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
@@ -116,10 +119,10 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     funcs = resolve_reward_funcs(config.reward_funcs)
     check_columns(funcs, rows)
     tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, dtype=config.dtype)
+    model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     params = config.sampling_params()
-    generator = torch.Generator().manual_seed(config.seed)
+    generator = torch.Generator(device="cpu").manual_seed(config.seed)
     total, n = 0.0, 0
     for start in tqdm(range(0, len(rows), batch_size), desc="eval"):
         part = rows[start : start + batch_size]
@@ -149,13 +152,14 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, overrides)
     from fastgrpo.data import load_dataset
+    from fastgrpo.distributed import resolve_device
     from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.speculative.offline import train_offline
 
     rows = load_dataset(config.dataset)
     tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, dtype=config.dtype)
+    model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     draft, report = train_offline(
@@ -198,7 +202,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
     check_model_source(args.model, "--model")
 
-    device = resolve_device("auto") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     model = load_model(args.model, dtype=args.dtype, device=device)
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model) if args.draft else None

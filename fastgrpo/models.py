@@ -110,6 +110,20 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def resolve_dtype(dtype: str, device: torch.device | str) -> str:
+    """The concrete dtype name of the option ``dtype``: ``auto`` is bfloat16 on a GPU that supports it (what a
+    rollout engine such as vLLM runs there), float32 elsewhere; any other name is returned as it is."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    device = torch.device(device)
+    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices in hardware: a GPU that supports bfloat16, or a CPU with
     avx512_bf16 or AMX. Elsewhere bfloat16 autocast is emulated, several times slower than float32."""
@@ -133,19 +147,20 @@ def warn_if_bf16_emulated(option: str, device: torch.device) -> None:
 
 
 def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
-    """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention, its weights read straight onto
+    ``device`` (no host copy of a GPU model). ``dtype`` may be ``auto`` (`resolve_dtype`)."""
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
     check_model_source(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa"
+            resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa", device_map=device
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"model: cannot load {name} as a causal language model: {e}") from None
     if model.config.model_type not in SUPPORTED_FAMILIES:
         logger.warning("model type %r is outside the tested families %s", model.config.model_type, SUPPORTED_FAMILIES)
-    return model.to(device)
+    return model
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:

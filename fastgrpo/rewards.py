@@ -239,7 +239,7 @@ def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None)
                 f"reward function {name!r} returned {value} for {_row(prompts, index)}; rewards must be finite "
                 "numbers, or None for a row the function cannot score. The run stopped before this step's update."
             )
-    return torch.tensor(floats, dtype=torch.float32)
+    return torch.tensor(floats, dtype=torch.float32, device="cpu")
 
 
 def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
@@ -254,10 +254,10 @@ def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
 def _resolve_weights(weights: Sequence[float] | None, count: int) -> torch.Tensor:
     """Weights as a tensor; None means 1.0 for every reward function."""
     if weights is None:
-        return torch.ones(count)
+        return torch.ones(count, device="cpu")
     if len(weights) != count:
         raise ValueError(f"got {len(weights)} reward weights for {count} reward functions")
-    return torch.tensor([float(weight) for weight in weights], dtype=torch.float32)
+    return torch.tensor([float(weight) for weight in weights], dtype=torch.float32, device="cpu")
 
 
 def _columns(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:

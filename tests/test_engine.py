@@ -478,6 +478,18 @@ def test_rollout_attention_switches_the_target_and_the_draft_body_and_restores_t
     with pytest.raises(RuntimeError), rollout_attention(body):
         raise RuntimeError("inside")
     assert body.config._attn_implementation == "sdpa"
-    body.config._attn_implementation = "eager"
-    with rollout_attention(body):
-        assert body.config._attn_implementation == "eager"  # only SDPA models are switched
+    for own in ("eager", "flash_attention_2"):  # a TRL user's model: switched too (its layers get 4-D masks)
+        body.config._attn_implementation = own
+        with rollout_attention(body):
+            assert body.config._attn_implementation == ROLLOUT_ATTENTION
+        assert body.config._attn_implementation == own
+
+
+def test_a_model_loaded_with_eager_attention_rolls_out_as_with_sdpa() -> None:
+    """Ragged prompts make the engine pass a 4-D mask; a model set to another attention still decodes the same."""
+    sdpa, eager = make_tiny_model("qwen2"), make_tiny_model("qwen2")
+    eager.config._attn_implementation = "eager"
+    prompts, params = [[1, 2, 3], [4, 5, 6, 7, 8]], SamplingParams(max_new_tokens=8, temperature=0)
+    outs = [RolloutEngine(m, [0]).generate(prompts, params) for m in (sdpa, eager)]
+    assert outs[0].completion_ids == outs[1].completion_ids
+    assert eager.config._attn_implementation == "eager"

@@ -21,7 +21,7 @@ def lora_model(seed: int = 0) -> PeftModel:
     """A tiny float64 Llama with rank-4 adapters on every linear layer, whose B matrices are random (peft starts them
     at zero, which would make merging a no-op)."""
     model = get_peft_model(make_tiny_model("llama", seed), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    g = torch.Generator().manual_seed(seed + 1)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -71,14 +71,24 @@ def test_lora_layers_run_merged_during_a_rollout() -> None:
     assert calls["count"] >= len(adapters) * GREEDY.max_new_tokens
 
 
-def test_adapters_over_bfloat16_weights_or_disabled_stay_unmerged() -> None:
+def test_adapters_over_bfloat16_weights_are_merged_and_the_base_restored_bit_for_bit() -> None:
+    """In bfloat16 (a GPU rollout's dtype) the adapters are merged too; the rollout equals that of the merged model
+    (peft's merge_and_unload), and afterwards every base weight is exactly what it was (subtracting the adapters
+    again would leave rounding of about 0.4 % in each)."""
     low = lora_model().to(torch.bfloat16)
+    merged_copy = copy.deepcopy(low).merge_and_unload()
     before = base_weights(low)
     with merged_lora(low) as merged:
-        assert not merged
-        assert not any(layer.merged for layer in low.modules() if hasattr(layer, "merged"))
+        assert merged
+        assert all(layer.merged for layer in low.modules() if hasattr(layer, "merged_adapters"))
+    assert not any(layer.merged for layer in low.modules() if hasattr(layer, "merged_adapters"))
+    assert all(torch.equal(base_weights(low)[k], v) for k, v in before.items())
+    outs = [RolloutEngine(m, [VOCAB - 1]).generate(PROMPTS, GREEDY) for m in (low, merged_copy)]
+    assert outs[0].completion_ids == outs[1].completion_ids
     assert all(torch.equal(base_weights(low)[k], v) for k, v in before.items())
 
+
+def test_disabled_adapters_or_none_stay_unmerged() -> None:
     model = lora_model()
     with model.disable_adapter(), merged_lora(model) as merged:
         assert not merged

@@ -14,7 +14,7 @@ from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, Specula
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
 from fastgrpo.fields import option
-from fastgrpo.models import DTYPES, check_model_source
+from fastgrpo.models import DTYPE_CHOICES, check_model_source
 from fastgrpo.sampling_params import SamplingParams
 
 REPORT_TO = ("jsonl", "tensorboard")
@@ -32,7 +32,17 @@ class GRPOConfig:
 
     # model
     model: str = option("smollm2", help="a local Hugging Face directory, a hub id, or `smollm2` (the embedded default)")
-    dtype: str = option("float32", help="the policy's weights", choices=tuple(DTYPES))
+    dtype: str = option(
+        "auto",
+        help="the policy's weights, which rollouts and the update compute with; `auto`: bfloat16 on a GPU, float32 "
+        "on CPU",
+        choices=DTYPE_CHOICES,
+    )
+    master_weights: bool = option(
+        True,
+        help="with bfloat16 or float16 weights, AdamW updates float32 master copies (optimizer state) and writes "
+        "them back rounded; false: it updates the low-precision weights directly",
+    )
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
     ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
     fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")

@@ -30,11 +30,11 @@ def build_batch(
     n = len(completion_ids)
     p_len = max(map(len, prompt_ids))
     c_len = max(max(map(len, completion_ids)), 1)
-    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long)
-    attn = torch.zeros(n, p_len + c_len, dtype=torch.long)
+    ids = torch.full((n, p_len + c_len), pad_id, dtype=torch.long, device="cpu")
+    attn = torch.zeros(n, p_len + c_len, dtype=torch.long, device="cpu")
     for i, (p, c) in enumerate(zip(prompt_ids, completion_ids, strict=False)):
-        ids[i, p_len - len(p) : p_len] = torch.tensor(p)
-        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long)
+        ids[i, p_len - len(p) : p_len] = torch.tensor(p, dtype=torch.long, device="cpu")
+        ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long, device="cpu")
         attn[i, p_len - len(p) : p_len + len(c)] = 1
     return RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
 

@@ -25,12 +25,20 @@ STATE_FILE = "trainer_state.pt"
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Python's and torch's random state, and the current GPU's generator where CUDA is in use (LoRA dropout and
+    anything else sampled on the GPU draws from it)."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what `rng_state` saved (the GPU generator on the current GPU, when both sides had one)."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def _umask() -> int:
@@ -114,8 +122,10 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
 
 
 def load_state(checkpoint: Path) -> dict[str, Any]:
-    """The trainer state saved with a checkpoint (RNG state is restored by the caller via `set_rng_state`)."""
-    return torch.load(checkpoint / STATE_FILE, weights_only=False)
+    """The trainer state saved with a checkpoint (RNG state is restored by the caller via `set_rng_state`), read into
+    host memory: rank 0 saved it from its own GPU, and each rank's optimizer moves its state to its parameters'
+    device when it loads it."""
+    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
 
 
 def damage(checkpoint: Path) -> str | None:

@@ -254,7 +254,7 @@ def micro_batch_rows(
     are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo`` normalises by each
     micro-batch's token count, so its micro-batches keep TRL's consecutive order.
     """
-    rows = torch.arange(advantages.shape[0])
+    rows = torch.arange(advantages.shape[0], device=advantages.device)
     if loss_type != "bnpo":
         if beta == 0:
             rows = rows[advantages != 0]

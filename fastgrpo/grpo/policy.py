@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import resource
-import sys
 from pathlib import Path
 
 import torch
@@ -18,7 +16,7 @@ def reference_model(config: GRPOConfig, device: torch.device) -> PreTrainedModel
     is the reference)."""
     if config.use_peft:
         return None
-    ref = load_model(config.model, dtype=config.dtype).to(device).eval()
+    ref = load_model(config.model, dtype=config.dtype, device=device).eval()
     ref.requires_grad_(False)
     return ref
 
@@ -40,11 +38,3 @@ def wrap_lora(model: PreTrainedModel, config: GRPOConfig, checkpoint: Path | Non
         return get_peft_model(model, lora)
     except ValueError as e:
         raise ValueError(f"lora_target_modules {config.lora_target_modules}: {e}") from None
-
-
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of the process so far: allocated device memory on CUDA, max resident set size on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss / 2**20 if sys.platform == "darwin" else rss / 2**10

@@ -14,12 +14,16 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
 from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, grpo_loss, micro_batch_loss, micro_batch_rows
+from fastgrpo.precision import MasterWeights
 from fastgrpo.threads import ThreadGovernor
 
 
 class PolicyUpdate:
     """Updates ``model`` (its trainable parameters) by GRPO's loss; ``ref_model`` gives the KL penalty's reference
-    (None: the policy with its LoRA adapters disabled); ``world_size`` processes share each batch."""
+    (None: the policy with its LoRA adapters disabled); ``world_size`` processes share each batch.
+
+    With ``master_weights`` and bfloat16 (or float16) trainable parameters, AdamW updates float32 master copies
+    (`fastgrpo.precision.MasterWeights`, saved with the optimizer state) and writes them back into the module."""
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, config: GRPOConfig, world_size: int):
         self.model = model
@@ -31,8 +35,15 @@ class PolicyUpdate:
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
         self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.masters = MasterWeights(trainable) if config.master_weights and MasterWeights.needed(trainable) else None
+        if self.masters is not None and distributed.is_sharded(self.policy):
+            raise ValueError(
+                "master_weights: FSDP2 runs here keep no float32 master weights; with fsdp set dtype: float32 (with "
+                "bf16: true for bfloat16 products) or master_weights: false"
+            )
         self.optimizer = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
+            self.masters.masters if self.masters is not None else trainable,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
@@ -62,7 +73,8 @@ class PolicyUpdate:
         mb = self.config.per_device_train_batch_size
         n, width = batch.completion_mask.shape
         chunks = [
-            self.logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n)))).cpu() for i in range(0, n, mb)
+            self.logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n), device="cpu"))).cpu()
+            for i in range(0, n, mb)
         ]
         return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
 
@@ -95,7 +107,7 @@ class PolicyUpdate:
         total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
         groups = self.micro_batches(batch)
         n_micro = distributed.max_over_ranks(len(groups))
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         sums: dict[str, float] = {"loss": 0.0}
         grad_norms: list[float] = []
         count = 0
@@ -105,7 +117,7 @@ class PolicyUpdate:
                 if self.threads is not None:
                     self.threads.update()
                 padding = i >= len(groups)
-                rows = torch.arange(1) if padding else groups[i]
+                rows = torch.arange(1, device="cpu") if padding else groups[i]
                 part = select_rows(batch, rows)
                 mask = part.completion_mask.to(self.device)
                 with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
@@ -135,11 +147,15 @@ class PolicyUpdate:
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
+            if self.masters is not None:
+                self.masters.take_grads()
             for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
             self.optimizer.step()
+            if self.masters is not None:
+                self.masters.write_back()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {k: v / max(count, 1) for k, v in sums.items() if k != "loss"}

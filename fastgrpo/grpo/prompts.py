@@ -46,7 +46,9 @@ class StepPrompts:
         rows = []
         for k in range(first, first + self.per_rank):
             epoch, index = divmod(k, len(self.dataset))
-            order = torch.randperm(len(self.dataset), generator=torch.Generator().manual_seed(self.seed + epoch))
+            order = torch.randperm(
+                len(self.dataset), generator=torch.Generator(device="cpu").manual_seed(self.seed + epoch), device="cpu"
+            )
             rows.append(self.dataset[int(order[index])])
         return rows
 

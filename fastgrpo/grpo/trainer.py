@@ -16,16 +16,18 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import load_dataset
+from fastgrpo.device_memory import peak_memory_mb, reset_peak_memory
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.checkpoint import prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.losses import (
     group_advantages,
 )
-from fastgrpo.grpo.policy import peak_memory_mb, reference_model, wrap_lora
+from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
+from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
@@ -117,6 +119,13 @@ class GRPOTrainer:
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
         self.update.scheduler.load_state_dict(state["scheduler"])
+        if self.update.masters is not None:
+            if "master_weights" not in state:
+                raise ValueError(
+                    f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run without them); "
+                    "resume with master_weights: false or the dtype it was saved with"
+                )
+            self.update.masters.load_state_dict(state["master_weights"])
         set_rng_state(state["rng"])
         if "draft_optimizer" in state:
             self.rollouts.load_optimizer_state(state["draft_optimizer"])
@@ -148,7 +157,7 @@ class GRPOTrainer:
         rewards, reward_metrics = compute_rewards(
             self.reward_funcs, cfg.reward_weights, prompts, completions, out.completion_ids, full_rows
         )
-        all_rewards = torch.cat([torch.as_tensor(r) for r in distributed.gather(rewards.tolist())])
+        all_rewards = torch.cat([torch.as_tensor(r, device="cpu") for r in distributed.gather(rewards.tolist())])
         all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
         mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
         samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
@@ -159,6 +168,7 @@ class GRPOTrainer:
         cfg = self.config
         rows = self.prompts.rows(step)
         t0 = time.perf_counter()
+        reset_peak_memory(self.device)
         # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
         with distributed.gathered(self.update.policy):
             prompt_ids, out = self.rollout(step, rows)
@@ -166,16 +176,22 @@ class GRPOTrainer:
             advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.update_draft()
+        memory = {"memory/rollout_peak_mb": peak_memory_mb(self.device)} if self.device.type == "cuda" else {}
+        if self.device.type == "cuda":  # the KV caches go back to the allocator, for the update to use
+            self.rollouts.release()
+            reset_peak_memory(self.device)
         t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
-        truncated = torch.tensor([r == "length" for r in out.finish_reasons])
+        truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
         if cfg.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
         self.update.fixed_logps(batch)
         train_metrics = self.update.optimize(batch)
+        if self.device.type == "cuda":
+            memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
         t3 = time.perf_counter()
-        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float)
+        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float, device="cpu")
         terminated = lengths[~truncated]
         metrics = {
             "step": step + 1,
@@ -195,7 +211,8 @@ class GRPOTrainer:
             "time/train": t3 - t_policy,
             "time/step": t3 - t0,
             **out.stats.metrics(),
-            "memory/peak_mb": peak_memory_mb(self.device),
+            "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
+            **memory,
             **(self.threads.metrics() if self.threads is not None else {}),
         }
         metrics = distributed.reduce_metrics(metrics)
@@ -221,6 +238,8 @@ class GRPOTrainer:
                 state = {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
                 if self.rollouts.draft_trainer is not None:
                     state["draft_optimizer"] = self.rollouts.optimizer_state()
+                if self.update.masters is not None:
+                    state["master_weights"] = self.update.masters.state_dict()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
         distributed.barrier()
         return path
@@ -239,7 +258,7 @@ class GRPOTrainer:
         )
         log = RunLog(cfg, self.start_step) if main else None
         try:
-            with self.threads or nullcontext():
+            with self.threads or nullcontext(), tf32_matmuls(self.device):
                 for step in bar:
                     metrics = self.train_step(step)
                     history.append(metrics)

@@ -150,7 +150,7 @@ class SpeculativeRollout:
             trainer.args.seed,
         )
         if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
-            self.rollouts.load_optimizer_state(torch.load(saved / DRAFT_OPTIMIZER))
+            self.rollouts.load_optimizer_state(torch.load(saved / DRAFT_OPTIMIZER, map_location="cpu"))
         return self.rollouts
 
     @staticmethod

@@ -3,6 +3,10 @@
 transformers' ``sdpa`` repeats the key/value heads for every query head whenever an attention mask is given, a copy
 of the whole cache per layer and step; ragged rows and draft trees always need a mask. SDPA takes the grouped heads
 directly (``enable_gqa``) with the same result, so rollouts switch the model to this function while they run.
+
+The engine hands every layer a 4-D mask (ragged rows, draft trees), which only SDPA-style functions take: a model
+loaded with ``flash_attention_2``, ``eager`` or another implementation (a TRL user's model, say) is switched to this
+function for the rollout as well, and back to its own afterwards, for training.
 """
 
 from __future__ import annotations
@@ -53,14 +57,16 @@ AttentionMaskInterface.register(ROLLOUT_ATTENTION, sdpa_mask)
 @contextmanager
 def rollout_attention(*modules: nn.Module | None) -> Iterator[None]:
     """Run the transformers models inside ``modules`` (a model, or a module holding one such as a draft head; None
-    entries are skipped) with `gqa_sdpa_attention` inside the block (those that use SDPA), then restore them."""
+    entries are skipped) with `gqa_sdpa_attention` inside the block, whatever attention they were loaded with, then
+    restore each one's own."""
     found = (m for module in modules if module is not None for m in module.modules())
     configs = [m.config.get_text_config() for m in found if isinstance(m, PreTrainedModel)]
-    switched = [c for c in {id(c): c for c in configs}.values() if c._attn_implementation == "sdpa"]
-    for config in switched:
+    unique = {id(c): c for c in configs}.values()
+    switched = [(c, c._attn_implementation) for c in unique if c._attn_implementation != ROLLOUT_ATTENTION]
+    for config, _ in switched:
         config._attn_implementation = ROLLOUT_ATTENTION
     try:
         yield
     finally:
-        for config in switched:
-            config._attn_implementation = "sdpa"
+        for config, own in switched:
+            config._attn_implementation = own

@@ -78,3 +78,7 @@ class Drafter(Protocol):
         """Rows finished: row ``i`` of the drafter's caches becomes its row ``order[i]`` (called before ``rows`` is
         narrowed)."""
         ...
+
+    def release(self) -> None:
+        """Free the caches kept between calls (the next `begin` allocates them again)."""
+        ...

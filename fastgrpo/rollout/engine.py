@@ -76,7 +76,7 @@ class RolloutEngine:
         merge_lora: bool = True,
     ):
         self.model = model
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long)
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device="cpu")
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
@@ -101,6 +101,13 @@ class RolloutEngine:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def release(self) -> None:
+        """Free the KV caches kept for the next call (the target's and the drafter's), so that the memory serves
+        other work, such as a policy update, until the next call allocates them again."""
+        self.cache = None
+        if self.drafter is not None:
+            self.drafter.release()
 
     @torch.inference_mode()
     def generate(

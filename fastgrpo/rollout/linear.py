@@ -164,9 +164,13 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     contiguous, as the model needs it: timed without that copy, a strided product looks faster than it is."""
     dtype = weights[0].dtype
     names = {m: routes_for(dtype, m) for m in TIMED_ROWS}
-    gen = torch.Generator().manual_seed(0)  # its own generator: timing must not move the process's random state
+    gen = torch.Generator(device="cpu").manual_seed(
+        0
+    )  # its own generator: timing must not move the process's random state
     inputs = {
-        (m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype, generator=gen) for m in TIMED_ROWS for w in weights
+        (m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype, generator=gen, device="cpu")
+        for m in TIMED_ROWS
+        for w in weights
     }
     seconds: dict[tuple[int, str], list[float]] = {(m, n): [] for m in TIMED_ROWS for n in names[m]}
     with torch.no_grad():

@@ -7,8 +7,9 @@ place, ``W += s B A`` (the weights stay one copy), the layers run as plain linea
 again afterwards, as TRL does before handing the weights to vLLM.
 
 Subtracting restores ``W`` up to the rounding of the two additions, a fraction of the last bit of float32 or float64.
-In bfloat16 that rounding would be about 0.4 % of each weight, every step, so adapters over low-precision base
-weights stay unmerged.
+In bfloat16 or float16 that rounding would be about 0.4 % of each weight, every step, so there a copy of each adapted
+base weight is kept while the adapters are merged and written back afterwards: exact, for the memory of the adapted
+weights during the rollout.
 """
 
 from __future__ import annotations
@@ -20,34 +21,37 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-MERGEABLE_DTYPES = (torch.float32, torch.float64)
+SUBTRACTED_DTYPES = (torch.float32, torch.float64)  # unmerged by subtraction; others are restored from a copy
 
 
 @contextmanager
 def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Inside the block, the active LoRA adapters of ``model`` are merged into its base weights; yields whether they
-    were. Nothing is merged when the model has no LoRA layer, when a layer is merged already or its adapters are
-    disabled, or when a base weight is not float32 or float64."""
+    were. Nothing is merged when the model has no LoRA layer, or when a layer is merged already or its adapters are
+    disabled. Afterwards float32 and float64 base weights are unmerged by subtraction, others restored exactly."""
     if "peft" not in sys.modules:  # a model built with peft imported it
         yield False
         return
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    mergeable = bool(layers) and all(
-        not layer.merged and not layer.disable_adapters and layer.get_base_layer().weight.dtype in MERGEABLE_DTYPES
-        for layer in layers
-    )
-    if not mergeable:
+    if not layers or any(layer.merged or layer.disable_adapters for layer in layers):
         yield False
         return
     with torch.no_grad():
+        weights = [layer.get_base_layer().weight for layer in layers]
+        saved = [None if w.dtype in SUBTRACTED_DTYPES else w.detach().clone() for w in weights]
         for layer in layers:
             layer.merge()
     try:
         yield True
     finally:
         with torch.no_grad():
-            for layer in layers:
-                if layer.merged:
+            for layer, weight, base in zip(layers, weights, saved, strict=True):
+                if not layer.merged:
+                    continue
+                if base is None:
                     layer.unmerge()
+                else:
+                    weight.copy_(base)
+                    layer.merged_adapters.clear()

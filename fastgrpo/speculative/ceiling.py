@@ -66,10 +66,10 @@ def depth_in_full_tree(ranks: torch.Tensor, k: int, levels: int) -> torch.Tensor
             proposes (the same row repeated for a perfect draft).
     """
     c = ranks.shape[1]
-    depth = torch.zeros(c - 1, dtype=torch.long)
-    alive = torch.ones(c - 1, dtype=torch.bool)
+    depth = torch.zeros(c - 1, dtype=torch.long, device=ranks.device)
+    alive = torch.ones(c - 1, dtype=torch.bool, device=ranks.device)
     for s in range(min(levels, c - 1)):
-        hit = torch.zeros(c - 1, dtype=torch.bool)
+        hit = torch.zeros(c - 1, dtype=torch.bool, device=ranks.device)
         hit[: c - 1 - s] = ranks[s, 1 + s :] < k  # root r reaches depth s + 1 through token r + 1 + s
         alive &= hit
         depth += alive
@@ -80,10 +80,12 @@ def nodes_needed(ranks: CompletionRanks, max_depth: int) -> torch.Tensor:
     """``[C - 1, max_depth]`` entry ``(r, d - 1)``: the fewest nodes (root included) of a tree of the most probable
     continuations that holds root ``r``'s path to depth ``d``; `NO_RANK` past the completion's end."""
     c = ranks.target.shape[0]
-    cum = torch.cat([torch.zeros(1, dtype=torch.float64), ranks.target_logp.double().cumsum(0)])
-    need = torch.full((c - 1, max_depth), NO_RANK, dtype=torch.long)
+    cum = torch.cat(
+        [torch.zeros(1, dtype=torch.float64, device=ranks.target_logp.device), ranks.target_logp.double().cumsum(0)]
+    )
+    need = torch.full((c - 1, max_depth), NO_RANK, dtype=torch.long, device=ranks.target.device)
     for d in range(1, min(max_depth, c - 1) + 1):
-        roots = torch.arange(c - d)
+        roots = torch.arange(c - d, device=ranks.target.device)
         total = torch.full_like(roots, 1 + d)  # the root and the path's d nodes
         for i in range(1, d + 1):
             tail = (cum[roots + d + 1] - cum[roots + i]).to(ranks.target_top.dtype)  # log-prob of depths i..d

@@ -85,7 +85,7 @@ def budget_samples(samples: list[DraftSample], tree_share: float, min_share: flo
     count = max(1, math.ceil(share * len(samples)))
     if count >= len(samples):
         return samples, 1.0
-    index = torch.linspace(0, len(samples) - 1, count).round().long().tolist()
+    index = torch.linspace(0, len(samples) - 1, count, device="cpu").round().long().tolist()
     return [samples[i] for i in index], count / len(samples)
 
 
@@ -93,7 +93,9 @@ def rollout_samples(prompt_ids: list[list[int]], out: GenerationOutput, num_gene
     """One sample per completion of a rollout (a `GenerationOutput` made with ``capture_hidden``): row ``i`` is a
     completion of prompt ``i // num_generations``."""
     return [
-        DraftSample(torch.tensor(prompt_ids[i // num_generations] + c), h, len(prompt_ids[i // num_generations]))
+        DraftSample(
+            torch.tensor(prompt_ids[i // num_generations] + c, device="cpu"), h, len(prompt_ids[i // num_generations])
+        )
         for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True))
     ]
 
@@ -241,7 +243,7 @@ class DraftTrainer:
             num_training_steps=total,
         )
         self.draft.train()
-        losses, counts = [], torch.zeros(2)
+        losses, counts = [], torch.zeros(2, device="cpu")
         for epoch in range(self.config.epochs):
             for i in tqdm(range(n_updates), desc="draft", disable=not progress):
                 loss, batch_counts = self.loss([usable[j] for j in batches[min(i, len(batches) - 1)]])

@@ -116,6 +116,9 @@ class EagleDrafter:
     def keep(self, rows: ActiveRows, order: torch.Tensor) -> None:
         self.cache.select_rows(order, upto=int(rows.draft.draft_len.max()))
 
+    def release(self) -> None:
+        self.cache = None
+
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
         t0 = time.perf_counter()
@@ -184,7 +187,7 @@ def expand_tree(
     n_cand = k
     for level in range(1, levels):
         offsets = torch.arange((level - 1) * k, level * k, device=dev)
-        seen[:, torch.arange(k), offsets] = True
+        seen[:, torch.arange(k, device=dev), offsets] = True
         x = draft.features(embed(tok), frontier_feat)
         positions = (root_position + level)[:, None].expand(b, k)
         out = forward_block(

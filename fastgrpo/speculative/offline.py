@@ -37,7 +37,7 @@ def collect_samples(
         prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows[start : start + batch_size]], max_prompt_length)
         out = engine.generate(prompts, params, generator=generator, capture_hidden=True)
         for p, c, h in zip(prompts, out.completion_ids, out.hidden_states, strict=True):
-            samples.append(DraftSample(torch.tensor(p + c), h.float().cpu(), len(p)))
+            samples.append(DraftSample(torch.tensor(p + c, device="cpu"), h.float().cpu(), len(p)))
     return samples
 
 
@@ -52,7 +52,7 @@ def frequent_tokens(completions: list[list[int]], size: int, always: list[int]) 
         if len(chosen) >= size:
             break
         chosen.add(token)
-    return torch.tensor(sorted(chosen), dtype=torch.long)
+    return torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")
 
 
 def frequent_tokens_on_all_ranks(completions: list[list[int]], size: int, always: list[int]) -> torch.Tensor:

@@ -134,8 +134,8 @@ def find_knee(tokens: list[int], seconds: list[float]) -> int:
     """
     if len(tokens) != len(seconds) or len(tokens) < 2:
         raise ValueError("find_knee needs at least two (tokens, seconds) points of equal count")
-    t = torch.tensor(tokens, dtype=torch.float64)
-    y = torch.tensor(seconds, dtype=torch.float64)
+    t = torch.tensor(tokens, dtype=torch.float64, device="cpu")
+    y = torch.tensor(seconds, dtype=torch.float64, device="cpu")
     best, best_err = tokens[0], float("inf")
     for k in tokens:
         shape = torch.clamp(t / k, min=1.0)  # latency = a * shape
@@ -237,15 +237,22 @@ def _measure(
     vocab = model.config.get_text_config().vocab_size
     target_fns, draft_fns = [], []
     for t in tokens:
-        base = context_length - torch.randint(0, 2, (t,), generator=gen).to(dev)  # ragged: the masked path runs
-        ids = torch.randint(0, vocab, (t, 1), generator=gen).to(dev)
-        block = (base, torch.zeros(1, dtype=torch.long, device=dev), base[:, None], torch.ones(1, 1, dtype=torch.bool))
+        base = context_length - torch.randint(0, 2, (t,), generator=gen, device="cpu").to(
+            dev
+        )  # ragged: the masked path runs
+        ids = torch.randint(0, vocab, (t, 1), generator=gen, device="cpu").to(dev)
+        block = (
+            base,
+            torch.zeros(1, dtype=torch.long, device=dev),
+            base[:, None],
+            torch.ones(1, 1, dtype=torch.bool, device=dev),
+        )
         target_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
         draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
     tree_fns = []
     for r, n in grid:
-        base = context_length - torch.randint(0, 2, (r,), generator=gen).to(dev)
-        ids = torch.randint(0, vocab, (r, n), generator=gen).to(dev)
+        base = context_length - torch.randint(0, 2, (r,), generator=gen, device="cpu").to(dev)
+        ids = torch.randint(0, vocab, (r, n), generator=gen, device="cpu").to(dev)
         tree_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
     with rollout_attention(model, draft.decoder), rollout_linears(model, draft):
         seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)

@@ -44,8 +44,8 @@ def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, wo
     training step: drawn for the whole job's rows from a generator seeded by (seed, step), each process taking its
     own share, so that a completion depends neither on how many processes share the step nor on what ran before
     (a resumed run samples what the uninterrupted one would)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    uniforms = torch.rand((rows * world_size, width), generator=generator, dtype=torch.float64)
+    generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + step)
+    uniforms = torch.rand((rows * world_size, width), generator=generator, dtype=torch.float64, device="cpu")
     return uniforms[rank * rows : (rank + 1) * rows]
 
 
@@ -143,8 +143,16 @@ class Rollouts:
             return {}
         samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
         stats = [out.stats for _, out, _ in self.pending]
+        for _, out, _ in self.pending:
+            out.hidden_states = None  # the samples hold them until the update returns
         self.pending.clear()
         return self.draft_trainer.fit_online(samples, stats)
+
+    def release(self) -> None:
+        """Free the engine's caches and any captured hidden states the draft has not learnt from (`update_draft`
+        learns from them first): what a rollout holds, given back before the policy update."""
+        self.pending.clear()
+        self.engine.release()
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The draft optimizer's state (None without online draft learning)."""

@@ -1,0 +1,79 @@
+"""Mixed precision as GPU training does it: float32 master weights behind low-precision module weights, and TF32
+products for float32 weights on CUDA.
+
+The transformers module holds the one copy of the weights that rollouts and the update compute with. When that copy
+is bfloat16 (or float16), an AdamW step of a few 1e-6 relative size rounds away in it, so `MasterWeights` keeps a
+float32 copy of each trainable parameter as optimizer state: AdamW updates the float32 copies from the module's
+gradients, and the result is written back into the module rounded to its dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+class MasterWeights:
+    """Float32 copies of ``params`` (trainable parameters of a low-precision module) for the optimizer to update.
+
+    Use: build the optimizer on `masters`; after the backward passes call `take_grads` (the module's gradients,
+    in float32, become the masters' gradients), step the optimizer, then `write_back`.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.masters = [p.detach().to(dtype=torch.float32, copy=True) for p in params]
+
+    @staticmethod
+    def needed(params: list[torch.nn.Parameter]) -> bool:
+        """Whether any of ``params`` is low precision (bfloat16 or float16)."""
+        return any(p.dtype in LOW_PRECISION for p in params)
+
+    @torch.no_grad()
+    def take_grads(self) -> None:
+        """Move each parameter's gradient (zeros where it has none) to its master, as float32."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            m.grad = torch.zeros_like(m) if p.grad is None else p.grad.to(torch.float32)
+            p.grad = None
+
+    @torch.no_grad()
+    def write_back(self) -> None:
+        """Copy the masters into the module's parameters (rounded to their dtype)."""
+        for p, m in zip(self.params, self.masters, strict=True):
+            p.copy_(m)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The masters, on the CPU, in parameter order."""
+        return {"masters": [m.detach().cpu() for m in self.masters]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved (and write the masters back into the module)."""
+        saved = state["masters"]
+        shapes = [tuple(m.shape) for m in self.masters]
+        if [tuple(s.shape) for s in saved] != shapes:
+            raise ValueError("master weights saved for other trainable parameters than this run's")
+        for m, s in zip(self.masters, saved, strict=True):
+            m.copy_(s)
+        self.write_back()
+
+
+@contextmanager
+def tf32_matmuls(device: torch.device) -> Iterator[None]:
+    """Inside the block, float32 matrix products on CUDA may run on TF32 tensor cores (as PyTorch's GPU trainers
+    allow); torch's setting is restored afterwards. Nothing changes on other devices."""
+    if device.type != "cuda":
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        yield
+    finally:
+        matmul.fp32_precision = before

@@ -1,0 +1,141 @@
+"""Precision as GPU training has it: `dtype: auto`, float32 master weights behind bfloat16 module weights (saved and
+resumed), TF32 products on CUDA only inside training, checkpoints read into host memory with the GPU's generator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import save_tiny_llama
+from test_trainer import make_config, make_trainer
+
+from fastgrpo.grpo.checkpoint import STATE_FILE, load_state, rng_state, set_rng_state
+from fastgrpo.models import resolve_dtype
+from fastgrpo.precision import MasterWeights, tf32_matmuls
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
+
+
+def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_dtype("auto", torch.device("cpu")) == "float32"
+    assert resolve_dtype("float64", torch.device("cpu")) == "float64"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_dtype("auto", torch.device("cuda", 0)) == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("half", torch.device("cpu"))
+
+
+def adam_steps(weight: torch.nn.Parameter, masters: MasterWeights | None, steps: int) -> None:
+    """``steps`` AdamW steps of lr 1e-4 that each push ``weight`` down (a constant positive gradient)."""
+    optimizer = torch.optim.AdamW(masters.masters if masters else [weight], lr=1e-4, weight_decay=0.0)
+    for _ in range(steps):
+        weight.grad = torch.ones_like(weight)
+        if masters is not None:
+            masters.take_grads()
+        optimizer.step()
+        if masters is not None:
+            masters.write_back()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def test_small_updates_round_away_in_bfloat16_and_accumulate_in_master_weights() -> None:
+    """Adam moves a weight of 1 by 1e-4 a step, under half of bfloat16's spacing there (2**-7): alone, the bfloat16
+    weight never moves; with float32 masters, 100 steps move it by 0.01, and the module holds the master rounded."""
+    plain = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device="cpu"))
+    adam_steps(plain, None, 100)
+    assert torch.equal(plain.detach(), torch.ones(4, dtype=torch.bfloat16, device="cpu"))
+
+    weight = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device="cpu"))
+    masters = MasterWeights([weight])
+    assert MasterWeights.needed([weight]) and not MasterWeights.needed([torch.nn.Parameter(torch.ones(1))])
+    adam_steps(weight, masters, 100)
+    assert masters.masters[0].dtype == torch.float32
+    torch.testing.assert_close(masters.masters[0], torch.full((4,), 0.99, device="cpu"), rtol=0, atol=1e-4)
+    assert torch.equal(weight.detach(), masters.masters[0].to(torch.bfloat16))
+    assert weight.grad is None and masters.masters[0].grad is None
+
+    restored = MasterWeights([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device="cpu"))])
+    restored.load_state_dict(masters.state_dict())
+    assert torch.equal(restored.masters[0], masters.masters[0])
+    assert torch.equal(restored.params[0].detach(), weight.detach())
+    with pytest.raises(ValueError, match="other trainable parameters"):
+        MasterWeights([torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16, device="cpu"))]).load_state_dict(
+            masters.state_dict()
+        )
+
+
+def test_a_bfloat16_run_keeps_float32_masters_saves_them_and_resumes_exactly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    def config(out: str, **kw):
+        return make_config(tiny_model_dir, tmp_path / out, dtype="bfloat16", max_steps=4, save_steps=2, **kw)
+
+    full_trainer = make_trainer(config("full"))
+    masters = full_trainer.update.masters
+    assert masters is not None and all(m.dtype == torch.float32 for m in masters.masters)
+    assert {p.dtype for p in full_trainer.model.parameters()} == {torch.bfloat16}  # one copy of the weights
+    assert full_trainer.update.optimizer.param_groups[0]["params"][0] is masters.masters[0]
+    full = full_trainer.train()
+    for p, m in zip(masters.params, masters.masters, strict=True):
+        assert torch.equal(p.detach(), m.to(torch.bfloat16))
+    assert "master_weights" in load_state(tmp_path / "full" / "checkpoint-2")
+
+    cut = make_trainer(config("cut"))
+    cut.config.max_steps = 2
+    cut.train()
+    cut.config.max_steps = 4
+    resumed = make_trainer(config("cut"), resume=True)
+    rest = resumed.train()
+    for again, uninterrupted in zip(rest, full[2:], strict=True):
+        assert again["loss"] == uninterrupted["loss"]
+    for a, b in zip(resumed.update.masters.masters, masters.masters, strict=True):
+        assert torch.equal(a, b)
+
+    no_masters = make_trainer(config("plain", master_weights=False))
+    assert no_masters.update.masters is None
+    assert no_masters.update.optimizer.param_groups[0]["params"][0].dtype == torch.bfloat16
+
+
+def test_tf32_is_allowed_on_cuda_inside_the_block_only() -> None:
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    with tf32_matmuls(torch.device("cpu")):
+        assert matmul.fp32_precision == before
+    with tf32_matmuls(torch.device("cuda", 0)):
+        assert matmul.fp32_precision == "tf32"
+    assert matmul.fp32_precision == before
+
+
+def test_checkpoint_state_loads_into_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 saves from its GPU; every rank must not load that state onto cuda:0."""
+    torch.save({"step": 1}, tmp_path / STATE_FILE)
+    seen = {}
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    assert load_state(tmp_path) == {"step": 1}
+    assert seen["map_location"] == "cpu"
+
+
+def test_the_gpu_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where CUDA is in use its generator (LoRA dropout on the GPU draws from it) travels with the RNG state."""
+    gpu_state = torch.arange(16, dtype=torch.uint8, device="cpu")
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda *a: gpu_state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, *a: restored.append(state))
+    state = rng_state()
+    assert torch.equal(state["cuda"], gpu_state)
+    set_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0], gpu_state)
