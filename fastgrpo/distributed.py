@@ -206,6 +206,8 @@ _COMBINE = {
     "completions/min_length": min,
     "completions/max_length": max,
     "memory/peak_mb": max,
+    "memory/rollout_peak_mb": max,
+    "memory/update_peak_mb": max,
     "rollout/tokens_per_second": sum,
     "train/rows_trained": sum,
 }

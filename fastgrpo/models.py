@@ -121,14 +121,15 @@ def resolve_dtype(dtype: str, device: torch.device | str) -> str:
     if dtype != "auto":
         return dtype
     device = torch.device(device)
-    return "bfloat16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+    return "bfloat16" if native else "float32"
 
 
 def native_bf16(device: torch.device) -> bool:
     """Whether ``device`` multiplies bfloat16 matrices in hardware: a GPU that supports bfloat16, or a CPU with
     avx512_bf16 or AMX. Elsewhere bfloat16 autocast is emulated, several times slower than float32."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return True

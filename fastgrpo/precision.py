@@ -70,10 +70,9 @@ def tf32_matmuls(device: torch.device) -> Iterator[None]:
     if device.type != "cuda":
         yield
         return
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "tf32"
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # TF32 for float32 products on CUDA
     try:
         yield
     finally:
-        matmul.fp32_precision = before
+        torch.set_float32_matmul_precision(before)

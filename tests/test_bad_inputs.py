@@ -194,6 +194,39 @@ def test_models_that_cannot_load(capsys, tmp_path: Path) -> None:
     )
 
 
+def test_commands_load_the_model_on_their_device_and_refuse_a_missing_gpu(
+    capsys, monkeypatch, model_dir: Path, tmp_path: Path
+) -> None:
+    """generate, eval and draft train take a device (``--device``; for the last two the config's ``device``
+    option), load the model there, and say so before loading anything when no GPU is there to take it."""
+    import fastgrpo.models
+
+    loaded = []
+    real = fastgrpo.models.load_model
+
+    def spy(name, dtype="float32", device="cpu"):
+        loaded.append((dtype, str(device)))
+        return real(name, dtype, device)
+
+    monkeypatch.setattr(fastgrpo.models, "load_model", spy)
+    config = write_config(tmp_path / "c.yaml", model_dir, dataset={"num_examples": 2}, max_completion_length=2)
+    out = tmp_path / "draft"
+    for args in (
+        ["generate", "--model", str(model_dir), "--prompt", "hi", "--max-new-tokens", "2", "--device", "cpu"],
+        ["eval", "--config", str(config), "--device", "cpu"],
+        ["draft", "train", "--config", str(config), "--output", str(out), "--device", "cpu"],
+    ):
+        main(args)
+    assert loaded == [("auto", "cpu")] * 3
+    assert "device: cuda was asked for but torch sees no GPU" in refused(
+        capsys, "generate", "--prompt", "hi", "--device", "cuda"
+    )
+    assert "device: cuda was asked for but torch sees no GPU" in refused(
+        capsys, "eval", "--config", str(config), "--device", "cuda"
+    )
+    assert len(loaded) == 3
+
+
 def test_generate_without_generations(capsys) -> None:
     assert "--num-generations and --max-new-tokens must be >= 1" in refused(
         capsys, "generate", "--prompt", "hi", "--num-generations", "0"

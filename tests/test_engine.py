@@ -336,6 +336,23 @@ def test_cache_reuse_across_calls(llama_model: PreTrainedModel) -> None:
     assert out.completion_ids == [r[: MAX_NEW - 4] for r in ref[::-1]]
 
 
+def test_released_caches_are_freed_and_made_again(llama_model: PreTrainedModel) -> None:
+    """`release` (before a policy update) drops the target's and the drafter's caches; the next call allocates them
+    again and decodes as before."""
+    from fastgrpo.rollout.tree import TreeShape
+    from fastgrpo.speculative.eagle import EagleDrafter
+
+    eos, ref = greedy_reference("llama")
+    drafter = EagleDrafter(DraftHead(llama_model.config).double(), llama_model)
+    engine = RolloutEngine(llama_model, [eos], drafter=drafter, tree=TreeShape(4, 2, 3))
+    first = engine.generate(PROMPTS, GREEDY)
+    assert engine.cache is not None and drafter.cache is not None
+    engine.release()
+    assert engine.cache is None and drafter.cache is None
+    again = engine.generate(PROMPTS, GREEDY)
+    assert first.completion_ids == again.completion_ids == ref
+
+
 # ---------------------------------------------------------------------------- sampling
 
 

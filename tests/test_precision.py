@@ -23,9 +23,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     assert resolve_dtype("auto", torch.device("cpu")) == "float32"
     assert resolve_dtype("float64", torch.device("cpu")) == "float64"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # a GPU without bfloat16 units (V100, T4) only emulates it: float32 there
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "float32"
     with pytest.raises(ValueError, match="dtype must be one of"):
         resolve_dtype("half", torch.device("cpu"))
@@ -103,13 +104,14 @@ def test_a_bfloat16_run_keeps_float32_masters_saves_them_and_resumes_exactly(
 
 
 def test_tf32_is_allowed_on_cuda_inside_the_block_only() -> None:
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
+    before = torch.get_float32_matmul_precision()
+    assert before == "highest"  # torch's default: no TF32
     with tf32_matmuls(torch.device("cpu")):
-        assert matmul.fp32_precision == before
+        assert torch.get_float32_matmul_precision() == before
     with tf32_matmuls(torch.device("cuda", 0)):
-        assert matmul.fp32_precision == "tf32"
-    assert matmul.fp32_precision == before
+        assert torch.get_float32_matmul_precision() == "high"
+        assert torch.backends.cuda.matmul.allow_tf32
+    assert torch.get_float32_matmul_precision() == before
 
 
 def test_checkpoint_state_loads_into_host_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,3 +141,29 @@ def test_the_gpu_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch
     assert torch.equal(state["cuda"], gpu_state)
     set_rng_state(state)
     assert len(restored) == 1 and torch.equal(restored[0], gpu_state)
+
+
+def test_a_bfloat16_draft_is_trained_through_float32_masters_that_its_state_carries() -> None:
+    from conftest import make_tiny_model
+
+    from fastgrpo.config import DraftTrainConfig
+    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.draft_trainer import DraftTrainer
+
+    model = make_tiny_model("llama").to(torch.bfloat16)
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+
+    def trainer() -> DraftTrainer:
+        return DraftTrainer(DraftHead(model.config).to(torch.bfloat16), embed, head, DraftTrainConfig())
+
+    first = trainer()
+    assert first.masters is not None
+    assert all(p.dtype == torch.float32 for p in first.optimizer.param_groups[0]["params"])
+    with torch.no_grad():
+        first.masters.masters[0].add_(1e-3)  # a change too small for the bfloat16 weight to show exactly
+    state = first.state_dict()
+    second = trainer()
+    second.load_state_dict(state)
+    assert torch.equal(second.masters.masters[0], first.masters.masters[0])
+    float_draft = DraftTrainer(DraftHead(make_tiny_model("llama").config).float(), embed, head, DraftTrainConfig())
+    assert float_draft.masters is None and "master_weights" not in float_draft.state_dict()

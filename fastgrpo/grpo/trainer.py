@@ -189,6 +189,7 @@ class GRPOTrainer:
         self.update.fixed_logps(batch)
         train_metrics = self.update.optimize(batch)
         if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the optimizer step's kernels count in time/train
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
         t3 = time.perf_counter()
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float, device="cpu")

@@ -125,6 +125,8 @@ class SpeculativeRollout:
             accelerator.num_processes,
         )
         self._log(trainer, out)
+        if rollouts.engine.device.type == "cuda":  # TRL's update gets the memory of the KV caches
+            rollouts.engine.release()
         return {
             "prompt_ids": [p for p in prompt_ids for _ in range(n)],
             "completion_ids": out.completion_ids,

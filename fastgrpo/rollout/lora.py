@@ -24,18 +24,26 @@ from torch import nn
 SUBTRACTED_DTYPES = (torch.float32, torch.float64)  # unmerged by subtraction; others are restored from a copy
 
 
+def _plain(layer: nn.Module) -> bool:
+    """Whether a LoRA layer's base weight is an ordinary floating-point parameter (a quantized one, as bitsandbytes
+    makes, is replaced by a new object when merged, so it is never merged here)."""
+    weight = layer.get_base_layer().weight
+    return type(weight) is nn.Parameter and weight.dtype.is_floating_point
+
+
 @contextmanager
 def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Inside the block, the active LoRA adapters of ``model`` are merged into its base weights; yields whether they
-    were. Nothing is merged when the model has no LoRA layer, or when a layer is merged already or its adapters are
-    disabled. Afterwards float32 and float64 base weights are unmerged by subtraction, others restored exactly."""
+    were. Nothing is merged when the model has no LoRA layer, or when a layer is merged already, its adapters are
+    disabled or its base weight is quantized. Afterwards float32 and float64 base weights are unmerged by
+    subtraction, others restored exactly."""
     if "peft" not in sys.modules:  # a model built with peft imported it
         yield False
         return
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
-    if not layers or any(layer.merged or layer.disable_adapters for layer in layers):
+    if not layers or any(layer.merged or layer.disable_adapters or not _plain(layer) for layer in layers):
         yield False
         return
     with torch.no_grad():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,7 @@ from transformers import DynamicCache, get_scheduler
 from fastgrpo import distributed
 from fastgrpo.config import DraftTrainConfig
 from fastgrpo.models import warn_if_bf16_emulated
+from fastgrpo.precision import MasterWeights
 from fastgrpo.speculative.draft import DraftHead
 
 if TYPE_CHECKING:
@@ -124,7 +125,26 @@ class DraftTrainer:
         if config.bf16:
             warn_if_bf16_emulated("draft_training.bf16", next(draft.parameters()).device)
         self.forward = distributed.wrap_ddp(draft)
-        self.optimizer = torch.optim.AdamW(draft.parameters(), lr=config.learning_rate)
+        params = list(draft.parameters())
+        # A bfloat16 draft (a GPU rollout's dtype) is updated through float32 master weights, as the policy is.
+        self.masters = MasterWeights(params) if MasterWeights.needed(params) else None
+        self.optimizer = torch.optim.AdamW(
+            self.masters.masters if self.masters is not None else params, lr=config.learning_rate
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's state (and, for a low-precision draft, the float32 master weights) to save with a checkpoint."""
+        state = self.optimizer.state_dict()
+        return state if self.masters is None else {"optimizer": state, "master_weights": self.masters.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what `state_dict` saved; a state saved without master weights leaves them as the draft's
+        weights."""
+        if "master_weights" in state:
+            if self.masters is not None:
+                self.masters.load_state_dict(state["master_weights"])
+            state = state["optimizer"]
+        self.optimizer.load_state_dict(state)
 
     def _batch(self, samples: list[DraftSample]) -> tuple[torch.Tensor, ...]:
         """Right-padded ``[B, T]`` next tokens, ``[B, T, H]`` hidden states, ``[B, T]`` attention and loss masks."""
@@ -253,8 +273,13 @@ class DraftTrainer:
                     loss = loss * 0.0
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                torch.nn.utils.clip_grad_norm_(self.draft.parameters(), self.config.max_grad_norm)
+                if self.masters is not None:
+                    self.masters.take_grads()
+                optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
+                torch.nn.utils.clip_grad_norm_(optimized, self.config.max_grad_norm)
                 self.optimizer.step()
+                if self.masters is not None:
+                    self.masters.write_back()
                 scheduler.step()
                 if i < len(batches):
                     losses.append(float(loss.detach()))

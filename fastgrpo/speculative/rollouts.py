@@ -95,8 +95,8 @@ class Rollouts:
 
     def _fresh_draft(self, vocab: torch.Tensor | None = None) -> DraftHead:
         """An untrained draft over the ``[V_d]`` target ids ``vocab`` (None: the full vocabulary)."""
-        with torch.random.fork_rng(devices=[]):  # leaves the run's random state alone
-            torch.manual_seed(self.seed)
+        with torch.random.fork_rng(devices=[]):  # leaves the run's random state alone (the head is built on the CPU)
+            torch.default_generator.manual_seed(self.seed)
             return DraftHead(self.model.config, self.model_name, vocab)
 
     def attach(self, draft: DraftHead) -> None:
@@ -156,8 +156,8 @@ class Rollouts:
 
     def optimizer_state(self) -> dict[str, Any] | None:
         """The draft optimizer's state (None without online draft learning)."""
-        return None if self.draft_trainer is None else self.draft_trainer.optimizer.state_dict()
+        return None if self.draft_trainer is None else self.draft_trainer.state_dict()
 
     def load_optimizer_state(self, state: dict[str, Any]) -> None:
         if self.draft_trainer is not None:
-            self.draft_trainer.optimizer.load_state_dict(state)
+            self.draft_trainer.load_state_dict(state)
