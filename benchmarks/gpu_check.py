@@ -51,8 +51,8 @@ then::
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl && \\
         PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py --tokenizer .gpu/tokenizer
 
-It is sized to finish in under 10 minutes on one H100 (not yet timed there: no GPU was at hand when it was written;
-``--device cpu --quick`` takes about 25 s on 2 CPU cores). Figures go to ``runs/bench/gpu_check.json`` (or
+It is sized to finish in under 10 minutes on one H100 (not yet timed on a GPU); ``--device cpu --quick`` runs tiny
+shapes only, in seconds. Figures go to ``runs/bench/gpu_check.json`` (or
 ``--output``); ``--sections grpo,decode`` runs a subset.
 """
 

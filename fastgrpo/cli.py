@@ -66,6 +66,12 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     train = command("train", "GRPO training of a model on a dataset")
     train.add_argument("--config", help="YAML config file (every option below can be set there)")
     train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options, read the model's config (no weights), print the estimated device memory per "
+        "process and, on a GPU, whether it fits; then exit without training",
+    )
     train.set_defaults(func=commands.train)
 
     gen = command("generate", "sample completions for prompts")

@@ -17,6 +17,11 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.config import load_config
 
     config = load_config(args.config, overrides)
+    if getattr(args, "dry_run", False):
+        from fastgrpo.memory_plan import dry_run
+
+        print(dry_run(config))
+        return
     from fastgrpo import distributed
     from fastgrpo.grpo.checkpoint import latest_checkpoint
     from fastgrpo.grpo.trainer import GRPOTrainer

@@ -416,3 +416,47 @@ def test_online_draft_learning_trains_on_less_while_the_rollouts_run_no_tree(
     (metrics,) = make_trainer(config).train()[:1]
     assert metrics["draft/tree_share"] == (0.0 if nodes == 1 else 1.0)
     assert metrics["draft/trained_share"] == trained and metrics["draft/time"] > 0
+
+
+def test_a_gpu_run_that_would_not_fit_is_refused_before_any_weight_is_read(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a (pretended) GPU with 3 GiB free the trainer refuses at once, naming options that fit; with
+    ``check_memory: false`` it goes on to load the model."""
+    from fastgrpo import distributed
+    from fastgrpo.grpo import trainer as trainer_module
+
+    gpu = distributed.DistInfo(0, 1, torch.device("cuda", 0))
+    monkeypatch.setattr(distributed, "init", lambda *a, **k: gpu)
+    monkeypatch.setattr("fastgrpo.memory_plan.available_bytes", lambda device: 3 * 2**30)
+
+    class Loaded(Exception):
+        pass
+
+    def load_model(*args, **kwargs):
+        raise Loaded
+
+    monkeypatch.setattr(trainer_module, "load_model", load_model)
+    big = dict(max_completion_length=8192)
+    with pytest.raises(ValueError, match="more than the 3.0 GiB available on cuda") as refused:
+        make_trainer(make_config(tiny_model_dir, tmp_path / "a", **big))
+    assert "each of these changes alone fits: max_completion_length: " in str(refused.value)
+    with pytest.raises(Loaded):
+        make_trainer(make_config(tiny_model_dir, tmp_path / "b", check_memory=False, **big))
+
+
+def test_gradient_checkpointing_trains_as_without_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Recomputing the layers' activations in the backward pass gives the same update; rollouts (eval mode) run the
+    layers as usual."""
+    runs = {}
+    for checkpointing in (False, True):
+        config = make_config(tiny_model_dir, tmp_path / str(checkpointing), gradient_checkpointing=checkpointing)
+        trainer = make_trainer(config)
+        assert trainer.model.is_activation_checkpointing == checkpointing
+        runs[checkpointing] = (trainer.train(), dict(trainer.model.named_parameters()))
+    (plain, plain_weights), (recomputed, recomputed_weights) = runs[False], runs[True]
+    for a, b in zip(plain, recomputed, strict=True):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    for name, weight in plain_weights.items():
+        torch.testing.assert_close(recomputed_weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)

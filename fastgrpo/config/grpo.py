@@ -51,6 +51,11 @@ class GRPOConfig:
         help="torch's CPU threads during training; 0: start from torch's count and run one fewer while another "
         "process competes for the cores, N: exactly N",
     )
+    check_memory: bool = option(
+        True,
+        help="on a GPU, refuse to start when the estimated peak memory exceeds the free memory, naming the options "
+        "that would fit (`fastgrpo train --dry-run` prints the estimate); false: start anyway",
+    )
     # data and rewards
     dataset: DataConfig = option(default_factory=DataConfig, help="where the prompts come from (`dataset.*`)")
     reward_funcs: list[str] = option(
@@ -88,6 +93,11 @@ class GRPOConfig:
     max_grad_norm: float = option(1.0, help="gradient clipping")
     bf16: bool = option(
         False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
+    )
+    gradient_checkpointing: bool = option(
+        False,
+        help="recompute each decoder layer's activations in the backward pass instead of keeping them: a fraction "
+        "of the update's activation memory for about a third more of its compute",
     )
     logprob_chunk_tokens: int = option(1024, help="completion tokens per chunk of the LM head in the policy update")
     # GRPO

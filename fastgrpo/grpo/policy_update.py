@@ -34,6 +34,8 @@ class PolicyUpdate:
         self.threads: ThreadGovernor | None = None  # consulted before every micro-batch when set
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
+        if config.gradient_checkpointing:  # active in training mode only: rollouts run the model in eval mode
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.masters = MasterWeights(trainable) if config.master_weights and MasterWeights.needed(trainable) else None

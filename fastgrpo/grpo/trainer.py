@@ -26,6 +26,7 @@ from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_log import RunLog
+from fastgrpo.memory_plan import plan_for_trainer, read_model_config
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
 from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
@@ -76,6 +77,10 @@ class GRPOTrainer:
         source = str(checkpoint) if checkpoint else config.model
         with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
             resolve_model_path(config.model)
+        if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
+            plan_for_trainer(
+                config, model.config if model is not None else read_model_config(config.model), self.dist.device
+            )
         self.tokenizer = tokenizer or load_tokenizer(source)
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
