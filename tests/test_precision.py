@@ -167,3 +167,12 @@ def test_a_bfloat16_draft_is_trained_through_float32_masters_that_its_state_carr
     assert torch.equal(second.masters.masters[0], first.masters.masters[0])
     float_draft = DraftTrainer(DraftHead(make_tiny_model("llama").config).float(), embed, head, DraftTrainConfig())
     assert float_draft.masters is None and "master_weights" not in float_draft.state_dict()
+
+
+def test_fsdp_with_bfloat16_master_weights_is_refused_before_a_model_loads() -> None:
+    from fastgrpo.config import GRPOConfig
+
+    with pytest.raises(ValueError, match="master_weights: FSDP2 runs keep no float32 master weights"):
+        GRPOConfig(fsdp=True, dtype="bfloat16").validate()
+    GRPOConfig(fsdp=True, dtype="bfloat16", master_weights=False).validate()
+    GRPOConfig(fsdp=True, device="cpu").validate()  # auto is float32 on CPU

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
@@ -148,6 +150,13 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.generation_batch_size // self.num_generations
 
+    @property
+    def low_precision(self) -> bool:
+        """Whether the policy's weights will be bfloat16 or float16: named so, or ``auto`` where a GPU will run."""
+        if self.dtype == "auto":
+            return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        return self.dtype in ("bfloat16", "float16")
+
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_completion_length,
@@ -197,6 +206,11 @@ class GRPOConfig:
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
+        if self.fsdp and self.master_weights and self.low_precision:
+            raise ValueError(
+                "master_weights: FSDP2 runs keep no float32 master weights; with fsdp set dtype: float32 (with bf16: "
+                "true for bfloat16 products) or master_weights: false"
+            )
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
         if not self.reward_funcs:

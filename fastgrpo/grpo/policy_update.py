@@ -39,11 +39,8 @@ class PolicyUpdate:
         self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.masters = MasterWeights(trainable) if config.master_weights and MasterWeights.needed(trainable) else None
-        if self.masters is not None and distributed.is_sharded(self.policy):
-            raise ValueError(
-                "master_weights: FSDP2 runs here keep no float32 master weights; with fsdp set dtype: float32 (with "
-                "bf16: true for bfloat16 products) or master_weights: false"
-            )
+        if self.masters is not None and distributed.is_sharded(self.policy):  # GRPOConfig.validate refuses it first
+            raise ValueError("master_weights: FSDP2 runs keep no float32 master weights")
         self.optimizer = torch.optim.AdamW(
             self.masters.masters if self.masters is not None else trainable,
             lr=config.learning_rate,
