@@ -182,7 +182,8 @@ class GRPOTrainer:
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.update_draft()
         memory = {"memory/rollout_peak_mb": peak_memory_mb(self.device)} if self.device.type == "cuda" else {}
-        if self.device.type == "cuda":  # the KV caches go back to the allocator, for the update to use
+        if self.device.type == "cuda":  # the KV caches and captured states go back to the allocator, for the update
+            out.hidden_states = None
             self.rollouts.release()
             reset_peak_memory(self.device)
         t_policy = time.perf_counter()

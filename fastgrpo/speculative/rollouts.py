@@ -143,8 +143,6 @@ class Rollouts:
             return {}
         samples = [s for prompt_ids, out, n in self.pending for s in rollout_samples(prompt_ids, out, n)]
         stats = [out.stats for _, out, _ in self.pending]
-        for _, out, _ in self.pending:
-            out.hidden_states = None  # the samples hold them until the update returns
         self.pending.clear()
         return self.draft_trainer.fit_online(samples, stats)
 
