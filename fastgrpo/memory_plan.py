@@ -637,7 +637,8 @@ def _captures(config: GRPOConfig) -> bool:
 
 def _draft_items(items: _Items, config: GRPOConfig, shape: ModelShape, w: int, world_size: int, cuda: bool) -> None:
     """The draft head (in the policy's dtype), its AdamW moments and gradients (which stay allocated between its
-    updates), and its training temporaries."""
+    updates; a bfloat16 or float16 draft also keeps float32 master weights, and its moments and the gradients the
+    optimizer reads are float32), and its training temporaries."""
     if config.speculation.mode == "off":
         return
     total, trainable = shape.draft_parameters()
@@ -645,7 +646,11 @@ def _draft_items(items: _Items, config: GRPOConfig, shape: ModelShape, w: int, w
     if not config.draft_training.online:
         return
     ddp = 2 if world_size > 1 else 1
-    items.resident("draft gradients and AdamW moments", trainable * w * (2 + ddp))
+    if w < 4:  # `DraftTrainer` keeps float32 masters: their gradients and moments are float32
+        items.resident("draft float32 master weights", total * 4)
+        items.resident("draft gradients and AdamW moments", trainable * (w * ddp + 4 + 8))
+    else:
+        items.resident("draft gradients and AdamW moments", trainable * w * (2 + ddp))
     dt = config.draft_training
     p_len, c_len, rows = config.max_prompt_length, config.max_completion_length, config.generation_batch_size
     # A batch packs rows up to token_budget tokens (a longer row alone); its completion positions are trained, each
@@ -657,7 +662,8 @@ def _draft_items(items: _Items, config: GRPOConfig, shape: ModelShape, w: int, w
     run = TrainingForward(residual=w, compute=2 if dt.bf16 and w == 4 else w, full=True, cuda=cuda)
     h = shape.hidden_size
     per_token = layer_activation_bytes(shape, run, min(tokens, p_len + c_len)) + 4 * h * w + (4 + w) * h
-    step_buffer = (trainable if cuda else max(2 * h * h, h * shape.intermediate_size)) * w  # AdamW's, as the policy's
+    # AdamW's, as the policy's (over float32 masters for a low-precision draft)
+    step_buffer = (trainable if cuda else max(2 * h * h, h * shape.intermediate_size)) * max(w, 4)
     items.add("draft training temporaries", 0, tokens * dt.unroll * per_token + logits + step_buffer)
 
 

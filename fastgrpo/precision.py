@@ -21,13 +21,13 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 class MasterWeights:
     """Float32 copies of ``params`` (trainable parameters of a low-precision module) for the optimizer to update.
 
-    Use: build the optimizer on `masters`; after the backward passes call `take_grads` (the module's gradients,
+    Use: build the optimizer on `copies`; after the backward passes call `take_grads` (the module's gradients,
     in float32, become the masters' gradients), step the optimizer, then `write_back`.
     """
 
     def __init__(self, params: list[torch.nn.Parameter]):
         self.params = params
-        self.masters = [p.detach().to(dtype=torch.float32, copy=True) for p in params]
+        self.copies = [p.detach().to(dtype=torch.float32, copy=True) for p in params]
 
     @staticmethod
     def needed(params: list[torch.nn.Parameter]) -> bool:
@@ -35,30 +35,34 @@ class MasterWeights:
         return any(p.dtype in LOW_PRECISION for p in params)
 
     @torch.no_grad()
-    def take_grads(self) -> None:
-        """Move each parameter's gradient (zeros where it has none) to its master, as float32."""
-        for p, m in zip(self.params, self.masters, strict=True):
-            m.grad = torch.zeros_like(m) if p.grad is None else p.grad.to(torch.float32)
+    def take_grads(self, zero_missing: bool = True) -> None:
+        """Move each parameter's gradient to its master, as float32; where a parameter has none, the master gets
+        zeros (``zero_missing``: Adam's moments still move) or none (the optimizer skips it)."""
+        for p, m in zip(self.params, self.copies, strict=True):
+            if p.grad is None:
+                m.grad = torch.zeros_like(m) if zero_missing else None
+            else:
+                m.grad = p.grad.to(torch.float32)
             p.grad = None
 
     @torch.no_grad()
     def write_back(self) -> None:
         """Copy the masters into the module's parameters (rounded to their dtype)."""
-        for p, m in zip(self.params, self.masters, strict=True):
+        for p, m in zip(self.params, self.copies, strict=True):
             p.copy_(m)
 
     def state_dict(self) -> dict[str, Any]:
         """The masters, on the CPU, in parameter order."""
-        return {"masters": [m.detach().cpu() for m in self.masters]}
+        return {"masters": [m.detach().cpu() for m in self.copies]}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` saved (and write the masters back into the module)."""
         saved = state["masters"]
-        shapes = [tuple(m.shape) for m in self.masters]
+        shapes = [tuple(m.shape) for m in self.copies]
         if [tuple(s.shape) for s in saved] != shapes:
             raise ValueError("master weights saved for other trainable parameters than this run's")
-        for m, s in zip(self.masters, saved, strict=True):
+        for m, s in zip(self.copies, saved, strict=True):
             m.copy_(s)
         self.write_back()
 

@@ -18,7 +18,7 @@ SECTIONS = ("environment", "grpo", "greedy", "sampling", "sdpa", "decode")
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
-    """One quick CPU run of the whole check (about half a minute on 2 cores) and its JSON record."""
+    """One quick CPU run of the whole check (tiny shapes) and its JSON record."""
     output = tmp_path_factory.mktemp("gpu-check") / "gpu_check.json"
     cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--output", str(output)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -34,7 +34,7 @@ def test_auto_dtype_is_bfloat16_on_a_gpu_and_float32_on_cpu(monkeypatch: pytest.
 
 def adam_steps(weight: torch.nn.Parameter, masters: MasterWeights | None, steps: int) -> None:
     """``steps`` AdamW steps of lr 1e-4 that each push ``weight`` down (a constant positive gradient)."""
-    optimizer = torch.optim.AdamW(masters.masters if masters else [weight], lr=1e-4, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(masters.copies if masters else [weight], lr=1e-4, weight_decay=0.0)
     for _ in range(steps):
         weight.grad = torch.ones_like(weight)
         if masters is not None:
@@ -56,14 +56,14 @@ def test_small_updates_round_away_in_bfloat16_and_accumulate_in_master_weights()
     masters = MasterWeights([weight])
     assert MasterWeights.needed([weight]) and not MasterWeights.needed([torch.nn.Parameter(torch.ones(1))])
     adam_steps(weight, masters, 100)
-    assert masters.masters[0].dtype == torch.float32
-    torch.testing.assert_close(masters.masters[0], torch.full((4,), 0.99, device="cpu"), rtol=0, atol=1e-4)
-    assert torch.equal(weight.detach(), masters.masters[0].to(torch.bfloat16))
-    assert weight.grad is None and masters.masters[0].grad is None
+    assert masters.copies[0].dtype == torch.float32
+    torch.testing.assert_close(masters.copies[0], torch.full((4,), 0.99, device="cpu"), rtol=0, atol=1e-4)
+    assert torch.equal(weight.detach(), masters.copies[0].to(torch.bfloat16))
+    assert weight.grad is None and masters.copies[0].grad is None
 
     restored = MasterWeights([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16, device="cpu"))])
     restored.load_state_dict(masters.state_dict())
-    assert torch.equal(restored.masters[0], masters.masters[0])
+    assert torch.equal(restored.copies[0], masters.copies[0])
     assert torch.equal(restored.params[0].detach(), weight.detach())
     with pytest.raises(ValueError, match="other trainable parameters"):
         MasterWeights([torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16, device="cpu"))]).load_state_dict(
@@ -79,11 +79,11 @@ def test_a_bfloat16_run_keeps_float32_masters_saves_them_and_resumes_exactly(
 
     full_trainer = make_trainer(config("full"))
     masters = full_trainer.update.masters
-    assert masters is not None and all(m.dtype == torch.float32 for m in masters.masters)
+    assert masters is not None and all(m.dtype == torch.float32 for m in masters.copies)
     assert {p.dtype for p in full_trainer.model.parameters()} == {torch.bfloat16}  # one copy of the weights
-    assert full_trainer.update.optimizer.param_groups[0]["params"][0] is masters.masters[0]
+    assert full_trainer.update.optimizer.param_groups[0]["params"][0] is masters.copies[0]
     full = full_trainer.train()
-    for p, m in zip(masters.params, masters.masters, strict=True):
+    for p, m in zip(masters.params, masters.copies, strict=True):
         assert torch.equal(p.detach(), m.to(torch.bfloat16))
     assert "master_weights" in load_state(tmp_path / "full" / "checkpoint-2")
 
@@ -95,7 +95,7 @@ def test_a_bfloat16_run_keeps_float32_masters_saves_them_and_resumes_exactly(
     rest = resumed.train()
     for again, uninterrupted in zip(rest, full[2:], strict=True):
         assert again["loss"] == uninterrupted["loss"]
-    for a, b in zip(resumed.update.masters.masters, masters.masters, strict=True):
+    for a, b in zip(resumed.update.masters.copies, masters.copies, strict=True):
         assert torch.equal(a, b)
 
     no_masters = make_trainer(config("plain", master_weights=False))
@@ -148,25 +148,56 @@ def test_a_bfloat16_draft_is_trained_through_float32_masters_that_its_state_carr
 
     from fastgrpo.config import DraftTrainConfig
     from fastgrpo.speculative.draft import DraftHead
-    from fastgrpo.speculative.draft_trainer import DraftTrainer
+    from fastgrpo.speculative.draft_trainer import DraftSample, DraftTrainer
 
     model = make_tiny_model("llama").to(torch.bfloat16)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()
 
     def trainer() -> DraftTrainer:
+        torch.manual_seed(0)
         return DraftTrainer(DraftHead(model.config).to(torch.bfloat16), embed, head, DraftTrainConfig())
 
     first = trainer()
-    assert first.masters is not None
+    frozen = [i for i, p in enumerate(first.draft.parameters()) if not p.requires_grad]
+    assert first.masters is not None and frozen
     assert all(p.dtype == torch.float32 for p in first.optimizer.param_groups[0]["params"])
-    with torch.no_grad():
-        first.masters.masters[0].add_(1e-3)  # a change too small for the bfloat16 weight to show exactly
-    state = first.state_dict()
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    samples = [
+        DraftSample(
+            torch.randint(0, 100, (13,), generator=gen, device="cpu"),
+            torch.randn(12, model.config.hidden_size, generator=gen, device="cpu").to(torch.bfloat16),
+            4,
+        )
+        for _ in range(4)
+    ]
+    before = [c.clone() for c in first.masters.copies]
+    first.fit(samples)
+    assert any(not torch.equal(b, c) for b, c in zip(before, first.masters.copies, strict=True))
+    assert all(torch.equal(before[i], first.masters.copies[i]) for i in frozen)  # skipped, not decayed
+    for p, c in zip(first.masters.params, first.masters.copies, strict=True):
+        assert torch.equal(p.detach(), c.to(torch.bfloat16))  # the module holds the masters rounded
     second = trainer()
-    second.load_state_dict(state)
-    assert torch.equal(second.masters.masters[0], first.masters.masters[0])
+    second.load_state_dict(first.state_dict())
+    for a, b in zip(second.masters.copies, first.masters.copies, strict=True):
+        assert torch.equal(a, b)
     float_draft = DraftTrainer(DraftHead(make_tiny_model("llama").config).float(), embed, head, DraftTrainConfig())
     assert float_draft.masters is None and "master_weights" not in float_draft.state_dict()
+
+
+def test_a_float32_run_resumes_a_checkpoint_with_master_weights_from_them(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A bfloat16 run's checkpoint resumed in float32 (master_weights: false, say) takes the exact float32 masters,
+    not the bfloat16 rounding saved as weights; a float32 checkpoint resumed with master weights is refused."""
+    out = tmp_path / "run"
+    make_trainer(make_config(tiny_model_dir, out, dtype="bfloat16", max_steps=2, save_steps=2)).train()
+    saved = load_state(out / "checkpoint-2")["master_weights"]["masters"]
+    resumed = make_trainer(make_config(tiny_model_dir, out, dtype="float32", max_steps=4, save_steps=2), resume=True)
+    trainable = [p for p in resumed.model.parameters() if p.requires_grad]
+    assert all(torch.equal(p.detach(), c) for p, c in zip(trainable, saved, strict=True))
+
+    plain = tmp_path / "plain"
+    make_trainer(make_config(tiny_model_dir, plain, dtype="float32", max_steps=2, save_steps=2)).train()
+    with pytest.raises(ValueError, match="holds no float32 master weights"):
+        make_trainer(make_config(tiny_model_dir, plain, dtype="bfloat16", max_steps=4, save_steps=2), resume=True)
 
 
 def test_fsdp_with_bfloat16_master_weights_is_refused_before_a_model_loads() -> None:

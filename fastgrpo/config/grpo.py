@@ -16,7 +16,7 @@ from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, Specula
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
 from fastgrpo.fields import option
-from fastgrpo.models import DTYPE_CHOICES, check_model_source
+from fastgrpo.models import DTYPE_CHOICES, check_model_source, resolve_dtype
 from fastgrpo.sampling_params import SamplingParams
 
 REPORT_TO = ("jsonl", "tensorboard")
@@ -43,7 +43,8 @@ class GRPOConfig:
     master_weights: bool = option(
         True,
         help="with bfloat16 or float16 weights, AdamW updates float32 master copies (optimizer state) and writes "
-        "them back rounded; false: it updates the low-precision weights directly",
+        "them back rounded (gradients accumulate over micro-batches in the weights' dtype; float16 gets no loss "
+        "scaling); false: it updates the low-precision weights directly",
     )
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
     ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
@@ -153,8 +154,10 @@ class GRPOConfig:
     @property
     def low_precision(self) -> bool:
         """Whether the policy's weights will be bfloat16 or float16: named so, or ``auto`` where a GPU will run."""
-        if self.dtype == "auto":
-            return self.device == "cuda" or (self.device == "auto" and torch.cuda.is_available())
+        if self.dtype == "auto" and self.device != "cpu" and torch.cuda.is_available():
+            return resolve_dtype("auto", torch.device("cuda")) != "float32"
+        if self.dtype == "auto":  # a GPU asked for where there is none (a dry run plans for one): bfloat16
+            return self.device == "cuda"
         return self.dtype in ("bfloat16", "float16")
 
     def sampling_params(self) -> SamplingParams:

@@ -42,7 +42,7 @@ class PolicyUpdate:
         if self.masters is not None and distributed.is_sharded(self.policy):  # GRPOConfig.validate refuses it first
             raise ValueError("master_weights: FSDP2 runs keep no float32 master weights")
         self.optimizer = torch.optim.AdamW(
-            self.masters.masters if self.masters is not None else trainable,
+            self.masters.copies if self.masters is not None else trainable,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
@@ -147,10 +147,11 @@ class PolicyUpdate:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
             if self.masters is not None:
-                self.masters.take_grads()
-            for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                self.masters.take_grads()  # a parameter without a gradient gets zeros, as below
+            else:
+                for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
             self.optimizer.step()
             if self.masters is not None:

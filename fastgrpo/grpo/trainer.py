@@ -127,15 +127,32 @@ class GRPOTrainer:
         if self.update.masters is not None:
             if "master_weights" not in state:
                 raise ValueError(
-                    f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run without them); "
-                    "resume with master_weights: false or the dtype it was saved with"
+                    f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run of another dtype, "
+                    "or without them): resume with the dtype it was saved with (dtype: float32 for a run from "
+                    "before dtype: auto), or with master_weights: false to go on in low precision"
                 )
             self.update.masters.load_state_dict(state["master_weights"])
+        elif "master_weights" in state:
+            self._restore_without_masters(state["master_weights"])
         set_rng_state(state["rng"])
         if "draft_optimizer" in state:
             self.rollouts.load_optimizer_state(state["draft_optimizer"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
+
+    def _restore_without_masters(self, saved: dict[str, Any]) -> None:
+        """A checkpoint with float32 master weights resumed by a run that keeps none: float32 parameters take the
+        masters exactly (the saved weights are their bfloat16 rounding); low-precision ones keep the saved weights."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        copies = saved["masters"]
+        if all(p.dtype == torch.float32 for p in trainable) and [tuple(c.shape) for c in copies] == [
+            tuple(p.shape) for p in trainable
+        ]:
+            with torch.no_grad():
+                for p, c in zip(trainable, copies, strict=True):
+                    p.copy_(c)
+        else:
+            logger.warning("--resume: the checkpoint's float32 master weights are not used (master_weights: false)")
 
     # -- one step -----------------------------------------------------------------------------------------
     def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:

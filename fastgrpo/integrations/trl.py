@@ -125,7 +125,9 @@ class SpeculativeRollout:
             accelerator.num_processes,
         )
         self._log(trainer, out)
-        if rollouts.engine.device.type == "cuda":  # TRL's update gets the memory of the KV caches
+        # TRL's update gets the memory of the KV caches; the captured hidden states stay until the draft learns from
+        # them after the optimizer step (DraftCallback.on_step_end)
+        if rollouts.engine.device.type == "cuda":
             rollouts.engine.release()
         return {
             "prompt_ids": [p for p in prompt_ids for _ in range(n)],

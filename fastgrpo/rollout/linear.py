@@ -164,9 +164,8 @@ def calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
     contiguous, as the model needs it: timed without that copy, a strided product looks faster than it is."""
     dtype = weights[0].dtype
     names = {m: routes_for(dtype, m) for m in TIMED_ROWS}
-    gen = torch.Generator(device="cpu").manual_seed(
-        0
-    )  # its own generator: timing must not move the process's random state
+    # Its own generator: timing must not move the process's random state.
+    gen = torch.Generator(device="cpu").manual_seed(0)
     inputs = {
         (m, w.shape[1]): torch.randn(m, w.shape[1], dtype=dtype, generator=gen, device="cpu")
         for m in TIMED_ROWS

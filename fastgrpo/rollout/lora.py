@@ -25,18 +25,19 @@ SUBTRACTED_DTYPES = (torch.float32, torch.float64)  # unmerged by subtraction; o
 
 
 def _plain(layer: nn.Module) -> bool:
-    """Whether a LoRA layer's base weight is an ordinary floating-point parameter (a quantized one, as bitsandbytes
-    makes, is replaced by a new object when merged, so it is never merged here)."""
+    """Whether a LoRA layer merges into its base weight alone, an ordinary floating-point parameter: not a quantized
+    one (bitsandbytes replaces it by a new object when merging), nor a DoRA layer (whose merge also keeps a cache)."""
     weight = layer.get_base_layer().weight
-    return type(weight) is nn.Parameter and weight.dtype.is_floating_point
+    dora = any(layer.use_dora.values())
+    return type(weight) is nn.Parameter and weight.dtype.is_floating_point and not dora
 
 
 @contextmanager
 def merged_lora(model: nn.Module) -> Iterator[bool]:
     """Inside the block, the active LoRA adapters of ``model`` are merged into its base weights; yields whether they
     were. Nothing is merged when the model has no LoRA layer, or when a layer is merged already, its adapters are
-    disabled or its base weight is quantized. Afterwards float32 and float64 base weights are unmerged by
-    subtraction, others restored exactly."""
+    disabled, its base weight is quantized or it is a DoRA layer. Afterwards float32 and float64 base weights are
+    unmerged by subtraction, others restored exactly."""
     if "peft" not in sys.modules:  # a model built with peft imported it
         yield False
         return
@@ -47,19 +48,22 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         yield False
         return
     with torch.no_grad():
-        weights = [layer.get_base_layer().weight for layer in layers]
-        saved = [None if w.dtype in SUBTRACTED_DTYPES else w.detach().clone() for w in weights]
+        # what a merge writes: the base weight, and its bias where the adapter has one (peft's lora_bias)
+        bases = [layer.get_base_layer() for layer in layers]
+        merged = [[p for p in (base.weight, getattr(base, "bias", None)) if p is not None] for base in bases]
+        saved = [None if ps[0].dtype in SUBTRACTED_DTYPES else [p.detach().clone() for p in ps] for ps in merged]
         for layer in layers:
             layer.merge()
     try:
         yield True
     finally:
         with torch.no_grad():
-            for layer, weight, base in zip(layers, weights, saved, strict=True):
+            for layer, params, copies in zip(layers, merged, saved, strict=True):
                 if not layer.merged:
                     continue
-                if base is None:
+                if copies is None:
                     layer.unmerge()
                 else:
-                    weight.copy_(base)
+                    for p, copy in zip(params, copies, strict=True):
+                        p.copy_(copy)
                     layer.merged_adapters.clear()

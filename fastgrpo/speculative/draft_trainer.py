@@ -125,11 +125,13 @@ class DraftTrainer:
         if config.bf16:
             warn_if_bf16_emulated("draft_training.bf16", next(draft.parameters()).device)
         self.forward = distributed.wrap_ddp(draft)
+        # A bfloat16 draft (a GPU rollout's dtype) is updated through float32 master weights, as the policy is. Its
+        # optimizer holds the same parameters either way (frozen ones too, which get no gradient and are skipped), so
+        # that its state loads into a run of the other dtype.
         params = list(draft.parameters())
-        # A bfloat16 draft (a GPU rollout's dtype) is updated through float32 master weights, as the policy is.
         self.masters = MasterWeights(params) if MasterWeights.needed(params) else None
         self.optimizer = torch.optim.AdamW(
-            self.masters.masters if self.masters is not None else params, lr=config.learning_rate
+            self.masters.copies if self.masters is not None else params, lr=config.learning_rate
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -274,7 +276,7 @@ class DraftTrainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.masters is not None:
-                    self.masters.take_grads()
+                    self.masters.take_grads(zero_missing=False)
                 optimized = [p for group in self.optimizer.param_groups for p in group["params"]]
                 torch.nn.utils.clip_grad_norm_(optimized, self.config.max_grad_norm)
                 self.optimizer.step()

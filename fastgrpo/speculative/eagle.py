@@ -117,6 +117,7 @@ class EagleDrafter:
         self.cache.select_rows(order, upto=int(rows.draft.draft_len.max()))
 
     def release(self) -> None:
+        """Free the draft's KV cache (`begin` makes it again)."""
         self.cache = None
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:

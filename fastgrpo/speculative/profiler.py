@@ -237,9 +237,8 @@ def _measure(
     vocab = model.config.get_text_config().vocab_size
     target_fns, draft_fns = [], []
     for t in tokens:
-        base = context_length - torch.randint(0, 2, (t,), generator=gen, device="cpu").to(
-            dev
-        )  # ragged: the masked path runs
+        # ragged: the masked path runs
+        base = context_length - torch.randint(0, 2, (t,), generator=gen, device="cpu").to(dev)
         ids = torch.randint(0, vocab, (t, 1), generator=gen, device="cpu").to(dev)
         block = (
             base,
