@@ -460,3 +460,29 @@ def test_gradient_checkpointing_trains_as_without_it(tiny_model_dir: Path, tmp_p
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
     for name, weight in plain_weights.items():
         torch.testing.assert_close(recomputed_weights[name], weight, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_phase(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CUDA branch of a step, run on CPU with the device's memory counters stood in for: the KV caches and the
+    captured states are freed after the draft's update and before the policy's, and each phase's peak is its own."""
+    from fastgrpo.config import SpeculationConfig
+    from fastgrpo.grpo import trainer as trainer_module
+
+    spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=2)
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec))
+    events: list[str] = []
+    peaks = iter([300.0, 200.0])
+    monkeypatch.setattr(trainer_module, "reset_peak_memory", lambda device: events.append("reset"))
+    monkeypatch.setattr(trainer_module, "peak_memory_mb", lambda device: events.append("peak") or next(peaks))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    release, optimize = trainer.rollouts.release, trainer.update.optimize
+    monkeypatch.setattr(trainer.rollouts, "release", lambda: events.append("release") or release())
+    monkeypatch.setattr(trainer.update, "optimize", lambda batch: events.append("update") or optimize(batch))
+    trainer.device = torch.device("cuda", 0)
+    metrics = trainer.train_step(0)
+    assert events == ["reset", "peak", "release", "reset", "update", "sync", "peak"]
+    assert trainer.rollouts.engine.cache is None and trainer.rollouts.engine.drafter.cache is None
+    assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
+    assert metrics["memory/peak_mb"] == 300.0
