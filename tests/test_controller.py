@@ -4,6 +4,7 @@ and losslessness of every mode."""
 from __future__ import annotations
 
 import math
+import time
 from functools import partial
 
 import pytest
@@ -249,17 +250,30 @@ def test_adaptive_runs_deep_one_row_trees_where_the_grid_says_they_cost_a_plain_
     assert by_grid.predicted_seconds(1, tree) < 0.6 * by_tokens.predicted_seconds(1, tree)
 
 
-def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(llama_model: PreTrainedModel) -> None:
-    """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted."""
+def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(
+    llama_model: PreTrainedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real engine run: the draft proposes only tokens the target never emits, so nothing is accepted. The clock is
+    fake and the profile synthetic: each forward of the target advances the clock by 50 ms and each draft forward by
+    1 ms, as the profile says, so that no timing noise of the machine decides the controller's choices."""
     params = SamplingParams(max_new_tokens=80, temperature=0)
     reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
     emitted = {t for c in reference.completion_ids for t in c} | {t for p in PROMPTS for t in p}
     never = torch.tensor([t for t in range(llama_model.config.vocab_size) if t not in emitted][:8])
     draft = DraftHead(llama_model.config, draft_vocab=never).double()
-    controller = AdaptiveController(profiler.calibrate(llama_model, draft, "tiny"))
-    out = RolloutEngine(llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=controller).generate(
-        PROMPTS, params
-    )
+    now = [0.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    hooks = [
+        module.register_forward_hook(lambda *_, cost=cost: now.__setitem__(0, now[0] + cost))
+        for module, cost in ((llama_model.get_decoder(), 0.05), (draft.decoder, 0.001))
+    ]
+    try:
+        controller = AdaptiveController(flat_profile(target=0.05, draft=0.001, knee=64))
+        engine = RolloutEngine(llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=controller)
+        out = engine.generate(PROMPTS, params)
+    finally:
+        for hook in hooks:
+            hook.remove()
     assert out.completion_ids == reference.completion_ids
     assert out.stats.accept_length == 1.0
     assert controller.best(1) == AUTOREGRESSIVE
