@@ -111,6 +111,8 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
     import torch
     from tqdm.auto import tqdm
 
@@ -153,6 +155,8 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
 def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     if not 0.0 <= args.greedy_fraction <= 1.0:
         raise ValueError(f"--greedy-fraction must be in [0, 1], got {args.greedy_fraction}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     from fastgrpo.config import load_config
 
     config = load_config(args.config, overrides)

@@ -1,5 +1,6 @@
 """Config fields that carry their own help text and allowed values, as TRL's and transformers' argument dataclasses
-do: `fastgrpo train --help` and ``docs/options.md`` are made from this metadata, and validation reads ``choices``."""
+do: `fastgrpo train --help` and ``docs/options.md`` are made from this metadata, and validation reads ``choices`` and
+``valid`` (`check_ranges`)."""
 
 from __future__ import annotations
 
@@ -8,17 +9,55 @@ from collections.abc import Callable
 from typing import Any
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric option: above ``low`` (or equal, unless ``low_open``) and below ``high`` (or
+    equal, unless ``high_open``); None is unbounded on that side."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def holds(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        return self.high is None or (value < self.high if self.high_open else value <= self.high)
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        return f"{'<' if self.high_open else '<='} {self.high}"
+
+
 def option(
     default: Any = dataclasses.MISSING,
     *,
     help: str,
     choices: tuple[Any, ...] = (),
+    valid: Range | None = None,
     default_factory: Callable[[], Any] | None = None,
 ) -> Any:
-    """A dataclass field with ``help`` (one or two sentences) and, for a closed set of values, ``choices``."""
+    """A dataclass field with ``help`` (one or two sentences) and, for a closed set of values, ``choices``, or for a
+    numeric option its ``valid`` range."""
     metadata: dict[str, Any] = {"help": help}
     if choices:
         metadata["choices"] = tuple(choices)
+    if valid is not None:
+        metadata["valid"] = valid
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_ranges(config: Any, prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first option of ``config`` (``prefix`` + its name) outside its ``valid`` range
+    (None, where an option allows it, is not checked)."""
+    for f in dataclasses.fields(config):
+        valid, value = f.metadata.get("valid"), getattr(config, f.name)
+        if valid is None or value is None or isinstance(value, str):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float) or not valid.holds(value):
+            raise ValueError(f"{prefix}{f.name} must be {valid}, got {value!r}")

@@ -11,12 +11,15 @@ cannot be read (no ``/proc/stat``) it keeps its threads.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 WINDOW_S = 2.0  # seconds of wall time over which the cores the process had are measured
 LOWER_BELOW = 0.5  # one thread fewer when the process had less than (threads - LOWER_BELOW) cores
@@ -70,11 +73,16 @@ class ThreadGovernor:
     ):
         if most is not None and most < 1:
             raise ValueError(f"most must be at least 1, got {most}")
+        cpus = allowed_cpus()
+        if most is not None and most > len(cpus):  # more threads than cores only make them wait for each other
+            logger.warning(
+                "cpu_threads: %d is more than the %d cores this process may use; using %d", most, len(cpus), len(cpus)
+            )
+            most = len(cpus)
         self.most = most
         self.adapt = adapt
         self.clock = clock
         self.cpu_time = cpu_time
-        cpus = allowed_cpus()
         self.idle = idle if idle is not None else (lambda: idle_cpu_seconds(cpus))
         self.threads = most or torch.get_num_threads()
         self.cores: float | None = None  # cores the process had over the last full window

@@ -55,7 +55,7 @@ _COMMON = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": 2048,
     "tie_word_embeddings": False,
 }
 

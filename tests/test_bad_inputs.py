@@ -406,3 +406,11 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
         got = weights(out / "checkpoint-4")
         assert got.keys() == expected.keys()
         assert all(torch.equal(got[k], expected[k]) for k in expected), moment
+
+
+def test_a_batch_size_below_one_is_refused_before_a_model_loads(capsys, model_dir: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "c.yaml", model_dir, dataset={"num_examples": 2})
+    assert "--batch-size must be >= 1, got 0" in refused(capsys, "eval", "--config", str(config), "--batch-size", "0")
+    assert "--batch-size must be >= 1, got -2" in refused(
+        capsys, "draft", "train", "--config", str(config), "--output", str(tmp_path / "d"), "--batch-size", "-2"
+    )

@@ -50,7 +50,19 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--max_steps", "ten"], "max_steps must be of type int, got 'ten'"),
         (["--temperature", "-1"], "temperature must be >= 0"),
         (["--top_p", "0"], "top_p must be in (0, 1]"),
-        (["--cpu_threads", "-1"], "cpu_threads must be >= 0 (0 follows the free cores), got -1"),
+        (["--cpu_threads", "-1"], "cpu_threads must be >= 0, got -1"),
+        (["--adam_beta1", "1.0"], "adam_beta1 must be in [0, 1), got 1.0"),
+        (["--adam_beta2", "-0.1"], "adam_beta2 must be in [0, 1), got -0.1"),
+        (["--lora_r", "0"], "lora_r must be >= 1, got 0"),
+        (["--lora_dropout", "1"], "lora_dropout must be in [0, 1), got 1"),
+        (["--weight_decay", "-1"], "weight_decay must be >= 0, got -1"),
+        (["--seed", "-1"], "seed must be in [0, 9223372036854775808), got -1"),
+        (["--seed", str(2**64)], "seed must be in [0, 9223372036854775808)"),
+        (["--log_completions_steps", "0"], "log_completions_steps must be >= 1, got 0"),
+        (["--num_completions_to_print", "-1"], "num_completions_to_print must be >= 0, got -1"),
+        (["--output_dir", ""], "output_dir must name a directory"),
+        (["--speculation.nodes", "5000"], "speculation.nodes must be in [1, 256], got 5000"),
+        (["--speculation.depth", "0"], "speculation.depth must be in [1, 32], got 0"),
         (["--num_generations", "3"], "must be a multiple of num_generations (3)"),
         (["--reward_funcs", "nope"], "nope"),
         (["--reward_weights", "[1.0, 2.0]"], "reward_weights has 2 entries but reward_funcs has 1"),
@@ -132,7 +144,7 @@ def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.Capt
     assert "override" in text and "--batch-size" in text and "(default: 32)" in text
     for name, *_ in option_rows():
         assert f"--{name} V" in text
-    assert "--learning_rate V AdamW learning rate of the policy (default: 1.0e-06)" in text
+    assert "--learning_rate V AdamW learning rate of the policy; valid: > 0 (default: 1.0e-06)" in text
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
     assert "(default: 256)" in " ".join(capsys.readouterr().out.split())

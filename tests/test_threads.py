@@ -107,3 +107,12 @@ def test_idle_cpu_seconds_reads_the_allowed_cpus(tmp_path: Path) -> None:
 def test_most_must_be_positive() -> None:
     with pytest.raises(ValueError, match="most"):
         ThreadGovernor(0)
+
+
+def test_more_threads_than_cores_are_clamped_with_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    from fastgrpo.threads import allowed_cpus
+
+    with caplog.at_level("WARNING", logger="fastgrpo.threads"):
+        governor = ThreadGovernor(1000, adapt=False)
+    assert governor.most == len(allowed_cpus())
+    assert "cpu_threads: 1000 is more than the" in caplog.text

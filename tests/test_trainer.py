@@ -421,14 +421,14 @@ def test_online_draft_learning_trains_on_less_while_the_rollouts_run_no_tree(
 def test_a_gpu_run_that_would_not_fit_is_refused_before_any_weight_is_read(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a (pretended) GPU with 3 GiB free the trainer refuses at once, naming options that fit; with
+    """On a (pretended) GPU with 2 GiB free the trainer refuses at once, naming options that fit; with
     ``check_memory: false`` it goes on to load the model."""
     from fastgrpo import distributed
     from fastgrpo.grpo import trainer as trainer_module
 
     gpu = distributed.DistInfo(0, 1, torch.device("cuda", 0))
     monkeypatch.setattr(distributed, "init", lambda *a, **k: gpu)
-    monkeypatch.setattr("fastgrpo.memory_plan.available_bytes", lambda device: 3 * 2**30)
+    monkeypatch.setattr("fastgrpo.memory_plan.available_bytes", lambda device: 2 * 2**30)
 
     class Loaded(Exception):
         pass
@@ -437,8 +437,8 @@ def test_a_gpu_run_that_would_not_fit_is_refused_before_any_weight_is_read(
         raise Loaded
 
     monkeypatch.setattr(trainer_module, "load_model", load_model)
-    big = dict(max_completion_length=8192)
-    with pytest.raises(ValueError, match="more than the 3.0 GiB available on cuda") as refused:
+    big = dict(max_completion_length=1500)
+    with pytest.raises(ValueError, match="more than the 2.0 GiB available on cuda") as refused:
         make_trainer(make_config(tiny_model_dir, tmp_path / "a", **big))
     assert "each of these changes alone fits: max_completion_length: " in str(refused.value)
     with pytest.raises(Loaded):
@@ -486,3 +486,20 @@ def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_
     assert trainer.rollouts.engine.cache is None and trainer.rollouts.engine.drafter.cache is None
     assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
     assert metrics["memory/peak_mb"] == 300.0
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"temperature": 0.0}, "temperature: 0 samples greedily, so every completion of a group is the same"),
+        ({"max_completion_length": 4096}, "exceed the model's context of 2048 tokens (max_position_embeddings)"),
+    ],
+)
+def test_settings_that_cannot_train_are_refused_before_any_weight_is_read(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict, message: str
+) -> None:
+    from fastgrpo.grpo import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        make_trainer(make_config(tiny_model_dir, tmp_path, **overrides))

@@ -168,6 +168,8 @@ def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str
         help_ = f.metadata["help"]
         if "choices" in f.metadata:
             help_ += " (" + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + ")"
+        if "valid" in f.metadata:
+            help_ += f"; valid: {f.metadata['valid']}"
         rows.append((prefix + f.name, str(f.type), default, help_))
     return rows
 

@@ -15,7 +15,7 @@ import torch
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
-from fastgrpo.fields import option
+from fastgrpo.fields import Range, check_ranges, option
 from fastgrpo.models import DTYPE_CHOICES, check_model_source, resolve_dtype
 from fastgrpo.sampling_params import SamplingParams
 
@@ -47,12 +47,15 @@ class GRPOConfig:
         "scaling); false: it updates the low-precision weights directly",
     )
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
-    ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes before the job fails")
+    ddp_timeout: int = option(
+        1800, help="seconds a collective waits for the other processes before the job fails", valid=Range(1)
+    )
     fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")
     cpu_threads: int = option(
         0,
         help="torch's CPU threads during training; 0: start from torch's count and run one fewer while another "
         "process competes for the cores, N: exactly N",
+        valid=Range(0),
     )
     check_memory: bool = option(
         True,
@@ -67,13 +70,15 @@ class GRPOConfig:
     )
     reward_weights: list[float] | None = option(None, help="one weight per reward function (None: all 1)")
     # generation
-    num_generations: int = option(8, help="completions sampled per prompt (the group)")
-    max_prompt_length: int = option(512, help="longer prompts keep their last tokens")
-    max_completion_length: int = option(256, help="new tokens per completion at most")
-    temperature: float = option(1.0, help="sampling temperature (0: greedy)")
-    top_p: float = option(1.0, help="nucleus sampling mass")
-    top_k: int = option(0, help="sample among the k most likely tokens (0: all)")
-    min_p: float = option(0.0, help="drop tokens below this share of the most likely one's probability")
+    num_generations: int = option(8, help="completions sampled per prompt (the group)", valid=Range(2))
+    max_prompt_length: int = option(512, help="longer prompts keep their last tokens", valid=Range(1))
+    max_completion_length: int = option(256, help="new tokens per completion at most", valid=Range(1))
+    temperature: float = option(1.0, help="sampling temperature (0: greedy)", valid=Range(0))
+    top_p: float = option(1.0, help="nucleus sampling mass", valid=Range(0, 1, low_open=True))
+    top_k: int = option(0, help="sample among the k most likely tokens (0: all)", valid=Range(0))
+    min_p: float = option(
+        0.0, help="drop tokens below this share of the most likely one's probability", valid=Range(0, 1, high_open=True)
+    )
     stop: list[str] = option(default_factory=list, help="strings that end a completion")
     speculation: SpeculationConfig = option(
         default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
@@ -82,18 +87,20 @@ class GRPOConfig:
         default_factory=DraftTrainConfig, help="online and offline draft learning (`draft_training.*`)"
     )
     # optimisation
-    learning_rate: float = option(1e-6, help="AdamW learning rate of the policy")
-    per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process")
+    learning_rate: float = option(1e-6, help="AdamW learning rate of the policy", valid=Range(0, low_open=True))
+    per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process", valid=Range(1))
     gradient_accumulation_steps: int = option(
-        2, help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions"
+        2,
+        help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions",
+        valid=Range(1),
     )
-    max_steps: int = option(20, help="optimizer steps of the run")
+    max_steps: int = option(20, help="optimizer steps of the run", valid=Range(1))
     lr_scheduler_type: str = option("constant", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
-    warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up")
-    weight_decay: float = option(0.0, help="AdamW weight decay")
-    adam_beta1: float = option(0.9, help="AdamW beta1")
-    adam_beta2: float = option(0.999, help="AdamW beta2")
-    max_grad_norm: float = option(1.0, help="gradient clipping")
+    warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up", valid=Range(0, 1))
+    weight_decay: float = option(0.0, help="AdamW weight decay", valid=Range(0))
+    adam_beta1: float = option(0.9, help="AdamW beta1", valid=Range(0, 1, high_open=True))
+    adam_beta2: float = option(0.999, help="AdamW beta2", valid=Range(0, 1, high_open=True))
+    max_grad_norm: float = option(1.0, help="gradient clipping", valid=Range(0, low_open=True))
     bf16: bool = option(
         False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
     )
@@ -102,22 +109,26 @@ class GRPOConfig:
         help="recompute each decoder layer's activations in the backward pass instead of keeping them: a fraction "
         "of the update's activation memory for about a third more of its compute",
     )
-    logprob_chunk_tokens: int = option(1024, help="completion tokens per chunk of the LM head in the policy update")
+    logprob_chunk_tokens: int = option(
+        1024, help="completion tokens per chunk of the LM head in the policy update", valid=Range(1)
+    )
     # GRPO
     loss_type: str = option("dapo", help="how token losses are averaged, as in TRL", choices=LOSS_TYPES)
     scale_rewards: str = option(
         "group", help="divide advantages by the group's or the batch's reward std, or not", choices=SCALE_REWARDS
     )
-    beta: float = option(0.0, help="KL coefficient (k3 estimator); > 0 loads a reference model")
-    epsilon: float = option(0.2, help="lower clipping range of the ratio")
-    epsilon_high: float | None = option(None, help="upper clipping range (None: epsilon)")
-    num_iterations: int = option(1, help="policy updates per rollout")
+    beta: float = option(0.0, help="KL coefficient (k3 estimator); > 0 loads a reference model", valid=Range(0))
+    epsilon: float = option(0.2, help="lower clipping range of the ratio", valid=Range(0, low_open=True))
+    epsilon_high: float | None = option(
+        None, help="upper clipping range (None: epsilon)", valid=Range(0, low_open=True)
+    )
+    num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
     # LoRA through peft
     use_peft: bool = option(False, help="train LoRA adapters instead of the whole policy")
-    lora_r: int = option(16, help="LoRA rank")
-    lora_alpha: int = option(32, help="LoRA scale numerator")
-    lora_dropout: float = option(0.05, help="LoRA dropout")
+    lora_r: int = option(16, help="LoRA rank", valid=Range(1))
+    lora_alpha: int = option(32, help="LoRA scale numerator", valid=Range(0, low_open=True))
+    lora_dropout: float = option(0.05, help="LoRA dropout", valid=Range(0, 1, high_open=True))
     lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
     # outputs
     output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run")
@@ -125,10 +136,12 @@ class GRPOConfig:
         False,
         help="start a new run in an output_dir that holds another one, deleting that run's metrics and checkpoints",
     )
-    seed: int = option(42, help="seeds data order, sampling and initialisation")
-    logging_steps: int = option(1, help="write metrics every this many steps")
-    save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)")
-    save_total_limit: int | None = option(2, help="keep this many checkpoints, removing the oldest (None: all)")
+    seed: int = option(42, help="seeds data order, sampling and initialisation", valid=Range(0, 2**63, high_open=True))
+    logging_steps: int = option(1, help="write metrics every this many steps", valid=Range(1))
+    save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)", valid=Range(1))
+    save_total_limit: int | None = option(
+        2, help="keep this many checkpoints, removing the oldest (None: all)", valid=Range(1)
+    )
     save_only_model: bool = option(
         False,
         help="checkpoints hold the policy (and draft) only, not the optimizer state: a third of the disk, "
@@ -138,8 +151,8 @@ class GRPOConfig:
         default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
     )
     log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
-    num_completions_to_print: int = option(2, help="sample completions printed each time")
-    log_completions_steps: int = option(5, help="steps between printed samples")
+    num_completions_to_print: int = option(2, help="sample completions printed each time", valid=Range(0))
+    log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")
 
     @property
@@ -176,39 +189,15 @@ class GRPOConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        positive = (
-            "num_generations max_prompt_length max_completion_length per_device_train_batch_size "
-            "gradient_accumulation_steps max_steps num_iterations logging_steps save_steps logprob_chunk_tokens "
-            "ddp_timeout"
-        )
-        for name in positive.split():
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_generations < 2:
-            raise ValueError(f"num_generations must be >= 2 (GRPO compares samples), got {self.num_generations}")
+        _check_finite(self)
+        check_ranges(self)
+        if not self.output_dir.strip():
+            raise ValueError("output_dir must name a directory, got an empty string")
         if self.generation_batch_size % self.num_generations:
             raise ValueError(
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
             )
-        _check_finite(self)
-        checks = [
-            ("learning_rate", self.learning_rate > 0, "> 0"),
-            ("temperature", self.temperature >= 0, ">= 0"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", self.top_k >= 0, ">= 0 (0 disables it)"),
-            ("cpu_threads", self.cpu_threads >= 0, ">= 0 (0 follows the free cores)"),
-            ("min_p", 0 <= self.min_p < 1, "in [0, 1)"),
-            ("beta", self.beta >= 0, ">= 0"),
-            ("epsilon", self.epsilon > 0, "> 0"),
-            ("epsilon_high", self.epsilon_high is None or self.epsilon_high > 0, "> 0"),
-            ("warmup_ratio", 0 <= self.warmup_ratio <= 1, "in [0, 1]"),
-            ("max_grad_norm", self.max_grad_norm > 0, "> 0"),
-            ("save_total_limit", self.save_total_limit is None or self.save_total_limit >= 1, ">= 1"),
-        ]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
         if self.fsdp and self.master_weights and self.low_precision:
             raise ValueError(
                 "master_weights: FSDP2 runs keep no float32 master weights; with fsdp set dtype: float32 (with bf16: "

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastgrpo.fields import option
+from fastgrpo.fields import Range, check_ranges, option
 
 DRAFT_CONFIG = "draft_config.json"  # the file that makes a directory a saved draft
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+# A verification forward holds rows x nodes tokens: past a few hundred per row it costs far more than it can win.
+MAX_TREE_NODES = 256
+MAX_TREE_DEPTH = 32
 
 
 @dataclass
@@ -62,9 +65,13 @@ class SpeculationConfig:
         None,
         help="a fresh draft's reduced vocabulary: the most frequent tokens of the first rollout, which runs plain",
     )
-    nodes: int = option(16, help="`static`: verified tokens per row, the root included (1: plain decoding)")
-    top_k: int = option(4, help="`static`: children per expanded node")
-    depth: int = option(5, help="`static`: tree levels")
+    nodes: int = option(
+        16,
+        help="`static`: verified tokens per row, the root included (1: plain decoding)",
+        valid=Range(1, MAX_TREE_NODES),
+    )
+    top_k: int = option(4, help="`static`: children per expanded node", valid=Range(1, MAX_TREE_NODES))
+    depth: int = option(5, help="`static`: tree levels", valid=Range(1, MAX_TREE_DEPTH))
     c_peak: int | str = option(
         "auto", help="verification capacity in tokens, or `auto`: the saved `fastgrpo profile` or a short calibration"
     )
@@ -81,9 +88,7 @@ class SpeculationConfig:
     def validate(self) -> None:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"speculation.mode must be one of {list(SPECULATION_MODES)}, got {self.mode!r}")
-        for name in ("nodes", "top_k", "depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"speculation.{name} must be >= 1, got {getattr(self, name)}")
+        check_ranges(self, "speculation.")
         self.limits().validate("speculation.")
         if self.c_peak != "auto" and not (isinstance(self.c_peak, int) and self.c_peak >= 1):
             raise ValueError(f"speculation.c_peak must be 'auto' or an integer >= 1, got {self.c_peak!r}")

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
@@ -35,6 +35,24 @@ from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
 from fastgrpo.threads import ThreadGovernor
 
 logger = logging.getLogger(__name__)
+
+
+def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -> None:
+    """Refuse, before any weight is read, settings that are valid options but cannot train: greedy sampling (every
+    completion of a group the same) and sequences longer than the model's context."""
+    if config.temperature == 0:
+        raise ValueError(
+            "temperature: 0 samples greedily, so every completion of a group is the same, every advantage is 0 and "
+            "nothing is learnt; GRPO needs temperature > 0 (1.0 is TRL's default)"
+        )
+    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    longest = config.max_prompt_length + config.max_completion_length
+    if context is not None and longest > context:
+        raise ValueError(
+            f"max_completion_length: prompts of up to max_prompt_length ({config.max_prompt_length}) tokens and "
+            f"completions of up to {config.max_completion_length} exceed the model's context of {context} tokens "
+            "(max_position_embeddings); shorten either"
+        )
 
 
 class GRPOTrainer:
@@ -77,10 +95,10 @@ class GRPOTrainer:
         source = str(checkpoint) if checkpoint else config.model
         with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
             resolve_model_path(config.model)
+        model_config = model.config if model is not None else read_model_config(config.model)
+        check_training_options(config, model_config)
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
-            plan_for_trainer(
-                config, model.config if model is not None else read_model_config(config.model), self.dist.device
-            )
+            plan_for_trainer(config, model_config, self.dist.device)
         self.tokenizer = tokenizer or load_tokenizer(source)
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
