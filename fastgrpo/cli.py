@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastgrpo import commands
-from fastgrpo.errors import RewardFunctionError
+from fastgrpo.errors import RewardFunctionError, Terminated, exit_code, interruption
 
 PROFILE_TOKENS = "1,2,3,4,6,8,12,16,24,32,48,64,96,128,192,256"
 CONFIG_COMMANDS = ("train", "eval", "draft")  # the commands whose options come from the config
@@ -137,6 +140,25 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside the block, SIGTERM raises `Terminated` (a KeyboardInterrupt) in the main thread; the previous handler
+    is restored after it."""
+    try:
+        previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     wants_help = any(a in ("-h", "--help") for a in argv)
@@ -150,10 +172,11 @@ def main(argv: list[str] | None = None) -> None:
 
         keep_freed_memory()
     try:
-        args.func(args, rest)
+        with sigterm_as_interrupt():
+            args.func(args, rest)
     except (ValueError, FileNotFoundError, RewardFunctionError) as e:
         print(f"fastgrpo {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
-        print(f"fastgrpo {args.command}: interrupted", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt as e:
+        print(f"fastgrpo {args.command}: {interruption(e)}", file=sys.stderr)
+        sys.exit(exit_code(e))

@@ -29,11 +29,13 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
     try:
         trainer = GRPOTrainer(config, resume=args.resume)
         history = trainer.train()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        from fastgrpo.errors import exit_code, interruption
+
         latest = latest_checkpoint(Path(config.output_dir))
         kept = f"the latest checkpoint is {latest}; add --resume to continue from it" if latest else "no checkpoint yet"
-        print(f"fastgrpo train: interrupted; {kept}", file=sys.stderr)
-        sys.exit(130)
+        print(f"fastgrpo train: {interruption(e)}; {kept}", file=sys.stderr)
+        sys.exit(exit_code(e))
     finally:
         distributed.shutdown()
     if history and trainer.dist.is_main:

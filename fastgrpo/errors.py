@@ -6,3 +6,18 @@ from __future__ import annotations
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised; the message names the function and the first row it fails on."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what ``kill`` and job schedulers send) received by a ``fastgrpo`` command: it unwinds as Ctrl-C does,
+    so that what is half written is removed, and the command exits with 143."""
+
+
+def interruption(e: KeyboardInterrupt) -> str:
+    """How a command was stopped, in the words its last line uses."""
+    return "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+
+
+def exit_code(e: KeyboardInterrupt) -> int:
+    """The shell's code for a process ended by the signal: 128 + 15 for SIGTERM, 128 + 2 for Ctrl-C (SIGINT)."""
+    return 143 if isinstance(e, Terminated) else 130

@@ -1,6 +1,7 @@
-"""``python interrupted_run.py CONFIG MOMENT STEP``: ``fastgrpo train --config CONFIG`` in this process, killed with
-SIGKILL at ``MOMENT`` of step ``STEP`` (1-based): ``rollout`` (inside the rollout's decoding), ``save`` (the trainer
-state half written to its temporary directory) or ``prune`` (one file of the checkpoint being pruned deleted)."""
+"""``python interrupted_run.py CONFIG MOMENT STEP [SIGNAL]``: ``fastgrpo train --config CONFIG`` in this process,
+stopped by SIGNAL (``KILL``, the default, or ``TERM``) at ``MOMENT`` of step ``STEP`` (1-based): ``rollout`` (inside
+the rollout's decoding), ``save`` (the trainer state half written to its temporary directory) or ``prune`` (one file
+of the checkpoint being pruned deleted)."""
 
 from __future__ import annotations
 
@@ -14,12 +15,16 @@ from fastgrpo import cli
 from fastgrpo.grpo import checkpoint
 from fastgrpo.rollout.engine import RolloutEngine
 
+SIGNAL = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}
+chosen = [signal.SIGKILL]
+
 
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), chosen[0])
 
 
-def main(config: str, moment: str, step: int) -> None:
+def main(config: str, moment: str, step: int, signal_name: str = "KILL") -> None:
+    chosen[0] = SIGNAL[signal_name]
     calls = {"rollout": 0}
     if moment == "rollout":
         real_generate = RolloutEngine.generate
@@ -58,4 +63,4 @@ def main(config: str, moment: str, step: int) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), *sys.argv[4:])

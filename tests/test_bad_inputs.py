@@ -373,8 +373,10 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL mid-rollout, mid-save and mid-prune, then --resume: the final policy and draft equal an uninterrupted
-    run's bit for bit, and no temporary or incomplete checkpoint is left."""
+    """SIGKILL mid-rollout, mid-save and mid-prune, and SIGTERM mid-rollout and mid-save, then --resume: the final
+    policy and draft equal an uninterrupted run's bit for bit, and no temporary or incomplete checkpoint is left.
+    SIGTERM ends the run as Ctrl-C does: one line naming the checkpoint to resume from, its temporary removed at
+    once, exit code 143."""
     options = {
         "max_steps": 4,
         "save_total_limit": 2,
@@ -390,18 +392,33 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
     reference = write_config(tmp_path / "whole.yaml", model_dir, **options)
     train(reference)
     expected = weights(tmp_path / "whole-run" / "checkpoint-4")
-    for moment, step in (("rollout", 3), ("save", 2), ("prune", 3)):
-        config = write_config(tmp_path / f"{moment}.yaml", model_dir, **options)
+    cases = (
+        ("rollout", 3, "KILL"),
+        ("save", 2, "KILL"),
+        ("prune", 3, "KILL"),
+        ("rollout", 3, "TERM"),
+        ("save", 2, "TERM"),
+    )
+    for moment, step, how in cases:
+        name = f"{moment}-{how}"
+        config = write_config(tmp_path / f"{name}.yaml", model_dir, **options)
         killed = subprocess.run(
-            [sys.executable, str(TESTS / "interrupted_run.py"), str(config), moment, str(step)],
+            [sys.executable, str(TESTS / "interrupted_run.py"), str(config), moment, str(step), how],
             env=env,
             capture_output=True,
             text=True,
             timeout=600,
         )
-        assert killed.returncode == -9, killed.stderr[-3000:]
+        out = tmp_path / f"{name}-run"
+        if how == "KILL":
+            assert killed.returncode == -9, killed.stderr[-3000:]
+        else:
+            assert killed.returncode == 143, killed.stderr[-3000:]
+            last = killed.stderr.strip().splitlines()[-1]
+            kept = "checkpoint-2; add --resume" if moment == "rollout" else "checkpoint-1; add --resume"
+            assert last.startswith("fastgrpo train: terminated (SIGTERM); ") and kept in last, last
+            assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "a temporary was left behind"
         train(config, "--resume")
-        out = tmp_path / f"{moment}-run"
         assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3", "checkpoint-4"]
         got = weights(out / "checkpoint-4")
         assert got.keys() == expected.keys()
