@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -313,7 +314,9 @@ def test_a_new_run_in_the_directory_of_another_is_refused_unless_overwritten(
     config = write_config(tmp_path / "c.yaml", model_dir, max_steps=3, save_total_limit=1)
     assert run_cli(capsys, "train", "--config", str(config))[0] == 0
     out = tmp_path / "c-run"
-    assert "holds another run (metrics.jsonl, checkpoint-3)" in refused(capsys, "train", "--config", str(config))
+    assert "holds another run (checkpoint-3, config.yaml, metrics.jsonl)" in refused(
+        capsys, "train", "--config", str(config)
+    )
     # Starting over deletes the earlier run: its higher-numbered checkpoint cannot outlive the new run's.
     code, err = run_cli(capsys, "train", "--config", str(config), "--max_steps", "1", "--overwrite_output_dir", "true")
     assert code == 0, err
@@ -417,7 +420,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
             last = killed.stderr.strip().splitlines()[-1]
             kept = "checkpoint-2; add --resume" if moment == "rollout" else "checkpoint-1; add --resume"
             assert last.startswith("fastgrpo train: terminated (SIGTERM); ") and kept in last, last
-            assert not [p.name for p in out.iterdir() if p.name.startswith(".")], "a temporary was left behind"
+            assert not [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")], "a temporary was left"
         train(config, "--resume")
         assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3", "checkpoint-4"]
         got = weights(out / "checkpoint-4")
@@ -431,3 +434,58 @@ def test_a_batch_size_below_one_is_refused_before_a_model_loads(capsys, model_di
     assert "--batch-size must be >= 1, got -2" in refused(
         capsys, "draft", "train", "--config", str(config), "--output", str(tmp_path / "d"), "--batch-size", "-2"
     )
+
+
+def test_a_run_deletes_nothing_it_did_not_write(capsys, caplog, model_dir: Path, tmp_path: Path) -> None:
+    """Another tool's checkpoint-2 (a TRL one, optimizer included) and any other file survive: a new run refuses
+    the directory, ``--overwrite_output_dir`` keeps them (and refuses a name its own checkpoints would take)."""
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=2, save_total_limit=1)
+    out = tmp_path / "c-run"
+    trl = out / "checkpoint-2"
+    trl.mkdir(parents=True)
+    (trl / "trainer_state.json").write_text("{}")
+    (trl / "optimizer.pt").write_bytes(b"state")
+    (out / "notes.txt").write_text("mine")
+    err = refused(capsys, "train", "--config", str(config))
+    assert "holds files that no fastgrpo run wrote (checkpoint-2, notes.txt)" in err
+    err = refused(capsys, "train", "--config", str(config), "--overwrite_output_dir", "true")
+    assert "holds checkpoint-2, which no fastgrpo run wrote" in err
+    assert "--resume: no checkpoint under" in refused(capsys, "train", "--config", str(config), "--resume")
+    (trl / "trainer_state.json").rename(out / "trainer_state.json")
+    shutil.rmtree(trl)
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.grpo.run_dir"):
+        code, err = run_cli(capsys, "train", "--config", str(config), "--overwrite_output_dir", "true")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "trainer_state.json").is_file()
+    assert "kept what no fastgrpo run wrote there: notes.txt, trainer_state.json" in caplog.text
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint")) == ["checkpoint-2"]
+    # a second run over this one deletes that run's files and still keeps the foreign ones
+    code, err = run_cli(capsys, "train", "--config", str(config), "--overwrite_output_dir", "true", "--max_steps", "1")
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "checkpoint-1",
+        "config.yaml",
+        "fastgrpo_run.json",
+        "metrics.jsonl",
+        "notes.txt",
+        "trainer_state.json",
+    ]
+
+
+def test_a_second_run_in_the_same_directory_is_refused_while_the_first_runs(model_dir: Path, tmp_path: Path) -> None:
+    """The first run holds the directory's lock from the moment it is built until it ends; a lock file left by a
+    process that is gone does not count."""
+    from fastgrpo.config import load_config
+    from fastgrpo.grpo.trainer import GRPOTrainer
+
+    config = load_config(write_config(tmp_path / "c.yaml", model_dir), [])
+    out = Path(config.output_dir)
+    out.mkdir()
+    (out / ".fastgrpo.lock").write_text("pid 999999 on a host that is gone\n")  # stale: no process holds it
+    first = GRPOTrainer(config)
+    with pytest.raises(ValueError, match=r"is in use by another run \(pid \d+ on .*, started .*\)"):
+        GRPOTrainer(config, resume=True)
+    first.train()  # ends, giving the lock back
+    second = GRPOTrainer(load_config(write_config(tmp_path / "c.yaml", model_dir, max_steps=2), []), resume=True)
+    assert second.start_step == 1
+    second.close()

@@ -370,6 +370,7 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     assert first.rollouts.draft is None and first.rollouts.awaits_draft_vocab
     _, out = first.rollout(0, first.prompts.rows(0))
     expected = frequent_tokens(out.completion_ids, 6, first.eos)
+    first.close()
 
     trainer = make_trainer(config)
     history = trainer.train()

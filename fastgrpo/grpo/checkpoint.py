@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from fastgrpo.grpo.run_dir import claim_output_dir, mark, marked_by, read_run_id
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -57,20 +59,24 @@ def save_checkpoint(
     step: int,
     write_model: Callable[[Path], None],
     state: dict[str, Any],
+    run_id: str,
     save_total_limit: int | None = None,
 ) -> Path:
-    """Write ``output_dir/checkpoint-{step}`` atomically.
+    """Write ``output_dir/checkpoint-{step}`` atomically, marked as run ``run_id``'s.
 
     Args:
         write_model: writes the policy (and tokenizer) into the directory it is given.
         state: optimizer, scheduler and anything else to restore; the step and RNG state are added.
-        save_total_limit: keep at most this many checkpoints (oldest removed first).
+        save_total_limit: keep at most this many of the run's checkpoints (oldest removed first).
     """
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
+    if final.exists() and not marked_by(final, run_id):
+        raise ValueError(f"{final} exists and was not written by this run; it is left as it is")
     tmp = Path(tempfile.mkdtemp(prefix=f".checkpoint-{step}.", dir=output_dir))
     try:
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is as readable as any other directory
+        mark(tmp, run_id)
         write_model(tmp)
         torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
         if final.exists():
@@ -80,40 +86,26 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if save_total_limit is not None:
-        for old in list_checkpoints(output_dir)[:-save_total_limit]:
+        for old in list_checkpoints(output_dir, run_id)[:-save_total_limit]:
             _remove(old)
     return final
 
 
 def _remove(checkpoint: Path) -> None:
     """Delete a checkpoint directory: first renamed to a temporary name, so that a run killed while deleting leaves
-    a temporary (removed by `remove_leftovers`), never a checkpoint with part of its files."""
+    a temporary (removed by `fastgrpo.grpo.run_dir.remove_leftovers`), never a checkpoint with part of its files."""
     doomed = checkpoint.with_name(f".{checkpoint.name}.removing")
     os.replace(checkpoint, doomed)
     shutil.rmtree(doomed)
 
 
-def remove_leftovers(output_dir: Path) -> list[Path]:
-    """Delete what an interrupted run leaves behind: temporaries of saves and deletions (``.checkpoint-*``) and
-    ``checkpoint-N`` directories without a trainer state. Returns what was removed."""
+def list_checkpoints(output_dir: Path, run_id: str | None = None) -> list[Path]:
+    """Complete checkpoints of run ``run_id`` (by default the run that owns ``output_dir``), oldest first."""
     if not output_dir.is_dir():
         return []
-    removed = []
-    for path in sorted(output_dir.iterdir()):
-        stale = path.name.startswith(".checkpoint-")
-        incomplete = CHECKPOINT_RE.match(path.name) is not None and not (path / STATE_FILE).is_file()
-        if path.is_dir() and (stale or incomplete):
-            shutil.rmtree(path)
-            removed.append(path)
-    return removed
-
-
-def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints under ``output_dir``, oldest first."""
-    if not output_dir.is_dir():
-        return []
+    run_id = run_id or read_run_id(output_dir)
     found = [(int(m.group(1)), p) for p in output_dir.iterdir() if (m := CHECKPOINT_RE.match(p.name))]
-    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file()]
+    return [p for _, p in sorted(found) if (p / STATE_FILE).is_file() and marked_by(p, run_id)]
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:
@@ -159,30 +151,18 @@ def load_latest_intact(output_dir: Path) -> tuple[Path | None, dict[str, Any] | 
 
 def prepare_output_dir(
     out: Path, resume: bool, overwrite: bool, main: bool
-) -> tuple[Path | None, dict[str, Any] | None]:
-    """Refuse an ``output_dir`` that holds another run unless resuming it or ``overwrite`` (which deletes it), remove
-    what an interrupted run left behind (``main``: this process writes), and pick the checkpoint to resume from: the
-    newest whose weights and state are readable. Returns it and its state (None and None for a new run)."""
-    earlier = [p for p in (out / "metrics.jsonl", *list_checkpoints(out)) if p.exists()]
-    if earlier and not resume:
-        if not overwrite:
-            raise ValueError(
-                f"output_dir {out} holds another run ({', '.join(p.name for p in earlier)}): continue it with "
-                "--resume, start over there with --overwrite_output_dir true (which deletes it), or choose "
-                "another output_dir"
-            )
-        if main:
-            for path in earlier:
-                if path.is_dir():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink()
-            logger.warning("overwrite_output_dir: deleted the earlier run in %s", out)
+) -> tuple[Path | None, dict[str, Any] | None, str]:
+    """Make ``out`` this run's (`fastgrpo.grpo.run_dir.claim_output_dir`; ``main``: this process writes, the others
+    read the run's id after it) and pick the checkpoint to resume from: the newest of the run's whose weights and
+    state are readable. Returns it and its state (None and None for a new run), and the run's id."""
     if main:
-        for path in remove_leftovers(out):
-            logger.warning("removed %s, left behind by an interrupted run", path)
+        run_id = claim_output_dir(out, resume, overwrite)
+    else:
+        run_id = read_run_id(out)
+        if run_id is None:
+            raise FileNotFoundError(f"output_dir {out}: rank 0 made no run there")
     if not resume:
-        return None, None
+        return None, None, run_id
     checkpoint, state, passed = load_latest_intact(out)
     for reason in passed:
         logger.warning("--resume: passing over %s", reason)
@@ -194,4 +174,4 @@ def prepare_output_dir(
             f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "
             "from; start a new run from its weights with --model instead"
         )
-    return checkpoint, state
+    return checkpoint, state, run_id

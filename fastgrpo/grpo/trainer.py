@@ -25,6 +25,7 @@ from fastgrpo.grpo.losses import (
 from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
+from fastgrpo.grpo.run_dir import DirectoryLock
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.memory_plan import plan_for_trainer, read_model_config
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
@@ -86,8 +87,10 @@ class GRPOTrainer:
                 f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
         self.start_step = 0
+        # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
+        self.lock = DirectoryLock(self.output_dir) if self.dist.is_main else None
         with distributed.main_first(self.dist):
-            checkpoint, resume_state = prepare_output_dir(
+            checkpoint, resume_state, self.run_id = prepare_output_dir(
                 self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
             )
         random.seed(config.seed)
@@ -260,6 +263,11 @@ class GRPOTrainer:
         metrics = distributed.reduce_metrics(metrics)
         return metrics
 
+    def close(self) -> None:
+        """Give the output directory's lock back (`train` does when it ends); another run may then use it."""
+        if self.lock is not None:
+            self.lock.release()
+
     # -- the loop -----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:
         """Write ``checkpoint-{step}`` (rank 0 writes it; every rank waits until it is complete)."""
@@ -282,7 +290,7 @@ class GRPOTrainer:
                     state["draft_optimizer"] = self.rollouts.optimizer_state()
                 if self.update.masters is not None:
                     state["master_weights"] = self.update.masters.state_dict()
-            path = save_checkpoint(self.output_dir, step, write_model, state, self.config.save_total_limit)
+            path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)
         distributed.barrier()
         return path
 
@@ -314,4 +322,5 @@ class GRPOTrainer:
         finally:
             if log is not None:
                 log.close()
+            self.close()
         return history

@@ -1,0 +1,164 @@
+"""A run owns its ``output_dir``: it marks what it writes, deletes nothing it did not write, and holds a lock on the
+directory while it runs.
+
+``fastgrpo_run.json`` names the run (a random id); every checkpoint, and every temporary of one, holds the id in
+``fastgrpo_run_id``. Only entries carrying the id (and the run's own files: ``config.yaml``, ``metrics.jsonl``, its
+``report/`` and ``tensorboard/``) are ever deleted, so a TRL checkpoint or anything else found there survives. A new
+run refuses a directory that holds anything, unless ``overwrite_output_dir``: then the earlier fastgrpo run's files
+are deleted and everything else is kept. The lock is an exclusive ``flock`` on ``.fastgrpo.lock``: the system
+releases it when its process ends however it ends, so a dead run's lock never blocks the next one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+from pathlib import Path
+from typing import IO
+
+logger = logging.getLogger(__name__)
+
+RUN_FILE = "fastgrpo_run.json"
+MARK_FILE = "fastgrpo_run_id"
+LOCK_FILE = ".fastgrpo.lock"
+RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report", "tensorboard")  # what a run writes besides checkpoints
+
+
+class DirectoryLock:
+    """An exclusive lock on ``directory`` for as long as this object holds it (`release`, or the process's end)."""
+
+    def __init__(self, directory: Path):
+        import fcntl
+
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / LOCK_FILE
+        self.file: IO[str] | None = path.open("a+")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.seek(0)
+            holder = self.file.read().strip() or "another process"
+            self.file.close()
+            self.file = None
+            raise ValueError(
+                f"output_dir {directory} is in use by another run ({holder}); wait for it to end, or choose "
+                "another output_dir"
+            ) from None
+        self.file.seek(0)
+        self.file.truncate()
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}, started {started}\n")
+        self.file.flush()
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # closing the file releases the lock
+            self.file = None
+
+
+def read_run_id(out: Path) -> str | None:
+    """The id of the run that owns ``out`` (None when no fastgrpo run wrote there)."""
+    try:
+        return json.loads((out / RUN_FILE).read_text())["id"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def mark(directory: Path, run_id: str) -> None:
+    """Record in ``directory`` (a checkpoint, or its temporary) that run ``run_id`` wrote it."""
+    (directory / MARK_FILE).write_text(run_id + "\n")
+
+
+def marked_by(directory: Path, run_id: str | None) -> bool:
+    try:
+        return run_id is not None and (directory / MARK_FILE).read_text().strip() == run_id
+    except OSError:
+        return False
+
+
+def _new_run(out: Path) -> str:
+    run_id = uuid.uuid4().hex
+    (out / RUN_FILE).write_text(json.dumps({"id": run_id, "created": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    return run_id
+
+
+def _legacy_checkpoints(out: Path) -> list[Path]:
+    """Checkpoints of a run from before runs marked their files: ``checkpoint-N`` with a fastgrpo trainer state."""
+    from fastgrpo.grpo.checkpoint import CHECKPOINT_RE, STATE_FILE
+
+    return [p for p in out.iterdir() if CHECKPOINT_RE.match(p.name) and (p / STATE_FILE).is_file()]
+
+
+def _owned(out: Path, run_id: str | None) -> list[Path]:
+    """What in ``out`` belongs to the fastgrpo run ``run_id``: its own files and whatever carries its mark."""
+    if run_id is None:
+        return []
+    return [p for p in out.iterdir() if p.name in (RUN_FILE, *RUN_OUTPUTS) or (p.is_dir() and marked_by(p, run_id))]
+
+
+def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
+    """Make ``out`` this run's and return the run's id (the caller holds the directory's `DirectoryLock`).
+
+    A new run needs an empty directory; with ``overwrite`` it deletes the earlier fastgrpo run's files there and keeps
+    everything else. ``resume`` continues the run found there (a run from before runs were marked is adopted: its
+    checkpoints get the mark). Temporaries the run left behind when it was killed are removed."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_id = read_run_id(out)
+    if run_id is None and (legacy := _legacy_checkpoints(out)) and (resume or overwrite):
+        run_id = _new_run(out)
+        for checkpoint in legacy:
+            mark(checkpoint, run_id)
+    # a run file alone is a run that wrote nothing yet (a trainer built and not trained): the directory is free
+    entries = [p for p in out.iterdir() if p.name not in (LOCK_FILE, RUN_FILE)]
+    if resume:
+        if run_id is None:
+            raise FileNotFoundError(f"--resume: no checkpoint under {out} (no fastgrpo run wrote there)")
+    elif entries:
+        owned = _owned(out, run_id)
+        foreign = sorted(p.name for p in entries if p not in owned)
+        if not overwrite:
+            what = "another run" if run_id is not None else "files that no fastgrpo run wrote"
+            names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
+            raise ValueError(
+                f"output_dir {out} holds {what} ({names}): "
+                + ("continue it with --resume, " if run_id is not None else "")
+                + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
+                "deletes an earlier fastgrpo run's files and keeps everything else)"
+            )
+        from fastgrpo.grpo.checkpoint import CHECKPOINT_RE
+
+        clashing = [name for name in foreign if CHECKPOINT_RE.match(name)]
+        if clashing:
+            raise ValueError(
+                f"output_dir {out} holds {', '.join(clashing)}, which no fastgrpo run wrote and which this run's "
+                "checkpoints would be named like; overwrite_output_dir keeps what it did not write, so choose "
+                "another output_dir"
+            )
+        for path in owned:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if owned:
+            logger.warning("overwrite_output_dir: deleted the earlier run's files in %s", out)
+        if foreign:
+            logger.warning("overwrite_output_dir: kept what no fastgrpo run wrote there: %s", ", ".join(foreign))
+        run_id = None
+    if run_id is None:
+        run_id = _new_run(out)
+    for path in remove_leftovers(out, run_id):
+        logger.warning("removed %s, left behind by an interrupted run", path)
+    return run_id
+
+
+def remove_leftovers(out: Path, run_id: str) -> list[Path]:
+    """Delete the temporaries of saves and deletions (``.checkpoint-*``) that carry ``run_id``'s mark. Returns what
+    was removed."""
+    removed = []
+    for path in sorted(out.iterdir()):
+        if path.name.startswith(".checkpoint-") and path.is_dir() and marked_by(path, run_id):
+            shutil.rmtree(path)
+            removed.append(path)
+    return removed
