@@ -489,3 +489,21 @@ def test_a_second_run_in_the_same_directory_is_refused_while_the_first_runs(mode
     second = GRPOTrainer(load_config(write_config(tmp_path / "c.yaml", model_dir, max_steps=2), []), resume=True)
     assert second.start_step == 1
     second.close()
+
+
+def test_resume_keeps_the_options_the_run_was_started_with(capsys, caplog, model_dir: Path, tmp_path: Path) -> None:
+    """A resumed run may run longer and log or save differently (each change named); a change of what it learns
+    (learning rate, model, group size, ...) is refused with every differing option's old and new value."""
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=1)
+    assert run_cli(capsys, "train", "--config", str(config))[0] == 0
+    err = refused(
+        capsys, "train", "--config", str(config), "--resume", "--learning_rate", "0.002", "--num_generations", "2"
+    )
+    assert "a resumed run keeps them: learning_rate: 0.001 when started, 0.002 now; num_generations: 4" in err
+    saved = (tmp_path / "c-run" / "config.yaml").read_text()
+    assert "learning_rate: 0.001" in saved
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.grpo.trainer"):
+        code, err = run_cli(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
+    assert code == 0, err
+    assert "--resume: max_steps changes from 1 to 2" in caplog.text
+    assert "max_steps: 2" in (tmp_path / "c-run" / "config.yaml").read_text()  # what the run now uses

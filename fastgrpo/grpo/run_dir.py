@@ -19,7 +19,9 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
+
+import yaml
 
 logger = logging.getLogger(__name__)
 
@@ -162,3 +164,46 @@ def remove_leftovers(out: Path, run_id: str) -> list[Path]:
             shutil.rmtree(path)
             removed.append(path)
     return removed
+
+
+# Options a resumed run may change: how long it runs and what it logs and saves, where and how fast it computes
+# (speculation and the draft change how fast completions come, never what they are). Any other change would mix two
+# runs in one, and is refused.
+SAFE_TO_CHANGE = {
+    "max_steps", "save_steps", "save_total_limit", "save_only_model", "logging_steps", "log_completions",
+    "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to", "overwrite_output_dir",
+    "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing", "dtype",
+    "master_weights", "logprob_chunk_tokens",
+}  # fmt: skip
+SAFE_PREFIXES = ("speculation.", "draft_training.")
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def resumed_options(out: Path, given: dict[str, Any]) -> list[str]:
+    """Check the options of a resumed run (``given``, as `fastgrpo.config.config_to_dict` makes them) against those
+    the run saved in ``out/config.yaml``: raise ``ValueError`` listing every option that differs and may not change
+    (with its saved and given value); return a line for each that may (`SAFE_TO_CHANGE`). Options the saved file
+    does not hold (added to fastgrpo since) are taken as they are given."""
+    path = out / "config.yaml"
+    if not path.is_file():
+        return []
+    saved = _flatten(yaml.safe_load(path.read_text()) or {})
+    now = _flatten(given)
+    changed = {k: (saved[k], now[k]) for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]}
+    refused = {k: v for k, v in changed.items() if k not in SAFE_TO_CHANGE and not k.startswith(SAFE_PREFIXES)}
+    if refused:
+        listed = "; ".join(f"{k}: {old!r} when started, {new!r} now" for k, (old, new) in refused.items())
+        raise ValueError(
+            f"--resume: the run in {out} was started with other options, and a resumed run keeps them: {listed}. "
+            "Give the values it was started with (its config.yaml), or start a new run"
+        )
+    return [f"{k} changes from {old!r} to {new!r}" for k, (old, new) in changed.items()]

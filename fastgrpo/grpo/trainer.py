@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo import distributed
-from fastgrpo.config import GRPOConfig
+from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, reset_peak_memory
 from fastgrpo.grpo.batch import build_batch
@@ -25,7 +25,7 @@ from fastgrpo.grpo.losses import (
 from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
-from fastgrpo.grpo.run_dir import DirectoryLock
+from fastgrpo.grpo.run_dir import DirectoryLock, resumed_options
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.memory_plan import plan_for_trainer, read_model_config
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
@@ -93,6 +93,9 @@ class GRPOTrainer:
             checkpoint, resume_state, self.run_id = prepare_output_dir(
                 self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
             )
+        if resume:
+            for change in resumed_options(self.output_dir, config_to_dict(config)):
+                logger.warning("--resume: %s", change)
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
