@@ -507,3 +507,41 @@ def test_resume_keeps_the_options_the_run_was_started_with(capsys, caplog, model
     assert code == 0, err
     assert "--resume: max_steps changes from 1 to 2" in caplog.text
     assert "max_steps: 2" in (tmp_path / "c-run" / "config.yaml").read_text()  # what the run now uses
+
+
+def test_writes_are_checked_before_the_work_and_a_full_disk_mid_save_loses_nothing(
+    capsys, monkeypatch, model_dir: Path, tmp_path: Path
+) -> None:
+    """An output_dir that cannot be made, or whose disk cannot hold the checkpoints, is refused before a model loads;
+    a disk that fills while a checkpoint is written stops the run with one line, no temporary left, and --resume
+    continues from the last complete checkpoint."""
+    (tmp_path / "a-file").write_text("")
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=3, output_dir=str(tmp_path / "a-file" / "run"))
+    assert "cannot be written" in refused(capsys, "train", "--config", str(config))
+
+    config = write_config(tmp_path / "d.yaml", model_dir, max_steps=3)
+    real_usage = shutil.disk_usage
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
+    assert "more than the 0.0 GiB free on its disk" in refused(capsys, "train", "--config", str(config))
+    monkeypatch.setattr(shutil, "disk_usage", real_usage)
+
+    from fastgrpo.grpo import checkpoint
+
+    real_save = torch.save
+
+    def full_disk(obj, path, *args, **kwargs):
+        if str(path).endswith(checkpoint.STATE_FILE) and obj["step"] == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc] . unexpected pos 4096 vs 0")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint.torch, "save", full_disk)
+    err = refused(capsys, "train", "--config", str(config))
+    out = tmp_path / "d-run"
+    assert "could not write" in err and "checkpoint-2" in err and "the latest complete checkpoint is" in err
+    assert "checkpoint-1: make room and continue with --resume" in err
+    assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-1"]
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    code, err = run_cli(capsys, "train", "--config", str(config), "--resume")
+    assert code == 0, err
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]

@@ -82,6 +82,14 @@ def save_checkpoint(
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(output_dir).free / 2**30
+        latest = latest_checkpoint(output_dir)
+        raise ValueError(
+            f"could not write {final}: {e} ({free:.1f} GiB free on its disk); the latest complete checkpoint is "
+            f"{latest or 'none'}: make room and continue with --resume"
+        ) from e
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

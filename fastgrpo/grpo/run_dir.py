@@ -19,9 +19,14 @@ import socket
 import time
 import uuid
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import yaml
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from fastgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +42,11 @@ class DirectoryLock:
     def __init__(self, directory: Path):
         import fcntl
 
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / LOCK_FILE
-        self.file: IO[str] | None = path.open("a+")
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.file: IO[str] | None = (directory / LOCK_FILE).open("a+")
+        except OSError as e:
+            raise ValueError(f"output_dir {directory} cannot be written: {e.strerror or e}") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -61,6 +68,25 @@ class DirectoryLock:
         if self.file is not None:
             self.file.close()  # closing the file releases the lock
             self.file = None
+
+
+def check_disk_space(out: Path, checkpoint_bytes: int, kept: int | None) -> None:
+    """Refuse a run whose checkpoints cannot fit on ``out``'s disk: ``kept`` of ``checkpoint_bytes`` each (all the
+    run's when None, taken as 2), plus the one being written before the oldest is removed; warn when they leave less
+    than a tenth of the free space."""
+    free = shutil.disk_usage(out).free
+    needed = checkpoint_bytes * ((kept or 2) + 1)
+    gib = 2**30
+    if needed > free:
+        raise ValueError(
+            f"output_dir {out}: its checkpoints need about {needed / gib:.1f} GiB ({(kept or 2) + 1} of "
+            f"{checkpoint_bytes / gib:.2f} GiB while one is written), more than the {free / gib:.1f} GiB free on its "
+            "disk; free space, lower save_total_limit, set save_only_model: true, or choose another output_dir"
+        )
+    if needed > 0.9 * free:
+        logger.warning(
+            "output_dir %s: its checkpoints will take %.1f of the %.1f GiB free", out, needed / gib, free / gib
+        )
 
 
 def read_run_id(out: Path) -> str | None:
@@ -207,3 +233,27 @@ def resumed_options(out: Path, given: dict[str, Any]) -> list[str]:
             "Give the values it was started with (its config.yaml), or start a new run"
         )
     return [f"{k} changes from {old!r} to {new!r}" for k, (old, new) in changed.items()]
+
+
+def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device: Any) -> int:
+    """About what one checkpoint of the run takes on disk: the policy's weights (a LoRA run's adapters only), and
+    unless ``save_only_model`` AdamW's two moments with float32 master weights where the weights are low precision;
+    the draft and its optimizer likewise when speculation is on."""
+    from fastgrpo.memory_plan import ModelShape, lora_shape, plan_dtype
+
+    shape = ModelShape.from_config(model_config)
+    width = {"float64": 8, "float32": 4}.get(plan_dtype(config.dtype, device), 2)
+    # AdamW's state per trained parameter: two moments in the parameter's dtype, or float32 moments and masters
+    state = 2 * width if width >= 4 else 12
+    if config.use_peft:  # peft keeps the adapters in float32
+        trained = lora_shape(shape, config).params
+        weights, state = trained * 4, 8
+    else:
+        trained = shape.num_parameters()
+        weights = trained * width
+    optimizer = 0 if config.save_only_model else trained * state
+    draft = 0
+    if config.speculation.mode != "off":
+        total, _ = shape.draft_parameters()
+        draft = total * width + (0 if config.save_only_model else total * (2 * width if width >= 4 else 12))
+    return weights + optimizer + draft

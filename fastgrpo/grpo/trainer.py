@@ -25,7 +25,7 @@ from fastgrpo.grpo.losses import (
 from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
-from fastgrpo.grpo.run_dir import DirectoryLock, resumed_options
+from fastgrpo.grpo.run_dir import DirectoryLock, check_disk_space, checkpoint_bytes, resumed_options
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.memory_plan import plan_for_trainer, read_model_config
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
@@ -103,6 +103,10 @@ class GRPOTrainer:
             resolve_model_path(config.model)
         model_config = model.config if model is not None else read_model_config(config.model)
         check_training_options(config, model_config)
+        if self.dist.is_main:
+            check_disk_space(
+                self.output_dir, checkpoint_bytes(config, model_config, self.dist.device), config.save_total_limit
+            )
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
             plan_for_trainer(config, model_config, self.dist.device)
         self.tokenizer = tokenizer or load_tokenizer(source)
