@@ -545,3 +545,17 @@ def test_writes_are_checked_before_the_work_and_a_full_disk_mid_save_loses_nothi
     assert code == 0, err
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
+
+
+def test_a_run_from_before_the_marks_is_recognised_and_resumed(capsys, model_dir: Path, tmp_path: Path) -> None:
+    """A run written before runs marked their files (no fastgrpo_run.json, no marks in its checkpoints) is still a
+    run: a new run is refused as over another run, and --resume adopts it."""
+    config = write_config(tmp_path / "c.yaml", model_dir, max_steps=1)
+    assert run_cli(capsys, "train", "--config", str(config))[0] == 0
+    out = tmp_path / "c-run"
+    (out / "fastgrpo_run.json").unlink()
+    (out / "checkpoint-1" / "fastgrpo_run_id").unlink()
+    assert "holds another run" in refused(capsys, "train", "--config", str(config))
+    code, err = run_cli(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
+    assert code == 0, err
+    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-1" / "fastgrpo_run_id").is_file()

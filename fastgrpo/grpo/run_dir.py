@@ -150,11 +150,12 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
         owned = _owned(out, run_id)
         foreign = sorted(p.name for p in entries if p not in owned)
         if not overwrite:
-            what = "another run" if run_id is not None else "files that no fastgrpo run wrote"
+            a_run = run_id is not None or bool(_legacy_checkpoints(out))  # a run from before the marks, too
+            what = "another run" if a_run else "files that no fastgrpo run wrote"
             names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
             raise ValueError(
                 f"output_dir {out} holds {what} ({names}): "
-                + ("continue it with --resume, " if run_id is not None else "")
+                + ("continue it with --resume, " if a_run else "")
                 + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
                 "deletes an earlier fastgrpo run's files and keeps everything else)"
             )
