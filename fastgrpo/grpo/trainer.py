@@ -226,8 +226,9 @@ class GRPOTrainer:
             advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.update_draft()
-        memory = {"memory/rollout_peak_mb": peak_memory_mb(self.device)} if self.device.type == "cuda" else {}
+        memory: dict[str, float] = {}
         if self.device.type == "cuda":  # the KV caches and captured states go back to the allocator, for the update
+            memory["memory/rollout_peak_mb"] = peak_memory_mb(self.device)
             out.hidden_states = None
             self.rollouts.release()
             reset_peak_memory(self.device)
