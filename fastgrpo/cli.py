@@ -25,17 +25,14 @@ CONFIG_COMMANDS = ("train", "eval", "draft")  # the commands whose options come 
 
 
 class _HelpFormatter(argparse.HelpFormatter):
-    """Shows every option's default (also where there is no help text)."""
+    """Shows every option's default (also where there is no help text); flags and options whose help says what their
+    default means are left as they are."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if (
-            action.default not in (None, argparse.SUPPRESS, False)
-            and "%(default)" not in text
-            and action.option_strings
-        ):
-            text += " (default: %(default)s)"
-        return text
+        if not action.option_strings or action.nargs == 0 or "default" in text or action.default is argparse.SUPPRESS:
+            return text
+        return text + (" (default: none)" if action.default is None else " (default: %(default)s)")
 
 
 def _add_config_options(parser: argparse.ArgumentParser) -> None:
@@ -82,21 +79,27 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on CPU) or a dtype")
     gen.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda")
     gen.add_argument("--prompt", action="append", default=[], help="a user message (repeatable)")
-    gen.add_argument("--prompts-file", help=".txt (one prompt per line) or .jsonl with a 'prompt' column")
-    gen.add_argument("--max-new-tokens", type=int, default=256, help="new tokens per completion at most")
+    gen.add_argument(
+        "--prompts_file", "--prompts-file", help=".txt (one prompt per line) or .jsonl with a 'prompt' column"
+    )
+    gen.add_argument(
+        "--max_completion_length", "--max-new-tokens", type=int, default=256, help="new tokens per completion at most"
+    )
+    gen.add_argument("--max_prompt_length", type=int, default=4096, help="longer prompts keep their last tokens")
     gen.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k")
-    gen.add_argument("--num-generations", type=int, default=1, help="completions per prompt")
+    gen.add_argument("--top_p", "--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    gen.add_argument("--top_k", "--top-k", type=int, default=0, help="0: no top-k")
+    gen.add_argument("--min_p", type=float, default=0.0, help="0: no min-p")
+    gen.add_argument("--num_generations", "--num-generations", type=int, default=1, help="completions per prompt")
     gen.add_argument("--seed", type=int, default=0, help="seed of the sampling")
-    gen.add_argument("--output", help="write JSONL here instead of printing")
+    gen.add_argument("--output", help="a JSONL file to write (default: print to the terminal)")
     gen.set_defaults(func=commands.generate)
 
     ev = command("eval", "mean reward of a model or checkpoint on a dataset, one sample per prompt")
     ev.add_argument(
         "--config", help="YAML config file (model, dataset, reward_funcs, sampling); options below override it"
     )
-    ev.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
+    ev.add_argument("--batch_size", "--batch-size", type=int, default=32, help="prompts generated at once")
     ev.set_defaults(func=commands.eval_command)
 
     rep = command("report", "plot a run's metrics, or several runs' overlaid")
@@ -108,11 +111,20 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     prof.add_argument("--model", default="smollm2", help="a model directory, a hub id, or the embedded smollm2")
     prof.add_argument("--dtype", default="auto", help="auto (bfloat16 on a GPU, float32 on CPU) or a dtype")
     prof.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu or cuda")
-    prof.add_argument("--draft", help="a saved draft to time (default: a fresh draft of the same architecture)")
+    prof.add_argument(
+        "--speculation.draft",
+        "--draft",
+        dest="draft",
+        help="a saved draft to time (default: a fresh draft of the same architecture)",
+    )
     prof.add_argument("--tokens", default=PROFILE_TOKENS, help="token counts to time")
-    prof.add_argument("--context-length", type=int, default=256, help="cached tokens each row attends to")
+    prof.add_argument(
+        "--context_length", "--context-length", type=int, default=256, help="cached tokens each row attends to"
+    )
     prof.add_argument("--repeats", type=int, default=9, help="rounds timing every token count once (median)")
-    prof.add_argument("--output", help="JSON path (default: the profile cache, where training finds it)")
+    prof.add_argument(
+        "--output", help="JSON file to write (default: the profile cache, where training finds it), a plot beside it"
+    )
     prof.set_defaults(func=commands.profile)
 
     draft = sub.add_parser("draft", help="draft-model commands").add_subparsers(dest="draft_command", required=True)
@@ -125,9 +137,15 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
         "--config", help="YAML config file (model, dataset, sampling, draft_training); options below override it"
     )
     dt.add_argument("--output", required=True, help="directory to save the draft in")
-    dt.add_argument("--batch-size", type=int, default=32, help="prompts generated at once")
-    dt.add_argument("--draft-vocab-size", type=int, help="reduced draft vocabulary (most frequent tokens)")
+    dt.add_argument("--batch_size", "--batch-size", type=int, default=32, help="prompts generated at once")
     dt.add_argument(
+        "--draft_vocab_size",
+        "--draft-vocab-size",
+        type=int,
+        help="reduced draft vocabulary, the most frequent tokens (default: the model's whole vocabulary)",
+    )
+    dt.add_argument(
+        "--greedy_fraction",
         "--greedy-fraction",
         type=float,
         default=0.0,
@@ -174,7 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         with sigterm_as_interrupt():
             args.func(args, rest)
-    except (ValueError, FileNotFoundError, RewardFunctionError) as e:
+    except (ValueError, OSError, RewardFunctionError) as e:
+        # OSError: a file or directory the system refused (missing, not permitted, a full disk), named by the error
         print(f"fastgrpo {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:

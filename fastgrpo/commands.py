@@ -46,56 +46,95 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         )
 
 
-def read_prompts(args: argparse.Namespace) -> list[str | list[dict]]:
-    prompts: list[str | list[dict]] = [[{"role": "user", "content": p}] for p in args.prompt]
+def read_prompts(args: argparse.Namespace) -> list[list[dict]]:
+    """The chat prompts of ``--prompt`` and ``--prompts_file``, each checked as a dataset's prompt is; an error names
+    the option, or the file and line."""
+    from fastgrpo.data.prompts import prompt_problem
+    from fastgrpo.paths import read_text
+
+    given: list[tuple[str, object]] = [(f"--prompt {n}", p) for n, p in enumerate(args.prompt, 1)]
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
-            raise FileNotFoundError(f"--prompts-file {path} does not exist")
-        for n, line in enumerate(path.read_text().splitlines(), 1):
+            raise FileNotFoundError(f"--prompts_file: {path} is not a file")
+        for n, line in enumerate(read_text(path).splitlines(), 1):
             if not line.strip():
                 continue
+            where = f"{path} line {n}"
             if path.suffix == ".jsonl":
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise ValueError(f"{path} line {n}: not valid JSON ({e.msg})") from e
-                if "prompt" not in row:
-                    raise ValueError(f"{path} line {n}: no 'prompt' column")
-                prompt = row["prompt"]
+                    raise ValueError(f"{where}: not valid JSON ({e.msg})") from e
+                if not isinstance(row, dict) or "prompt" not in row:
+                    raise ValueError(f"{where}: expected an object with a 'prompt' column, got {_shown(row)}")
+                given.append((f"{where}: 'prompt'", row["prompt"]))
             else:
-                prompt = line
-            prompts.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
-    if not prompts:
-        raise ValueError("give at least one --prompt or a --prompts-file")
+                given.append((where, line))
+    if not given:
+        raise ValueError("give at least one --prompt or a --prompts_file")
+    prompts = []
+    for where, prompt in given:
+        problem = prompt_problem(prompt)
+        if problem is not None:
+            raise ValueError(f"{where} {problem}")
+        prompts.append([{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt)
     return prompts
 
 
+def _shown(value: object, limit: int = 60) -> str:
+    """A JSON value as a message shows it: its type and its start."""
+    text = json.dumps(value)
+    return f"{type(value).__name__} {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
 def generate(args: argparse.Namespace, overrides: list[str]) -> None:
-    if args.num_generations < 1 or args.max_new_tokens < 1:
-        raise ValueError("--num-generations and --max-new-tokens must be >= 1")
+    for option in ("num_generations", "max_prompt_length"):
+        if getattr(args, option) < 1:
+            raise ValueError(f"--{option} must be >= 1, got {getattr(args, option)}")
+    if not 0 <= args.seed < 2**63:
+        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
     import torch
 
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import check_model_source, encode_prompts, eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.models import (
+        check_cache_dir,
+        check_model_source,
+        encode_prompts,
+        eos_token_ids,
+        load_model,
+        load_tokenizer,
+    )
+    from fastgrpo.paths import check_writable_file
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.sampling_params import SamplingParams
 
+    try:
+        params = SamplingParams(
+            max_new_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            min_p=args.min_p,
+        )
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('max_new_tokens', 'max_completion_length')}") from None
     check_model_source(args.model, "--model")
     device = resolve_device(args.device)
-
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
     prompts = read_prompts(args)
+    if args.output:
+        check_writable_file(args.output, "--output")
+    check_cache_dir()
     tokenizer = load_tokenizer(args.model)
     model = load_model(args.model, dtype=args.dtype, device=device)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    ids = encode_prompts(tokenizer, prompts, max_prompt_length=4096)
+    ids = encode_prompts(tokenizer, prompts, max_prompt_length=args.max_prompt_length)
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     out = engine.generate(ids, params, num_generations=args.num_generations, generator=generator)
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    sink = open(args.output, "w") if args.output else None  # noqa: SIM115
+    if args.output:
+        Path(args.output).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
     for i, text in enumerate(texts):
         prompt = prompts[i // args.num_generations]
         if sink:
@@ -114,16 +153,17 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
 def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
     import torch
     from tqdm.auto import tqdm
 
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.models import check_cache_dir, encode_prompts, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
 
+    check_cache_dir()
     rows = load_dataset(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs)
     check_columns(funcs, rows)
@@ -148,26 +188,41 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
 def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.config import load_config
+    from fastgrpo.config.files import read_options
 
-    config = load_config(args.config, overrides)
+    dataset = read_options(args.config, overrides).get("dataset")
+    dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by load_config, naming it
+    held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
+    config = load_config(args.config, overrides, defaults={"dataset": {"split": "test"}} if held_out else None)
+    if held_out:
+        print(
+            "eval: arithmetic questions of the test split, which training never draws (--dataset.split train for "
+            "training's)",
+            file=sys.stderr,
+        )
     result = evaluate(config, args.batch_size)
     print(json.dumps({"model": config.model, "dataset": config.dataset.name, **result}))
 
 
 def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     if not 0.0 <= args.greedy_fraction <= 1.0:
-        raise ValueError(f"--greedy-fraction must be in [0, 1], got {args.greedy_fraction}")
+        raise ValueError(f"--greedy_fraction must be in [0, 1], got {args.greedy_fraction}")
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+        raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
+        raise ValueError(f"--draft_vocab_size must be >= 1, got {args.draft_vocab_size}")
     from fastgrpo.config import load_config
 
     config = load_config(args.config, overrides)
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.models import check_cache_dir, eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.paths import check_writable_dir
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.speculative.offline import train_offline
 
+    check_writable_dir(args.output, "--output")
+    check_cache_dir()
     rows = load_dataset(config.dataset)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
@@ -202,17 +257,20 @@ def parse_tokens(text: str) -> tuple[int, ...]:
 def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     tokens = parse_tokens(args.tokens)
     if args.repeats < 1 or args.context_length < 2:
-        raise ValueError("--repeats must be >= 1 and --context-length >= 2")
+        raise ValueError("--repeats must be >= 1 and --context_length >= 2")
     if args.draft is not None and not Path(args.draft).is_dir():
         raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import check_model_source, load_model
+    from fastgrpo.models import check_cache_dir, check_model_source, load_model
+    from fastgrpo.paths import check_writable_file
     from fastgrpo.report import plot_profile
     from fastgrpo.speculative import profiler
     from fastgrpo.speculative.draft import DraftHead
 
     check_model_source(args.model, "--model")
-
+    check_cache_dir()
+    if args.output:
+        check_writable_file(args.output, "--output")
     device = resolve_device(args.device)
     model = load_model(args.model, dtype=args.dtype, device=device)
     model.requires_grad_(False)
@@ -238,12 +296,15 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def report(args: argparse.Namespace, overrides: list[str]) -> None:
+    from fastgrpo.paths import check_writable_dir
     from fastgrpo.report import plot_runs, read_metrics, summary
 
     runs = {}
     for run_dir in args.run_dirs:
         name = Path(run_dir).name if Path(run_dir).name not in runs else str(run_dir)
         runs[name] = read_metrics(run_dir)
-    paths = plot_runs(runs, args.output or Path(args.run_dirs[0]) / "report")
+    output = args.output or Path(args.run_dirs[0]) / "report"
+    check_writable_dir(output, "--output")
+    paths = plot_runs(runs, output)
     print(summary(runs))
     print("plots: " + ", ".join(map(str, paths)))

@@ -1,5 +1,6 @@
 """Errors that stand for a mistake in what a run was given rather than a bug in fastgrpo: the command line reports
-them (and ``ValueError``, ``FileNotFoundError``) as a one-paragraph message, without a traceback."""
+them (and ``ValueError`` and ``OSError``, which names the file the system refused) as a one-paragraph message,
+without a traceback."""
 
 from __future__ import annotations
 

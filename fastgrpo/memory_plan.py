@@ -879,14 +879,21 @@ def plan_for_trainer(config: GRPOConfig, model_config: PretrainedConfig, device:
 
 def read_model_config(name: str) -> PretrainedConfig:
     """The transformers config of ``config.model`` (a directory, a hub id, or ``smollm2``), without its weights or
-    tokenizer."""
+    tokenizer; ``ValueError`` when it is not the config of a causal language model."""
     from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     check_model_source(name)
     try:
-        return AutoConfig.from_pretrained(resolve_model_path(name))
+        model_config = AutoConfig.from_pretrained(resolve_model_path(name))
     except (OSError, ValueError) as e:
         raise ValueError(f"model: cannot read the config of {name}: {e}") from None
+    if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(model_config, "auto_map", None):
+        raise ValueError(
+            f"model: cannot load {name} as a causal language model: its config is a {type(model_config).__name__}, "
+            "of a model that transformers' AutoModelForCausalLM does not build"
+        )
+    return model_config
 
 
 def dry_run(config: GRPOConfig) -> str:

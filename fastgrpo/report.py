@@ -13,6 +13,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastgrpo.paths import read_text
+
 if TYPE_CHECKING:
     from fastgrpo.speculative.profiler import LatencyProfile
 
@@ -24,6 +26,7 @@ CURVES = (  # metric, panel title, y-axis label
     ("draft/accuracy", "Draft accuracy (before training on the step)", "share of tokens"),
     ("draft/loss", "Draft loss", "loss"),
 )
+REQUIRED = ("step", "reward", "time/step")  # what every line of a run's metrics.jsonl holds
 DASHED = {"spec/accept_length": "spec/tree_accept_length"}  # drawn dashed in the same panel and colour
 PHASES = (
     ("time/rollout", "rollout"),
@@ -39,14 +42,34 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a fastgrpo run directory")
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}, line {number}: not JSON ({e})") from None
+        problem = _metrics_problem(row)
+        if problem is not None:
+            raise ValueError(f"{path}, line {number}: {problem}; is this a metrics.jsonl of fastgrpo train?")
+        rows.append(row)
     if not rows:
         raise ValueError(f"{path} has no steps yet")
     return rows
+
+
+def _metrics_problem(row: object) -> str | None:
+    """Why ``row`` is not a step's metrics as the plots read them, or None."""
+    if not isinstance(row, dict):
+        return f"expected a JSON object of metrics, got {type(row).__name__}"
+    for key in REQUIRED:
+        if key not in row:
+            return f"no {key!r}"
+    for key in (*REQUIRED, *(k for k, _, _ in CURVES), *DASHED.values(), *(k for k, _ in PHASES)):
+        value = row.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"{key!r} is {json.dumps(value)}, not a number"
+    return None
 
 
 def phase_seconds(rows: list[dict[str, float]]) -> dict[str, float]:

@@ -9,11 +9,13 @@ cannot score.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
 import math
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -119,13 +121,35 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 }
 
 
+def _named(func: RewardFunc, name: str) -> RewardFunc:
+    """``func`` under the name it was asked for, so that its metrics are ``rewards/<name>/...`` (``accuracy`` is
+    `gsm8k_flexible`)."""
+    if func.__name__ == name:
+        return func
+
+    @functools.wraps(func)
+    def reward(*args: Any, **kwargs: Any) -> Any:
+        return func(*args, **kwargs)
+
+    reward.__name__ = reward.__qualname__ = name
+    return reward
+
+
 def _import_reward(spec: str) -> RewardFunc:
-    """Import a reward function given as ``"module.path:function"``."""
+    """Import a reward function given as ``"module.path:function"``; a module in the current directory is found, as
+    ``python -m`` finds it."""
     module_name, _, attribute = spec.partition(":")
+    cwd = os.getcwd()
+    searched = cwd not in sys.path and "" not in sys.path
+    if searched:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import module {module_name!r} for reward function {spec!r}: {exc}") from exc
+    finally:
+        if searched:
+            sys.path.remove(cwd)
     func = getattr(module, attribute, None)
     if not callable(func):
         raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attribute!r}")
@@ -139,7 +163,7 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
         if callable(spec):
             funcs.append(spec)
         elif spec in REWARD_FUNCS:
-            funcs.append(REWARD_FUNCS[spec])
+            funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
             funcs.append(_import_reward(spec))
         else:

@@ -396,3 +396,24 @@ def test_build_prompt_appends_instruction_to_last_user_message() -> None:
     assert built[1]["content"] == "first"
     assert built[3]["content"] == "second\nThink."
     assert messages[2]["content"] == "second  "
+
+
+def questions(rows: list[dict]) -> set[str]:
+    return {row["prompt"][-1]["content"] for row in rows}
+
+
+@pytest.mark.parametrize("options", [{}, {"digits": 2, "operators": "+-*"}, {"operands": 3, "word_problems": True}])
+def test_arithmetic_test_split_never_shares_a_question_with_train(options: dict) -> None:
+    """A fifth of the questions is held out (by a hash of the question, whatever its wording): training never draws
+    one, the test split draws nothing else, distinct questions, as many as it has when num_examples is more."""
+    train = make_arithmetic(DataConfig(num_examples=2000, **options))
+    test = make_arithmetic(DataConfig(num_examples=300, split="test", seed=5, **options))
+    assert not questions(train) & questions(test)
+    assert len(questions(test)) == len(test) and len(test) > 10
+
+
+def test_the_one_digit_sums_split_and_a_split_that_cannot_be() -> None:
+    train, test = make_arithmetic(DataConfig()), make_arithmetic(DataConfig(split="test", num_examples=200))
+    assert (len(questions(train)), len(test)) == (67, 14) and not questions(train) & questions(test)
+    with pytest.raises(ValueError, match=r"dataset.split of the arithmetic generator must be one of train, test"):
+        make_arithmetic(DataConfig(split="validation"))

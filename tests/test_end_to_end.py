@@ -73,4 +73,4 @@ def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as excinfo:
         main(["draft", "train", "--output", str(out), "--dataset.limit", "2", "--greedy-fraction", "1.5"])
     assert excinfo.value.code == 2
-    assert "--greedy-fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert "--greedy_fraction must be in [0, 1], got 1.5" in capsys.readouterr().err

@@ -21,6 +21,7 @@ LAYERS = [
         "fastgrpo.threads",
         "fastgrpo.device_memory",
         "fastgrpo.precision",
+        "fastgrpo.paths",
     ],
     ["fastgrpo.models"],
     ["fastgrpo.answers", "fastgrpo.rewards", "fastgrpo.data", "fastgrpo.config", "fastgrpo.memory_plan"],

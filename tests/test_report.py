@@ -62,7 +62,18 @@ def test_report_names_what_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFi
     assert "missing/metrics.jsonl not found" in capsys.readouterr().err
     bad = tmp_path / "bad"
     bad.mkdir()
-    (bad / "metrics.jsonl").write_text('{"step": 1}\nnot json\n')
+    step = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
+    for text, message in (
+        (step + "not json\n", "metrics.jsonl, line 2: not JSON"),
+        (step + "[1, 2]\n", "metrics.jsonl, line 2: expected a JSON object of metrics, got list"),
+        (step + '{"step": 2, "time/step": 2.0}\n', "metrics.jsonl, line 2: no 'reward'"),
+        (step + '{"step": 2, "reward": "high", "time/step": 2.0}\n', "line 2: 'reward' is \"high\", not a number"),
+    ):
+        (bad / "metrics.jsonl").write_text(text)
+        with pytest.raises(SystemExit):
+            main(["report", str(bad)])
+        assert message in capsys.readouterr().err
+    (bad / "metrics.jsonl").write_bytes(step.encode() + b"\xff\n")
     with pytest.raises(SystemExit):
         main(["report", str(bad)])
-    assert "metrics.jsonl, line 2: not JSON" in capsys.readouterr().err
+    assert "metrics.jsonl, line 2, column 1: not UTF-8 text (byte 0xff)" in capsys.readouterr().err

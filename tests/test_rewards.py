@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import threading
 
 import pytest
@@ -16,7 +17,9 @@ from fastgrpo.rewards import (
     gsm8k_flexible,
     gsm8k_strict,
     math_accuracy,
+    required_columns,
     resolve_reward_funcs,
+    reward_name,
 )
 
 
@@ -155,7 +158,22 @@ def test_resolve_reward_funcs() -> None:
         return [0.0] * len(completions)
 
     resolved = resolve_reward_funcs(["format", "accuracy", custom, "fastgrpo.rewards:gsm8k_strict"])
-    assert resolved == [format_reward, gsm8k_flexible, custom, gsm8k_strict]
+    assert resolved[2:] == [custom, gsm8k_strict]
+    # a built-in is logged under the name it was given: accuracy is gsm8k_flexible, named accuracy
+    assert [reward_name(f) for f in resolved] == ["format", "accuracy", "custom", "gsm8k_strict"]
+    assert resolved[0].__wrapped__ is format_reward and resolved[1].__wrapped__ is gsm8k_flexible
+    assert resolved[1](completions=["so 4"], answer=["4"]) == [1.0]
+    assert required_columns(resolved[1]) == ["answer"]
+
+
+def test_a_reward_module_in_the_current_directory_is_found(tmp_path, monkeypatch) -> None:
+    """As ``python -m`` finds it, whatever directory the ``fastgrpo`` script lives in; sys.path is left as it was."""
+    (tmp_path / "my_rewards_here.py").write_text("def short(completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    (func,) = resolve_reward_funcs(["my_rewards_here:short"])
+    assert func(completions=["a", "b"]) == [1.0, 1.0] and sys.path == before
 
 
 def test_unknown_reward_name_lists_valid_names() -> None:

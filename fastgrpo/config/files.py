@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from fastgrpo.config.grpo import GRPOConfig
+from fastgrpo.paths import read_text
 
 
 class YAMLLoader(yaml.SafeLoader):
@@ -119,25 +120,35 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
-    """Read a YAML config (optional), apply ``--option value`` overrides, build and validate."""
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
+) -> GRPOConfig:
+    """Read a YAML config (optional), apply ``--option value`` overrides, build and validate. ``defaults`` (nested
+    like the YAML) replace the options' own defaults where neither the file nor the overrides set them."""
+    values = _merge(defaults or {}, read_options(path, overrides))
+    config = _build(GRPOConfig, values)
+    config.validate()
+    return config
+
+
+def read_options(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """The options a YAML config (optional) and ``--option value`` overrides set, as nested plain data."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
+            raise FileNotFoundError(
+                f"config file {path} " + ("is a directory, not a file" if path.is_dir() else "does not exist")
+            )
         try:
-            values = yaml.load(path.read_text(), Loader=YAMLLoader) or {}
+            values = yaml.load(read_text(path), Loader=YAMLLoader) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
             raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a mapping of options")
-    values = _merge(values, parse_overrides(overrides or []))
-    config = _build(GRPOConfig, values)
-    config.validate()
-    return config
+    return _merge(values, parse_overrides(overrides or []))
 
 
 def config_to_dict(config: GRPOConfig) -> dict[str, Any]:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import random
+import zlib
 from typing import Any
 
 from fastgrpo.data.config import DataConfig
@@ -21,6 +23,8 @@ _MULTIPLICATION_TEMPLATES = (
     "{name} has {a} bags with {b} {item} in each bag. How many {item} does {name} have?",
     "Each box holds {b} {item}. How many {item} are in {a} boxes?",
 )
+logger = logging.getLogger(__name__)
+MAX_DRAWS = 10_000  # draws for one question of the split before the split is taken to be empty
 _NAMES = ("Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena")
 _ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "shells")
 
@@ -60,23 +64,64 @@ def _plain_question(numbers: list[int], operators: list[str]) -> str:
     return f"What is {' '.join(parts)}?"
 
 
+def held_out(numbers: list[int], operators: list[str]) -> bool:
+    """Whether the question ``numbers`` joined by ``operators`` belongs to the test split: one in five questions,
+    chosen by a hash of the question (not of its wording), so that the two splits never share one."""
+    return zlib.crc32(_plain_question(numbers, operators).encode()) % 5 == 0
+
+
+def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None) -> tuple[list[int], list[str]] | None:
+    """Numbers and operators of a question of ``cfg.split`` not in ``drawn`` (None: repeats allowed), drawn until
+    one comes; None after `MAX_DRAWS` draws without one."""
+    for _ in range(MAX_DRAWS):
+        numbers = [rng.randint(1, high) for _ in range(cfg.operands)]
+        operators = [rng.choice(cfg.operators) for _ in range(cfg.operands - 1)]
+        if held_out(numbers, operators) != (cfg.split == "test"):
+            continue
+        if drawn is None:
+            return numbers, operators
+        question = _plain_question(numbers, operators)
+        if question not in drawn:
+            drawn.add(question)
+            return numbers, operators
+    return None
+
+
 def make_arithmetic(cfg: DataConfig) -> list[dict[str, Any]]:
     """Synthetic arithmetic prompts, deterministic in ``cfg.seed``.
 
     Each example has ``cfg.operands`` numbers of 1 to ``cfg.digits`` digits joined by operators drawn from
-    ``cfg.operators`` (usual precedence). Rows hold ``prompt`` (chat messages with the bare question, plus
-    ``cfg.instruction`` only if set) and ``answer`` (the exact integer result as a string).
+    ``cfg.operators`` (usual precedence). ``cfg.split`` is ``train`` or ``test``: a fixed fifth of the possible
+    questions (`held_out`) is only ever drawn for ``test``, so an evaluation on it measures questions training never
+    saw. ``train`` draws ``cfg.num_examples`` questions with repeats; ``test`` draws distinct ones, as many as the
+    split has when that is fewer (one-digit sums have 14). Rows hold ``prompt`` (chat messages with the bare
+    question, plus ``cfg.instruction`` only if set) and ``answer`` (the exact integer result as a string).
     """
     cfg.validate()
     rng = random.Random(cfg.seed)
     high = 10**cfg.digits - 1
     rows = []
+    drawn: set[str] | None = set() if cfg.split == "test" else None
     for _ in range(cfg.num_examples):
-        numbers = [rng.randint(1, high) for _ in range(cfg.operands)]
-        operators = [rng.choice(cfg.operators) for _ in range(cfg.operands - 1)]
+        question_terms = _draw(rng, cfg, high, drawn)
+        if question_terms is None:
+            break
+        numbers, operators = question_terms
         question = (_word_problem(rng, numbers, operators) if cfg.word_problems else None) or _plain_question(
             numbers, operators
         )
         prompt = build_prompt(question, cfg.system_prompt, cfg.instruction)
         rows.append({"prompt": prompt, "answer": str(_evaluate(numbers, operators))})
+    if not rows:
+        raise ValueError(
+            f"dataset: the arithmetic questions of {cfg.digits}-digit numbers with {cfg.operands} operands and "
+            f"operators {cfg.operators!r} have no {cfg.split} split; allow more digits, operands or operators"
+        )
+    if len(rows) < cfg.num_examples:
+        logger.info(
+            "dataset: the arithmetic %s split has %d distinct questions, fewer than num_examples (%d): all of them",
+            cfg.split,
+            len(rows),
+            cfg.num_examples,
+        )
     return rows

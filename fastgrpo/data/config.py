@@ -9,6 +9,7 @@ from fastgrpo.data.presets import PRESETS
 from fastgrpo.fields import option
 
 ARITHMETIC_OPERATORS = "+-*"
+ARITHMETIC_SPLITS = ("train", "test")
 
 
 @dataclass
@@ -31,7 +32,11 @@ class DataConfig:
         ".json or .parquet file, or a Hugging Face datasets id (needs `datasets` and a network)",
     )
     path: str | None = option(None, help="the file a preset reads (None: the preset's hub dataset)")
-    split: str = option("train", help="split of a hub dataset")
+    split: str = option(
+        "train",
+        help="split of a hub dataset, or of the arithmetic generator: `train`, or `test` (the questions `train` never "
+        "draws; `fastgrpo eval` takes it unless told otherwise)",
+    )
     prompt_column: str = option("prompt", help="column holding the question or chat messages")
     answer_column: str | None = option(
         None, help="column holding the gold answer (a dotted path into nested records works); None: the preset's"
@@ -52,6 +57,12 @@ class DataConfig:
         """Raise ValueError naming the first invalid field."""
         _require(bool(self.name.strip()), "name", "must not be empty", self.name)
         _require(bool(self.split.strip()), "split", "must not be empty", self.split)
+        _require(
+            self.name != "arithmetic" or self.split in ARITHMETIC_SPLITS,
+            "split",
+            f"of the arithmetic generator must be one of {', '.join(ARITHMETIC_SPLITS)}",
+            self.split,
+        )
         _require(bool(self.prompt_column.strip()), "prompt_column", "must not be empty", self.prompt_column)
         _require(
             self.answer_column is None or bool(self.answer_column.strip()),

@@ -8,6 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fastgrpo.paths import read_text
+
 Record = tuple[str, Any]
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -19,21 +21,20 @@ class DatasetSourceError(ValueError):
 def _read_jsonl(path: Path) -> list[Record]:
     """Objects of a JSON Lines file (blank lines skipped), located by line number."""
     records = []
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"line {number}", json.loads(line)))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg}") from exc
+    for number, line in enumerate(read_text(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"line {number}", json.loads(line)))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg}") from exc
     return records
 
 
 def _read_json(path: Path) -> list[Record]:
     """Objects of a JSON file holding a list of objects or ``{"data": [...]}``, located by row (1-based)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON: {exc}") from exc
     if isinstance(data, dict) and "data" in data:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastgrpo.paths import unicode_problem
+
 Messages = list[dict[str, Any]]
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -11,7 +13,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 def prompt_problem(value: Any) -> str | None:
     """Why ``value`` is not a usable prompt, or None when it is."""
     if isinstance(value, str):
-        return None if value.strip() else "is an empty string"
+        return unicode_problem(value) if value.strip() else "is an empty string"
     if not isinstance(value, list) or not value:
         return f"must be a non-empty string or a list of {{role, content}} messages, got {type(value).__name__}"
     for message in value:
@@ -21,6 +23,9 @@ def prompt_problem(value: Any) -> str | None:
             return "must be a list of {role, content} messages; found a message without string 'content'"
         if message["role"] not in CHAT_ROLES:
             return f"has a message with role {message['role']!r}; roles are {', '.join(CHAT_ROLES)}"
+        problem = unicode_problem(message["content"])
+        if problem is not None:
+            return f"has a message whose content {problem}"
     if not any(message["role"] == "user" for message in value):
         return "has no user message"
     return None

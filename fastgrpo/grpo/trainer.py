@@ -28,7 +28,14 @@ from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_dir import DirectoryLock, check_disk_space, checkpoint_bytes, resumed_options
 from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.memory_plan import plan_for_trainer, read_model_config
-from fastgrpo.models import eos_token_ids, load_model, load_tokenizer, resolve_model_path, warn_if_bf16_emulated
+from fastgrpo.models import (
+    check_cache_dir,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+    warn_if_bf16_emulated,
+)
 from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.sequence import GenerationOutput
@@ -99,6 +106,7 @@ class GRPOTrainer:
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         source = str(checkpoint) if checkpoint else config.model
+        check_cache_dir()
         with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
             resolve_model_path(config.model)
         model_config = model.config if model is not None else read_model_config(config.model)

@@ -1,0 +1,59 @@
+"""The files a command reads and writes, checked the way a user needs: text that is not UTF-8 is named with its file and
+line, and a place a command will write is checked writable before any model loads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def read_text(path: Path) -> str:
+    """The UTF-8 text of ``path``; ``ValueError`` naming the file, line and byte when it is not UTF-8 text (a binary
+    file, or text saved in another encoding)."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise ValueError(
+            f"{path}, line {line}, column {column}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8"
+        ) from None
+
+
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` cannot be tokenized (it holds a lone surrogate, as invalid bytes in a command-line argument or a
+    JSON ``\\ud800`` escape give), or None when it can."""
+    for index, char in enumerate(text):
+        if 0xD800 <= ord(char) <= 0xDFFF:
+            return f"holds a lone surrogate (U+{ord(char):04X}) at character {index + 1}, which is not valid Unicode"
+    return None
+
+
+def _nearest_existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable_dir(path: str | Path, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when the directory ``path`` can neither be written nor created."""
+    path = Path(path).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what}: {path} is a file, not a directory")
+    existing = _nearest_existing(path)
+    if not existing.is_dir():
+        raise ValueError(f"{what}: {path} cannot be created: {existing} is a file, not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"{what}: {path} cannot be written: {existing} is not writable by this user")
+
+
+def check_writable_file(path: str | Path, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when the file ``path`` cannot be written (its directory is created when
+    missing, by whoever writes it)."""
+    path = Path(path).expanduser().absolute()
+    if path.is_dir():
+        raise ValueError(f"{what}: {path} is a directory, not a file")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"{what}: {path} cannot be written: the file is not writable by this user")
+    check_writable_dir(path.parent, what)
