@@ -1,0 +1,513 @@
+"""The bad-input matrix: what a user can get wrong on the command line, each case with the outcome it must have.
+
+A case runs ``fastgrpo ARGV`` in this process on a tiny random Llama (with the SmolLM2 tokenizer) and is classified:
+``message`` (exit 2, no traceback, the expected words), ``other message`` (exit 2, other words), ``late message``
+(the expected words, but after a model loaded though the fact was knowable before), ``warned`` and ``correct`` (ran,
+saying what it should), ``silent`` (ran although it should have refused, or without the warning), ``traceback``.
+``tests/test_bad_input_matrix.py`` asserts each case's outcome; ``python tests/bad_input_matrix.py`` prints every
+case's outcome and the counts, for whatever ``fastgrpo`` is importable (an older checkout on ``PYTHONPATH`` too).
+Signals, a disk that fills mid-save, concurrent runs and resumed runs have tests of their own in
+``tests/test_bad_inputs.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import math
+import os
+import sys
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REFUSED, WARNS, RUNS = "refused", "warns", "runs"
+GOOD = {REFUSED: "message", WARNS: "warned", RUNS: "correct"}
+
+
+# Reward functions the cases name as bad_input_matrix:NAME.
+def length_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [float(len(c) % 7) for c in completions]
+
+
+def inf_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [math.inf] * len(completions)
+
+
+def none_reward(completions: list, **kwargs: Any) -> list[None]:
+    return [None] * len(completions)
+
+
+def nan_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [math.nan] * len(completions)
+
+
+def raising_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [1.0 / (len(c) - len(c)) for c in completions]
+
+
+def short_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [1.0]
+
+
+def scalar_reward(completions: list, **kwargs: Any) -> float:
+    return 1.0
+
+
+def tiny_run(**options: Any) -> dict[str, Any]:
+    """The options of a one-step run of 1 prompt x 4 completions of 4 tokens, with ``options`` on top."""
+    return {
+        "model": "{model}",
+        "dataset": {"num_examples": 8},
+        "reward_funcs": ["bad_input_matrix:length_reward"],
+        "num_generations": 4,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 1,
+        "max_completion_length": 4,
+        "max_steps": 1,
+        "save_steps": 1,
+        "output_dir": "{tmp}/run",
+        "progress_bar": False,
+        "log_completions": False,
+        "speculation": {"mode": "off"},
+        **options,
+    }
+
+
+@dataclass(frozen=True)
+class Case:
+    """``fastgrpo ARGV`` (``{tmp}`` and ``{model}`` filled in), after ``files`` are written under ``{tmp}``, ``env``
+    set and ``setup`` run; with ``config``, its options are written to ``{tmp}/c.yaml`` and given as ``--config``."""
+
+    name: str
+    argv: tuple[str, ...]
+    expect: str
+    says: str
+    config: dict[str, Any] | None = None
+    files: dict[str, str | bytes] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+    setup: Callable[[Path], None] | None = None
+    needs_model: bool = False  # the fact can only be known once the model has loaded
+
+
+def train(name: str, expect: str, says: str, needs_model: bool = False, **options: Any) -> Case:
+    """A training run of `tiny_run` with ``options``."""
+    return Case(name, ("train",), expect, says, config=tiny_run(**options), needs_model=needs_model)
+
+
+def dataset_file(name: str, says: str, content: str | bytes, suffix: str = ".jsonl", **options: Any) -> Case:
+    """A training run on a dataset file holding ``content``."""
+    path = "{tmp}/data" + suffix
+    config = tiny_run(dataset={"name": path}, **options)
+    return Case(name, ("train",), REFUSED, says, config=config, files={"data" + suffix: content})
+
+
+def prompts_file(name: str, says: str, content: str | bytes, suffix: str = ".jsonl") -> Case:
+    """``fastgrpo generate`` of the prompts in a file holding ``content``."""
+    argv = ("generate", "--model", "{model}", "--prompts_file", "{tmp}/p" + suffix)
+    return Case(name, argv, REFUSED, says, files={"p" + suffix: content})
+
+
+def save_t5(tmp: Path) -> None:
+    """A model directory, with a tokenizer, of a model that is not a causal LM."""
+    from transformers import T5Config
+
+    from fastgrpo.models import load_tokenizer
+
+    T5Config(d_model=8, num_layers=1, num_heads=1, d_kv=8, d_ff=8, vocab_size=16).save_pretrained(tmp / "t5")
+    load_tokenizer("smollm2").save_pretrained(tmp / "t5")
+
+
+def save_qwen_draft(tmp: Path) -> None:
+    """A draft saved for a Qwen2 model, not for the Llama the runs train."""
+    from transformers import Qwen2Config
+
+    from fastgrpo.speculative.draft import DraftHead
+
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    DraftHead(config, "qwen2").save(tmp / "draft")
+
+
+FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
+METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
+TRAIN_ROW = '{"prompt": "What is 2 + 2?", "answer": "4"}\n'
+
+# fmt: off
+CASES: list[Case] = [
+    # -- options that cannot work, refused before a model loads ---------------------------------------------------
+    train("learning rate negative", REFUSED, "learning_rate", learning_rate=-1.0),
+    train("learning rate infinite", REFUSED, "learning_rate must be a finite number", learning_rate=math.inf),
+    train("temperature 0 in training", REFUSED, "temperature", temperature=0.0),
+    train("temperature infinite", REFUSED, "temperature must be a finite number", temperature=math.inf),
+    train("temperature negative", REFUSED, "temperature", temperature=-1.0),
+    train("top_p 0", REFUSED, "top_p", top_p=0.0),
+    train("top_p above 1", REFUSED, "top_p", top_p=1.5),
+    train("top_k negative", REFUSED, "top_k", top_k=-1),
+    train("min_p 1", REFUSED, "min_p", min_p=1.0),
+    train("one generation per prompt", REFUSED, "num_generations", num_generations=1),
+    train("batch not a multiple of the group", REFUSED, "per_device_train_batch_size", per_device_train_batch_size=6),
+    train("no accumulation steps", REFUSED, "gradient_accumulation_steps", gradient_accumulation_steps=0),
+    train("no completion tokens", REFUSED, "max_completion_length", max_completion_length=0),
+    train("completions beyond the context", REFUSED, "max_position_embeddings", max_completion_length=10**9),
+    train("no prompt tokens", REFUSED, "max_prompt_length", max_prompt_length=0),
+    train("no steps", REFUSED, "max_steps", max_steps=0),
+    train("save every 0 steps", REFUSED, "save_steps", save_steps=0),
+    train("keep 0 checkpoints", REFUSED, "save_total_limit", save_total_limit=0),
+    train("negative KL weight", REFUSED, "beta", beta=-1.0),
+    train("negative clip range", REFUSED, "epsilon", epsilon=-0.1),
+    train("Adam beta1 of 1", REFUSED, "adam_beta1", adam_beta1=1.0),
+    train("Adam beta2 negative", REFUSED, "adam_beta2", adam_beta2=-0.1),
+    train("negative seed", REFUSED, "seed", seed=-1),
+    train("seed beyond 64 bits", REFUSED, "seed", seed=2**64),
+    train("LoRA rank 0", REFUSED, "lora_r", use_peft=True, lora_r=0),
+    train("LoRA dropout above 1", REFUSED, "lora_dropout", use_peft=True, lora_dropout=1.5),
+    train("log completions every 0 steps", REFUSED, "log_completions_steps", log_completions_steps=0),
+    train("unknown loss type", REFUSED, "loss_type", loss_type="ppo"),
+    train("unknown scheduler", REFUSED, "lr_scheduler_type", lr_scheduler_type="sawtooth"),
+    train("warmup ratio above 1", REFUSED, "warmup_ratio", warmup_ratio=2.0),
+    train("negative gradient clip", REFUSED, "max_grad_norm", max_grad_norm=-1.0),
+    train("empty output_dir", REFUSED, "output_dir", output_dir=""),
+    train("unknown speculation mode", REFUSED, "speculation.mode", speculation={"mode": "turbo"}),
+    train("a tree of 5000 nodes", REFUSED, "nodes", speculation={"mode": "static", "nodes": 5000}),
+    train("a tree 100 levels deep", REFUSED, "depth", speculation={"mode": "static", "depth": 100}),
+    train("draft learning rate infinite", REFUSED, "draft_training.learning_rate must be a finite number",
+          draft_training={"learning_rate": math.inf}),
+    train("an empty stop string", REFUSED, "stop strings must not be empty", stop=[""]),
+    Case("a misspelt option", ("train", "--learnig_rate", "1e-5"), REFUSED, "did you mean learning_rate?"),
+    train("unknown dtype", REFUSED, "dtype", dtype="float8"),
+    train("a GPU that is not there", REFUSED, "device: cuda was asked for but torch sees no GPU", device="cuda"),
+    train("unknown report_to", REFUSED, "report_to", report_to=["wandb"]),
+    train("unknown reward name", REFUSED, "unknown reward function 'acuracy'", reward_funcs=["acuracy"]),
+    train("reward module missing", REFUSED, "cannot import module 'no_such_module'", reward_funcs=["no_such_module:f"]),
+    train("reward function missing", REFUSED, "has no callable 'missing'", reward_funcs=["bad_input_matrix:missing"]),
+    train("reward weights of another length", REFUSED, "reward_weights", reward_weights=[1.0, 2.0]),
+    train("zero-digit numbers", REFUSED, "dataset.digits", dataset={"digits": 0}),
+    train("an operator it cannot draw", REFUSED, "dataset.operators", dataset={"operators": "/"}),
+    train("an arithmetic split that is not one", REFUSED, "dataset.split", dataset={"split": "validation"}),
+    train("keep 0 rows", REFUSED, "dataset.limit", dataset={"limit": 0}),
+    train("0 arithmetic rows", REFUSED, "dataset.num_examples", dataset={"num_examples": 0}),
+    train("fewer rows than a step's prompts", REFUSED, "fewer than the 2 prompts per step",
+          dataset={"num_examples": 1}, gradient_accumulation_steps=2),
+    # -- config files -----------------------------------------------------------------------------------------------
+    Case("YAML syntax error", ("train", "--config", "{tmp}/bad.yaml"), REFUSED, "bad.yaml, line 4, column 1: not valid",
+         files={"bad.yaml": "learning_rate: 1e-5\ndataset:\n  name: [gsm8k\n"}),
+    Case("YAML that is a list", ("train", "--config", "{tmp}/list.yaml"), REFUSED, "must hold a mapping of options",
+         files={"list.yaml": "- a\n- b\n"}),
+    Case("a config that is not UTF-8", ("train", "--config", "{tmp}/latin.yaml"), REFUSED, "not UTF-8 text",
+         files={"latin.yaml": "model: caf\xe9\n".encode("latin-1")}),
+    Case("a config that does not exist", ("train", "--config", "{tmp}/none.yaml"), REFUSED, "does not exist"),
+    Case("a config that is a directory", ("train", "--config", "{tmp}"), REFUSED, "is a directory, not a file"),
+    Case("an option without its value", ("train", "--learning_rate"), REFUSED, "needs a value"),
+    # -- models and drafts ------------------------------------------------------------------------------------------
+    train("a model that does not exist", REFUSED, "model: /nonexistent/model does not exist",
+          model="/nonexistent/model"),
+    Case("an empty model directory", ("train",), REFUSED, "is not a Hugging Face model directory",
+         config=tiny_run(model="{tmp}/empty"), files={"empty/.keep": ""}),
+    Case("a model that is not a causal LM", ("train",), REFUSED, "cannot load {tmp}/t5 as a causal language model",
+         config=tiny_run(model="{tmp}/t5"), setup=save_t5),
+    train("a directory that is not a draft", REFUSED, "is not a directory saved by",
+          speculation={"mode": "adaptive", "draft": "{tmp}"}),
+    Case("a draft for another model", ("train",), REFUSED, "speculation.draft: draft in", setup=save_qwen_draft,
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "{tmp}/draft"}), needs_model=True),
+    train("LoRA on layers the model lacks", REFUSED, "lora_target_modules ['no_such_layer']", needs_model=True,
+          use_peft=True, lora_target_modules=["no_such_layer"]),
+    # -- dataset files ----------------------------------------------------------------------------------------------
+    dataset_file("a binary dataset", "line 1, column 1: not UTF-8 text", bytes(range(128, 256))),
+    dataset_file("a Latin-1 dataset", "line 1, column 16: not UTF-8 text (byte 0xe9)",
+                 '{"prompt": "caf\xe9 2+2?", "answer": "4"}\n'.encode("latin-1")),
+    dataset_file("a row that is not an object", "line 2: expected an object with named columns, got list",
+                 TRAIN_ROW + "[1, 2]\n"),
+    dataset_file("a row that is not JSON", "line 2 is not valid JSON", TRAIN_ROW + "{prompt\n"),
+    dataset_file("an empty prompt", "line 1: prompt column 'prompt' is an empty string", '{"prompt": " "}\n'),
+    dataset_file("a prompt that is a number", "line 1: prompt column 'prompt' must be", '{"prompt": 5}\n'),
+    dataset_file("a prompt with a lone surrogate", "line 1: prompt column 'prompt' holds a lone surrogate (U+D800)",
+                 '{"prompt": "a \\ud800 b", "answer": "1"}\n'),
+    dataset_file("a chat role it does not know", "line 1: prompt column 'prompt' has a message with role 'wizard'",
+                 json.dumps({"prompt": [{"role": "wizard", "content": "2 + 2?"}], "answer": "4"}) + "\n"),
+    dataset_file("rows without the prompt column", "missing prompt column 'prompt'", '{"question": "2+2?"}\n'),
+    dataset_file("rows without the answer a reward needs", "'accuracy' needs the dataset column 'answer'",
+                 '{"prompt": "2 + 2?"}\n' * 4, reward_funcs=["accuracy"]),
+    dataset_file("a JSON file that is not a list", "expected a JSON list of objects", '{"a": 1}', suffix=".json"),
+    dataset_file("a file type it cannot read", "unsupported file type '.csv'", "prompt\n2+2\n", suffix=".csv"),
+    train("a dataset file that does not exist", REFUSED, "dataset file not found",
+          dataset={"name": "gsm8k", "path": "{tmp}/missing.jsonl"}),
+    # -- rewards (each needs a rollout to be known) -----------------------------------------------------------------
+    train("an infinite reward", REFUSED, "'inf_reward' returned inf for row 0", needs_model=True,
+          reward_funcs=["bad_input_matrix:inf_reward"]),
+    train("a reward that raises", REFUSED, "'raising_reward' failed on row 0", needs_model=True,
+          reward_funcs=["bad_input_matrix:raising_reward"]),
+    train("a reward of the wrong length", REFUSED, "got length 1", needs_model=True,
+          reward_funcs=["bad_input_matrix:short_reward"]),
+    train("a reward that is a scalar", REFUSED, "got float", needs_model=True,
+          reward_funcs=["bad_input_matrix:scalar_reward"]),
+    train("rewards all None", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:none_reward"]),
+    train("rewards all NaN", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:nan_reward"]),
+    train("a prompt longer than max_prompt_length", WARNS, "a prompt is longer than max_prompt_length (8 tokens)",
+          max_prompt_length=8),
+    train("more threads than cores", WARNS, "cpu_threads", cpu_threads=1000),
+    # -- places it writes ---------------------------------------------------------------------------------------------
+    Case("output_dir is a file", ("train",), REFUSED, "is a file, not a directory",
+         config=tiny_run(output_dir="{tmp}/f"), files={"f": ""}),
+    Case("output_dir under a file", ("train",), REFUSED, "cannot be written",
+         config=tiny_run(output_dir="{tmp}/f/run"), files={"f": ""}),
+    Case("FASTGRPO_CACHE is a file (train)", ("train",), REFUSED, "FASTGRPO_CACHE: {tmp}/f is a file",
+         config=tiny_run(), files={"f": ""}, env={"FASTGRPO_CACHE": "{tmp}/f"}),
+    Case("another tool's checkpoint in output_dir", ("train",), REFUSED, "holds files that no fastgrpo run wrote",
+         config=tiny_run(), files=FOREIGN_CHECKPOINT),
+    Case("overwriting another tool's checkpoint", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "holds checkpoint-2, which no fastgrpo run wrote", config=tiny_run(), files=FOREIGN_CHECKPOINT),
+    Case("--resume with no checkpoint", ("train", "--resume"), REFUSED, "--resume: no checkpoint under",
+         config=tiny_run(), files=FOREIGN_CHECKPOINT),
+    # -- generate -----------------------------------------------------------------------------------------------------
+    Case("generate 0 completions", ("generate", "--prompt", "hi", "--num_generations", "0"), REFUSED,
+         "--num_generations must be >= 1"),
+    Case("generate 0 tokens", ("generate", "--prompt", "hi", "--max_completion_length", "0"), REFUSED,
+         "--max_completion_length must be >= 1"),
+    Case("generate at temperature NaN", ("generate", "--prompt", "hi", "--temperature", "nan"), REFUSED,
+         "--temperature must be a finite number"),
+    Case("generate with top_p 2", ("generate", "--prompt", "hi", "--top_p", "2"), REFUSED, "--top_p must be in"),
+    Case("generate with a negative seed", ("generate", "--prompt", "hi", "--seed", "-1"), REFUSED, "--seed"),
+    Case("generate without a prompt", ("generate",), REFUSED, "give at least one --prompt"),
+    Case("generate from a missing file", ("generate", "--prompts_file", "{tmp}/none.txt"), REFUSED, "is not a file"),
+    prompts_file("generate from a Latin-1 file", "p.txt, line 1, column 4: not UTF-8 text",
+                 "caf\xe9\n".encode("latin-1"), suffix=".txt"),
+    prompts_file("generate from a row that is a string", "line 1: expected an object with a 'prompt' column, got str",
+                 '"2+2"\n'),
+    prompts_file("generate from a row that is a number", "line 1: expected an object with a 'prompt' column, got int",
+                 "5\n"),
+    prompts_file("generate a prompt that is a number", "line 1: 'prompt' must be a non-empty string",
+                 '{"prompt": 5}\n'),
+    prompts_file("generate a prompt with a lone surrogate", "line 1: 'prompt' holds a lone surrogate",
+                 '{"prompt": "a \\udcff"}\n'),
+    Case("generate an argument of invalid bytes", ("generate", "--model", "{model}", "--prompt", "caf\udce9"), REFUSED,
+         "--prompt 1 holds a lone surrogate (U+DCE9)"),
+    Case("generate with an empty model directory", ("generate", "--model", "{tmp}/empty"), REFUSED,
+         "is not a Hugging Face model directory", files={"empty/.keep": ""}),
+    Case("generate with a missing model", ("generate", "--model", "/no/such/model"), REFUSED, "does not exist"),
+    Case("generate into a path under a file", ("generate", "--model", "{model}", "--prompt", "hi", "--output",
+         "{tmp}/f/out.jsonl"), REFUSED, "--output: {tmp}/f is a file", files={"f": ""}),
+    Case("generate into a directory", ("generate", "--model", "{model}", "--prompt", "hi", "--output", "{tmp}"),
+         REFUSED, "is a directory, not a file"),
+    Case("generate with FASTGRPO_CACHE a file", ("generate", "--model", "{model}", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_CACHE: {tmp}/f is a file", files={"f": ""}, env={"FASTGRPO_CACHE": "{tmp}/f"}),
+    Case("generate on a GPU that is not there", ("generate", "--prompt", "hi", "--device", "cuda"), REFUSED,
+         "device: cuda was asked for but torch sees no GPU"),
+    Case("generate with an unknown option", ("generate", "--prompt", "hi", "--bogus", "1"), REFUSED,
+         "unrecognized arguments: --bogus 1"),
+    Case("generate with train's option names", ("generate", "--model", "{model}", "--prompt", "hi",
+         "--max_completion_length", "2", "--top_p", "0.9", "--temperature", "1", "--num_generations", "2"), RUNS,
+         "4 tokens in"),
+    # -- eval and draft train ---------------------------------------------------------------------------------------
+    Case("eval a batch of 0", ("eval", "--batch_size", "0"), REFUSED, "--batch_size must be >= 1, got 0",
+         config=tiny_run()),
+    Case("eval without the answer column", ("eval",), REFUSED, "'accuracy' needs the dataset column 'answer'",
+         config=tiny_run(dataset={"name": "{tmp}/d.jsonl"}, reward_funcs=["accuracy"]),
+         files={"d.jsonl": '{"prompt": "2 + 2?"}\n'}),
+    Case("eval arithmetic on questions training never drew", ("eval",), RUNS, "training never draws",
+         config=tiny_run(reward_funcs=["accuracy"])),
+    Case("draft train with a greedy fraction of 1.5", ("draft", "train", "--output", "{tmp}/d", "--greedy_fraction",
+         "1.5"), REFUSED, "--greedy_fraction must be in [0, 1], got 1.5", config=tiny_run()),
+    Case("draft train a batch of -2", ("draft", "train", "--output", "{tmp}/d", "--batch_size", "-2"), REFUSED,
+         "--batch_size must be >= 1, got -2", config=tiny_run()),
+    Case("draft train into a path under a file", ("draft", "train", "--output", "{tmp}/f/d"), REFUSED,
+         "--output: {tmp}/f/d cannot be created", config=tiny_run(), files={"f": ""}),
+    Case("draft train a vocabulary of 0", ("draft", "train", "--output", "{tmp}/d", "--draft_vocab_size", "0"),
+         REFUSED, "--draft_vocab_size must be >= 1", config=tiny_run()),
+    # -- report -----------------------------------------------------------------------------------------------------
+    Case("report a directory that is not a run", ("report", "{tmp}"), REFUSED, "is not a fastgrpo run directory"),
+    Case("report a line that is not an object", ("report", "{tmp}/r"), REFUSED,
+         "line 2: expected a JSON object of metrics, got list",
+         files={"r/metrics.jsonl": METRICS + "[1, 2]\n"}),
+    Case("report metrics that are not UTF-8", ("report", "{tmp}/r"), REFUSED, "line 2, column 1: not UTF-8 text",
+         files={"r/metrics.jsonl": METRICS.encode() + b"\xff\n"}),
+    Case("report a line without a reward", ("report", "{tmp}/r"), REFUSED, "line 1: no 'reward'",
+         files={"r/metrics.jsonl": '{"step": 1, "time/step": 2.0}\n'}),
+    Case("report a reward that is text", ("report", "{tmp}/r"), REFUSED, "'reward' is \"high\", not a number",
+         files={"r/metrics.jsonl": '{"step": 1, "reward": "high", "time/step": 2.0}\n'}),
+    Case("report a run without steps", ("report", "{tmp}/r"), REFUSED, "has no steps yet",
+         files={"r/metrics.jsonl": ""}),
+    Case("report into a path under a file", ("report", "{tmp}/r", "--output", "{tmp}/f/plots"), REFUSED,
+         "--output: {tmp}/f/plots cannot be created", files={"r/metrics.jsonl": METRICS, "f": ""}),
+    # -- profile ------------------------------------------------------------------------------------------------------
+    Case("profile 0 tokens", ("profile", "--tokens", "0,1"), REFUSED, "--tokens must be increasing positive"),
+    Case("profile tokens that are not numbers", ("profile", "--tokens", "a,b"), REFUSED, "comma-separated integers"),
+    Case("profile 0 repeats", ("profile", "--repeats", "0"), REFUSED, "--repeats must be >= 1"),
+    Case("profile a draft that is not there", ("profile", "--draft", "{tmp}/none"), REFUSED, "is not a directory"),
+    Case("profile into a path under a file", ("profile", "--model", "{model}", "--output", "{tmp}/f/p.json"),
+         REFUSED, "--output: {tmp}/f is a file", files={"f": ""}),
+    Case("profile a missing model", ("profile", "--model", "/no/such/model"), REFUSED, "does not exist"),
+]
+# fmt: on
+
+
+def save_tiny_model(path: Path) -> Path:
+    """A tiny random Llama with the SmolLM2 tokenizer, saved like any model directory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fastgrpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _fill(value: Any, tmp: Path, model: Path) -> Any:
+    if isinstance(value, str):
+        return value.replace("{tmp}", str(tmp)).replace("{model}", str(model))
+    if isinstance(value, dict):
+        return {k: _fill(v, tmp, model) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_fill(v, tmp, model) for v in value)
+    return value
+
+
+@dataclass
+class Result:
+    outcome: str
+    code: int | None
+    output: str  # standard error, then the log records
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def run_case(case: Case, tmp: Path, model: Path) -> Result:
+    """Run ``case`` in ``tmp`` (an empty directory) against the tiny ``model`` and classify what it did."""
+    import fastgrpo.models
+    from fastgrpo.cli import main
+
+    for name, content in case.files.items():
+        path = tmp / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    if case.setup is not None:
+        case.setup(tmp)
+    argv = list(_fill(case.argv, tmp, model))
+    if case.config is not None:
+        config = tmp / "c.yaml"
+        config.write_text(yaml.safe_dump(_fill(case.config, tmp, model)))
+        argv += ["--config", str(config)]
+    loaded = []
+    real_load = fastgrpo.models.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        loaded.append(args[0])
+        return real_load(*args, **kwargs)
+
+    env = _fill(case.env, tmp, model)
+    saved_env = {k: os.environ.get(k) for k in env}
+    records, root = _Records(), logging.getLogger()
+    err, out = io.StringIO(), io.StringIO()
+    root.addHandler(records)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    os.environ.update(env)
+    patched = _patch(load_model)
+    code: int | None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    except Exception:
+        return Result("traceback", None, traceback.format_exc(limit=-3))
+    finally:
+        _unpatch(patched)
+        root.removeHandler(records)
+        root.setLevel(old_level)
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    text = err.getvalue() + "\n".join(records.lines) + out.getvalue()
+    says = _fill(case.says, tmp, model)
+    if "Traceback" in err.getvalue():
+        outcome = "traceback"
+    elif code != 0:
+        if case.expect != REFUSED:
+            outcome = "refused wrongly"
+        elif says not in text:
+            outcome = "other message"
+        else:
+            outcome = "late message" if loaded and not case.needs_model else "message"
+    elif case.expect == REFUSED:
+        outcome = "silent"
+    else:
+        outcome = GOOD[case.expect] if says in text else "silent"
+    return Result(outcome, code, text)
+
+
+def _patch(load_model: Callable[..., Any]) -> list[tuple[Any, str, Any]]:
+    """Count model loads wherever the commands take ``load_model`` from."""
+    import importlib
+
+    patched = []
+    for module_name in ("fastgrpo.models", "fastgrpo.grpo.trainer"):
+        module = importlib.import_module(module_name)
+        if hasattr(module, "load_model"):
+            patched.append((module, "load_model", module.load_model))
+            module.load_model = load_model
+    return patched
+
+
+def _unpatch(patched: list[tuple[Any, str, Any]]) -> None:
+    for module, name, value in patched:
+        setattr(module, name, value)
+
+
+def main() -> None:
+    """Run every case (each in a fresh directory) and print its outcome and the counts."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    with tempfile.TemporaryDirectory() as root:
+        root_path = Path(root)
+        os.environ["FASTGRPO_CACHE"] = str(root_path / "cache")
+        model = save_tiny_model(root_path / "model")
+        counts: Counter[str] = Counter()
+        for index, case in enumerate(CASES):
+            tmp = root_path / f"case{index}"
+            tmp.mkdir()
+            result = run_case(case, tmp, model)
+            counts[result.outcome] += 1
+            last = result.output.strip().splitlines()[-1][:160] if result.output.strip() else ""
+            print(f"{result.outcome:15} | {case.name} | {last}", flush=True)
+    print(f"\n{len(CASES)} cases: " + ", ".join(f"{n} {outcome}" for outcome, n in counts.most_common()))
+
+
+if __name__ == "__main__":
+    main()
