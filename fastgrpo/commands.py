@@ -50,14 +50,15 @@ def read_prompts(args: argparse.Namespace) -> list[list[dict]]:
     """The chat prompts of ``--prompt`` and ``--prompts_file``, each checked as a dataset's prompt is; an error names
     the option, or the file and line."""
     from fastgrpo.data.prompts import prompt_problem
-    from fastgrpo.paths import read_text
+    from fastgrpo.paths import read_lines
 
     given: list[tuple[str, object]] = [(f"--prompt {n}", p) for n, p in enumerate(args.prompt, 1)]
     if args.prompts_file:
         path = Path(args.prompts_file)
         if not path.is_file():
             raise FileNotFoundError(f"--prompts_file: {path} is not a file")
-        for n, line in enumerate(read_text(path).splitlines(), 1):
+        for n, line in read_lines(path):
+            line = line.rstrip("\r\n")
             if not line.strip():
                 continue
             where = f"{path} line {n}"
@@ -132,9 +133,10 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     generator = torch.Generator(device="cpu").manual_seed(args.seed)
     out = engine.generate(ids, params, num_generations=args.num_generations, generator=generator)
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    if args.output:
-        Path(args.output).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    sink = open(args.output, "w", encoding="utf-8") if args.output else None  # noqa: SIM115
+    output = Path(args.output).expanduser() if args.output else None
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    sink = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     for i, text in enumerate(texts):
         prompt = prompts[i // args.num_generations]
         if sink:

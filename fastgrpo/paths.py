@@ -4,21 +4,28 @@ line, and a place a command will write is checked writable before any model load
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 
 def read_text(path: Path) -> str:
     """The UTF-8 text of ``path``; ``ValueError`` naming the file, line and byte when it is not UTF-8 text (a binary
     file, or text saved in another encoding)."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        column = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
-        raise ValueError(
-            f"{path}, line {line}, column {column}: not UTF-8 text (byte 0x{data[e.start]:02x}); save the file as UTF-8"
-        ) from None
+    return "".join(line for _, line in read_lines(path))
+
+
+def read_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """The lines of the UTF-8 text file ``path`` (line ends kept), numbered from 1, read one at a time; ``ValueError``
+    naming the file, line, column and byte at the first line that is not UTF-8 text."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                yield number, raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}, line {number}, column {e.start + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save "
+                    "the file as UTF-8"
+                ) from None
 
 
 def unicode_problem(text: str) -> str | None:

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastgrpo.paths import read_text
+from fastgrpo.paths import read_lines
 
 if TYPE_CHECKING:
     from fastgrpo.speculative.profiler import LatencyProfile
@@ -42,7 +42,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {run_dir} is not a fastgrpo run directory")
     rows = []
-    for number, line in enumerate(read_text(path).splitlines(), 1):
+    for number, line in read_lines(path):
         if not line.strip():
             continue
         try:

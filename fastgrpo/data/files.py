@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fastgrpo.paths import read_text
+from fastgrpo.paths import read_lines, read_text
 
 Record = tuple[str, Any]
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -21,7 +21,7 @@ class DatasetSourceError(ValueError):
 def _read_jsonl(path: Path) -> list[Record]:
     """Objects of a JSON Lines file (blank lines skipped), located by line number."""
     records = []
-    for number, line in enumerate(read_text(path).splitlines(), start=1):
+    for number, line in read_lines(path):
         if not line.strip():
             continue
         try:
