@@ -189,13 +189,13 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
 
 def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.config import load_config
-    from fastgrpo.config.files import read_options
+    from fastgrpo.config.files import build_config, read_options
 
-    dataset = read_options(args.config, overrides).get("dataset")
-    dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by load_config, naming it
+    values = read_options(args.config, overrides)
+    dataset = values.get("dataset")
+    dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by build_config, naming it
     held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
-    config = load_config(args.config, overrides, defaults={"dataset": {"split": "test"}} if held_out else None)
+    config = build_config(values, defaults={"dataset": {"split": "test"}} if held_out else None)
     if held_out:
         print(
             "eval: arithmetic questions of the test split, which training never draws (--dataset.split train for "

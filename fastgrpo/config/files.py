@@ -120,13 +120,15 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
-def load_config(
-    path: str | Path | None = None, overrides: list[str] | None = None, defaults: dict[str, Any] | None = None
-) -> GRPOConfig:
-    """Read a YAML config (optional), apply ``--option value`` overrides, build and validate. ``defaults`` (nested
-    like the YAML) replace the options' own defaults where neither the file nor the overrides set them."""
-    values = _merge(defaults or {}, read_options(path, overrides))
-    config = _build(GRPOConfig, values)
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
+    """Read a YAML config (optional), apply ``--option value`` overrides, build and validate."""
+    return build_config(read_options(path, overrides))
+
+
+def build_config(values: dict[str, Any], defaults: dict[str, Any] | None = None) -> GRPOConfig:
+    """The validated config of ``values`` (nested plain data, as `read_options` gives); ``defaults`` (nested the
+    same way) replace the options' own defaults where ``values`` does not set them."""
+    config = _build(GRPOConfig, _merge(defaults or {}, values))
     config.validate()
     return config
 

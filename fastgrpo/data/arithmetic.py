@@ -64,10 +64,10 @@ def _plain_question(numbers: list[int], operators: list[str]) -> str:
     return f"What is {' '.join(parts)}?"
 
 
-def held_out(numbers: list[int], operators: list[str]) -> bool:
-    """Whether the question ``numbers`` joined by ``operators`` belongs to the test split: one in five questions,
-    chosen by a hash of the question (not of its wording), so that the two splits never share one."""
-    return zlib.crc32(_plain_question(numbers, operators).encode()) % 5 == 0
+def held_out(question: str) -> bool:
+    """Whether ``question`` (as `_plain_question` words it, whatever wording a row uses) belongs to the test split:
+    one in five questions, chosen by a hash, so that the two splits never share one."""
+    return zlib.crc32(question.encode()) % 5 == 0
 
 
 def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None) -> tuple[list[int], list[str]] | None:
@@ -76,11 +76,11 @@ def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None
     for _ in range(MAX_DRAWS):
         numbers = [rng.randint(1, high) for _ in range(cfg.operands)]
         operators = [rng.choice(cfg.operators) for _ in range(cfg.operands - 1)]
-        if held_out(numbers, operators) != (cfg.split == "test"):
+        question = _plain_question(numbers, operators)
+        if held_out(question) != (cfg.split == "test"):
             continue
         if drawn is None:
             return numbers, operators
-        question = _plain_question(numbers, operators)
         if question not in drawn:
             drawn.add(question)
             return numbers, operators
