@@ -18,7 +18,6 @@ import json
 import logging
 import math
 import os
-import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from conftest import save_tiny_llama
 
 REFUSED, WARNS, RUNS = "refused", "warns", "runs"
 GOOD = {REFUSED: "message", WARNS: "warned", RUNS: "correct"}
@@ -354,32 +354,6 @@ CASES: list[Case] = [
 # fmt: on
 
 
-def save_tiny_model(path: Path) -> Path:
-    """A tiny random Llama with the SmolLM2 tokenizer, saved like any model directory."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from fastgrpo.models import load_tokenizer
-
-    tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def _fill(value: Any, tmp: Path, model: Path) -> Any:
     if isinstance(value, str):
         return value.replace("{tmp}", str(tmp)).replace("{model}", str(model))
@@ -493,11 +467,10 @@ def main() -> None:
     """Run every case (each in a fresh directory) and print its outcome and the counts."""
     import tempfile
 
-    sys.path.insert(0, str(Path(__file__).parent))
     with tempfile.TemporaryDirectory() as root:
         root_path = Path(root)
         os.environ["FASTGRPO_CACHE"] = str(root_path / "cache")
-        model = save_tiny_model(root_path / "model")
+        model = save_tiny_llama(root_path / "model", seed=0, tie_word_embeddings=True)
         counts: Counter[str] = Counter()
         for index, case in enumerate(CASES):
             tmp = root_path / f"case{index}"

@@ -8,12 +8,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from bad_input_matrix import CASES, GOOD, REFUSED, Case, run_case, save_tiny_model
+from bad_input_matrix import CASES, GOOD, REFUSED, Case, run_case
+from conftest import save_tiny_llama
 
 
 @pytest.fixture(scope="module")
 def matrix_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("matrix") / "model")
+    return save_tiny_llama(tmp_path_factory.mktemp("matrix") / "model", seed=0, tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])

@@ -30,33 +30,8 @@ from fastgrpo.rollout.engine import RolloutEngine
 TESTS = Path(__file__).parent
 
 
-# Reward functions the runs below name as test_bad_inputs:NAME (the tests folder is importable, as pytest runs it).
-def inf_reward(completions: list, **kwargs) -> list[float]:
-    return [math.inf] * len(completions)
-
-
-def none_reward(completions: list, **kwargs) -> list[None]:
-    return [None] * len(completions)
-
-
-def nan_reward(completions: list, **kwargs) -> list[float]:
-    return [math.nan] * len(completions)
-
-
-def raising_reward(completions: list, **kwargs) -> list[float]:
-    return [1.0 / (len(c) - len(c)) for c in completions]
-
-
-def short_reward(completions: list, **kwargs) -> list[float]:
-    return [1.0]
-
-
-def scalar_reward(completions: list, **kwargs) -> float:
-    return 1.0
-
-
-def length_reward(completions: list, **kwargs) -> list[float]:
-    return [float(len(c) % 7) for c in completions]
+# The runs below name their reward functions as bad_input_matrix:NAME (the tests folder is importable, as pytest
+# runs it).
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +44,7 @@ def write_config(path: Path, model_dir: Path, **overrides) -> Path:
     values = {
         "model": str(model_dir),
         "dataset": {"num_examples": 16},
-        "reward_funcs": ["test_bad_inputs:length_reward"],
+        "reward_funcs": ["bad_input_matrix:length_reward"],
         "num_generations": 4,
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 1,
@@ -262,7 +237,7 @@ def test_a_bad_reward_stops_the_run_before_any_update(
     capsys, monkeypatch, model_dir: Path, tmp_path: Path, reward: str, message: str
 ) -> None:
     monkeypatch.setattr(PolicyUpdate, "optimize", lambda *a: pytest.fail("the policy was updated"))
-    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"test_bad_inputs:{reward}"])
+    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"bad_input_matrix:{reward}"])
     assert message in refused(capsys, "train", "--config", str(config))
 
 
@@ -292,7 +267,7 @@ def test_an_infinite_reward_never_reaches_the_weights(model_dir: Path, tmp_path:
 
 @pytest.mark.parametrize("reward", ["none_reward", "nan_reward"])
 def test_rewards_that_score_nothing_warn(caplog, model_dir: Path, tmp_path: Path, reward: str) -> None:
-    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"test_bad_inputs:{reward}"])
+    config = write_config(tmp_path / "c.yaml", model_dir, reward_funcs=[f"bad_input_matrix:{reward}"])
     with caplog.at_level(logging.WARNING, logger="fastgrpo.rewards"):
         main(["train", "--config", str(config)])
     assert "4 of 4 completions got no reward from any reward function" in caplog.text
