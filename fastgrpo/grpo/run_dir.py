@@ -137,7 +137,8 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
     checkpoints get the mark). Temporaries the run left behind when it was killed are removed."""
     out.mkdir(parents=True, exist_ok=True)
     run_id = read_run_id(out)
-    if run_id is None and (legacy := _legacy_checkpoints(out)) and (resume or overwrite):
+    legacy = _legacy_checkpoints(out) if run_id is None else []
+    if legacy and (resume or overwrite):
         run_id = _new_run(out)
         for checkpoint in legacy:
             mark(checkpoint, run_id)
@@ -150,7 +151,7 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
         owned = _owned(out, run_id)
         foreign = sorted(p.name for p in entries if p not in owned)
         if not overwrite:
-            a_run = run_id is not None or bool(_legacy_checkpoints(out))  # a run from before the marks, too
+            a_run = run_id is not None or bool(legacy)  # a run from before the marks, too
             what = "another run" if a_run else "files that no fastgrpo run wrote"
             names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
             raise ValueError(
@@ -245,16 +246,16 @@ def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device:
     shape = ModelShape.from_config(model_config)
     width = {"float64": 8, "float32": 4}.get(plan_dtype(config.dtype, device), 2)
     # AdamW's state per trained parameter: two moments in the parameter's dtype, or float32 moments and masters
-    state = 2 * width if width >= 4 else 12
+    adam_state = 2 * width if width >= 4 else 12
     if config.use_peft:  # peft keeps the adapters in float32
         trained = lora_shape(shape, config).params
         weights, state = trained * 4, 8
     else:
         trained = shape.num_parameters()
-        weights = trained * width
+        weights, state = trained * width, adam_state
     optimizer = 0 if config.save_only_model else trained * state
     draft = 0
     if config.speculation.mode != "off":
         total, _ = shape.draft_parameters()
-        draft = total * width + (0 if config.save_only_model else total * (2 * width if width >= 4 else 12))
+        draft = total * width + (0 if config.save_only_model else total * adam_state)
     return weights + optimizer + draft
