@@ -110,9 +110,9 @@ def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_frac
         chosen.append(shape)
         seconds = controller._profiled_seconds(rows, shape)
         levels = shape.levels
-        accepted = torch.full((rows,), levels if accept_fraction >= 1 else 0)
+        accepted = [levels if accept_fraction >= 1 else 0] * rows
         if 0 < accept_fraction < 1:
-            accepted = torch.tensor([round(levels * accept_fraction)] * rows)
+            accepted = [round(levels * accept_fraction)] * rows
         controller.observe(rows, shape, seconds, accepted if shape.speculative else None)
     return chosen
 
@@ -131,10 +131,10 @@ def test_one_unlucky_step_does_not_rule_a_good_draft_out() -> None:
     controller = AdaptiveController(flat_profile(draft=0.01))
     shape = controller.choose(1)
     assert shape.speculative
-    controller.observe(1, shape, controller._profiled_seconds(1, shape), torch.zeros(1, dtype=torch.long))
+    controller.observe(1, shape, controller._profiled_seconds(1, shape), [0])
     assert controller.best(1).speculative
     for _ in range(40):  # once many rows have accepted nothing, the prior no longer counts
-        controller.observe(1, shape, controller._profiled_seconds(1, shape), torch.zeros(1, dtype=torch.long))
+        controller.observe(1, shape, controller._profiled_seconds(1, shape), [0])
     assert controller.best(1) == AUTOREGRESSIVE
 
 
@@ -144,7 +144,7 @@ def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
     controller = AdaptiveController(flat_profile(draft=0.0), prior_rows=0)  # measured values replace the prior
     shallow = TreeShape(4, 3, 3)
     for _ in range(5):
-        controller.observe(1, shallow, controller._profiled_seconds(1, shallow), torch.zeros(1, dtype=torch.long))
+        controller.observe(1, shallow, controller._profiled_seconds(1, shallow), [0])
     deep = shape_for(controller.limits, 24)
     assert deep.levels == 5 and controller.depth_accept[3] > 0
     assert controller.expected_tokens(deep) == pytest.approx(1.0)
@@ -194,7 +194,7 @@ def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> Non
         accepted = None
         if shape.speculative:
             draws = torch.rand(rows, shape.levels, generator=torch.Generator().manual_seed(step)) < 0.7
-            accepted = draws.long().cumprod(dim=1).sum(dim=1)
+            accepted = draws.long().cumprod(dim=1).sum(dim=1).tolist()
         controller.observe(rows, shape, seconds, accepted)
     assert chosen[0] == AUTOREGRESSIVE and chosen[1].speculative, "the slow step made trees look better"
     # Probes are due every 16, then 32 steps, a bigger tree first, then a plain step (at step 48).
@@ -414,7 +414,7 @@ def test_a_changed_draft_is_probed_once_whatever_its_catch_up_costs() -> None:
     controller.begin(draft_changed=True)
     chosen = [controller.choose(8, backlog=200) for _ in range(2)]
     assert chosen[-1].speculative, "the first due probe after a change runs"
-    controller.observe(8, chosen[-1], controller._profiled_seconds(8, chosen[-1]), torch.zeros(8, dtype=torch.long))
+    controller.observe(8, chosen[-1], controller._profiled_seconds(8, chosen[-1]), [0] * 8)
     assert not any(controller.choose(8, backlog=200).speculative for _ in range(64)), "once measured, no more"
 
 
@@ -475,8 +475,8 @@ def test_a_verification_teaches_every_smaller_tree_what_it_would_have_accepted()
     nothing from it."""
     controller = AdaptiveController(flat_profile(), prior_rows=0)  # one measurement replaces the prior
     big = TreeShape(24, 8, 5)
-    path_rank = torch.tensor([[1, 5, 9, 24, 24], [2, 24, 24, 24, 24]])
-    controller.observe(2, big, 0.06, torch.tensor([3, 1]), path_rank)
+    path_rank = [[1, 5, 9, 24, 24], [2, 24, 24, 24, 24]]
+    controller.observe(2, big, 0.06, [3, 1], path_rank)
     assert controller._fractions(big)[:3] == pytest.approx([1.0, 0.5, 0.5])
     assert controller._fractions(TreeShape(4, 3, 3))[:3] == pytest.approx([1.0, 0.0, 0.0])
     assert controller._fractions(TreeShape(8, 7, 3))[:3] == pytest.approx([1.0, 0.5, 0.0])
@@ -494,7 +494,7 @@ def test_the_engine_reports_the_ranks_of_the_accepted_path(llama_model: PreTrain
 
     class Recording(StaticController):
         def observe(self, rows, shape, seconds, accepted, path_rank=None):
-            seen.append((shape, accepted.clone(), path_rank.clone()))
+            seen.append((shape, torch.tensor(accepted), torch.tensor(path_rank)))
 
     engine = RolloutEngine(
         llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=Recording(TreeShape(6, 3, 3))
@@ -513,8 +513,8 @@ def test_an_unlucky_step_of_a_big_tree_does_not_rank_it_below_a_smaller_one() ->
     controller = AdaptiveController(flat_profile(), prior_rows=0)
     small, big = TreeShape(4, 3, 3), TreeShape(24, 8, 5)
     for _ in range(3):
-        controller.observe(1, small, 0.05, torch.tensor([2]), torch.tensor([[1, 2, 4]]))
-    controller.observe(1, big, 0.05, torch.tensor([0]), torch.tensor([[24, 24, 24, 24, 24]]))
+        controller.observe(1, small, 0.05, [2], [[1, 2, 4]])
+    controller.observe(1, big, 0.05, [0], [[24, 24, 24, 24, 24]])
     assert controller.shape_accept[big] == pytest.approx([0.0] * 5)
     assert controller.expected_tokens(small) == pytest.approx(1 + 0.75 + 0.75)  # three steps of 2, one of 0
     assert controller.expected_tokens(big) == pytest.approx(controller.expected_tokens(small))

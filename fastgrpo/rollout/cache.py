@@ -19,6 +19,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from fastgrpo.rollout.host import host_to_device
+
 
 class RowLayer(CacheLayerMixin):
     """One layer's buffers: keys and values of shape ``[rows, kv_heads, max_len, head_dim]``."""
@@ -80,25 +82,27 @@ class RowCache(Cache):
         self.kv_len = 0
 
     def prepare(self, slots: torch.Tensor, kv_len: int) -> None:
-        """Set where the next forward writes (``slots``: ``[B, T]`` slot per new token) and how much it reads."""
-        if int(slots.max()) >= self.max_len or kv_len > self.max_len:
+        """Set where the next forward writes (``slots``: ``[B, T]`` slot per new token, each below ``kv_len``) and how
+        much it reads; checked on the host, without reading ``slots``."""
+        if kv_len > self.max_len:
             raise ValueError(f"cache overflow: a row needs more than max_len={self.max_len} slots")
         self.rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
         self.slots = slots
         self.kv_len = kv_len
 
-    def select_rows(self, rows: torch.Tensor, upto: int | None = None) -> None:
+    def select_rows(self, rows: list[int], upto: int | None = None) -> None:
         """Keep (or replicate) rows: row ``i`` becomes old row ``rows[i]``, for ``i < len(rows)``.
 
         Only the first ``upto`` slots (default: all) of the rows that change (``rows[i] != i``) are copied; the
-        rest is left as it was.
+        rest is left as it was. ``rows`` is a host list, so the copy needs no read of the device.
         """
-        if rows.numel() > self.max_rows:
-            raise ValueError(f"cannot hold {rows.numel()} rows in a cache of {self.max_rows}")
-        changed = (rows != torch.arange(rows.numel(), device=rows.device)).nonzero().squeeze(1)
-        if changed.numel() == 0:
+        if len(rows) > self.max_rows:
+            raise ValueError(f"cannot hold {len(rows)} rows in a cache of {self.max_rows}")
+        moves = [(i, r) for i, r in enumerate(rows) if r != i]
+        if not moves:
             return
-        src, upto = rows[changed], upto or self.max_len
+        changed, src = (host_to_device(list(part), self.kv.device) for part in zip(*moves, strict=True))
+        upto = upto or self.max_len
         for layer in self.layers:  # per layer: faster than one indexing of the 6-D tensor
             for buf in (layer.keys, layer.values):
                 buf[changed, :, :upto] = buf[src, :, :upto]

@@ -2,9 +2,10 @@
 engine's target forward verifies. This is the interface; `fastgrpo.speculative.eagle` implements it with the learned
 EAGLE head, and another drafter is one new class with these methods.
 
-A drafter keeps its per-row state (what it has read of each row) in an object with a ``select(rows)`` method, which
-the engine holds in `ActiveRows.draft` and narrows whenever rows finish, so that row ``i`` of the drafter's state is
-always row ``i`` of the batch.
+A drafter keeps its per-row state (what it has read of each row) in an object with a ``select(order, index)`` method,
+which the engine holds in `ActiveRows.draft` and narrows whenever rows finish, so that row ``i`` of the drafter's
+state is always row ``i`` of the batch. A drafter reads nothing back from the device: what the host must know (how
+many tokens each row emitted) the engine hands it, read once per step.
 """
 
 from __future__ import annotations
@@ -54,11 +55,12 @@ class Drafter(Protocol):
         rows: torch.Tensor,
         first: torch.Tensor,
         first_hidden: torch.Tensor,
+        row_prompt_len: list[int],
     ) -> Any:
         """The per-row state after the prefill: ``prompt_ids`` ``[P, T]`` right-padded prompts of ``prompt_len`` ``[P]``
         tokens, ``prompt_hidden`` ``[P, T, H]`` the target's hidden states there, ``rows`` ``[R]`` the prompt of each
         row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden state it was
-        sampled from."""
+        sampled from; ``row_prompt_len`` each row's prompt length on the host."""
         ...
 
     def backlog(self, rows: ActiveRows) -> int:
@@ -69,12 +71,14 @@ class Drafter(Protocol):
         """A tree of ``shape`` for every active row, rooted at the row's pending token."""
         ...
 
-    def accepted(self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
-        """A step emitted the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row; ``hidden`` ``[B, E, H]`` holds
-        the target's hidden state each of them was sampled from."""
+    def accepted(
+        self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]
+    ) -> None:
+        """A step emitted the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row (``counts``: the same on the
+        host); ``hidden`` ``[B, E, H]`` holds the target's hidden state each of them was sampled from."""
         ...
 
-    def keep(self, rows: ActiveRows, order: torch.Tensor) -> None:
+    def keep(self, rows: ActiveRows, order: list[int]) -> None:
         """Rows finished: row ``i`` of the drafter's caches becomes its row ``order[i]`` (called before ``rows`` is
         narrowed)."""
         ...

@@ -23,6 +23,7 @@ from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.drafter import Drafter, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
+from fastgrpo.rollout.host import host_to_device, read_back
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import process_logits, sample
@@ -39,13 +40,35 @@ class Verified:
     """What a step's target forward accepted: ``tokens`` and ``logprobs`` ``[B, E]`` of which each row emits the first
     ``count[b]``; ``hidden`` ``[B, E, H]`` the target's hidden state each was sampled from (the fed tokens' states);
     for a tree, ``path_rank`` ``[B, E - 1]`` the score rank of each accepted draft node (`DraftTree.rank`, ``N``
-    past the row's accepted ones), from which the controller tells what smaller trees would have accepted."""
+    past the row's accepted ones), from which the controller tells what smaller trees would have accepted, and
+    ``depth`` ``[B]`` the deepest node of each row's tree."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     count: torch.Tensor
     hidden: torch.Tensor
     path_rank: torch.Tensor | None = None
+    depth: torch.Tensor | None = None
+
+
+@dataclass
+class HostStep:
+    """What the host reads of a step, in one copy (`read_back`): per row the emitted ``tokens``, their ``logprobs``,
+    which are ``eos`` and how many (``count``) the row emits; for a tree, ``path_rank`` and ``depth`` (`Verified`)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    eos: list[list[int]]
+    count: list[int]
+    path_rank: list[list[int]] | None = None
+    depth: list[int] | None = None
+
+    @classmethod
+    def read(cls, verified: Verified, eos: torch.Tensor) -> HostStep:
+        tensors = [verified.tokens, verified.logprobs, torch.isin(verified.tokens, eos), verified.count]
+        if verified.path_rank is not None:
+            tensors += [verified.path_rank, verified.depth]
+        return cls(*read_back(*tensors))
 
 
 class RolloutEngine:
@@ -189,29 +212,32 @@ class RolloutEngine:
         token; returns the rows still active."""
         t0 = time.perf_counter()
         dev = self.device
-        lens = torch.tensor([len(p) for p in prompt_ids], device=dev)
-        ids = torch.zeros(len(prompt_ids), int(lens.max()), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompt_ids):
-            ids[i, : len(p)] = torch.tensor(p, device=dev)
+        prompt_len = [len(p) for p in prompt_ids]
+        lens = host_to_device(prompt_len, dev)
+        width = max(prompt_len)
+        ids = host_to_device([t for p in prompt_ids for t in p + [0] * (width - len(p))], dev).view(-1, width)
         decoder, head = decoder_and_head(self.model)
-        hidden = forward_chain(decoder, self.cache, torch.zeros_like(lens), input_ids=ids)  # [P, T, H]
+        hidden = forward_chain(decoder, self.cache, torch.zeros_like(lens), input_ids=ids, extent=width)  # [P, T, H]
         last = hidden[torch.arange(len(prompt_ids), device=dev), lens - 1]
-        rows = torch.arange(len(prompt_ids), device=dev).repeat_interleave(num_generations)
+        row_prompt = [i for i in range(len(prompt_ids)) for _ in range(num_generations)]
+        rows = host_to_device(row_prompt, dev)
         if num_generations > 1:
-            self.cache.select_rows(rows, upto=ids.shape[1])
+            self.cache.select_rows(row_prompt, upto=width)
         for seq in call.seqs:
             prompt = seq.index // num_generations
-            seq.prompt_len = len(prompt_ids[prompt])
+            seq.prompt_len = prompt_len[prompt]
             if seq.hidden is not None:
                 seq.hidden.append(hidden[prompt, : seq.prompt_len])
         zeros = torch.zeros_like(rows)
-        active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], zeros, zeros)
+        lengths = [prompt_len[p] for p in row_prompt]
+        active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], lengths, zeros, zeros)
         logprobs = process_logits(head(last)[rows], call.params)
         first = sample(logprobs, call.params, None if call.noise is None else call.noise[:, 0])
         if self.drafter is not None:
-            active.draft = self.drafter.start(ids, lens, hidden, rows, first, last[rows])
+            active.draft = self.drafter.start(ids, lens, hidden, rows, first, last[rows], lengths)
         ones = torch.ones_like(first)
-        active = self._append(active, Verified(first[:, None], logprobs.gather(1, first[:, None]), ones, last), call)
+        verified = Verified(first[:, None], logprobs.gather(1, first[:, None]), ones, last)
+        active = self._append(active, verified, HostStep.read(verified, call.eos), call)
         call.stats.prefill_time = time.perf_counter() - t0
         return active
 
@@ -248,7 +274,15 @@ class RolloutEngine:
         decoder, head = decoder_and_head(self.model)
         params = call.params
         if proposal is None:
-            hidden = forward_chain(decoder, self.cache, rows.row_len, input_ids=rows.pending[:, None])
+            longest = max(rows.lengths)
+            hidden = forward_chain(
+                decoder,
+                self.cache,
+                rows.row_len,
+                input_ids=rows.pending[:, None],
+                extent=longest + 1,
+                equal_lengths=min(rows.lengths) == longest,
+            )
             logprobs = process_logits(head(hidden[:, -1]), params)
             uniforms = call.uniforms(rows, 1)
             tokens = sample(logprobs, params, None if uniforms is None else uniforms[:, 0])
@@ -270,9 +304,16 @@ class RolloutEngine:
         offsets = torch.arange(n, device=tree.tokens.device)
         positions = rows.row_len[:, None] + tree.depth
         hidden = forward_block(
-            decoder, self.cache, rows.row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens
+            decoder,
+            self.cache,
+            rows.row_len,
+            offsets,
+            positions,
+            tree.ancestors,
+            input_ids=tree.tokens,
+            extent=max(rows.lengths) + n,
         )
-        result = accept(tree, head(hidden), call.params, call.uniforms(rows, int(tree.depth.max()) + 1))
+        result = accept(tree, head(hidden), call.params, call.uniforms(rows, tree.levels + 1))
         path = result.path
         steps = torch.arange(path.shape[1], device=path.device)[None, :]
         src = rows.row_len[:, None] + torch.where(path >= 0, path, steps)
@@ -280,10 +321,10 @@ class RolloutEngine:
         rows.row_len = rows.row_len + result.length
         path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
         call.stats.tree_nodes.append(n)
-        call.stats.record_depths(tree.depth.max(dim=1).values, result.length - 1)
         drafted = path[:, 1:]
         path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
-        return Verified(result.tokens, result.logprobs, result.length, path_hidden, path_rank)
+        depth = tree.depth.max(dim=1).values
+        return Verified(result.tokens, result.logprobs, result.length, path_hidden, path_rank, depth)
 
     def postprocess(
         self,
@@ -294,44 +335,48 @@ class RolloutEngine:
         call: Generation,
         start: float,
     ) -> ActiveRows:
-        """Hand the drafter what it needs of the step, append the emitted tokens, drop finished rows and tell the
-        controller what the step cost and accepted."""
+        """Read the step's result back (the step's one synchronisation), hand the drafter what it needs of it, append
+        the emitted tokens, drop finished rows and tell the controller what the step cost and accepted."""
         stats = call.stats
         stats.concurrency.append(rows.size)
+        host = HostStep.read(verified, call.eos)
         if self.drafter is not None:
-            self.drafter.accepted(rows, verified.tokens, verified.hidden, verified.count)
+            self.drafter.accepted(rows, verified.tokens, verified.hidden, verified.count, host.count)
         if call.capture:
-            for seq, hidden, n in zip(rows.seqs, verified.hidden, verified.count.tolist(), strict=True):
+            for seq, hidden, n in zip(rows.seqs, verified.hidden, host.count, strict=True):
                 seq.hidden.append(hidden[:n])
+        accepted = [n - 1 for n in host.count]
+        if host.depth is not None:
+            stats.record_depths(host.depth, accepted)
         emitted_before = stats.tokens_emitted
-        remaining = self._append(rows, verified, call)
+        rows.lengths = [length + n for length, n in zip(rows.lengths, host.count, strict=True)]
+        remaining = self._append(rows, verified, host, call)
         stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.step_times.append(time.perf_counter() - start)
         if shape is not None:
             seconds = stats.step_times[-1] - (proposal.backlog_seconds if proposal is not None else 0.0)
-            self.controller.observe(rows.size, shape, seconds, verified.count - 1, verified.path_rank)
+            self.controller.observe(rows.size, shape, seconds, accepted, host.path_rank)
         return remaining
 
-    def _append(self, rows: ActiveRows, verified: Verified, call: Generation) -> ActiveRows:
+    def _append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:
         """Append the first ``count[b]`` emitted tokens to each row's sequence and drop the rows that ended, moving
         kept rows into the freed cache rows (`fill_holes`)."""
-        tokens, count = verified.tokens, verified.count
-        is_eos = torch.isin(tokens, call.eos).tolist()
         keep = []
         for pos, (seq, toks, lps, eos, n) in enumerate(
-            zip(rows.seqs, tokens.tolist(), verified.logprobs.tolist(), is_eos, count.tolist(), strict=True)
+            zip(rows.seqs, host.tokens, host.logprobs, host.eos, host.count, strict=True)
         ):
             before = len(seq.completion_ids)
             if not seq.append(toks[:n], lps[:n], eos[:n], call):
                 keep.append(pos)
             call.stats.tokens_emitted += len(seq.completion_ids) - before
-        rows.pending = tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
+        count = verified.count
+        rows.pending = verified.tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
         rows.emitted = rows.emitted + count
         if len(keep) == rows.size:
             return rows
-        order = torch.tensor(fill_holes(keep), dtype=torch.long, device=rows.ids.device)
+        order = fill_holes(keep)
         if keep:
-            self.cache.select_rows(order, upto=int(rows.row_len.max()))
+            self.cache.select_rows(order, upto=max(rows.lengths))
             if self.drafter is not None:
                 self.drafter.keep(rows, order)
-        return rows.select(order)
+        return rows.select(order, host_to_device(order, rows.ids.device))

@@ -19,19 +19,23 @@ def decoder_and_head(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.
     return model.get_decoder(), model.get_output_embeddings()
 
 
-def window_attention_mask(base_len: torch.Tensor, window_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Additive 4D attention mask.
+def window_attention_mask(
+    base_len: torch.Tensor, window_mask: torch.Tensor, dtype: torch.dtype, kv_len: int | None = None
+) -> torch.Tensor:
+    """Additive 4D attention mask, built on ``base_len``'s device from the lengths alone.
 
     Args:
         base_len: ``[B]`` slots every query sees.
         window_mask: ``[B, T, W]`` (or broadcastable) bool, query ``t`` sees slot ``base_len + w``.
+        kv_len: the slots the keys span, at least ``max(base_len) + W`` (default: exactly that, read from the device).
 
     Returns:
-        ``[B, 1, T, max(base_len) + W]``: 0 where attention is allowed, the dtype's minimum elsewhere.
+        ``[B, 1, T, kv_len]``: 0 where attention is allowed, the dtype's minimum elsewhere.
     """
     b = base_len.shape[0]
     t, w = window_mask.shape[-2:]
-    kv_len = int(base_len.max()) + w
+    if kv_len is None:
+        kv_len = int(base_len.max()) + w
     slots = torch.arange(kv_len, device=base_len.device)
     offset = slots[None, :] - base_len[:, None]  # [B, kv]: window index of each slot
     prefix = (offset < 0)[:, None, :]
@@ -51,8 +55,15 @@ def forward_block(
     window_mask: torch.Tensor,
     input_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    extent: int | None = None,
+    equal_lengths: bool = False,
 ) -> torch.Tensor:
     """One decoder forward over ``T`` new tokens per row.
+
+    A decoding loop knows its rows' lengths on the host and passes ``extent`` (the slots the keys span, at least
+    ``max(base_len) + W``) and ``equal_lengths`` (every row has the same ``base_len``, and ``extent`` is that plus
+    ``W``), so that the forward never reads the device; without ``extent`` it is read from ``base_len`` (one
+    synchronisation).
 
     Args:
         decoder: a transformers base model (``model.get_decoder()``, or a draft's body).
@@ -66,15 +77,17 @@ def forward_block(
         ``[B, T, hidden]`` final hidden states.
     """
     b = base_len.shape[0]
-    t = positions.shape[-1]
-    cache.prepare(base_len[:, None] + offsets.expand(b, t), int(base_len.max()) + window_mask.shape[-1])
-    if t == 1 and window_mask.shape[-1] == 1 and bool(window_mask.all()) and bool((base_len == base_len[0]).all()):
+    t, w = positions.shape[-1], window_mask.shape[-1]
+    if extent is None:
+        extent = int(base_len.max()) + w
+    cache.prepare(base_len[:, None] + offsets.expand(b, t), extent)
+    if t == 1 and w == 1 and equal_lengths:
         # One token per row and equal lengths: every query sees every slot. Without a mask SDPA runs grouped-query
         # attention directly instead of repeating the key/value heads.
         mask = None
     else:
         dtype = inputs_embeds.dtype if inputs_embeds is not None else next(decoder.parameters()).dtype
-        mask = window_attention_mask(base_len, window_mask, dtype)
+        mask = window_attention_mask(base_len, window_mask, dtype, extent)
     out = decoder(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,
@@ -93,14 +106,19 @@ def forward_chain(
     input_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
     position_offset: int = 0,
+    extent: int | None = None,
+    equal_lengths: bool = False,
 ) -> torch.Tensor:
     """A causal block of ``T`` tokens per row appended after ``base_len`` (prefill, AR step, draft catch-up).
 
-    Token ``t`` of row ``b`` goes to slot ``base_len[b] + t`` at position ``base_len[b] + t + position_offset``.
+    Token ``t`` of row ``b`` goes to slot ``base_len[b] + t`` at position ``base_len[b] + t + position_offset``;
+    ``extent`` and ``equal_lengths`` as in `forward_block`.
     """
     ref = input_ids if input_ids is not None else inputs_embeds
     t = ref.shape[1]
     steps = torch.arange(t, device=ref.device)
     causal = torch.ones(t, t, dtype=torch.bool, device=ref.device).tril()
     positions = base_len[:, None] + steps[None, :] + position_offset
-    return forward_block(decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds)
+    return forward_block(
+        decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds, extent, equal_lengths
+    )

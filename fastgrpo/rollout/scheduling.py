@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-
 from fastgrpo.rollout.tree import TreeShape
 
 AUTOREGRESSIVE = TreeShape(1, 1, 1)
@@ -39,11 +37,11 @@ class Controller(Protocol):
         rows: int,
         shape: TreeShape,
         seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
+        accepted: list[int] | None,
+        path_rank: list[list[int]] | None = None,
     ) -> None:
-        """A step ran: its wall time and, for a speculative step, the ``[B]`` draft tokens each row accepted and
-        ``[B, D]`` the score rank of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's
+        """A step ran: its wall time and, for a speculative step, the draft tokens each of the ``B`` rows accepted and
+        (``[B][D]``) the score rank of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's
         accepted ones), which tells what a smaller tree drafted from the same candidates would have accepted."""
         ...
 
@@ -59,8 +57,8 @@ class StatelessController:
         rows: int,
         shape: TreeShape,
         seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
+        accepted: list[int] | None,
+        path_rank: list[list[int]] | None = None,
     ) -> None:
         pass
 

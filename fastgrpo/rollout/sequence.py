@@ -43,14 +43,16 @@ class Sequence:
 class ActiveRows:
     """The rows still decoding: ``seqs[i]`` is produced by cache row ``i`` (of the target's and the drafter's caches).
 
-    ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots; ``pending`` ``[B]`` the
-    last emitted token, not yet in the target cache; ``emitted`` ``[B]`` tokens of the completion so far; ``draft``
-    the drafter's per-row state (see `fastgrpo.rollout.drafter`), None without one.
+    ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots, and ``lengths`` the
+    same on the host (the step never reads them back); ``pending`` ``[B]`` the last emitted token, not yet in the
+    target cache; ``emitted`` ``[B]`` tokens of the completion so far; ``draft`` the drafter's per-row state (see
+    `fastgrpo.rollout.drafter`), None without one.
     """
 
     seqs: list[Sequence]
     ids: torch.Tensor
     row_len: torch.Tensor
+    lengths: list[int]
     pending: torch.Tensor
     emitted: torch.Tensor
     draft: Any = None
@@ -59,16 +61,16 @@ class ActiveRows:
     def size(self) -> int:
         return len(self.seqs)
 
-    def select(self, order: torch.Tensor) -> ActiveRows:
-        """Row ``i`` of the result is row ``order[i]``."""
-        positions = order.tolist()
+    def select(self, order: list[int], index: torch.Tensor) -> ActiveRows:
+        """Row ``i`` of the result is row ``order[i]`` (``index``: the same on the device)."""
         return ActiveRows(
-            [self.seqs[p] for p in positions],
-            self.ids[order],
-            self.row_len[order],
-            self.pending[order],
-            self.emitted[order],
-            None if self.draft is None else self.draft.select(order),
+            [self.seqs[p] for p in order],
+            self.ids[index],
+            self.row_len[index],
+            [self.lengths[p] for p in order],
+            self.pending[index],
+            self.emitted[index],
+            None if self.draft is None else self.draft.select(order, index),
         )
 
 

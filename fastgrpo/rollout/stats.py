@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 
 @dataclass
 class GenerationStats:
@@ -71,14 +69,14 @@ class GenerationStats:
         """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
         return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
 
-    def record_depths(self, tree_depth: torch.Tensor, accepted: torch.Tensor) -> None:
-        """``tree_depth`` ``[B]`` deepest node per row, ``accepted`` ``[B]`` accepted draft tokens per row."""
-        for d in range(1, int(tree_depth.max()) + 1):
+    def record_depths(self, tree_depth: list[int], accepted: list[int]) -> None:
+        """``tree_depth`` the deepest node of each row's tree, ``accepted`` the draft tokens each row accepted."""
+        for d in range(1, max(tree_depth) + 1):
             if len(self.depth_offered) < d:
                 self.depth_offered.append(0)
                 self.depth_accepted.append(0)
-            self.depth_offered[d - 1] += int((tree_depth >= d).sum())
-            self.depth_accepted[d - 1] += int((accepted >= d).sum())
+            self.depth_offered[d - 1] += sum(t >= d for t in tree_depth)
+            self.depth_accepted[d - 1] += sum(a >= d for a in accepted)
 
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``)."""

@@ -41,6 +41,8 @@ class DraftTree:
     depth: ``[B, N]`` (root 0). ancestors: ``[B, N, N]`` bool, ``[b, i, j]`` when node j is i or an ancestor of i.
     rank: ``[B, N]`` place of each node by score (root 0, best draft node 1): the best ``n - 1`` draft nodes of a row
     are those of rank ``1..n - 1``, the tree a shape of ``n`` nodes would have kept from the same candidates.
+    levels: the deepest any node may be (known on the host: the shape's draft levels), so that the acceptance walk
+    has a fixed number of steps.
     """
 
     tokens: torch.Tensor
@@ -48,17 +50,17 @@ class DraftTree:
     depth: torch.Tensor
     ancestors: torch.Tensor
     rank: torch.Tensor
+    levels: int
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
-    """``[B, N] -> [B, N, N]`` ancestor-or-self mask from parent indices (-1 for roots)."""
-    b, n = parent.shape
-    anc = torch.eye(n, dtype=torch.bool, device=parent.device).expand(b, n, n).clone()
-    cur = parent.clone()
-    rows = torch.arange(b, device=parent.device)[:, None].expand(b, n)
-    cols = torch.arange(n, device=parent.device)[None, :].expand(b, n)
-    for _ in range(max_depth):
-        ok = cur >= 0
-        anc[rows[ok], cols[ok], cur[ok]] = True
-        cur = torch.where(ok, parent.gather(1, cur.clamp(min=0)), cur)
+    """``[B, N] -> [B, N, N]`` ancestor-or-self mask from parent indices (-1 for roots), in fixed-shape steps."""
+    n = parent.shape[1]
+    nodes = torch.arange(n, device=parent.device)
+    anc = parent[:, :, None] == nodes  # [B, N, N]: the parent of each node
+    anc |= nodes[:, None] == nodes  # and itself
+    cur = parent
+    for _ in range(max_depth - 1):
+        cur = torch.where(cur >= 0, parent.gather(1, cur.clamp(min=0)), cur)
+        anc |= cur[:, :, None] == nodes
     return anc

@@ -33,29 +33,27 @@ def accept(
     tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
 ) -> Acceptance:
     """Walk each row's tree. ``logits``: ``[B, N, V]`` raw target logits at every node; ``uniforms``: ``[B, D]`` the
-    uniforms of the row's next ``D`` positions (None when greedy), ``D`` at least the deepest node's depth plus one.
+    uniforms of the row's next ``D = tree.levels + 1`` positions (None when greedy).
 
-    Only the nodes the walk reaches are processed into sampling distributions (`process_logits`, the same function an
-    autoregressive step applies to its one row), one batch of still-active rows per step: a row that stops early
-    costs nothing more, so the cost follows the accepted length, not the tree size."""
+    The walk takes ``D`` steps of fixed shape over every row: at each, the node each row stands on is processed into a
+    sampling distribution (`process_logits`, the same function an autoregressive step applies to its one row) and
+    drawn from; a row that stopped keeps its node and its later draws are discarded. Nothing is read back from the
+    device, so the walk is one static graph; a row that stops early costs ``D`` rows' processing, not a stall."""
     b = logits.shape[0]
     dev = logits.device
+    steps = tree.levels + 1
+    rows = torch.arange(b, device=dev)
     node = torch.zeros(b, dtype=torch.long, device=dev)
-    live = torch.arange(b, device=dev)  # rows still walking
-    path = torch.full((b, int(tree.depth.max()) + 1), -1, dtype=torch.long, device=dev)
-    tokens = torch.zeros_like(path)
-    lps = torch.zeros(path.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=dev)
-    for step in range(path.shape[1]):
-        here = process_logits(logits[live, node[live]], params)  # [A, V]
-        y = sample(here, params, None if uniforms is None else uniforms[live, step])
-        path[live, step] = node[live]
-        tokens[live, step] = y
-        lps[live, step] = here.gather(1, y[:, None]).squeeze(1)
-        is_child = (tree.parent[live] == node[live, None]) & (tree.tokens[live] == y[:, None])  # [A, N]
-        goes_on = is_child.any(dim=1)
-        node[live] = torch.where(goes_on, is_child.int().argmax(dim=1), node[live])
-        live = live[goes_on]
-        if live.numel() == 0:
-            break
-    steps = step + 1
-    return Acceptance(path[:, :steps], tokens[:, :steps], lps[:, :steps], (path >= 0).sum(dim=1))
+    walking = torch.ones(b, dtype=torch.bool, device=dev)
+    path, tokens, lps = [], [], []
+    for step in range(steps):
+        here = process_logits(logits[rows, node], params)  # [B, V]
+        y = sample(here, params, None if uniforms is None else uniforms[:, step])
+        path.append(torch.where(walking, node, -1))
+        tokens.append(torch.where(walking, y, 0))
+        lps.append(torch.where(walking, here.gather(1, y[:, None]).squeeze(1), 0.0))
+        is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])  # [B, N]
+        walking = walking & is_child.any(dim=1)
+        node = torch.where(walking, is_child.int().argmax(dim=1), node)
+    path = torch.stack(path, 1)
+    return Acceptance(path, torch.stack(tokens, 1), torch.stack(lps, 1), (path >= 0).sum(dim=1))

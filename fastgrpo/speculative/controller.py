@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
-import torch
 from transformers import PreTrainedModel
 
 from fastgrpo.config import ControllerLimits, SpeculationConfig
@@ -233,8 +234,8 @@ class AdaptiveController:
         rows: int,
         shape: TreeShape,
         seconds: float,
-        accepted: torch.Tensor | None,
-        path_rank: torch.Tensor | None = None,
+        accepted: list[int] | None,
+        path_rank: list[list[int]] | None = None,
     ) -> None:
         kind = self._kind(shape)
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
@@ -255,8 +256,8 @@ class AdaptiveController:
         for d in range(shape.levels):
             self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (pooled[d] - self.depth_accept[d])
         if path_rank is None:  # the accepted nodes taken as the best-scored chain
-            chain = torch.arange(1, shape.levels + 1, device=accepted.device)
-            path_rank = torch.where(chain <= accepted[:, None], chain, shape.nodes)
+            chain = range(1, shape.levels + 1)
+            path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
         candidates, reached = self._nested_acceptance(shape, path_rank)
         self._estimates = None
         first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
@@ -268,31 +269,30 @@ class AdaptiveController:
         self._estimates = None
 
     def _nested_acceptance(
-        self, shape: TreeShape, path_rank: torch.Tensor
+        self, shape: TreeShape, path_rank: list[list[int]]
     ) -> tuple[list[TreeShape], list[list[float]]]:
         """The candidates no bigger than ``shape`` (``shape`` itself included when it is one), smallest first, and
         for each, per depth, the fraction of rows that would have accepted a draft token at that depth on this step:
         its tree keeps the best ``n - 1`` of the same candidates down to its own depth, so a row accepts the leading
-        nodes of its path (``path_rank`` ``[B, D]``) of rank below ``n``. (EAGLE-2 expands only the best K nodes of
+        nodes of its path (``path_rank`` ``[B][D]``) of rank below ``n``. (EAGLE-2 expands only the best K nodes of
         each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
         candidates = [
             c
             for c in self.shapes
             if c.speculative and c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.depth <= shape.depth
         ]
-        if not candidates:
-            return [], []
-        dev = path_rank.device
-        nodes = torch.tensor([c.nodes for c in candidates], device=dev)[:, None, None]
-        levels = torch.tensor([c.levels for c in candidates], device=dev)[:, None]
-        leading = (path_rank[None] < nodes).long().cumprod(dim=2).sum(dim=2).minimum(levels)  # [C, B]
-        return candidates, self._depth_fractions(leading)
+        # A path's leading nodes of rank below n are those whose running maximum rank is below n.
+        highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
+        reached = [
+            self._depth_fractions([min(bisect.bisect_left(h, c.nodes), c.levels) for h in highest]) for c in candidates
+        ]
+        return candidates, reached
 
-    def _depth_fractions(self, accepted: torch.Tensor) -> list:
-        """``[..., B]`` draft tokens each row accepted -> per depth up to ``l_max``, the fraction of rows that
-        accepted a token at that depth (``[..., l_max]`` as nested lists)."""
-        depths = torch.arange(self.limits.l_max, device=accepted.device)
-        return (accepted[..., None] > depths).float().mean(dim=-2).tolist()
+    def _depth_fractions(self, accepted: list[int]) -> list[float]:
+        """Draft tokens each of ``B`` rows accepted -> per depth up to ``l_max``, the fraction of rows that accepted a
+        token at that depth."""
+        rows = max(len(accepted), 1)
+        return [sum(a > d for a in accepted) / rows for d in range(self.limits.l_max)]
 
 
 def controller_from_config(

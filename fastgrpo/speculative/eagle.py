@@ -31,20 +31,31 @@ class PendingPairs:
     """The draft's per-row state: ``draft_len`` ``[B]`` filled draft cache slots, and the (token, preceding target
     hidden state) pairs ``tokens``/``hidden`` ``[B, C + 1]``/``[B, C + 1, H]`` that the draft cache has not read yet,
     the first ``count[b]`` of row ``b``; the capacity ``C`` grows by doubling and the last column is a spare one that
-    writes of nothing go to."""
+    writes of nothing go to. ``lengths`` and ``counts`` hold ``draft_len`` and ``count`` on the host."""
 
     draft_len: torch.Tensor
     tokens: torch.Tensor
     hidden: torch.Tensor
     count: torch.Tensor
+    lengths: list[int]
+    counts: list[int]
 
-    def select(self, order: torch.Tensor) -> PendingPairs:
-        return PendingPairs(self.draft_len[order], self.tokens[order], self.hidden[order], self.count[order])
+    def select(self, order: list[int], index: torch.Tensor) -> PendingPairs:
+        return PendingPairs(
+            self.draft_len[index],
+            self.tokens[index],
+            self.hidden[index],
+            self.count[index],
+            [self.lengths[p] for p in order],
+            [self.counts[p] for p in order],
+        )
 
-    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
-        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs."""
+    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]) -> None:
+        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs (``counts``:
+        ``count`` on the host)."""
         b, e = tokens.shape
-        need, cap = int((self.count + count).max()), self.tokens.shape[1] - 1
+        self.counts = [c + n for c, n in zip(self.counts, counts, strict=True)]
+        need, cap = max(self.counts), self.tokens.shape[1] - 1
         if need > cap:
             grown = max(need, 2 * cap)
             new_tok = self.tokens.new_zeros(b, grown + 1)
@@ -93,6 +104,7 @@ class EagleDrafter:
         rows: torch.Tensor,
         first: torch.Tensor,
         first_hidden: torch.Tensor,
+        row_prompt_len: list[int],
     ) -> PendingPairs:
         """The prompt's pairs (x_{j+1}, h_j), then the first sampled token's."""
         n = rows.numel()
@@ -103,18 +115,22 @@ class EagleDrafter:
             tokens=torch.cat([prompt_ids[rows, 1:], spare], 1),
             hidden=torch.cat([hidden, hidden.new_zeros(n, 1, hidden.shape[-1])], 1),
             count=(prompt_len - 1)[rows],
+            lengths=[0] * n,
+            counts=[length - 1 for length in row_prompt_len],
         )
-        state.push(first[:, None], first_hidden[:, None], torch.ones_like(first))
+        state.push(first[:, None], first_hidden[:, None], torch.ones_like(first), [1] * n)
         return state
 
     def backlog(self, rows: ActiveRows) -> int:
-        return int(rows.draft.count.max())
+        return max(rows.draft.counts)
 
-    def accepted(self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor) -> None:
-        rows.draft.push(tokens, hidden, count)
+    def accepted(
+        self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]
+    ) -> None:
+        rows.draft.push(tokens, hidden, count, counts)
 
-    def keep(self, rows: ActiveRows, order: torch.Tensor) -> None:
-        self.cache.select_rows(order, upto=int(rows.draft.draft_len.max()))
+    def keep(self, rows: ActiveRows, order: list[int]) -> None:
+        self.cache.select_rows(order, upto=max(rows.draft.lengths))
 
     def release(self) -> None:
         """Free the draft's KV cache (`begin` makes it again)."""
@@ -123,26 +139,44 @@ class EagleDrafter:
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
         t0 = time.perf_counter()
-        backlog = float(rows.draft.count.float().mean())
+        backlog = sum(rows.draft.counts) / rows.size
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         root_hidden = self._catch_up(rows.draft, embed)
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
         state = rows.draft
         tree = expand_tree(
-            self.draft, embed, head, self.cache, state.draft_len, rows.pending, root_hidden, rows.row_len, shape
+            self.draft,
+            embed,
+            head,
+            self.cache,
+            state.draft_len,
+            rows.pending,
+            root_hidden,
+            rows.row_len,
+            shape,
+            max(state.lengths),
         )
         return Proposal(tree, shape.levels, backlog_seconds)
 
     def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
         (the root of the next tree)."""
-        width = int(state.count.max())
+        width = max(state.counts)
         x = self.draft.features(embed(state.tokens[:, :width]), state.hidden[:, :width])
-        out = forward_chain(self.draft.decoder, self.cache, state.draft_len, inputs_embeds=x, position_offset=1)
+        out = forward_chain(
+            self.draft.decoder,
+            self.cache,
+            state.draft_len,
+            inputs_embeds=x,
+            position_offset=1,
+            extent=max(state.lengths) + width,
+        )
         root = out[torch.arange(out.shape[0], device=out.device), state.count - 1]
         state.draft_len = state.draft_len + state.count
         state.count = torch.zeros_like(state.count)
+        state.lengths = [n + c for n, c in zip(state.lengths, state.counts, strict=True)]
+        state.counts = [0] * len(state.counts)
         return root
 
 
@@ -164,11 +198,13 @@ def expand_tree(
     root_hidden: torch.Tensor,
     root_position: torch.Tensor,
     shape: TreeShape,
+    longest: int,
 ) -> DraftTree:
     """Draft a tree per row.
 
     Args:
         cache: the draft's cache; its first ``draft_len[b]`` slots hold the row's context, the root pair last.
+        longest: ``max(draft_len)``, known on the host.
         root_token: ``[B]`` the pending token. root_hidden: ``[B, H]`` the draft's output for the root pair.
         root_position: ``[B]`` position of the root token.
         shape: N, K, L; uses ``min(L, N - 1) - 1`` draft forwards (the root's output was computed by the caller;
@@ -192,7 +228,14 @@ def expand_tree(
         x = draft.features(embed(tok), frontier_feat)
         positions = (root_position + level)[:, None].expand(b, k)
         out = forward_block(
-            draft.decoder, cache, draft_len, offsets, positions, seen[:, :, : level * k], inputs_embeds=x
+            draft.decoder,
+            cache,
+            draft_len,
+            offsets,
+            positions,
+            seen[:, :, : level * k],
+            inputs_embeds=x,
+            extent=longest + level * k,
         )
         child_tok, child_lp = _topk_logprobs(draft, lm_head, out, k)  # [B, K, K]
         child_score = (score[:, :, None] + child_lp).reshape(b, k * k)
@@ -236,4 +279,4 @@ def _select(
     tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
     depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
     ranks = torch.cat([torch.zeros_like(minus_one), place + 1], 1)
-    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks)
+    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks, levels)

@@ -1,0 +1,113 @@
+"""What one decoding step of the rollout engine asks of torch: the aten ops it dispatches (each a kernel launch on a
+GPU, a few microseconds of host time when eager) and the host synchronisations among them (each a stall of the
+host until the device has drained its queue), counted with `fastgrpo.rollout.syncs` on the machine at hand. The
+counts do not depend on the hardware, so a CPU tells what a GPU step would launch and wait for.
+
+The model is Qwen2-shaped with 28 layers (the depth of Qwen2.5-7B, which sets the ops per forward) but narrow, so
+that it runs in seconds on a CPU; the draft is a random EAGLE head (a tree step's ops depend on its shape, not on what
+it accepts). Each configuration decodes ``--rows`` rows for ``--steps`` steps with no EOS (every row runs to the
+end); per step kind the table gives the median ops and the median and largest synchronisations per step.
+
+Usage::
+
+    python benchmarks/bench_step_ops.py [--rows 8] [--steps 16] [--layers 28]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections import Counter
+
+import torch
+from record import Record
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.syncs import counting_dispatch
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle import EagleDrafter
+
+VOCAB = 2048
+SAMPLING = {
+    "greedy": {"temperature": 0.0},
+    "T=1": {"temperature": 1.0},
+    "top-p 0.95": {"temperature": 1.0, "top_p": 0.95},
+}
+TREES = {"plain": None, "tree 4 (K2, L3)": TreeShape(4, 2, 3), "tree 16 (K4, L5)": TreeShape(16, 4, 5)}
+
+
+def qwen2_shaped(layers: int) -> Qwen2ForCausalLM:
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def count_steps(engine: RolloutEngine, params: SamplingParams, rows: int) -> list[tuple[int, int, Counter]]:
+    """(ops, synchronisations, synchronisations by name) of each decoding step of one call."""
+    counted, step = [], engine.step
+
+    def counting_step(active, call):
+        with counting_dispatch() as counter:
+            out = step(active, call)
+        counted.append((counter.ops, counter.sync_count, counter.syncs.copy()))
+        return out
+
+    engine.step = counting_step
+    prompts = [[(7 * i + j) % VOCAB for j in range(24 + 5 * i)] for i in range(rows // 2)]
+    engine.generate(prompts, params, num_generations=2, generator=torch.Generator().manual_seed(0))
+    return counted
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=8, help="rows decoded together (an even number)")
+    parser.add_argument("--steps", type=int, default=16, help="decoding steps per configuration")
+    parser.add_argument("--layers", type=int, default=28)
+    args = parser.parse_args()
+    record = Record("bench_step_ops")
+    model = qwen2_shaped(args.layers)
+    draft = DraftHead(model.config)
+    rows = []
+    for tree_name, shape in TREES.items():
+        for sampling_name, sampling in SAMPLING.items():
+            drafter = EagleDrafter(draft, model) if shape is not None else None
+            engine = RolloutEngine(model, [VOCAB], drafter=drafter, tree=shape)  # EOS out of vocabulary
+            params = SamplingParams(max_new_tokens=args.steps + 1, **sampling)
+            counted = count_steps(engine, params, args.rows)
+            ops = [c[0] for c in counted]
+            syncs = [c[1] for c in counted]
+            kinds = sum((c[2] for c in counted), Counter())
+            where = ", ".join(f"{name} {n / len(counted):.1f}" for name, n in kinds.most_common())
+            rows.append(
+                [
+                    tree_name,
+                    sampling_name,
+                    f"{statistics.median(ops):.0f}",
+                    f"{statistics.median(syncs):.0f}",
+                    max(syncs),
+                    where or "none",
+                ]
+            )
+    record.table(
+        f"Ops and host synchronisations per decoding step, {args.layers}-layer Qwen2-shaped model, {args.rows} rows,"
+        f" {args.steps} steps, eager",
+        ["step", "sampling", "ops per step", "syncs per step", "most syncs in a step", "syncs per step by kind"],
+        rows,
+    )
+    record.save()
+
+
+if __name__ == "__main__":
+    main()
