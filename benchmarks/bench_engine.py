@@ -4,11 +4,14 @@ Runs the embedded SmolLM2-135M-Instruct greedily on GSM8K test prompts at severa
 markdown table. Throughput counts useful completion tokens (up to and including the first EOS) per second of
 wall time; each side is warmed up once per batch size, the sides are timed in turn, and the median over
 repeats is reported. A third side is the engine with plain ``F.linear`` instead of the CPU linear-layer routes it
-measured on this machine (`fastgrpo.rollout.linear`), which are kept only where they are faster.
+measured on this machine (`fastgrpo.rollout.linear`), which are kept only where they are faster. With
+``--compile``, a fourth side is the engine with its target step compiled by inductor (`fastgrpo.rollout.target_step`;
+``compile: on``), its compilation done in the warm-up and reported apart.
 
 Usage::
 
-    python benchmarks/bench_engine.py --max-new-tokens 128 --batch-sizes 1,8,32,64 --repeats 3 [--dtype bfloat16]
+    python benchmarks/bench_engine.py --max-new-tokens 128 --batch-sizes 1,8,32,64 --repeats 3 [--dtype bfloat16] \
+        [--compile]
 
 On a shared machine, pass ``--threads 1`` when other processes keep cores busy: an oversubscribed OpenMP pool
 makes the timings erratic.
@@ -94,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data", type=Path, default=GSM8K_TEST, help="GSM8K-format prompt file")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="model dtype (both sides)")
+    parser.add_argument("--compile", action="store_true", help="also time the engine with its step compiled")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not args.batch_sizes or min(args.batch_sizes) < 1:
@@ -113,6 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model("smollm2", dtype=args.dtype).eval()
     eos = eos_token_ids(model, tokenizer)
     engine = RolloutEngine(model, eos, tokenizer=tokenizer)
+    compiled = RolloutEngine(model, eos, tokenizer=tokenizer, compile="inductor") if args.compile else None
     rows = load_gsm8k(args.data)[: max(args.batch_sizes)]
     all_prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows], MAX_PROMPT_LENGTH)
     print(
@@ -129,7 +134,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"only {len(prompts)} prompts available for batch size {bs}", file=sys.stderr)
         run_engine(engine, prompts, args.max_new_tokens)  # warm-up
         run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
-        engine_rates, default_rates, generate_rates = [], [], []
+        compile_s = 0.0
+        if compiled is not None:
+            for _ in range(2):  # compiles the row buckets the rollout meets, then runs them once more
+                compile_s += compiled.generate(
+                    prompts, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+                ).stats.compile_time
+        engine_rates, default_rates, generate_rates, compiled_rates = [], [], [], []
         for _ in range(args.repeats):
             e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
             with forced_routes("off"):
@@ -138,16 +149,31 @@ def main(argv: list[str] | None = None) -> None:
             engine_rates.append(sum(map(len, e_ids)) / e_time)
             default_rates.append(sum(map(len, d_ids)) / d_time)
             generate_rates.append(sum(map(len, g_ids)) / g_time)
+            if compiled is not None:
+                c_ids, c_time = run_engine(compiled, prompts, args.max_new_tokens)
+                compiled_rates.append(sum(map(len, c_ids)) / c_time)
         same = sum(a == b for a, b in zip(e_ids, g_ids, strict=True))
         rates = [statistics.median(r) for r in (engine_rates, default_rates, generate_rates)]
-        results.append((bs, *rates, same, len(prompts)))
+        extra = []
+        if compiled is not None:
+            same_compiled = sum(a == b for a, b in zip(e_ids, c_ids, strict=True))
+            extra = [statistics.median(compiled_rates), compile_s, same_compiled]
+        results.append((bs, *rates, same, len(prompts), *extra))
         print(f"batch {bs}: engine {rates[0]:.1f} tok/s, generate {rates[2]:.1f} tok/s, identical {same}", flush=True)
 
+    columns = ["batch", "engine tok/s", "engine, F.linear tok/s", "generate tok/s", "engine / generate", "identical"]
+    table = [
+        [bs, f"{e:.1f}", f"{d:.1f}", f"{g:.1f}", f"{e / g:.2f}x", f"{same}/{n}"] for bs, e, d, g, same, n, *_ in results
+    ]
+    if compiled is not None:
+        columns += ["compiled tok/s", "compiled / engine", "compile s", "compiled = engine"]
+        for row, (_, e, _, _, _, n, c, seconds, same_c) in zip(table, results, strict=True):
+            row += [f"{c:.1f}", f"{c / e:.2f}x", f"{seconds:.0f}", f"{same_c}/{n}"]
     record.table(
         f"Greedy decoding of GSM8K test prompts, {args.max_new_tokens} new tokens, {model.dtype}, useful tokens/s "
         f"(median of {args.repeats})",
-        ["batch", "engine tok/s", "engine, F.linear tok/s", "generate tok/s", "engine / generate", "identical"],
-        [[bs, f"{e:.1f}", f"{d:.1f}", f"{g:.1f}", f"{e / g:.2f}x", f"{same}/{n}"] for bs, e, d, g, same, n in results],
+        columns,
+        table,
     )
     record.save()
     print(f"\ntotal wall time {time.perf_counter() - start:.1f} s")

@@ -31,7 +31,10 @@ exits non-zero at the end when any section failed):
   token (same rows and context, greedy, dynamic cache); the memory bandwidth the engine's step reached (weight bytes
   read plus KV-cache bytes read, over the step time) against a measured device-to-device copy and the card's
   published peak; and a verification forward of N = 4, 8, 16, 32 tokens per row against a plain one at each row
-  count. What is timed: the engine's step is `RolloutEngine.step` as `generate` records it in
+  count. The engine's step and the N = 1 and N = 8 forwards are timed eagerly and compiled (``torch.compile``,
+  fullgraph, captured as CUDA graphs on a GPU; the compilation and capture are timed apart, ``compile_seconds``; on
+  a CPU with the ``aot_eager`` backend, which checks the graphs without generating code).
+  What is timed: the engine's step is `RolloutEngine.step` as `generate` records it in
   ``GenerationStats.step_times`` (schedule, target forward with the LM head, sampling, appending tokens; each step
   ends with a host sync, so the wall clock is the GPU's time), the median over the decoding steps after the first,
   of one prompt of the context length replicated to the row count, no EOS so every row runs; ``generate``'s time
@@ -72,7 +75,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -117,6 +120,7 @@ SECTION_NAMES = ("environment", "grpo", "greedy", "sampling", "sdpa", "decode")
 GPU_TOKENIZER = REPO / ".gpu" / "tokenizer"
 MiB = 2**20
 GiB = 2**30
+COMPILED_NODES = 8  # the verification size the decode section also times compiled
 
 # Published peak memory bandwidths (bytes/s), matched against `torch.cuda.get_device_name` in order.
 PEAK_BANDWIDTH = (
@@ -1023,6 +1027,12 @@ def peak_bandwidth(device: torch.device) -> float | None:
     return next((bw for key, bw in PEAK_BANDWIDTH if key in name), None)
 
 
+def compile_backend_for(device: torch.device) -> str:
+    """Inductor on a GPU; on a CPU (``--quick`` runs in the test suite) ``aot_eager``, which captures the same graphs
+    in seconds but generates no code, so the CPU's compiled columns check the graphs, not inductor's speed."""
+    return "inductor" if device.type == "cuda" else "aot_eager"
+
+
 def engine_step_seconds(engine: RolloutEngine, rows: int, context: int, steps: int) -> float:
     """Median seconds of the engine's plain decoding steps (after the first) at ``rows`` rows reading ``context``
     cached tokens: one prompt of that length replicated to ``rows`` rows, greedy, no EOS."""
@@ -1056,22 +1066,33 @@ def generate_token_seconds(model: PreTrainedModel, rows: int, context: int, step
     return statistics.median(gaps[1:])
 
 
-def verify_seconds(model: PreTrainedModel, rows: int, context: int, tokens: int) -> float:
+def verify_seconds(model: PreTrainedModel, rows: int, context: int, tokens: int, compiled: bool = False) -> float:
     """Median seconds of one target forward over ``rows`` rows of ``tokens`` new tokens each after ``context``
     cached tokens, with the LM head and `process_logits` (greedy): a plain step's forward at ``tokens == 1`` (no
-    mask: rows of equal length), an N-node verification's otherwise (masked, a chain being as costly as a tree)."""
+    mask: rows of equal length), an N-node verification's otherwise (masked, a chain being as costly as a tree).
+    ``compiled``: the same function compiled by ``torch.compile(fullgraph=True)`` (on CUDA captured as a CUDA graph,
+    ``mode="reduce-overhead"``), its first calls (compilation, capture) not timed."""
     dev = model.device
     decoder, head = decoder_and_head(model)
     cache = RowCache(model.config, rows, context + tokens, model.dtype, dev)
     base = torch.full((rows,), context, dtype=torch.long, device=dev)  # [B]
     ids = torch.randint(4, model.config.vocab_size, (rows, tokens), dtype=torch.long, device=dev)  # [B, N]
     params = SamplingParams(temperature=0.0)
+    equal = tokens == 1
 
-    def forward() -> torch.Tensor:
-        return process_logits(head(forward_chain(decoder, cache, base, input_ids=ids)), params)  # [B, N, V]
+    def forward() -> torch.Tensor:  # [B, N, V]
+        hidden = forward_chain(decoder, cache, base, input_ids=ids, extent=context + tokens, equal_lengths=equal)
+        return process_logits(head(hidden), params)
 
-    with torch.inference_mode(), rollout_attention(model), rollout_linears(model):
-        return median_seconds(forward, dev)
+    run = forward
+    if compiled:
+        torch._dynamo.mark_static_address(cache.kv)
+        mode = "reduce-overhead" if dev.type == "cuda" else None
+        run = torch.compile(forward, fullgraph=True, mode=mode, backend=compile_backend_for(dev))
+    with torch.inference_mode(), rollout_attention(model), nullcontext() if compiled else rollout_linears(model):
+        for _ in range(3 if compiled else 0):  # compile, then record the graph
+            run()
+        return median_seconds(run, dev)
 
 
 def measured_if_fits(
@@ -1093,8 +1114,11 @@ def measured_if_fits(
         release(device)
 
 
-def decode_point(engine: RolloutEngine, rows: int, context: int, steps: int, section: Section) -> dict[str, Any]:
-    """The engine's plain step and ``generate``'s time per token at ``rows`` rows of ``context`` cached tokens."""
+def decode_point(
+    engine: RolloutEngine, compiled: RolloutEngine, rows: int, context: int, steps: int, section: Section
+) -> dict[str, Any]:
+    """The engine's plain step, eager and ``compiled``, and ``generate``'s time per token at ``rows`` rows of
+    ``context`` cached tokens."""
     model = engine.model
     config, dtype, dev = model.config, model.dtype, model.device
     kv = rows * (context + steps + 4) * kv_bytes_per_token(config, dtype)
@@ -1103,6 +1127,13 @@ def decode_point(engine: RolloutEngine, rows: int, context: int, steps: int, sec
         f"engine at {rows} rows x {context}",
         kv + activation_bytes(config, context, dtype),  # one prompt prefilled, its cache rows replicated
         partial(engine_step_seconds, engine, rows, context, steps),
+        dev,
+        section,
+    )
+    entry["compiled"] = measured_if_fits(
+        f"compiled engine at {rows} rows x {context}",
+        kv + activation_bytes(config, context, dtype),
+        partial(engine_step_seconds, compiled, rows, context, steps),
         dev,
         section,
     )
@@ -1117,47 +1148,56 @@ def decode_point(engine: RolloutEngine, rows: int, context: int, steps: int, sec
 
 
 def verify_point(model: PreTrainedModel, rows: int, context: int, nodes: list[int], section: Section) -> dict:
-    """Seconds of a target forward over 1 and each of ``nodes`` tokens per row at ``rows`` rows x ``context``."""
+    """Seconds of a target forward over 1 and each of ``nodes`` tokens per row at ``rows`` rows x ``context``, eager,
+    and compiled at 1 and `COMPILED_NODES` tokens."""
     config, dtype = model.config, model.dtype
-    seconds = {}
+    seconds, compiled = {}, {}
     for n in [1, *nodes]:
         need = rows * (context + n) * kv_bytes_per_token(config, dtype) + activation_bytes(config, rows * n, dtype)
         need += rows * n * config.vocab_size * 10  # the logits, their float32 copy and the log-softmax
-        fn = partial(verify_seconds, model, rows, context, n)
-        seconds[n] = measured_if_fits(
-            f"verification of {n} at {rows} rows x {context}", need, fn, model.device, section
-        )
-    return {"rows": rows, "context": context, "seconds": seconds}
+        for compile, into in ((False, seconds), (True, compiled)):
+            if compile and n not in (1, COMPILED_NODES):
+                continue
+            fn = partial(verify_seconds, model, rows, context, n, compile)
+            label = f"{'compiled ' if compile else ''}verification of {n} at {rows} rows x {context}"
+            into[n] = measured_if_fits(label, need, fn, model.device, section)
+    return {"rows": rows, "context": context, "seconds": seconds, "compiled": compiled}
 
 
 def decode_row(entry: dict[str, Any], weights: int, kv_token: int, copy_bw: float, spec_bw: float | None) -> list[Any]:
-    """A table row of the decoding comparison: times, ratio, bytes read per step and the bandwidth reached."""
+    """A table row of the decoding comparison: times (eager, compiled), ratios, bytes read per step, the bandwidth the
+    faster step reached and its time over the weight-read time at the copy bandwidth."""
     rows, context = entry["rows"], entry["context"]
-    engine, hf = entry["engine"], entry["generate"]
+    engine, compiled, hf = entry["engine"], entry["compiled"], entry["generate"]
+    best = min((t for t in (engine, compiled) if t), default=None)
     read = weights + rows * context * kv_token
-    bw = read / engine if engine else None
+    bw = read / best if best else None
     entry.update(bytes_read=read, engine_bandwidth_gb_s=None if bw is None else bw / 1e9)
     return [
         rows,
         context,
         "skipped" if engine is None else f"{1e3 * engine:.2f}",
+        "skipped" if compiled is None else f"{1e3 * compiled:.2f}",
         "skipped" if hf is None else f"{1e3 * hf:.2f}",
-        f"{hf / engine:.2f}x" if engine and hf else "-",
+        f"{hf / best:.2f}x" if best and hf else "-",
         f"{read / MiB:.1f}",
         "-" if bw is None else f"{bw / 1e9:.1f}",
         "-" if bw is None else f"{bw / copy_bw:.0%}",
         "-" if bw is None or spec_bw is None else f"{bw / spec_bw:.0%}",
+        "-" if best is None else f"{best / (weights / copy_bw):.2f}x",
     ]
 
 
 def verify_row(entry: dict[str, Any], nodes: list[int]) -> list[Any]:
-    """A table row of the verification sweep: the plain forward's ms, then each N's time over it."""
-    seconds = entry["seconds"]
-    plain = seconds[1]
-    cells: list[Any] = [entry["rows"], entry["context"], "skipped" if plain is None else f"{1e3 * plain:.2f}"]
-    for n in nodes:
-        s = seconds[n]
-        cells.append("skipped" if s is None else f"{s / plain:.2f}x" if plain else f"{1e3 * s:.2f} ms")
+    """A table row of the verification sweep: the plain forward's ms, then each N's time over it; then the same
+    compiled at N = 1 and N = `COMPILED_NODES`."""
+    cells: list[Any] = [entry["rows"], entry["context"]]
+    for seconds, sizes in ((entry["seconds"], nodes), (entry["compiled"], [COMPILED_NODES])):
+        plain = seconds[1]
+        cells.append("skipped" if plain is None else f"{1e3 * plain:.2f}")
+        for n in sizes:
+            s = seconds.get(n)
+            cells.append("skipped" if s is None else f"{s / plain:.2f}x" if plain else f"{1e3 * s:.2f} ms")
     return cells
 
 
@@ -1189,18 +1229,25 @@ def section_decode(check: Check, section: Section) -> None:
         copy_bandwidth_gb_s=copy_bw / 1e9,
         published_bandwidth_gb_s=None if spec_bw is None else spec_bw / 1e9,
     )
-    engine = RolloutEngine(model, [])
+    engine, compiled = RolloutEngine(model, []), RolloutEngine(model, [], compile=compile_backend_for(dev))
     engine_step_seconds(engine, 2, 16, 3)  # one-off costs of both sides
     generate_token_seconds(model, 2, 16, 3)
-    points = [decode_point(engine, rows, context, steps, section) for context in contexts for rows in rows_list]
+    t0 = time.perf_counter()
+    for rows in rows_list:  # compiles, then captures each row bucket (not timed below)
+        engine_step_seconds(compiled, rows, contexts[0], 3)
+    section.results["compile_seconds"] = time.perf_counter() - t0
+    points = [
+        decode_point(engine, compiled, rows, context, steps, section) for context in contexts for rows in rows_list
+    ]
     table = [decode_row(entry, read, kv_token, copy_bw, spec_bw) for entry in points]
     section.results["steps"] = points
     check.record.table(
         f"Plain decoding step of a random {name} model, bfloat16, {dev}: the engine's step against generate's time "
         f"per new token (copy bandwidth {copy_bw / 1e9:.0f} GB/s, published "
-        f"{'unknown' if spec_bw is None else f'{spec_bw / 1e9:.0f} GB/s'})",
-        ["rows", "context", "engine ms", "generate ms", "generate / engine", "MB read per step", "engine GB/s"]
-        + ["of copy bandwidth", "of published"],
+        f"{'unknown' if spec_bw is None else f'{spec_bw / 1e9:.0f} GB/s'}); the faster engine step sets the last "
+        "five columns",
+        ["rows", "context", "engine ms", "compiled ms", "generate ms", "generate / engine", "MB read per step"]
+        + ["engine GB/s", "of copy bandwidth", "of published", "over weight read"],
         table,
     )
     sweep = [verify_point(model, rows, context, nodes, section) for context in contexts for rows in rows_list]
@@ -1208,7 +1255,7 @@ def section_decode(check: Check, section: Section) -> None:
     check.record.table(
         f"Target forward over N tokens per row against a plain one, {name}, bfloat16, {dev}: ms at N = 1, then the "
         "ratio to it",
-        ["rows", "context", "N=1 ms"] + [f"N={n}" for n in nodes],
+        ["rows", "context", "N=1 ms"] + [f"N={n}" for n in nodes] + ["compiled N=1 ms", f"compiled N={COMPILED_NODES}"],
         [verify_row(entry, nodes) for entry in sweep],
     )
 

@@ -1,5 +1,8 @@
 """The engine's decoding step reads the device once: counted on CPU with a dispatch mode (`fastgrpo.rollout.syncs`),
-for plain and tree steps, greedy, sampled and with top-p, static and adaptive trees, with rows ending on the way."""
+for plain and tree steps, greedy, sampled and with top-p, static and adaptive trees, with rows ending on the way.
+
+On a CPU, where reading a value back stalls nothing, top-p ranks by heads it reads back; the tests run the ranking a
+GPU runs (`fastgrpo.rollout.sampling._host_reads_are_free` false)."""
 
 from __future__ import annotations
 
@@ -25,6 +28,13 @@ PARAMS = {
     "T=1": SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0),
     "top-p": SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=50),
 }
+
+
+@pytest.fixture(autouse=True)
+def as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastgrpo.rollout import sampling
+
+    monkeypatch.setattr(sampling, "_host_reads_are_free", lambda t: False)
 
 
 def eos_midway() -> int:

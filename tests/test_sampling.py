@@ -257,16 +257,24 @@ def test_sample_frequencies_follow_distribution() -> None:
     torch.testing.assert_close(counts, expected, rtol=0, atol=0.015)
 
 
-def test_top_p_filters_peaked_and_flat_rows_alike_without_reading_the_device() -> None:
-    """Rows whose nucleus holds one token, a few or most of the vocabulary are each filtered as by their own sort, in
-    one batch, and no value is read back to the host (a GPU step would wait for it)."""
+@pytest.mark.parametrize("reads_free", [True, False], ids=["by heads", "by one sort"])
+def test_top_p_filters_peaked_and_flat_rows_alike(reads_free: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows whose nucleus lies in the first head (peaked), in the second (wider) or in neither (flat) are filtered
+    exactly as by their own sort, by both rankings; the one a GPU runs reads nothing back from the device."""
+    from fastgrpo.rollout import sampling
+
+    monkeypatch.setattr(sampling, "TOP_P_HEADS", (8, 64))
+    monkeypatch.setattr(sampling, "_host_reads_are_free", lambda t: reads_free)
     gen = torch.Generator().manual_seed(8)
-    scale = torch.tensor([30.0, 8.0, 2.0, 0.1], dtype=F64)[:, None]
-    logits = scale * torch.randn(4, 256, dtype=F64, generator=gen)
+    scale = torch.tensor([8.0, 8.0, 0.1, 2.0, 6.0, 1.2], dtype=F64)[:, None, None]
+    logits = scale * torch.randn(6, 3, 256, dtype=F64, generator=gen)
+    sorted_probs, order = torch.sort(torch.softmax(logits, -1), dim=-1, descending=True)
+    drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= 0.9
+    expected = drop_sorted.scatter(-1, order, drop_sorted)
     with counting_dispatch() as counter:
-        out = process_logits(logits, SamplingParams(temperature=1.0, top_p=0.9))
-    assert counter.sync_count == 0, counter.syncs
-    for row, kept in zip(logits, torch.isfinite(out).sum(-1).tolist(), strict=True):
-        probs = torch.softmax(row, -1).sort(descending=True).values
-        assert kept == int(((probs.cumsum(-1) - probs) < 0.9).sum())
-    assert torch.isfinite(out).sum(-1).tolist()[0] == 1 and torch.isfinite(out).sum(-1).tolist()[-1] > 200
+        dropped = sampling._top_p_drop(logits, 0.9)
+    assert torch.equal(dropped, expected)
+    kept = (~dropped).sum(-1)
+    assert kept[0].max() <= 8 and kept[2].min() > 64, "nuclei within the first head and past every head"
+    assert ((kept > 8) & (kept <= 64)).any(), "the second head holds some nuclei"
+    assert (counter.sync_count == 0) != reads_free, counter.syncs

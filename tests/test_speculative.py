@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from fastgrpo.config import DraftTrainConfig
-from fastgrpo.rollout import engine as engine_module
+from fastgrpo.rollout import target_step as target_step_module
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
@@ -413,6 +413,6 @@ def test_speculative_sampling_has_the_autoregressive_distribution(peaked_model_a
     assert chi_square_p_value(reference, speculative) > 1e-3
 
     # The same test catches an off-by-one in the acceptance rule.
-    monkeypatch.setattr(engine_module, "accept", stale_accept)
+    monkeypatch.setattr(target_step_module, "accept", stale_accept)
     wrong, _ = first_tokens(model, draft, params, 3000, seed=11)
     assert chi_square_p_value(reference, wrong) < 1e-6

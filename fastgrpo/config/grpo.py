@@ -19,6 +19,8 @@ from fastgrpo.fields import Range, check_ranges, option
 from fastgrpo.models import DTYPE_CHOICES, check_model_source, resolve_dtype
 from fastgrpo.sampling_params import SamplingParams
 
+COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.target_step.compile_backend`
+
 REPORT_TO = ("jsonl", "tensorboard")
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
@@ -47,6 +49,12 @@ class GRPOConfig:
         "scaling); false: it updates the low-precision weights directly",
     )
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
+    compile: str = option(
+        "auto",
+        help="run the rollout's decoding step compiled by torch.compile (captured as CUDA graphs on a GPU); `auto`: "
+        "on a GPU only",
+        choices=COMPILE_CHOICES,
+    )
     ddp_timeout: int = option(
         1800, help="seconds a collective waits for the other processes before the job fails", valid=Range(1)
     )

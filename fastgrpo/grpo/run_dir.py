@@ -201,7 +201,7 @@ SAFE_TO_CHANGE = {
     "max_steps", "save_steps", "save_total_limit", "save_only_model", "logging_steps", "log_completions",
     "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to", "overwrite_output_dir",
     "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing", "dtype",
-    "master_weights", "logprob_chunk_tokens",
+    "master_weights", "logprob_chunk_tokens", "compile",
 }  # fmt: skip
 SAFE_PREFIXES = ("speculation.", "draft_training.")
 

@@ -39,6 +39,7 @@ from fastgrpo.models import (
 from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.rollout.target_step import compile_backend
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
 from fastgrpo.threads import ThreadGovernor
 
@@ -136,6 +137,7 @@ class GRPOTrainer:
             config.model,
             starting_draft(self.model, config.speculation, checkpoint / DRAFT_DIR if checkpoint else None),
             config.seed,
+            compile_backend(config.compile, self.device),
         )
         self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.

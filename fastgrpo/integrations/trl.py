@@ -28,6 +28,7 @@ from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.rollout.target_step import compile_backend
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
@@ -77,6 +78,7 @@ class SpeculativeRollout:
         draft_training: online draft-learning options (`DraftCallback` runs them; ``online=False`` freezes the
             draft).
         max_prompt_length: keep the last this many prompt tokens (None: whole prompts).
+        compile: run the decoding step compiled by ``torch.compile``: ``auto`` (on a GPU only), ``on`` or ``off``.
     """
 
     def __init__(
@@ -85,7 +87,10 @@ class SpeculativeRollout:
         speculation: SpeculationConfig | None = None,
         draft_training: DraftTrainConfig | None = None,
         max_prompt_length: int | None = None,
+        compile: str = "auto",
     ):
+        compile_backend(compile, torch.device("cpu"))  # checks the choice before any work
+        self.compile = compile
         self.speculation = speculation or SpeculationConfig()
         if draft is not None:  # the saved draft given here stands for speculation.draft, and is checked as it is
             self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
@@ -152,6 +157,7 @@ class SpeculativeRollout:
             model.config.name_or_path or model.config.model_type,
             starting_draft(model, self.speculation, saved),
             trainer.args.seed,
+            compile_backend(self.compile, next(model.parameters()).device),
         )
         if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
             self.rollouts.load_optimizer_state(torch.load(saved / DRAFT_OPTIMIZER, map_location="cpu"))

@@ -16,21 +16,20 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.drafter import Drafter, Proposal
-from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
+from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import host_to_device, read_back
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
+from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.rollout.verify import accept
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
 
@@ -84,6 +83,8 @@ class RolloutEngine:
         controller: instead of ``tree``, chooses each step's shape from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
             `fastgrpo.rollout.lora`).
+        compile: the ``torch.compile`` backend the target's step runs with (``"inductor"``), None: eager (see
+            `fastgrpo.rollout.target_step`).
 
     Set ``threads`` to a `fastgrpo.threads.ThreadGovernor` to have every step follow the cores the process has.
     """
@@ -97,11 +98,13 @@ class RolloutEngine:
         tree: TreeShape | None = None,
         controller: Controller | None = None,
         merge_lora: bool = True,
+        compile: str | None = None,
     ):
         self.model = model
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device="cpu")
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
+        self.target = TargetStep(compile)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None
         self.drafter: Drafter | None = None
@@ -161,15 +164,16 @@ class RolloutEngine:
             with (
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
                 rollout_attention(self.model, *extra),
-                rollout_linears(self.model, *extra),
+                nullcontext() if self.target.compiled else rollout_linears(self.model, *extra),
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
                 rows = self.prefill(prompt_ids, num_generations, call)
-                t0 = time.perf_counter()
+                t0, compiling = time.perf_counter(), self.target.compile_seconds
                 while rows.size:
                     rows = self.step(rows, call)
                 call.stats.decode_time = time.perf_counter() - t0
+                call.stats.compile_time = self.target.compile_seconds - compiling
                 return call.output()
         finally:
             self.model.train(was_training)
@@ -197,12 +201,14 @@ class RolloutEngine:
     def _begin(self, call: Generation, length: int) -> None:
         """Size the caches (reused when big enough; zeroed once at allocation, so always finite) and tell the
         controller a call starts."""
-        rows = len(call.seqs)
+        rows = self.target.rows(len(call.seqs))
         bound = self.controller.max_shape if self.controller is not None else None
         extra = bound.nodes if bound is not None else 1
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
             self.cache = None
             self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device)
+            if self.target.compiled:  # a CUDA graph writes the buffers in place instead of copying them per replay
+                torch._dynamo.mark_static_address(self.cache.kv)
         if self.drafter is not None:
             changed = self.drafter.begin(rows, length, bound)
             self.controller.begin(draft_changed=changed)
@@ -269,62 +275,27 @@ class RolloutEngine:
         return proposal
 
     def verify(self, rows: ActiveRows, proposal: Proposal | None, call: Generation) -> Verified:
-        """One target forward over each row's pending token (and its tree), accepting the tokens each row emits."""
+        """One target forward over each row's pending token (and its tree), accepting the tokens each row emits
+        (`fastgrpo.rollout.target_step`)."""
         t0 = time.perf_counter()
         decoder, head = decoder_and_head(self.model)
-        params = call.params
+        args = (decoder, head, self.cache)
         if proposal is None:
-            longest = max(rows.lengths)
-            hidden = forward_chain(
-                decoder,
-                self.cache,
-                rows.row_len,
-                input_ids=rows.pending[:, None],
-                extent=longest + 1,
-                equal_lengths=min(rows.lengths) == longest,
-            )
-            logprobs = process_logits(head(hidden[:, -1]), params)
             uniforms = call.uniforms(rows, 1)
-            tokens = sample(logprobs, params, None if uniforms is None else uniforms[:, 0])
-            rows.row_len = rows.row_len + 1
-            verified = Verified(tokens[:, None], logprobs.gather(1, tokens[:, None]), torch.ones_like(tokens), hidden)
+            uniforms = None if uniforms is None else uniforms[:, 0]
+            out = self.target.plain(*args, rows.pending, rows.row_len, rows.lengths, uniforms, call.params)
+            tokens, logprobs, hidden = out
+            verified = Verified(tokens[:, None], logprobs[:, None], torch.ones_like(tokens), hidden)
         else:
-            verified = self._verify_tree(decoder, head, rows, proposal, call)
+            tree = proposal.tree
+            uniforms = call.uniforms(rows, tree.levels + 1)
+            out = self.target.tree(*args, tree, rows.row_len, rows.lengths, uniforms, call.params)
+            verified = Verified(*out)
+            call.stats.tree_nodes.append(tree.tokens.shape[1])
+        rows.row_len = rows.row_len + verified.count
         call.stats.target_forwards += 1
         call.stats.verify_time += time.perf_counter() - t0
         return verified
-
-    def _verify_tree(
-        self, decoder: nn.Module, head: nn.Module, rows: ActiveRows, proposal: Proposal, call: Generation
-    ) -> Verified:
-        """Verify every row's tree in one forward, then move the accepted path's cache entries to contiguous slots
-        right after the row's context."""
-        tree = proposal.tree
-        n = tree.tokens.shape[1]
-        offsets = torch.arange(n, device=tree.tokens.device)
-        positions = rows.row_len[:, None] + tree.depth
-        hidden = forward_block(
-            decoder,
-            self.cache,
-            rows.row_len,
-            offsets,
-            positions,
-            tree.ancestors,
-            input_ids=tree.tokens,
-            extent=max(rows.lengths) + n,
-        )
-        result = accept(tree, head(hidden), call.params, call.uniforms(rows, tree.levels + 1))
-        path = result.path
-        steps = torch.arange(path.shape[1], device=path.device)[None, :]
-        src = rows.row_len[:, None] + torch.where(path >= 0, path, steps)
-        self.cache.move_slots(src, rows.row_len[:, None] + steps)
-        rows.row_len = rows.row_len + result.length
-        path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
-        call.stats.tree_nodes.append(n)
-        drafted = path[:, 1:]
-        path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
-        depth = tree.depth.max(dim=1).values
-        return Verified(result.tokens, result.logprobs, result.length, path_hidden, path_rank, depth)
 
     def postprocess(
         self,

@@ -6,6 +6,7 @@ import torch
 
 from fastgrpo.sampling_params import SamplingParams
 
+TOP_P_HEADS = (64, 512, 4096)  # head sizes ranked by `topk` for top-p, in turn, before a full sort of the vocabulary
 CDF_BLOCK = 256  # token ids per block of the two-stage CDF inversion in `sample`
 
 
@@ -41,12 +42,42 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """``[..., V]`` bool: tokens outside the nucleus. A token is dropped when the tokens ranked above it already hold
     ``top_p`` of the mass (the first always stays).
 
-    One sort of each row's vocabulary, then the ranks' verdicts scattered back: the same shapes and ops whatever the
-    distributions, so nothing is read back from the device and the step stays one static graph."""
+    Two rankings give the same nucleus: where a read of the device costs nothing (`_host_reads_are_free`) the cheaper
+    one that ranks only as much of each row as its nucleus needs, elsewhere one sort of every row, whose shapes and ops
+    do not depend on the values, so that nothing is read back and the step stays one static graph."""
+    if _host_reads_are_free(logits):
+        return _top_p_drop_by_heads(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
     ranked, order = probs.sort(dim=-1, descending=True)
     drop = (ranked.cumsum(dim=-1) - ranked) >= top_p
     return torch.zeros_like(drop).scatter_(-1, order, drop)
+
+
+def _host_reads_are_free(t: torch.Tensor) -> bool:
+    """On a CPU, outside a compiled graph, reading a value back stalls nothing (the host is the device)."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _top_p_drop_by_heads(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """`_top_p_drop` ranking only the head of each distribution: each row's best ``TOP_P_HEADS[0]`` tokens are ranked
+    (by `topk`); the rows whose head holds less than ``top_p`` go on to the next head size, and the rows that no head
+    covers sort the whole vocabulary. A row's result depends only on the row. A `topk` of a few hundred tokens costs a
+    small fraction of a full sort of a large vocabulary, and most nuclei of sampled answers hold few tokens; which
+    rows go on is read back at each size."""
+    probs = torch.softmax(logits, dim=-1).reshape(-1, logits.shape[-1])
+    vocab = probs.shape[-1]
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    rows, pending = torch.arange(probs.shape[0], device=probs.device), probs
+    for size in (*TOP_P_HEADS, vocab):
+        size = min(size, vocab)
+        ranked, order = pending.topk(size, dim=-1)  # sorted, descending
+        done = ranked.sum(dim=-1) >= top_p if size < vocab else torch.ones_like(rows, dtype=torch.bool)
+        kept = (ranked[done].cumsum(dim=-1) - ranked[done]) < top_p
+        keep[rows[done][:, None], order[done]] = kept  # writes only the ranked head of each finished row
+        rows, pending = rows[~done], pending[~done]
+        if rows.numel() == 0:
+            break
+    return ~keep.reshape(logits.shape)
 
 
 def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None = None) -> torch.Tensor:

@@ -17,6 +17,7 @@ class GenerationStats:
     decode_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
+    compile_time: float = 0.0  # seconds of decoding steps that compiled a graph (`fastgrpo.rollout.target_step`)
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
     step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
@@ -79,8 +80,10 @@ class GenerationStats:
             self.depth_accepted[d - 1] += sum(a >= d for a in accepted)
 
     def metrics(self) -> dict[str, float]:
-        """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``)."""
-        return {
+        """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and ``time/compile`` for a
+        call that compiled)."""
+        compiled = {"time/compile": self.compile_time} if self.compile_time else {}
+        return compiled | {
             "rollout/tokens_per_second": self.tokens_per_second,
             "rollout/target_forwards": self.target_forwards,
             "spec/accept_length": self.accept_length,

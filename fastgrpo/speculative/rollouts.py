@@ -71,6 +71,7 @@ class Rollouts:
         model_name: str,
         draft: DraftHead | None = None,
         seed: int = 0,
+        compile: str | None = None,
     ):
         self.model = model
         self.eos = eos_token_ids
@@ -78,7 +79,7 @@ class Rollouts:
         self.draft_training = draft_training
         self.model_name = model_name
         self.seed = seed
-        self.engine = RolloutEngine(model, eos_token_ids, tokenizer)
+        self.engine = RolloutEngine(model, eos_token_ids, tokenizer, compile=compile)
         self.draft: DraftHead | None = None
         self.draft_trainer: DraftTrainer | None = None
         self.pending: list[tuple[list[list[int]], GenerationOutput, int]] = []  # rollouts the draft has not learnt

@@ -1,0 +1,109 @@
+"""The target's step compiled with ``torch.compile(fullgraph=True)`` (`fastgrpo.rollout.target_step`): one graph
+without breaks, the eager step's tokens, plain and speculative, greedy and sampled under the same uniforms, over
+padded rows and bucketed extents, and the weights as training leaves them.
+
+Most tests compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would
+receive it, in seconds; one compiles with inductor itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import VOCAB, make_tiny_model
+from test_speculative import trained_draft
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.target_step import row_bucket
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle import EagleDrafter
+
+PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7], [1, 90]]  # 3 prompts x 2 generations: 6 rows, padded to 8
+MAX_NEW = 12
+PARAMS = {
+    "greedy": SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0),
+    "top-p": SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8, top_p=0.9, top_k=50),
+}
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    torch._dynamo.reset()
+    return make_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def draft(model) -> DraftHead:
+    """A draft the model's trees accept tokens of, so that acceptance walks past the root and moves cache slots."""
+    return trained_draft(model, epochs=10)
+
+
+def eos_midway(model) -> int:
+    """A token the model emits greedily in some rows but not all, so that rows end at different steps."""
+    completions = RolloutEngine(model, [VOCAB]).generate(PROMPTS, PARAMS["greedy"]).completion_ids
+    seen = [set(c[1 : MAX_NEW // 2]) for c in completions]
+    return min(t for t in set().union(*seen) if sum(t in s for s in seen) < len(seen))
+
+
+def engines(model, draft, shape: TreeShape | None, backend: str) -> tuple[RolloutEngine, RolloutEngine]:
+    """An eager and a compiled engine with the same draft (when ``shape`` asks for trees)."""
+    eos = eos_midway(model)
+    built = []
+    for compile in (None, backend):
+        drafter = EagleDrafter(draft, model) if shape is not None else None
+        built.append(RolloutEngine(model, [eos], drafter=drafter, tree=shape, compile=compile))
+    return built[0], built[1]
+
+
+def same_outputs(eager, compiled, params: SamplingParams, seed: int = 3, atol: float = 1e-9):
+    """Both engines' outputs for the same uniforms; the compiled one's tokens must equal the eager one's, and their
+    log-probabilities agree to ``atol``."""
+    n = len(PROMPTS) * 2
+    uniforms = torch.rand(n, MAX_NEW, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    a = eager.generate(PROMPTS, params, num_generations=2, uniforms=uniforms)
+    b = compiled.generate(PROMPTS, params, num_generations=2, uniforms=uniforms)
+    assert b.completion_ids == a.completion_ids
+    assert b.finish_reasons == a.finish_reasons
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=atol)
+    return a, b
+
+
+@pytest.mark.parametrize("sampling", PARAMS)
+@pytest.mark.parametrize("shape", [None, TreeShape(6, 3, 3)], ids=["plain", "tree"])
+def test_the_compiled_step_is_one_graph_with_the_eager_tokens(
+    model, draft, shape: TreeShape | None, sampling: str
+) -> None:
+    """``fullgraph=True`` raises at the first graph break; rows end on the way, so the batch moves from 6 rows padded
+    to 8 to a smaller bucket."""
+    eager, compiled = engines(model, draft, shape, "aot_eager")
+    a, b = same_outputs(eager, compiled, PARAMS[sampling])
+    buckets = {row_bucket(rows) for rows in a.stats.concurrency}
+    assert a.stats.concurrency[0] == 6 and len(buckets) > 1, "padded rows, and rows that ended on the way"
+    assert b.stats.compile_time > 0 and a.stats.compile_time == 0
+    assert "time/compile" in b.stats.metrics() and "time/compile" not in a.stats.metrics()
+    if shape is not None:
+        assert b.stats.depth_accepted[0] > 0, "trees were verified and draft tokens accepted"
+    assert compiled.cache.max_rows == row_bucket(6) == 8
+
+
+def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_them(model, draft) -> None:
+    """Inductor's code gives the eager tokens; after an in-place update of the weights (an optimizer step writes them
+    so) the compiled step computes with the new weights, without compiling again. (Its log-probabilities differ from
+    the eager ones in float32's last digits: the model's RMSNorm computes in float32, which inductor fuses
+    differently.)"""
+    params = PARAMS["top-p"]
+    eager, compiled = engines(model, draft, TreeShape(6, 3, 3), "inductor")
+    same_outputs(eager, compiled, params, atol=1e-5)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    before = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
+    _, after = same_outputs(eager, compiled, params, atol=1e-5)
+    compiled.release()  # as the trainers do before each update on a GPU: the next call makes new caches
+    changed = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
+    assert changed.completion_ids != before.completion_ids, "the update changed what the policy samples"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "nothing was compiled again"
+    assert after.stats.compile_time == 0 and changed.stats.compile_time == 0
