@@ -1,6 +1,7 @@
-"""The target's step compiled with ``torch.compile(fullgraph=True)`` (`fastgrpo.rollout.target_step`): one graph
-without breaks, the eager step's tokens, plain and speculative, greedy and sampled under the same uniforms, over
-padded rows and bucketed extents, and the weights as training leaves them.
+"""The target's step and the draft's expansion compiled with ``torch.compile(fullgraph=True)``
+(`fastgrpo.rollout.target_step`, `fastgrpo.speculative.eagle`): graphs without breaks, the eager step's tokens, plain
+and speculative, greedy and sampled under the same uniforms, over padded rows and bucketed extents, and the weights as
+training leaves them.
 
 Most tests compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would
 receive it, in seconds; one compiles with inductor itself."""
@@ -12,8 +13,8 @@ import torch
 from conftest import VOCAB, make_tiny_model
 from test_speculative import trained_draft
 
+from fastgrpo.rollout.compiled import row_bucket
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.target_step import row_bucket
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
@@ -47,11 +48,12 @@ def eos_midway(model) -> int:
 
 
 def engines(model, draft, shape: TreeShape | None, backend: str) -> tuple[RolloutEngine, RolloutEngine]:
-    """An eager and a compiled engine with the same draft (when ``shape`` asks for trees)."""
+    """An eager and a compiled engine (its drafter compiled too) with the same draft (when ``shape`` asks for
+    trees)."""
     eos = eos_midway(model)
     built = []
     for compile in (None, backend):
-        drafter = EagleDrafter(draft, model) if shape is not None else None
+        drafter = EagleDrafter(draft, model, compile) if shape is not None else None
         built.append(RolloutEngine(model, [eos], drafter=drafter, tree=shape, compile=compile))
     return built[0], built[1]
 
@@ -65,6 +67,8 @@ def same_outputs(eager, compiled, params: SamplingParams, seed: int = 3, atol: f
     b = compiled.generate(PROMPTS, params, num_generations=2, uniforms=uniforms)
     assert b.completion_ids == a.completion_ids
     assert b.finish_reasons == a.finish_reasons
+    if atol <= 1e-9:  # the same arithmetic: the compiled draft proposed the eager draft's trees
+        assert b.stats.depth_accepted == a.stats.depth_accepted
     for x, y in zip(a.logprobs, b.logprobs, strict=True):
         torch.testing.assert_close(torch.tensor(y), torch.tensor(x), rtol=0, atol=atol)
     return a, b
@@ -89,17 +93,17 @@ def test_the_compiled_step_is_one_graph_with_the_eager_tokens(
 
 
 def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_them(model, draft) -> None:
-    """Inductor's code gives the eager tokens; after an in-place update of the weights (an optimizer step writes them
-    so) the compiled step computes with the new weights, without compiling again. (Its log-probabilities differ from
-    the eager ones in float32's last digits: the model's RMSNorm computes in float32, which inductor fuses
-    differently.)"""
+    """Inductor's code gives the eager tokens; after an in-place update of the policy's and the draft's weights (an
+    optimizer step writes them so) the compiled steps compute with the new weights, without compiling again. (Its
+    log-probabilities differ from the eager ones in float32's last digits: the model's RMSNorm computes in float32,
+    which inductor fuses differently.)"""
     params = PARAMS["top-p"]
     eager, compiled = engines(model, draft, TreeShape(6, 3, 3), "inductor")
     same_outputs(eager, compiled, params, atol=1e-5)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     before = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [*model.parameters(), *draft.parameters()]:
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
     _, after = same_outputs(eager, compiled, params, atol=1e-5)
     compiled.release()  # as the trainers do before each update on a GPU: the next call makes new caches

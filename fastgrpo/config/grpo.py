@@ -19,7 +19,7 @@ from fastgrpo.fields import Range, check_ranges, option
 from fastgrpo.models import DTYPE_CHOICES, check_model_source, resolve_dtype
 from fastgrpo.sampling_params import SamplingParams
 
-COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.target_step.compile_backend`
+COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.compiled.compile_backend`
 
 REPORT_TO = ("jsonl", "tensorboard")
 SCALE_REWARDS = ("group", "batch", "none")

@@ -38,8 +38,8 @@ from fastgrpo.models import (
 )
 from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
+from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.rollout.target_step import compile_backend
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
 from fastgrpo.threads import ThreadGovernor
 

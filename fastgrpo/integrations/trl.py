@@ -26,9 +26,9 @@ from packaging.version import Version
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
+from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.rollout.target_step import compile_backend
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
 from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft

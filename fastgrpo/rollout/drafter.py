@@ -41,6 +41,11 @@ class Drafter(Protocol):
         """The drafter's networks: the engine runs them with its rollout attention and linear routes during a call."""
         ...
 
+    @property
+    def compile_seconds(self) -> float:
+        """Wall time its proposals spent compiling graphs so far (0 when it runs eagerly)."""
+        ...
+
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """A generation call of up to ``rows`` rows of ``length`` tokens starts (trees no larger than ``bound``);
         returns whether the drafter's weights changed since the previous call (what was measured of its acceptance

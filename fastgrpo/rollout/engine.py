@@ -169,14 +169,19 @@ class RolloutEngine:
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
                 rows = self.prefill(prompt_ids, num_generations, call)
-                t0, compiling = time.perf_counter(), self.target.compile_seconds
+                t0, compiling = time.perf_counter(), self._compile_seconds()
                 while rows.size:
                     rows = self.step(rows, call)
                 call.stats.decode_time = time.perf_counter() - t0
-                call.stats.compile_time = self.target.compile_seconds - compiling
+                call.stats.compile_time = self._compile_seconds() - compiling
                 return call.output()
         finally:
             self.model.train(was_training)
+
+    def _compile_seconds(self) -> float:
+        """Wall time spent so far in steps that compiled a graph (the target's and the drafter's)."""
+        drafted = self.drafter.compile_seconds if self.drafter is not None else 0.0
+        return self.target.compile_seconds + drafted
 
     def _call(
         self,

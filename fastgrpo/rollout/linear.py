@@ -148,7 +148,8 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     autocast = torch.is_autocast_enabled(x.device.type)  # only F.linear follows autocast's casts
-    if needs_grad or autocast or x.dtype != weight.dtype or not _runs_rollout_linear(weight):
+    routed = _runs_rollout_linear(weight) and not torch.compiler.is_compiling()  # compiled: the compiler's choice
+    if needs_grad or autocast or x.dtype != weight.dtype or not routed:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     out = _product(route(weight.dtype, rows.shape[0]), rows, weight, bias)

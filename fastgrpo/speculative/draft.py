@@ -104,7 +104,7 @@ class DraftHead(nn.Module):
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """``[V_d, H]`` LM-head rows of the draft vocabulary. While drafting (no autograd) the gathered rows are kept
         until the head's weights change, instead of being gathered again at every tree level."""
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or torch.compiler.is_compiling():  # a compiled graph gathers them in place
             return weight.detach()[self.draft_vocab]
         key = (weight.data_ptr(), weight._version)
         if getattr(self, "_rows_key", None) != key:

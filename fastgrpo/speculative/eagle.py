@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.compiled import Compiled, extent_bucket
 from fastgrpo.rollout.drafter import Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
@@ -71,13 +72,21 @@ class PendingPairs:
 
 
 class EagleDrafter:
-    """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares)."""
+    """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with
+    ``compile`` (a ``torch.compile`` backend) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
+    draft-cache extents rounded up to a bucket."""
 
-    def __init__(self, draft: DraftHead, model: nn.Module):
+    def __init__(self, draft: DraftHead, model: nn.Module, compile: str | None = None):
         self.draft = draft
         self.model = model
         self.cache: RowCache | None = None
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
+        self._expand = Compiled(expand_tree, compile)
+
+    @property
+    def compile_seconds(self) -> float:
+        """Wall time of the expansions that compiled a graph."""
+        return self._expand.seconds
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -92,6 +101,8 @@ class EagleDrafter:
             self.cache = None
             param = next(self.model.parameters())
             self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device)
+            if self._expand.compiled:  # a CUDA graph writes the buffers in place instead of copying them per replay
+                torch._dynamo.mark_static_address(self.cache.kv)
         weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
         changed, self._weights = weights != self._weights, weights
         return changed
@@ -145,7 +156,11 @@ class EagleDrafter:
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
         state = rows.draft
-        tree = expand_tree(
+        longest = max(state.lengths)
+        if self._expand.compiled:  # the extents the levels read, bucketed: a few graphs per rollout, not one a step
+            longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
+        tree = self._expand(
+            root_hidden.device,
             self.draft,
             embed,
             head,
@@ -155,7 +170,7 @@ class EagleDrafter:
             root_hidden,
             rows.row_len,
             shape,
-            max(state.lengths),
+            longest,
         )
         return Proposal(tree, shape.levels, backlog_seconds)
 
@@ -204,7 +219,7 @@ def expand_tree(
 
     Args:
         cache: the draft's cache; its first ``draft_len[b]`` slots hold the row's context, the root pair last.
-        longest: ``max(draft_len)``, known on the host.
+        longest: at least ``max(draft_len)``, known on the host (level ``l`` reads ``longest + l * K`` slots).
         root_token: ``[B]`` the pending token. root_hidden: ``[B, H]`` the draft's output for the root pair.
         root_position: ``[B]`` position of the root token.
         shape: N, K, L; uses ``min(L, N - 1) - 1`` draft forwards (the root's output was computed by the caller;

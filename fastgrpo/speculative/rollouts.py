@@ -59,6 +59,8 @@ class Rollouts:
             vocabulary or, with ``speculation.draft_vocab_size``, after the first rollout (which runs plain) over its
             most frequent tokens.
         seed: initialises a fresh draft, the same on every process.
+        compile: the ``torch.compile`` backend the decoding steps and the draft's expansion run with (None: eager;
+            `fastgrpo.rollout.compiled.compile_backend` reads the ``compile`` option).
     """
 
     def __init__(
@@ -79,6 +81,7 @@ class Rollouts:
         self.draft_training = draft_training
         self.model_name = model_name
         self.seed = seed
+        self.compile = compile
         self.engine = RolloutEngine(model, eos_token_ids, tokenizer, compile=compile)
         self.draft: DraftHead | None = None
         self.draft_trainer: DraftTrainer | None = None
@@ -106,7 +109,7 @@ class Rollouts:
         param = next(self.model.parameters())
         self.draft = draft.to(device=param.device, dtype=param.dtype)
         controller = controller_from_config(self.speculation, self.model, self.draft, self.model_name)
-        self.engine.speculate(EagleDrafter(self.draft, self.model), controller=controller)
+        self.engine.speculate(EagleDrafter(self.draft, self.model, self.compile), controller=controller)
         if self.draft_training.online:
             embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
             self.draft_trainer = DraftTrainer(self.draft, embed, head, self.draft_training)

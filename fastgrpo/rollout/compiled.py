@@ -1,0 +1,75 @@
+"""Running a decoding function compiled: ``torch.compile(fullgraph=True)`` with a chosen backend (inductor, captured
+as CUDA graphs on a GPU) or eagerly, with the shapes it meets kept to a few buckets (rows padded to a power of two,
+the keys' extent rounded up to `EXTENT_BLOCK` slots) and the time its compilations took added up.
+
+The compiled graphs read the modules' own parameters, so an optimizer step or a LoRA merge, which write them in
+place, reaches the next call without compiling again. Inductor keeps what it compiled in its on-disk cache, so a
+second process compiles faster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from fastgrpo.config.grpo import COMPILE_CHOICES
+
+EXTENT_BLOCK = 256  # compiled steps read the keys in extents of this many slots
+
+
+def compile_backend(choice: str, device: torch.device) -> str | None:
+    """The ``torch.compile`` backend the ``compile`` option asks for on ``device``: ``on`` compiles with inductor,
+    ``off`` runs eagerly, ``auto`` compiles on a GPU only (on a CPU the compiled step measured slower at 8 rows
+    than the eager one with the engine's linear routes, `benchmarks/bench_compile.py`)."""
+    if choice not in COMPILE_CHOICES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_CHOICES)}, got {choice!r}")
+    if choice == "auto":
+        return "inductor" if device.type == "cuda" else None
+    return "inductor" if choice == "on" else None
+
+
+def row_bucket(rows: int) -> int:
+    """The smallest power of two at or above ``rows``."""
+    return 1 << (rows - 1).bit_length()
+
+
+def extent_bucket(needed: int, limit: int) -> int:
+    """``needed`` slots rounded up to a multiple of `EXTENT_BLOCK`, at most ``limit`` (the cache's slots)."""
+    return min(-(-needed // EXTENT_BLOCK) * EXTENT_BLOCK, limit)
+
+
+class Compiled:
+    """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True`` (a graph break is an error), or
+    ``fn`` itself when ``backend`` is None. On CUDA, inductor captures each shape as a CUDA graph
+    (``mode="reduce-overhead"``) and the outputs are copied out of the graph's memory, which its next replay
+    overwrites. ``seconds`` adds up the wall time of the calls that compiled a graph."""
+
+    def __init__(self, fn: Callable, backend: str | None):
+        self.fn = fn
+        self.backend = backend
+        self.seconds = 0.0
+        self._by_mode: dict[str | None, Callable] = {}
+
+    @property
+    def compiled(self) -> bool:
+        return self.backend is not None
+
+    def __call__(self, device: torch.device, *args):
+        if self.backend is None:
+            return self.fn(*args)
+        graphs = device.type == "cuda" and self.backend == "inductor"
+        mode = "reduce-overhead" if graphs else None
+        if mode not in self._by_mode:
+            self._by_mode[mode] = torch.compile(self.fn, fullgraph=True, backend=self.backend, mode=mode)
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        t0 = time.perf_counter()
+        out = self._by_mode[mode](*args)
+        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != before:
+            self.seconds += time.perf_counter() - t0
+        if graphs:
+            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
+        return out
