@@ -111,3 +111,23 @@ def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_
     assert changed.completion_ids != before.completion_ids, "the update changed what the policy samples"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "nothing was compiled again"
     assert after.stats.compile_time == 0 and changed.stats.compile_time == 0
+
+
+def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, draft) -> None:
+    """One compiled target step verifies trees of two sizes and contexts past the first extent bucket (the compiler
+    then treats those sizes as symbolic), with the eager engine's tokens (the drafters run eagerly here)."""
+    params = PARAMS["top-p"]
+    eos = eos_midway(model)
+    eager, compiled = (
+        RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TreeShape(4, 2, 3), compile=compile)
+        for compile in (None, "aot_eager")
+    )
+    same_outputs(eager, compiled, params)
+    for engine in (eager, compiled):
+        engine.speculate(engine.drafter, tree=TreeShape(16, 4, 5))
+    same_outputs(eager, compiled, params)
+    long_prompts = [[(5 * i + 3) % VOCAB for i in range(300)], [7, 8, 9]]
+    uniforms = torch.rand(4, MAX_NEW, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    a = eager.generate(long_prompts, params, num_generations=2, uniforms=uniforms)
+    b = compiled.generate(long_prompts, params, num_generations=2, uniforms=uniforms)
+    assert b.completion_ids == a.completion_ids and b.stats.depth_accepted == a.stats.depth_accepted

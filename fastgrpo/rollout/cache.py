@@ -8,7 +8,10 @@ slots the new tokens go to (``slots``, shape ``[B, T]``) and how many leading sl
 decides which slots each query sees.
 
 All layers' keys and values live in one tensor, so moving slots within rows is one indexing operation for the
-whole model, not two per layer (selecting rows still copies layer by layer, which is faster for whole rows).
+whole model, not two per layer (selecting rows still copies layer by layer, which is faster for whole rows). A cache
+for compiled steps (``separate=True``) gives each layer buffers of its own instead: a compiled graph that writes into
+several views of one tensor whose sizes it treats as symbolic fails to compile in torch 2.13, and the compiler fuses
+the per-layer moves anyway.
 Writes use index assignment, never ``scatter_``: on CPU, ``scatter_`` into a bfloat16 buffer runs a kernel orders
 of magnitude slower than the same assignment by index.
 """
@@ -65,16 +68,29 @@ class RowCache(Cache):
         max_len: slots per row (prompt + completion + draft tree).
     """
 
-    def __init__(self, config: PretrainedConfig, max_rows: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        max_rows: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        separate: bool = False,
+    ):
         text_config = config.get_text_config()
         heads = text_config.num_key_value_heads or text_config.num_attention_heads
         head_dim = getattr(text_config, "head_dim", None) or (
             text_config.hidden_size // text_config.num_attention_heads
         )
         n_layers = text_config.num_hidden_layers
-        # [layers, keys/values, rows, kv heads, slots, head dim]; each layer's buffers are views of it
-        self.kv = torch.zeros(n_layers, 2, max_rows, heads, max_len, head_dim, dtype=dtype, device=device)
-        super().__init__(layers=[RowLayer(self, self.kv[i, 0], self.kv[i, 1]) for i in range(n_layers)])
+        shape = (max_rows, heads, max_len, head_dim)
+        self.kv: torch.Tensor | None = None
+        if separate:  # keys and values of each layer in tensors of their own
+            pairs = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)] for _ in range(n_layers)]
+        else:  # [layers, keys/values, rows, kv heads, slots, head dim]; each layer's buffers are views of it
+            self.kv = torch.zeros(n_layers, 2, *shape, dtype=dtype, device=device)
+            pairs = [[kv[0], kv[1]] for kv in self.kv]
+        super().__init__(layers=[RowLayer(self, keys, values) for keys, values in pairs])
         self.max_rows = max_rows
         self.max_len = max_len
         self.rows = torch.zeros(0, 1, dtype=torch.long, device=device)
@@ -101,7 +117,7 @@ class RowCache(Cache):
         moves = [(i, r) for i, r in enumerate(rows) if r != i]
         if not moves:
             return
-        changed, src = (host_to_device(list(part), self.kv.device) for part in zip(*moves, strict=True))
+        changed, src = (host_to_device(list(part), self.layers[0].keys.device) for part in zip(*moves, strict=True))
         upto = upto or self.max_len
         for layer in self.layers:  # per layer: faster than one indexing of the 6-D tensor
             for buf in (layer.keys, layer.values):
@@ -113,4 +129,15 @@ class RowCache(Cache):
         Used to compact accepted tree tokens into contiguous positions after a verification.
         """
         rows = torch.arange(src.shape[0], device=src.device)[:, None]
-        self.kv[:, :, rows, :, dst] = self.kv[:, :, rows, :, src]  # [B, J, layers, 2, H, D] on both sides
+        if self.kv is not None:
+            self.kv[:, :, rows, :, dst] = self.kv[:, :, rows, :, src]  # [B, J, layers, 2, H, D] on both sides
+            return
+        for layer in self.layers:
+            for buf in (layer.keys, layer.values):
+                buf[rows, :, dst] = buf[rows, :, src]  # [B, J, H, D] on both sides
+
+    def buffers(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds its keys and values in."""
+        if self.kv is not None:
+            return [self.kv]
+        return [buf for layer in self.layers for buf in (layer.keys, layer.values)]

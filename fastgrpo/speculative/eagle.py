@@ -100,9 +100,10 @@ class EagleDrafter:
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < need:
             self.cache = None
             param = next(self.model.parameters())
-            self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device)
-            if self._expand.compiled:  # a CUDA graph writes the buffers in place instead of copying them per replay
-                torch._dynamo.mark_static_address(self.cache.kv)
+            compiled = self._expand.compiled
+            self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device, compiled)
+            for buf in self.cache.buffers() if compiled else ():  # a CUDA graph then writes them in place
+                torch._dynamo.mark_static_address(buf)
         weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
         changed, self._weights = weights != self._weights, weights
         return changed
