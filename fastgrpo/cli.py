@@ -123,6 +123,11 @@ def build_parser(config_options: bool = False) -> argparse.ArgumentParser:
     )
     prof.add_argument("--repeats", type=int, default=9, help="rounds timing every token count once (median)")
     prof.add_argument(
+        "--compile",
+        default="auto",
+        help="auto, on or off: time the forwards compiled, as training's `compile` option runs them (auto: on a GPU)",
+    )
+    prof.add_argument(
         "--output", help="JSON file to write (default: the profile cache, where training finds it), a plot beside it"
     )
     prof.set_defaults(func=commands.profile)

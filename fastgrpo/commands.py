@@ -266,6 +266,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.models import check_cache_dir, check_model_source, load_model
     from fastgrpo.paths import check_writable_file
     from fastgrpo.report import plot_profile
+    from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
     from fastgrpo.speculative.draft import DraftHead
 
@@ -274,12 +275,15 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.output:
         check_writable_file(args.output, "--output")
     device = resolve_device(args.device)
+    backend = compile_backend(args.compile, device)
     model = load_model(args.model, dtype=args.dtype, device=device)
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model) if args.draft else None
-    profile = profiler.measure(model, draft, args.model, tokens, args.context_length, args.repeats, progress=True)
+    profile = profiler.measure(
+        model, draft, args.model, tokens, args.context_length, args.repeats, progress=True, compile=backend
+    )
     param = next(model.parameters())
-    path = profile.save(args.output or profiler.profile_path(args.model, param.device, param.dtype))
+    path = profile.save(args.output or profiler.profile_path(args.model, param.device, param.dtype, compile=backend))
     png = plot_profile(profile, path.with_suffix(".png"))
     print(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
     print("| tokens | target forward ms | ms per token | draft level ms |")

@@ -384,6 +384,20 @@ def test_load_or_calibrate_prefers_a_saved_profile_and_saves_its_calibration(
     assert profiler.load_or_calibrate(llama_model, None, "tiny") == saved
 
 
+def test_a_compiled_engine_is_priced_by_a_profile_of_compiled_forwards(
+    llama_model: PreTrainedModel, tmp_path, monkeypatch
+) -> None:
+    """With ``compile`` the calibration times the forwards compiled (one graph each, no break) and keeps the profile
+    apart from the eager one's."""
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
+    eager = profiler.profile_path("tiny", torch.device("cpu"), torch.float64)
+    compiled = profiler.profile_path("tiny", torch.device("cpu"), torch.float64, compile="aot_eager")
+    assert compiled != eager and compiled.parent == eager.parent
+    profile = profiler.load_or_calibrate(llama_model, None, "tiny", compile="aot_eager")
+    assert compiled.is_file() and not eager.exists()
+    assert profile.tokens == list(profiler.CALIBRATION_TOKENS) and min(profile.target_seconds) > 0
+
+
 def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
     """Far past the knee even a fully accepted tree is slower per token than a plain step: no probe runs there."""
     controller = AdaptiveController(flat_profile(knee=8, draft=0.01), probe_interval=2)

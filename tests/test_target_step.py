@@ -8,12 +8,14 @@ receive it, in seconds; one compiles with inductor itself."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from conftest import VOCAB, make_tiny_model
 from test_speculative import trained_draft
 
-from fastgrpo.rollout.compiled import row_bucket
+from fastgrpo.rollout.compiled import Compiled, row_bucket
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
@@ -131,3 +133,21 @@ def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, dra
     a = eager.generate(long_prompts, params, num_generations=2, uniforms=uniforms)
     b = compiled.generate(long_prompts, params, num_generations=2, uniforms=uniforms)
     assert b.completion_ids == a.completion_ids and b.stats.depth_accepted == a.stats.depth_accepted
+
+
+def test_a_function_past_its_graph_limit_runs_eagerly(monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """``fullgraph=True`` turns torch's recompile limit into an error; a compiled function past it runs eagerly and
+    says so once."""
+    from fastgrpo.rollout import compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "RECOMPILE_LIMIT", 1)
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return 2 * x
+
+    fn, cpu = Compiled(double, "aot_eager"), torch.device("cpu")
+    assert torch.equal(fn(cpu, torch.ones(2)), torch.full((2,), 2.0)) and fn.seconds > 0
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.rollout.compiled"):
+        assert torch.equal(fn(cpu, torch.ones(3, 3)), torch.full((3, 3), 2.0))  # a second graph would be needed
+        assert torch.equal(fn(cpu, torch.ones(4, 3)), torch.full((4, 3), 2.0))
+    assert caplog.text.count("run eagerly") == 1

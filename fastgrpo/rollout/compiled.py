@@ -9,6 +9,7 @@ second process compiles faster.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -17,6 +18,10 @@ import torch
 from fastgrpo.config.grpo import COMPILE_CHOICES
 
 EXTENT_BLOCK = 256  # compiled steps read the keys in extents of this many slots
+# Graphs a compiled function may hold (torch's default is 8): one per sampling setting and tree depth (their loops are
+# unrolled), each first for the shapes met first and then for symbolic ones; past it a call runs eagerly.
+RECOMPILE_LIMIT = 64
+logger = logging.getLogger(__name__)
 
 
 def compile_backend(choice: str, device: torch.device) -> str | None:
@@ -44,13 +49,15 @@ class Compiled:
     """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True`` (a graph break is an error), or
     ``fn`` itself when ``backend`` is None. On CUDA, inductor captures each shape as a CUDA graph
     (``mode="reduce-overhead"``) and the outputs are copied out of the graph's memory, which its next replay
-    overwrites. ``seconds`` adds up the wall time of the calls that compiled a graph."""
+    overwrites. ``seconds`` adds up the wall time of the calls that compiled a graph. A call that would compile more
+    than `RECOMPILE_LIMIT` graphs of one function runs eagerly, with a warning the first time."""
 
     def __init__(self, fn: Callable, backend: str | None):
         self.fn = fn
         self.backend = backend
         self.seconds = 0.0
         self._by_mode: dict[str | None, Callable] = {}
+        self._warned = False
 
     @property
     def compiled(self) -> bool:
@@ -67,7 +74,15 @@ class Compiled:
             torch.compiler.cudagraph_mark_step_begin()
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
-        out = self._by_mode[mode](*args)
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                out = self._by_mode[mode](*args)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the graph ran: nothing happened twice
+            if not self._warned:
+                name, limit = self.fn.__name__, RECOMPILE_LIMIT
+                logger.warning("%s compiled %d graphs already; new shapes run eagerly", name, limit)
+                self._warned = True
+            return self.fn(*args)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != before:
             self.seconds += time.perf_counter() - t0
         if graphs:

@@ -296,15 +296,16 @@ class AdaptiveController:
 
 
 def controller_from_config(
-    spec: SpeculationConfig, model: PreTrainedModel, draft: DraftHead, model_name: str
+    spec: SpeculationConfig, model: PreTrainedModel, draft: DraftHead, model_name: str, compile: str | None = None
 ) -> Controller:
-    """The controller a ``speculation`` config section asks for (its mode must not be ``off``)."""
+    """The controller a ``speculation`` config section asks for (its mode must not be ``off``), priced by the latency
+    profile of the forwards as the engine runs them (compiled by ``compile``, or eager)."""
     if spec.mode == "static":
         return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth))
     limits = spec.limits()
     profile = None
     if spec.mode == "adaptive" or spec.c_peak == "auto":
-        profile = load_or_calibrate(model, draft, model_name)
+        profile = load_or_calibrate(model, draft, model_name, compile)
     if spec.mode == "paper":
         return CapacityController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits)
     if spec.mode == "adaptive":

@@ -11,8 +11,12 @@ not ``B * N``, and on a CPU one row of 8 tokens can cost what one token costs wh
 that. So the profile also times a grid of ``B`` rows (the powers of two among the token counts) by ``N`` tokens per
 row (`TREE_NODES`, up to the largest token count in all).
 
+With ``compile`` (a ``torch.compile`` backend, as the engine runs its steps with) the forwards are timed compiled
+(`fastgrpo.rollout.compiled`; on a GPU captured as CUDA graphs), their compilation in the warm-up, so that the
+controller prices the steps the engine runs.
+
 Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (`fastgrpo.machine.device_key`),
-dtype and `PROFILE_VERSION`, and reused.
+dtype, whether the forwards were compiled and `PROFILE_VERSION`, and reused.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,6 +38,7 @@ from fastgrpo.machine import device_key, file_key, write_atomically
 from fastgrpo.models import cache_root
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.speculative.draft import DraftHead
@@ -147,11 +153,17 @@ def find_knee(tokens: list[int], seconds: list[float]) -> int:
 
 
 def profile_path(
-    model_name: str, device: torch.device, dtype: torch.dtype, cache_dir: str | Path | None = None
+    model_name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dir: str | Path | None = None,
+    compile: str | None = None,
 ) -> Path:
-    """Where the profile of this model on this device (`fastgrpo.machine.device_key`) and dtype is kept."""
+    """Where the profile of this model on this device (`fastgrpo.machine.device_key`) and dtype, with its forwards
+    compiled by ``compile`` or eager, is kept."""
     root = Path(cache_dir or cache_root()) / "profiles"
-    return root / f"{file_key(model_name, device_key(device), str(dtype))}-v{PROFILE_VERSION}.json"
+    compiled = f"-compiled-{compile}" if compile else ""
+    return root / f"{file_key(model_name, device_key(device), str(dtype))}{compiled}-v{PROFILE_VERSION}.json"
 
 
 def _sync(device: torch.device) -> None:
@@ -193,11 +205,13 @@ def measure(
     repeats: int = 5,
     top_k: int = 4,
     progress: bool = False,
+    compile: str | None = None,
 ) -> LatencyProfile:
     """Time target forwards and draft levels at each token count; returns the profile with its knee.
 
     Without a draft, a fresh (untrained) draft head of the model's architecture is timed: its cost does not depend
-    on its weights. The model is left in the training mode it had."""
+    on its weights. With ``compile``, the forwards run compiled by that ``torch.compile`` backend. The model is left
+    in the training mode it had."""
     if not tokens or min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
         raise ValueError(f"token counts must be increasing positive integers, got {tokens}")
     if context_length < 2:
@@ -209,7 +223,7 @@ def measure(
     was_training = model.training
     model.eval()
     try:
-        return _measure(model, draft, model_name, tokens, context_length, repeats, top_k, progress)
+        return _measure(model, draft, model_name, tokens, context_length, repeats, top_k, progress, compile)
     finally:
         model.train(was_training)
 
@@ -223,6 +237,7 @@ def _measure(
     repeats: int,
     top_k: int,
     progress: bool,
+    compile: str | None,
 ) -> LatencyProfile:
     param = next(model.parameters())
     dev = param.device
@@ -231,8 +246,12 @@ def _measure(
     rows = max(tokens)
     grid_rows = [r for r in tokens if r & (r - 1) == 0]
     grid = [(r, n) for r in grid_rows for n in TREE_NODES if r * n <= rows]
-    cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev)
-    draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev)
+    compiled = compile is not None
+    cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev, compiled)
+    draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev, compiled)
+    for buf in [*cache.buffers(), *draft_cache.buffers()] if compiled else ():
+        torch._dynamo.mark_static_address(buf)
+    target, level = partial(Compiled(_target_forward, compile), dev), partial(Compiled(_draft_level, compile), dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     target_fns, draft_fns = [], []
@@ -246,14 +265,14 @@ def _measure(
             base[:, None],
             torch.ones(1, 1, dtype=torch.bool, device=dev),
         )
-        target_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
-        draft_fns.append(partial(_draft_level, draft, draft_cache, embed(ids), block, head, top_k))
+        target_fns.append(partial(target, decoder, head, cache, base, ids, context_length + 1))
+        draft_fns.append(partial(level, draft, draft_cache, embed(ids), block, head, top_k, context_length + 1))
     tree_fns = []
     for r, n in grid:
         base = context_length - torch.randint(0, 2, (r,), generator=gen, device="cpu").to(dev)
         ids = torch.randint(0, vocab, (r, n), generator=gen, device="cpu").to(dev)
-        tree_fns.append(partial(_target_forward, decoder, head, cache, base, ids))
-    with rollout_attention(model, draft.decoder), rollout_linears(model, draft):
+        tree_fns.append(partial(target, decoder, head, cache, base, ids, context_length + n))
+    with rollout_attention(model, draft.decoder), nullcontext() if compiled else rollout_linears(model, draft):
         seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)
     target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) : 2 * len(tokens)]
     measured = dict(zip(grid, seconds[2 * len(tokens) :], strict=True))
@@ -272,32 +291,39 @@ def _measure(
     )
 
 
-def _target_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor) -> None:
-    """One target forward plus LM head over ``[B, N]`` tokens per row after ``base`` cached ones (N = 1: a decoding
-    step; a causal block of N costs what a draft tree of as many nodes costs)."""
-    head(forward_chain(decoder, cache, base, input_ids=ids))
+def _target_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor, extent: int) -> torch.Tensor:
+    """One target forward plus LM head over ``[B, N]`` tokens per row after ``base`` cached ones, the keys spanning
+    ``extent`` slots (N = 1: a decoding step; a causal block of N costs what a draft tree of as many nodes costs)."""
+    return head(forward_chain(decoder, cache, base, input_ids=ids, extent=extent))
 
 
-def _draft_level(draft: DraftHead, cache: RowCache, embeds: torch.Tensor, block: tuple, head, top_k: int) -> None:
+def _draft_level(
+    draft: DraftHead, cache: RowCache, embeds: torch.Tensor, block: tuple, head, top_k: int, extent: int
+) -> torch.Tensor:
     """One draft tree level: features, the draft layer, its LM head and the top-k, over ``[t, 1]`` tokens."""
     x = draft.features(embeds, torch.zeros_like(embeds))
-    out = forward_block(draft.decoder, cache, *block, inputs_embeds=x)
-    torch.log_softmax(draft.logits(out, head).float(), dim=-1).topk(top_k, dim=-1)
+    out = forward_block(draft.decoder, cache, *block, inputs_embeds=x, extent=extent)
+    return torch.log_softmax(draft.logits(out, head).float(), dim=-1).topk(top_k, dim=-1).values
 
 
-def calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) -> LatencyProfile:
+def calibrate(
+    model: PreTrainedModel, draft: DraftHead | None, model_name: str, compile: str | None = None
+) -> LatencyProfile:
     """A short profile of a few forwards, for a first run with no saved profile (the adaptive controller corrects
     it online from the step times it observes)."""
-    return measure(model, draft, model_name, CALIBRATION_TOKENS, context_length=128, repeats=2)
+    return measure(model, draft, model_name, CALIBRATION_TOKENS, context_length=128, repeats=2, compile=compile)
 
 
-def load_or_calibrate(model: PreTrainedModel, draft: DraftHead | None, model_name: str) -> LatencyProfile:
-    """The saved profile of this model, device and dtype when there is one, else a short calibration, which is
-    saved there so that the next run on this machine starts at once (`fastgrpo profile` replaces it)."""
+def load_or_calibrate(
+    model: PreTrainedModel, draft: DraftHead | None, model_name: str, compile: str | None = None
+) -> LatencyProfile:
+    """The saved profile of this model, device and dtype (and ``compile`` backend) when there is one, else a short
+    calibration, which is saved there so that the next run on this machine starts at once (`fastgrpo profile`
+    replaces it)."""
     param = next(model.parameters())
-    path = profile_path(model_name, param.device, param.dtype)
+    path = profile_path(model_name, param.device, param.dtype, compile=compile)
     if path.is_file():
         return LatencyProfile.load(path)
-    profile = calibrate(model, draft, model_name)
+    profile = calibrate(model, draft, model_name, compile)
     profile.save(path)
     return profile

@@ -108,7 +108,7 @@ class Rollouts:
         is on."""
         param = next(self.model.parameters())
         self.draft = draft.to(device=param.device, dtype=param.dtype)
-        controller = controller_from_config(self.speculation, self.model, self.draft, self.model_name)
+        controller = controller_from_config(self.speculation, self.model, self.draft, self.model_name, self.compile)
         self.engine.speculate(EagleDrafter(self.draft, self.model, self.compile), controller=controller)
         if self.draft_training.online:
             embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
