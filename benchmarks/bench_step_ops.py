@@ -100,7 +100,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=28)
     args = parser.parse_args()
     record = Record("bench_step_ops")
-    sampling._host_reads_are_free = lambda t: False  # the ranking a GPU runs, see the docstring
+    sampling.host_reads_are_free = lambda t: False  # the ranking a GPU runs, see the docstring
     model = qwen2_shaped(args.layers)
     draft = DraftHead(model.config)
     rows = []

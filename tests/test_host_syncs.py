@@ -2,7 +2,7 @@
 for plain and tree steps, greedy, sampled and with top-p, static and adaptive trees, with rows ending on the way.
 
 On a CPU, where reading a value back stalls nothing, top-p ranks by heads it reads back; the tests run the ranking a
-GPU runs (`fastgrpo.rollout.sampling._host_reads_are_free` false)."""
+GPU runs (`fastgrpo.rollout.sampling.host_reads_are_free` false)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ PARAMS = {
 def as_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     from fastgrpo.rollout import sampling
 
-    monkeypatch.setattr(sampling, "_host_reads_are_free", lambda t: False)
+    monkeypatch.setattr(sampling, "host_reads_are_free", lambda t: False)
 
 
 def eos_midway() -> int:

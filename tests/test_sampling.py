@@ -264,7 +264,7 @@ def test_top_p_filters_peaked_and_flat_rows_alike(reads_free: bool, monkeypatch:
     from fastgrpo.rollout import sampling
 
     monkeypatch.setattr(sampling, "TOP_P_HEADS", (8, 64))
-    monkeypatch.setattr(sampling, "_host_reads_are_free", lambda t: reads_free)
+    monkeypatch.setattr(sampling, "host_reads_are_free", lambda t: reads_free)
     gen = torch.Generator().manual_seed(8)
     scale = torch.tensor([8.0, 8.0, 0.1, 2.0, 6.0, 1.2], dtype=F64)[:, None, None]
     logits = scale * torch.randn(6, 3, 256, dtype=F64, generator=gen)

@@ -42,10 +42,10 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """``[..., V]`` bool: tokens outside the nucleus. A token is dropped when the tokens ranked above it already hold
     ``top_p`` of the mass (the first always stays).
 
-    Two rankings give the same nucleus: where a read of the device costs nothing (`_host_reads_are_free`) the cheaper
+    Two rankings give the same nucleus: where a read of the device costs nothing (`host_reads_are_free`) the cheaper
     one that ranks only as much of each row as its nucleus needs, elsewhere one sort of every row, whose shapes and ops
     do not depend on the values, so that nothing is read back and the step stays one static graph."""
-    if _host_reads_are_free(logits):
+    if host_reads_are_free(logits):
         return _top_p_drop_by_heads(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
     ranked, order = probs.sort(dim=-1, descending=True)
@@ -53,7 +53,7 @@ def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return torch.zeros_like(drop).scatter_(-1, order, drop)
 
 
-def _host_reads_are_free(t: torch.Tensor) -> bool:
+def host_reads_are_free(t: torch.Tensor) -> bool:
     """On a CPU, outside a compiled graph, reading a value back stalls nothing (the host is the device)."""
     return t.device.type == "cpu" and not torch.compiler.is_compiling()
 

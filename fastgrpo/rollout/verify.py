@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fastgrpo.rollout import sampling
 from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.sampling_params import SamplingParams
@@ -35,10 +36,12 @@ def accept(
     """Walk each row's tree. ``logits``: ``[B, N, V]`` raw target logits at every node; ``uniforms``: ``[B, D]`` the
     uniforms of the row's next ``D = tree.levels + 1`` positions (None when greedy).
 
-    The walk takes ``D`` steps of fixed shape over every row: at each, the node each row stands on is processed into a
-    sampling distribution (`process_logits`, the same function an autoregressive step applies to its one row) and
-    drawn from; a row that stopped keeps its node and its later draws are discarded. Nothing is read back from the
-    device, so the walk is one static graph; a row that stops early costs ``D`` rows' processing, not a stall."""
+    The walk takes up to ``D`` steps of fixed shape over every row: at each, the node each row stands on is processed
+    into a sampling distribution (`process_logits`, the same function an autoregressive step applies to its one row)
+    and drawn from; a row that stopped keeps its node and its later draws are discarded. Nothing is read back from the
+    device, so the walk is one static graph; a row that stops early costs ``D`` rows' processing, not a stall. Where
+    reading a value back costs nothing (`sampling.host_reads_are_free`: a CPU, eagerly) the walk ends when every row
+    has stopped, and the results are as many columns wide as it took steps."""
     b = logits.shape[0]
     dev = logits.device
     steps = tree.levels + 1
@@ -55,5 +58,7 @@ def accept(
         is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])  # [B, N]
         walking = walking & is_child.any(dim=1)
         node = torch.where(walking, is_child.int().argmax(dim=1), node)
+        if sampling.host_reads_are_free(walking) and not walking.any():
+            break
     path = torch.stack(path, 1)
     return Acceptance(path, torch.stack(tokens, 1), torch.stack(lps, 1), (path >= 0).sum(dim=1))
