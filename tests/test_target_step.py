@@ -151,3 +151,18 @@ def test_a_function_past_its_graph_limit_runs_eagerly(monkeypatch: pytest.Monkey
         assert torch.equal(fn(cpu, torch.ones(3, 3)), torch.full((3, 3), 2.0))  # a second graph would be needed
         assert torch.equal(fn(cpu, torch.ones(4, 3)), torch.full((4, 3), 2.0))
     assert caplog.text.count("run eagerly") == 1
+
+
+def test_outputs_of_a_captured_graph_are_copied_whatever_holds_them() -> None:
+    """On CUDA a captured graph's next replay overwrites its outputs: the step's tensors, alone, in a tuple or in a
+    `DraftTree` (the draft's expansion returns one), are copied before the next graph runs."""
+    from fastgrpo.rollout.compiled import _copied
+    from fastgrpo.rollout.tree import DraftTree
+
+    tree = DraftTree(*(torch.arange(6).view(2, 3) for _ in range(5)), levels=3)
+    out = _copied((tree, torch.ones(2)))
+    assert isinstance(out[0], DraftTree) and out[0].levels == 3
+    copies = [out[0].tokens, out[0].rank, out[1]]
+    originals = [tree.tokens, tree.rank]
+    assert all(a.data_ptr() != b.data_ptr() for a in copies[:2] for b in originals)
+    assert torch.equal(out[0].ancestors, tree.ancestors) and torch.equal(out[1], torch.ones(2))

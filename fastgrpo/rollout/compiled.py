@@ -9,6 +9,7 @@ second process compiles faster.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -85,6 +86,15 @@ class Compiled:
             return self.fn(*args)
         if torch._dynamo.utils.counters["stats"]["unique_graphs"] != before:
             self.seconds += time.perf_counter() - t0
-        if graphs:
-            out = torch.utils._pytree.tree_map_only(torch.Tensor, torch.clone, out)
-        return out
+        return _copied(out) if graphs else out
+
+
+def _copied(out):
+    """``out`` (a tensor, or a tuple or dataclass of them) with every tensor copied out of a CUDA graph's memory."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_copied(t) for t in out)
+    if dataclasses.is_dataclass(out):
+        return dataclasses.replace(out, **{f.name: _copied(getattr(out, f.name)) for f in dataclasses.fields(out)})
+    return out
