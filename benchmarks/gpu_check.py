@@ -1074,7 +1074,7 @@ def verify_seconds(model: PreTrainedModel, rows: int, context: int, tokens: int,
     ``mode="reduce-overhead"``), its first calls (compilation, capture) not timed."""
     dev = model.device
     decoder, head = decoder_and_head(model)
-    cache = RowCache(model.config, rows, context + tokens, model.dtype, dev, separate=compiled)
+    cache = RowCache(model.config, rows, context + tokens, model.dtype, dev, compiled=compiled)
     base = torch.full((rows,), context, dtype=torch.long, device=dev)  # [B]
     ids = torch.randint(4, model.config.vocab_size, (rows, tokens), dtype=torch.long, device=dev)  # [B, N]
     params = SamplingParams(temperature=0.0)
@@ -1086,8 +1086,6 @@ def verify_seconds(model: PreTrainedModel, rows: int, context: int, tokens: int,
 
     run = forward
     if compiled:
-        for buf in cache.buffers():
-            torch._dynamo.mark_static_address(buf)
         mode = "reduce-overhead" if dev.type == "cuda" else None
         run = torch.compile(forward, fullgraph=True, mode=mode, backend=compile_backend_for(dev))
     with torch.inference_mode(), rollout_attention(model), nullcontext() if compiled else rollout_linears(model):

@@ -9,7 +9,8 @@ decides which slots each query sees.
 
 All layers' keys and values live in one tensor, so moving slots within rows is one indexing operation for the
 whole model, not two per layer (selecting rows still copies layer by layer, which is faster for whole rows). A cache
-for compiled steps (``separate=True``) gives each layer buffers of its own instead: a compiled graph that writes into
+for compiled steps (``compiled=True``) gives each layer buffers of its own instead, marked as static addresses so
+that a CUDA graph writes them in place: a compiled graph that writes into
 several views of one tensor whose sizes it treats as symbolic fails to compile in torch 2.13, and the compiler fuses
 the per-layer moves anyway.
 Writes use index assignment, never ``scatter_``: on CPU, ``scatter_`` into a bfloat16 buffer runs a kernel orders
@@ -75,7 +76,7 @@ class RowCache(Cache):
         max_len: int,
         dtype: torch.dtype,
         device: torch.device,
-        separate: bool = False,
+        compiled: bool = False,
     ):
         text_config = config.get_text_config()
         heads = text_config.num_key_value_heads or text_config.num_attention_heads
@@ -85,8 +86,10 @@ class RowCache(Cache):
         n_layers = text_config.num_hidden_layers
         shape = (max_rows, heads, max_len, head_dim)
         self.kv: torch.Tensor | None = None
-        if separate:  # keys and values of each layer in tensors of their own
+        if compiled:  # keys and values of each layer in tensors of their own, at addresses a CUDA graph keeps
             pairs = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)] for _ in range(n_layers)]
+            for buf in (b for pair in pairs for b in pair):
+                torch._dynamo.mark_static_address(buf)
         else:  # [layers, keys/values, rows, kv heads, slots, head dim]; each layer's buffers are views of it
             self.kv = torch.zeros(n_layers, 2, *shape, dtype=dtype, device=device)
             pairs = [[kv[0], kv[1]] for kv in self.kv]
@@ -135,9 +138,3 @@ class RowCache(Cache):
         for layer in self.layers:
             for buf in (layer.keys, layer.values):
                 buf[rows, :, dst] = buf[rows, :, src]  # [B, J, H, D] on both sides
-
-    def buffers(self) -> list[torch.Tensor]:
-        """Every tensor the cache holds its keys and values in."""
-        if self.kv is not None:
-            return [self.kv]
-        return [buf for layer in self.layers for buf in (layer.keys, layer.values)]

@@ -213,10 +213,8 @@ class RolloutEngine:
         extra = bound.nodes if bound is not None else 1
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
             self.cache = None
-            compiled = self.target.compiled
-            self.cache = RowCache(self.model.config, rows, length + extra, self.model.dtype, self.device, compiled)
-            for buf in self.cache.buffers() if compiled else ():  # a CUDA graph then writes them in place
-                torch._dynamo.mark_static_address(buf)
+            config, dtype, compiled = self.model.config, self.model.dtype, self.target.compiled
+            self.cache = RowCache(config, rows, length + extra, dtype, self.device, compiled)
         if self.drafter is not None:
             changed = self.drafter.begin(rows, length, bound)
             self.controller.begin(draft_changed=changed)

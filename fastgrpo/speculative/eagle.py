@@ -102,8 +102,6 @@ class EagleDrafter:
             param = next(self.model.parameters())
             compiled = self._expand.compiled
             self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device, compiled)
-            for buf in self.cache.buffers() if compiled else ():  # a CUDA graph then writes them in place
-                torch._dynamo.mark_static_address(buf)
         weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
         changed, self._weights = weights != self._weights, weights
         return changed

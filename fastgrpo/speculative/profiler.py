@@ -249,8 +249,6 @@ def _measure(
     compiled = compile is not None
     cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev, compiled)
     draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev, compiled)
-    for buf in [*cache.buffers(), *draft_cache.buffers()] if compiled else ():
-        torch._dynamo.mark_static_address(buf)
     target, level = partial(Compiled(_target_forward, compile), dev), partial(Compiled(_draft_level, compile), dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
