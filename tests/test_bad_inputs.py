@@ -87,7 +87,7 @@ CONFIG_ERRORS = [
     ({"draft_training": {"learning_rate": ".inf"}}, "draft_training.learning_rate must be a finite number"),
     ({"stop": [""]}, "stop strings must not be empty"),
     ({"model": "/nonexistent/model"}, "model: /nonexistent/model does not exist"),
-    ({"speculation": {"mode": "adaptive", "draft": "."}}, "speculation.draft: . is not a directory saved by"),
+    ({"speculation": {"mode": "adaptive", "draft": "."}}, "speculation.draft: . is neither a directory saved by"),
 ]
 
 

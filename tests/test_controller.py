@@ -146,7 +146,7 @@ def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
     for _ in range(5):
         controller.observe(1, shallow, controller._profiled_seconds(1, shallow), [0])
     deep = shape_for(controller.limits, 24)
-    assert deep.levels == 5 and controller.depth_accept[3] > 0
+    assert deep.levels == 5 and controller.pooled[""][3] > 0
     assert controller.expected_tokens(deep) == pytest.approx(1.0)
     assert controller.best(1) == AUTOREGRESSIVE
 

@@ -27,6 +27,7 @@ LAYERS = [
     ["fastgrpo.answers", "fastgrpo.rewards", "fastgrpo.data", "fastgrpo.config", "fastgrpo.memory_plan"],
     ["fastgrpo.rollout"],
     ["fastgrpo.speculative"],
+    ["fastgrpo.training_rollouts"],
     ["fastgrpo.grpo", "fastgrpo.report"],
     ["fastgrpo.integrations", "fastgrpo.cli", "fastgrpo.commands", "fastgrpo.__main__"],
 ]

@@ -1,5 +1,6 @@
-"""Speculative rollouts are lossless: greedy output equals autoregressive output token for token, sampled output has
-the autoregressive distribution, and the emitted log-probs are the target's."""
+"""Speculative rollouts are lossless, whoever drafts (the EAGLE head, the suffix drafter, or both merged): greedy
+output equals autoregressive output token for token, sampled output has the autoregressive distribution (and is the
+very output of autoregressive sampling under the same uniforms), and the emitted log-probs are the target's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import copy
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
 from fastgrpo.speculative.draft_trainer import DraftSample, DraftTrainer, rollout_samples
 from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.suffix import SuffixDrafter
 
 EOS = 3
 COMMON = dict(
@@ -55,6 +57,14 @@ FAMILIES = {
 }
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4]]
 SHAPES = [TreeShape(1, 1, 1), TreeShape(4, 2, 2), TreeShape(8, 3, 4), TreeShape(16, 4, 5)]
+DRAFTERS = ["eagle", "suffix", "eagle+suffix"]
+
+
+def speculative_engine(model: PreTrainedModel, eos: list[int], drafter: str, draft: DraftHead, shape: TreeShape):
+    """An engine drafting every tree of ``shape`` with ``drafter`` (fresh drafters; ``eagle`` with ``draft``)."""
+    names = drafter.split("+")
+    drafters = [EagleDrafter(draft, model) if name == "eagle" else SuffixDrafter() for name in names]
+    return RolloutEngine(model, eos, drafter=drafters, tree=replace(shape, drafter=drafter))
 
 
 def tiny_model(family: str, seed: int = 0, sharpen: float = 1.0) -> PreTrainedModel:
@@ -200,26 +210,29 @@ def model_and_drafts(request: pytest.FixtureRequest) -> tuple[PreTrainedModel, d
     return model, {"random": DraftHead(model.config).double(), "trained": trained_draft(model)}
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("draft_kind", ["random", "trained"])
-def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_kind: str) -> None:
+def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_kind: str, drafter: str) -> None:
+    """Twice: the second call's suffix drafter also drafts from the first call's completions."""
     model, drafts = model_and_drafts
     params = SamplingParams(max_new_tokens=30, temperature=0)
     reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params)
-    out = RolloutEngine(model, [EOS], drafter=EagleDrafter(drafts[draft_kind], model), tree=shape).generate(
-        PROMPTS, params, 2
-    )
-    for i, expected in enumerate(reference.completion_ids):
-        assert out.completion_ids[2 * i] == expected
-        assert out.completion_ids[2 * i + 1] == expected
-    assert out.finish_reasons[::2] == reference.finish_reasons
-    assert out.stats.n_verify_mean == min(shape.nodes, 1 + shape.top_k + (shape.depth - 1) * shape.top_k**2)
-    if shape.speculative:
+    engine = speculative_engine(model, [EOS], drafter, drafts[draft_kind], shape)
+    for _ in range(2):
+        out = engine.generate(PROMPTS, params, 2)
+        for i, expected in enumerate(reference.completion_ids):
+            assert out.completion_ids[2 * i] == expected
+            assert out.completion_ids[2 * i + 1] == expected
+        assert out.finish_reasons[::2] == reference.finish_reasons
+    eagle_nodes = min(shape.nodes, 1 + shape.top_k + (shape.depth - 1) * shape.top_k**2)
+    assert out.stats.n_verify_mean == (eagle_nodes if drafter == "eagle" else shape.nodes)
+    if shape.speculative and "eagle" in drafter:
         assert out.stats.draft_forwards == out.stats.target_forwards * shape.depth
     else:
         assert out.stats.draft_forwards == 0
-    if draft_kind == "trained" and shape.nodes >= 8:
-        assert out.stats.accept_length > 1.5, "a trained draft should be accepted often"
+    if (draft_kind == "trained" or "suffix" in drafter) and shape.nodes >= 8:
+        assert out.stats.accept_length > 1.5, "a trained draft, or earlier completions, should be accepted often"
         assert out.stats.target_forwards < reference.stats.target_forwards
 
 
@@ -254,20 +267,20 @@ def test_tree_accept_length_counts_tree_steps_only(model_and_drafts) -> None:
     assert s.accept_length < s.tree_accept_length - 0.2, "plain steps pull the all-steps average down"
 
 
+@pytest.mark.parametrize("drafter", DRAFTERS)
 @pytest.mark.parametrize("shape", SHAPES[1:], ids=str)
-def test_sampled_output_equals_autoregressive_for_the_same_seed(model_and_drafts, shape: TreeShape) -> None:
+def test_sampled_output_equals_autoregressive_for_the_same_seed(
+    model_and_drafts, shape: TreeShape, drafter: str
+) -> None:
     """Each position's token is drawn with that position's own uniform, so the trees drafted do not change what is
-    sampled: not only the distribution but the very tokens are those of autoregressive sampling."""
+    sampled: not only the distribution but the very tokens are those of autoregressive sampling (the suffix drafter
+    drafting from an earlier call's completions too)."""
     model, drafts = model_and_drafts
     params = SamplingParams(max_new_tokens=30, temperature=1.0, top_p=0.9)
-
-    def run(draft: DraftHead | None, tree: TreeShape | None):
-        engine = RolloutEngine(
-            model, [EOS], drafter=EagleDrafter(draft, model) if draft is not None else None, tree=tree
-        )
-        return engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(4))
-
-    reference, out = run(None, None), run(drafts["trained"], shape)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(4))
+    engine = speculative_engine(model, [EOS], drafter, drafts["trained"], shape)
+    engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(5))
+    out = engine.generate(PROMPTS, params, 2, generator=torch.Generator().manual_seed(4))
     assert out.completion_ids == reference.completion_ids
     assert out.stats.accept_length > 1.0
     for a, b in zip(out.logprobs, reference.logprobs, strict=True):
@@ -287,7 +300,8 @@ def test_emitted_logprobs_equal_a_fresh_forward(model_and_drafts) -> None:
         torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-8, rtol=0)
 
 
-def test_eos_and_length_limit_inside_an_accepted_path(model_and_drafts) -> None:
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_eos_and_length_limit_inside_an_accepted_path(model_and_drafts, drafter: str) -> None:
     """Rows end exactly where autoregressive decoding ends them, even when a longer path was accepted."""
     model, drafts = model_and_drafts
     greedy = RolloutEngine(model, [EOS]).generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0))
@@ -296,9 +310,9 @@ def test_eos_and_length_limit_inside_an_accepted_path(model_and_drafts) -> None:
     for max_new in (5, 30):
         params = SamplingParams(max_new_tokens=max_new, temperature=0)
         reference = RolloutEngine(model, [EOS, eos]).generate(PROMPTS, params)
-        out = RolloutEngine(
-            model, [EOS, eos], drafter=EagleDrafter(drafts["trained"], model), tree=TreeShape(16, 4, 5)
-        ).generate(PROMPTS, params)
+        engine = speculative_engine(model, [EOS, eos], drafter, drafts["trained"], TreeShape(16, 4, 5))
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=30, temperature=0))  # the suffix drafter's memory
+        out = engine.generate(PROMPTS, params)
         assert out.completion_ids == reference.completion_ids
         assert out.finish_reasons == reference.finish_reasons
         assert all(len(c) <= max_new for c in out.completion_ids)
@@ -397,22 +411,31 @@ def peaked_model_and_draft() -> tuple[PreTrainedModel, DraftHead]:
     return model, trained_draft(model, epochs=20, seed=2)
 
 
-def first_tokens(model, draft, params: SamplingParams, draws: int, seed: int) -> tuple[Counter, float]:
-    shape = TreeShape(12, 3, 4) if draft is not None else None
-    engine = RolloutEngine(model, [EOS], drafter=EagleDrafter(draft, model) if draft is not None else None, tree=shape)
-    out = engine.generate([[7, 21, 40]], params, draws, generator=torch.Generator().manual_seed(seed))
+def first_tokens(
+    model, draft, params: SamplingParams, draws: int, seed: int, drafter: str = "eagle"
+) -> tuple[Counter, float]:
+    """Completions of one prompt; speculative with ``draft``, after a call of another seed (the suffix drafter's
+    memory)."""
+    prompt = [[7, 21, 40]]
+    if draft is None:
+        engine = RolloutEngine(model, [EOS])
+    else:
+        engine = speculative_engine(model, [EOS], drafter, draft, TreeShape(12, 3, 4))
+        engine.generate(prompt, params, draws, generator=torch.Generator().manual_seed(seed + 1000))
+    out = engine.generate(prompt, params, draws, generator=torch.Generator().manual_seed(seed))
     return Counter(tuple(c) for c in out.completion_ids), out.stats.accept_length
 
 
-def test_speculative_sampling_has_the_autoregressive_distribution(peaked_model_and_draft, monkeypatch) -> None:
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_speculative_sampling_has_the_autoregressive_distribution(peaked_model_and_draft, monkeypatch, drafter) -> None:
     model, draft = peaked_model_and_draft
     params = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=0.9)
     reference, _ = first_tokens(model, None, params, 3000, seed=10)
-    speculative, accept_length = first_tokens(model, draft, params, 3000, seed=11)
+    speculative, accept_length = first_tokens(model, draft, params, 3000, seed=11, drafter=drafter)
     assert accept_length > 1.5, "the test needs accepted paths to exercise the acceptance rule"
     assert chi_square_p_value(reference, speculative) > 1e-3
 
     # The same test catches an off-by-one in the acceptance rule.
     monkeypatch.setattr(target_step_module, "accept", stale_accept)
-    wrong, _ = first_tokens(model, draft, params, 3000, seed=11)
+    wrong, _ = first_tokens(model, draft, params, 3000, seed=11, drafter=drafter)
     assert chi_square_p_value(reference, wrong) < 1e-6

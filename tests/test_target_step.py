@@ -126,7 +126,7 @@ def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, dra
     )
     same_outputs(eager, compiled, params)
     for engine in (eager, compiled):
-        engine.speculate(engine.drafter, tree=TreeShape(16, 4, 5))
+        engine.speculate(list(engine.drafters.values()), tree=TreeShape(16, 4, 5))
     same_outputs(eager, compiled, params)
     long_prompts = [[(5 * i + 3) % VOCAB for i in range(300)], [7, 8, 9]]
     uniforms = torch.rand(4, MAX_NEW, generator=torch.Generator().manual_seed(4), dtype=torch.float64)

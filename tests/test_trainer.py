@@ -316,7 +316,7 @@ def test_a_draft_update_moves_the_draft_and_not_the_policy(tiny_model_dir: Path,
     trainer.rollout(0, trainer.prompts.rows(0))
     policy = [p.detach().clone() for p in trainer.model.parameters()]
     draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
-    metrics = trainer.rollouts.update_draft()
+    metrics = trainer.rollouts.learn()
     assert metrics["draft/loss"] > 0
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), policy, strict=True))
     assert all(p.grad is None for p in trainer.model.parameters()), "no gradient reaches the policy"
@@ -350,7 +350,8 @@ def test_online_draft_state_survives_checkpoint_and_resume(tiny_model_dir: Path,
     resumed.train()
     for a, b in zip(resumed.rollouts.draft.parameters(), full.rollouts.draft.parameters(), strict=True):
         torch.testing.assert_close(a, b)
-    state = resumed.rollouts.draft_trainer.optimizer.state_dict()["state"]
+    eagle = next(d for d in resumed.rollouts.drafters if d.name == "eagle")
+    state = eagle.learner.trainer.optimizer.state_dict()["state"]
     assert state and all(s["step"] == 16 for s in state.values()), "4 steps x 4 epochs of one batch each"
 
 
@@ -484,7 +485,7 @@ def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_
     trainer.device = torch.device("cuda", 0)
     metrics = trainer.train_step(0)
     assert events == ["reset", "peak", "release", "reset", "update", "sync", "peak"]
-    assert trainer.rollouts.engine.cache is None and trainer.rollouts.engine.drafter.cache is None
+    assert trainer.rollouts.engine.cache is None and trainer.rollouts.engine.drafters["eagle"].cache is None
     assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
     assert metrics["memory/peak_mb"] == 300.0
 

@@ -3,6 +3,8 @@ each step, saves it into TRL's checkpoints and restores it when TRL resumes."""
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -67,7 +69,7 @@ def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: 
     now = rollout.draft.state_dict()
     assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
     saved = tmp_path / "run" / "checkpoint-2" / "draft"
-    assert (saved / "draft.safetensors").is_file() and (saved / "optimizer.pt").is_file()
+    assert (saved / "draft.safetensors").is_file() and (saved / "learners.pt").is_file()
 
     # Resuming TRL from that checkpoint resumes the draft too (here with the default adaptive controller, whose
     # first rollout calibrates it on the model without taking it out of training mode).
@@ -134,3 +136,62 @@ def test_an_untested_trl_version_is_refused_with_the_range_it_needs(monkeypatch:
     monkeypatch.setattr(trl, "__version__", "1.13.0")
     with pytest.raises(ImportError, match=r"tested with trl>=1\.14\.0,<1\.17\.0.*found trl 1\.13\.0"):
         check_trl_version()
+
+
+def drafters_state(rollouts) -> dict:
+    """The drafters' state of a `TrainingRollouts`: the EAGLE head's weights and every learner's state."""
+    return {
+        "draft": {k: v.clone() for k, v in rollouts.draft.state_dict().items()},
+        "learners": {d.name: copy.deepcopy(d.learner.state_dict()) for d in rollouts.drafters if d.learner},
+    }
+
+
+def assert_same(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, where
+
+
+class SnapshotRollout(SpeculativeRollout):
+    """Keeps the drafters' state as it was when they were built and restored (before the first rollout)."""
+
+    snapshot: dict | None = None
+
+    def _rollouts(self, trainer: trl.GRPOTrainer):
+        first = self.rollouts is None
+        rollouts = super()._rollouts(trainer)
+        if first:
+            self.snapshot = drafters_state(rollouts)
+        return rollouts
+
+
+def test_drafters_resume_across_trainers(model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint's drafters (the EAGLE head, its optimizer, the suffix drafter's memory) written by fastgrpo's
+    trainer resume in the TRL integration, and the reverse, through ``speculation.draft``."""
+    from test_trainer import make_config, make_trainer
+
+    spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3, drafter="eagle+suffix")
+    ours = make_trainer(make_config(model_dir, tmp_path / "ours", speculation=spec, max_steps=1, save_steps=1))
+    ours.train()
+    saved = drafters_state(ours.rollouts)
+    assert saved["learners"]["suffix"]["prompts"] and saved["learners"]["eagle"]["state"]
+
+    rollout = SnapshotRollout(speculation=replace(spec, draft=str(tmp_path / "ours" / "checkpoint-1" / "draft")))
+    trainer = grpo_trainer(model_dir, tmp_path / "trl", Recorder(rollout), [], max_steps=2)
+    trainer.train()
+    assert_same(rollout.snapshot, saved)
+    theirs = drafters_state(rollout.rollouts)
+    assert len(theirs["learners"]["suffix"]["prompts"]) > len(saved["learners"]["suffix"]["prompts"])
+
+    back = replace(spec, draft=str(tmp_path / "trl" / "checkpoint-2" / "draft"))
+    resumed = make_trainer(make_config(model_dir, tmp_path / "back", speculation=back, max_steps=1))
+    assert_same(drafters_state(resumed.rollouts), theirs)

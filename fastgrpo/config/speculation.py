@@ -9,6 +9,7 @@ from pathlib import Path
 from fastgrpo.fields import Range, check_ranges, option
 
 DRAFT_CONFIG = "draft_config.json"  # the file that makes a directory a saved draft
+LEARNERS = "learners.pt"  # beside it in a checkpoint: the drafters' online state (optimizer, suffix memory)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 # A verification forward holds rows x nodes tokens: past a few hundred per row it costs far more than it can win.
 MAX_TREE_NODES = 256
@@ -48,6 +49,10 @@ class SpeculationConfig:
     ``top_k`` children per expanded node, ``depth`` levels; ``nodes: 1`` is plain decoding); ``paper`` (FastGRPO's
     rule: ``nodes = c_peak // active rows``, clamped by ``n_max``, ``k_max``, ``l_min``, ``l_max`` and ``alpha``);
     ``adaptive`` (the tree of the highest predicted goodput at every step, plain steps when no tree pays).
+    ``drafter``: who drafts the trees: ``eagle`` (the learned draft head), ``suffix`` (continuations of the prompt's
+    earlier completions and of the group's, no neural forward; ``suffix_memory_tokens`` bounds what it keeps), or
+    both, ``eagle+suffix``, between which the adaptive controller chooses at every step, merged trees of both
+    included (a static or paper tree merges both).
     ``c_peak``: the verification capacity in tokens, or ``auto`` to read this model's saved ``fastgrpo profile``
     (a short calibration of a few forwards when there is none). ``draft``: a directory saved by ``fastgrpo draft
     train`` (None: a fresh, untrained draft). ``draft_vocab_size``: a fresh draft gets a reduced vocabulary, the at
@@ -60,7 +65,19 @@ class SpeculationConfig:
         "rows) or `adaptive` (the tree of the highest predicted goodput at every step, plain steps when none pays)",
         choices=SPECULATION_MODES,
     )
-    draft: str | None = option(None, help="a directory saved by `fastgrpo draft train` (None: a fresh draft)")
+    drafter: str = option(
+        "eagle",
+        help="who drafts: `eagle` (the learned draft head), `suffix` (earlier completions, no neural forward) or "
+        "`eagle+suffix` (the controller picks either or a merged tree at every step)",
+    )
+    suffix_memory_tokens: int = option(
+        2_000_000, help="`suffix`: earlier completions' tokens kept (about 50 bytes each)", valid=Range(0, 2**40)
+    )
+    draft: str | None = option(
+        None,
+        help="a directory saved by `fastgrpo draft train`, or a checkpoint's `draft` directory (the drafters' state, "
+        "of fastgrpo's trainer or the TRL integration); None: a fresh draft",
+    )
     draft_vocab_size: int | None = option(
         None,
         help="a fresh draft's reduced vocabulary: the most frequent tokens of the first rollout, which runs plain",
@@ -88,6 +105,8 @@ class SpeculationConfig:
     def validate(self) -> None:
         if self.mode not in SPECULATION_MODES:
             raise ValueError(f"speculation.mode must be one of {list(SPECULATION_MODES)}, got {self.mode!r}")
+        if not self.drafter or any(not name for name in self.drafter.split("+")):
+            raise ValueError(f"speculation.drafter must name drafters joined by '+', got {self.drafter!r}")
         check_ranges(self, "speculation.")
         self.limits().validate("speculation.")
         if self.c_peak != "auto" and not (isinstance(self.c_peak, int) and self.c_peak >= 1):
@@ -99,9 +118,10 @@ class SpeculationConfig:
                 "speculation.draft_vocab_size applies to a fresh draft; the saved draft in speculation.draft "
                 f"({self.draft}) keeps its own vocabulary"
             )
-        if self.draft is not None and not (Path(self.draft) / DRAFT_CONFIG).is_file():
+        if self.draft is not None and not any((Path(self.draft) / f).is_file() for f in (DRAFT_CONFIG, LEARNERS)):
             raise ValueError(
-                f"speculation.draft: {self.draft} is not a directory saved by fastgrpo draft train (no {DRAFT_CONFIG})"
+                f"speculation.draft: {self.draft} is neither a directory saved by fastgrpo draft train (no "
+                f"{DRAFT_CONFIG}) nor a checkpoint's drafters (no {LEARNERS})"
             )
 
 

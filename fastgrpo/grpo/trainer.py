@@ -40,8 +40,9 @@ from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
+from fastgrpo.speculative.drafters import drafter_names
 from fastgrpo.threads import ThreadGovernor
+from fastgrpo.training_rollouts import TrainingRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class GRPOTrainer:
         resume: bool = False,
     ):
         config.validate()
+        drafter_names(config.speculation.drafter)  # the drafters registered (`register_drafter`) included
         self.config = config
         self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)
@@ -128,16 +130,16 @@ class GRPOTrainer:
         if config.use_peft:
             self.model = wrap_lora(self.model, config, checkpoint)
         self.eos = eos_token_ids(self.model, self.tokenizer)
-        self.rollouts = Rollouts(
+        self.rollouts = TrainingRollouts(
             self.model,
             self.tokenizer,
             self.eos,
             config.speculation,
             config.draft_training,
             config.model,
-            starting_draft(self.model, config.speculation, checkpoint / DRAFT_DIR if checkpoint else None),
             config.seed,
             compile_backend(config.compile, self.device),
+            config.speculation.draft,
         )
         self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.
@@ -172,9 +174,8 @@ class GRPOTrainer:
             self.update.masters.load_state_dict(state["master_weights"])
         elif "master_weights" in state:
             self._restore_without_masters(state["master_weights"])
+        self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
         set_rng_state(state["rng"])
-        if "draft_optimizer" in state:
-            self.rollouts.load_optimizer_state(state["draft_optimizer"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
 
@@ -194,8 +195,8 @@ class GRPOTrainer:
 
     # -- one step -----------------------------------------------------------------------------------------
     def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:
-        """Sample ``num_generations`` completions per prompt (`Rollouts.generate`: the same completions whatever the
-        number of processes sharing the step)."""
+        """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same completions
+        whatever the number of processes sharing the step)."""
         prompt_ids = self.prompts.encode(rows)
         out = self.rollouts.generate(
             prompt_ids, self.sampling, self.config.num_generations, step, self.dist.rank, self.dist.world_size
@@ -235,7 +236,7 @@ class GRPOTrainer:
             t1 = time.perf_counter()
             advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
             t2 = time.perf_counter()
-            draft_metrics = self.rollouts.update_draft()
+            draft_metrics = self.rollouts.learn()
         memory: dict[str, float] = {}
         if self.device.type == "cuda":  # the KV caches and captured states go back to the allocator, for the update
             memory["memory/rollout_peak_mb"] = peak_memory_mb(self.device)
@@ -298,14 +299,11 @@ class GRPOTrainer:
             def write_model(path: Path) -> None:
                 self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
                 self.tokenizer.save_pretrained(path)
-                if self.rollouts.draft is not None:
-                    self.rollouts.draft.save(path / DRAFT_DIR)
+                self.rollouts.save(path, learners=not self.config.save_only_model)
 
             state = {}
             if not self.config.save_only_model:
                 state = {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
-                if self.rollouts.draft_trainer is not None:
-                    state["draft_optimizer"] = self.rollouts.optimizer_state()
                 if self.update.masters is not None:
                     state["master_weights"] = self.update.masters.state_dict()
             path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)

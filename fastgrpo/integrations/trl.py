@@ -8,9 +8,10 @@ Two objects are added to an existing TRL script::
     trainer = GRPOTrainer(..., rollout_func=rollout, callbacks=[DraftCallback(rollout)])
 
 `SpeculativeRollout` is TRL's ``rollout_func``: it runs fastgrpo's lossless speculative engine (with its concurrency
-controller) on the trainer's current model and captures the target hidden states of every rollout. `DraftCallback`
-trains the draft on them after each optimizer step (the policy is not touched: the draft's loss reaches none of its
-weights), saves the draft into every TRL checkpoint (``checkpoint-N/draft``) and loads it back when TRL resumes.
+controller and drafters) on the trainer's current model and captures the target hidden states of every rollout.
+`DraftCallback` has the drafters learn from them after each optimizer step (the policy is not touched: the draft's
+loss reaches none of its weights), saves the drafters into every TRL checkpoint (``checkpoint-N/draft``, as
+fastgrpo's own trainer does) and restores them when TRL resumes.
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.rollouts import DRAFT_DIR, Rollouts, starting_draft
+from fastgrpo.speculative.drafters import drafter_names
+from fastgrpo.training_rollouts import TrainingRollouts
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
-DRAFT_OPTIMIZER = "optimizer.pt"
 
 
 def check_trl_version() -> None:
@@ -70,9 +71,10 @@ class SpeculativeRollout:
     """TRL ``rollout_func``: ``(prompts, trainer) -> {"prompt_ids", "completion_ids", "logprobs"}``.
 
     Args:
-        draft: a saved draft directory (``fastgrpo draft train``; default ``speculation.draft``), or None for a
-            fresh draft that online learning trains from scratch (over the full vocabulary, or with
-            ``speculation.draft_vocab_size`` over the most frequent tokens of the first rollout, which runs plain).
+        draft: a saved draft directory (``fastgrpo draft train``, or a checkpoint's ``draft`` directory, of this
+            integration or of fastgrpo's trainer, whose drafters' whole state it restores; default
+            ``speculation.draft``), or None for a fresh draft that online learning trains from scratch (over the full
+            vocabulary, or with ``speculation.draft_vocab_size`` over the most frequent tokens of the first rollout).
         speculation: the controller (default: the adaptive one, with a short calibration when this model has
             no saved profile).
         draft_training: online draft-learning options (`DraftCallback` runs them; ``online=False`` freezes the
@@ -95,12 +97,13 @@ class SpeculativeRollout:
         if draft is not None:  # the saved draft given here stands for speculation.draft, and is checked as it is
             self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
         self.speculation.validate()
+        drafter_names(self.speculation.drafter)
         if self.speculation.mode == "off":
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
         self.max_prompt_length = max_prompt_length or sys.maxsize
-        self.rollouts: Rollouts | None = None  # built on the first call, on the trainer's model
+        self.rollouts: TrainingRollouts | None = None  # built on the first call, on the trainer's model
         self.trainer: Any = None
         self.resume_from: Path | None = None  # a TRL checkpoint whose draft replaces `draft` (set by DraftCallback)
 
@@ -140,27 +143,26 @@ class SpeculativeRollout:
             "logprobs": out.logprobs,
         }
 
-    def _rollouts(self, trainer: Any) -> Rollouts:
-        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains), with the
-        draft of the checkpoint TRL resumes from, the saved draft given, or a fresh one."""
+    def _rollouts(self, trainer: Any) -> TrainingRollouts:
+        """Built on the first call, on the trainer's model (unwrapped from DDP; the same module TRL trains), from the
+        saved draft given (or a fresh one), then restored from the checkpoint TRL resumes from."""
         if self.rollouts is not None:
             return self.rollouts
         self._check_supported(trainer)
         model = trainer.accelerator.unwrap_model(trainer.model)
-        saved = self.resume_from / DRAFT_DIR if self.resume_from is not None else None
-        self.rollouts = Rollouts(
+        self.rollouts = TrainingRollouts(
             model,
             trainer.processing_class,
             eos_token_ids(model, trainer.processing_class),
             self.speculation,
             self.draft_training,
             model.config.name_or_path or model.config.model_type,
-            starting_draft(model, self.speculation, saved),
             trainer.args.seed,
             compile_backend(self.compile, next(model.parameters()).device),
+            self.speculation.draft,
         )
-        if saved is not None and (saved / DRAFT_OPTIMIZER).is_file():
-            self.rollouts.load_optimizer_state(torch.load(saved / DRAFT_OPTIMIZER, map_location="cpu"))
+        if self.resume_from is not None:
+            self.rollouts.restore(self.resume_from)
         return self.rollouts
 
     @staticmethod
@@ -200,23 +202,19 @@ class SpeculativeRollout:
 
     # -- online draft learning --------------------------------------------------------------------------------
     def update_draft(self) -> dict[str, float]:
-        """Train the draft on the rollouts since the last update (`Rollouts.update_draft`); returns the ``draft/*``
+        """The drafters learn from the rollouts since the last update (`TrainingRollouts.learn`); returns their
         metrics."""
-        return {} if self.rollouts is None else self.rollouts.update_draft()
+        return {} if self.rollouts is None else self.rollouts.learn()
 
     def save_draft(self, checkpoint: Path) -> None:
-        """Write the draft (and its optimizer's state) into ``checkpoint/draft``."""
-        if self.draft is None:
-            return
-        self.draft.save(checkpoint / DRAFT_DIR)
-        state = self.rollouts.optimizer_state()
-        if state is not None:
-            torch.save(state, checkpoint / DRAFT_DIR / DRAFT_OPTIMIZER)
+        """Write the drafters' state into ``checkpoint/draft`` (`TrainingRollouts.save`)."""
+        if self.rollouts is not None:
+            self.rollouts.save(checkpoint)
 
 
 class DraftCallback(TrainerCallback):
-    """Runs `SpeculativeRollout.update_draft` after every optimizer step, saves the draft into each checkpoint
-    (``checkpoint-N/draft``) and restores it when training resumes from a checkpoint."""
+    """Runs `SpeculativeRollout.update_draft` after every optimizer step, saves the drafters into each checkpoint
+    (``checkpoint-N/draft``) and restores them when training resumes from a checkpoint."""
 
     def __init__(self, rollout: SpeculativeRollout):
         self.rollout = rollout

@@ -1,11 +1,12 @@
 """The propose stage of an engine step: a drafter proposes a tree of candidate tokens per active row, which the
-engine's target forward verifies. This is the interface; `fastgrpo.speculative.eagle` implements it with the learned
-EAGLE head, and another drafter is one new class with these methods.
+engine's target forward verifies. This is the interface (the drafter kit); `fastgrpo.drafters` holds the drafters
+(the learned EAGLE head, the suffix drafter over earlier completions) and the factory that builds them by name.
+Adding a drafter is one class with these methods plus one line in that factory.
 
-A drafter keeps its per-row state (what it has read of each row) in an object with a ``select(order, index)`` method,
-which the engine holds in `ActiveRows.draft` and narrows whenever rows finish, so that row ``i`` of the drafter's
-state is always row ``i`` of the batch. A drafter reads nothing back from the device: what the host must know (how
-many tokens each row emitted) the engine hands it, read once per step.
+A drafter owns all of its per-row state (what it has read of each row, its caches) and narrows it in `select`
+whenever rows finish, so that its row ``i`` is always row ``i`` of the batch. A drafter reads nothing back from the
+device: what the host must know (how many tokens each row emitted, the rows' tokens) the engine hands it. Whatever
+it proposes, verification keeps the output exactly the target's: a tree is a function of the context only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 from fastgrpo.rollout.tree import DraftTree, TreeShape
 
 if TYPE_CHECKING:
-    from fastgrpo.rollout.sequence import ActiveRows
+    from fastgrpo.rollout.sequence import ActiveRows, GenerationOutput, Sequence
 
 
 @dataclass
@@ -33,8 +34,68 @@ class Proposal:
     backlog_seconds: float = 0.0
 
 
+@dataclass
+class Prefill:
+    """What a call's prefill gives the drafters. On the device: ``prompt_ids`` ``[P, T]`` right-padded prompts of
+    ``prompt_len`` ``[P]`` tokens, ``hidden`` ``[P, T, H]`` the target's hidden states there, ``rows`` ``[R]`` the
+    prompt of each row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden
+    state it was drawn from. On the host: ``prompts`` the prompts' tokens, ``row_prompt`` the prompt of each row and
+    ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is row ``i`` at the start)."""
+
+    prompt_ids: torch.Tensor
+    prompt_len: torch.Tensor
+    hidden: torch.Tensor
+    rows: torch.Tensor
+    first: torch.Tensor
+    first_hidden: torch.Tensor
+    prompts: list[list[int]]
+    row_prompt: list[int]
+    seqs: list[Sequence]
+
+
+@dataclass
+class Emitted:
+    """What a step emitted: the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row (``counts``: ``count`` on the
+    host), ``hidden`` ``[B, E, H]`` the target's hidden state each of them was drawn from."""
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor
+    count: torch.Tensor
+    counts: list[int]
+
+
+@dataclass
+class Rollout:
+    """A finished generation call, as online learners see it: ``num_generations`` completions per prompt."""
+
+    prompt_ids: list[list[int]]
+    output: GenerationOutput
+    num_generations: int
+
+
+class Learner(Protocol):
+    """A drafter's online learning: learns from a run's finished rollouts between steps, and has a state a
+    checkpoint keeps."""
+
+    @property
+    def captures_hidden(self) -> bool:
+        """Whether it needs the rollouts' target hidden states (`RolloutEngine.generate`'s ``capture_hidden``)."""
+        ...
+
+    def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
+        """Learn from the rollouts since the last call; returns metrics to log."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 class Drafter(Protocol):
     """Proposes draft trees for the engine to verify."""
+
+    name: str
+    learner: Learner | None  # None: it does not learn online
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -48,44 +109,38 @@ class Drafter(Protocol):
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """A generation call of up to ``rows`` rows of ``length`` tokens starts (trees no larger than ``bound``);
-        returns whether the drafter's weights changed since the previous call (what was measured of its acceptance
-        is then out of date)."""
+        returns whether what it drafts from changed since the previous call (its measured acceptance is then out of
+        date)."""
         ...
 
-    def start(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_len: torch.Tensor,
-        prompt_hidden: torch.Tensor,
-        rows: torch.Tensor,
-        first: torch.Tensor,
-        first_hidden: torch.Tensor,
-        row_prompt_len: list[int],
-    ) -> Any:
-        """The per-row state after the prefill: ``prompt_ids`` ``[P, T]`` right-padded prompts of ``prompt_len`` ``[P]``
-        tokens, ``prompt_hidden`` ``[P, T, H]`` the target's hidden states there, ``rows`` ``[R]`` the prompt of each
-        row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden state it was
-        sampled from; ``row_prompt_len`` each row's prompt length on the host."""
+    def start(self, prefill: Prefill) -> None:
+        """Set up the per-row state of a call's rows after the prefill."""
         ...
 
-    def backlog(self, rows: ActiveRows) -> int:
+    def depth(self, shape: TreeShape) -> int:
+        """The deepest node its trees of ``shape`` may hold (their ``levels``)."""
+        ...
+
+    def backlog(self) -> int:
         """The most tokens a row has emitted that the drafter has not read yet (a tree would read them first)."""
         ...
 
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        """Predicted seconds to propose trees of ``shape`` for ``rows`` rows, after reading ``backlog`` pending
+        tokens per row: measured or modelled by the drafter."""
+        ...
+
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
-        """A tree of ``shape`` for every active row, rooted at the row's pending token."""
+        """A tree of ``shape`` for every active row, rooted at the row's pending token, with node scores."""
         ...
 
-    def accepted(
-        self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]
-    ) -> None:
-        """A step emitted the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row (``counts``: the same on the
-        host); ``hidden`` ``[B, E, H]`` holds the target's hidden state each of them was sampled from."""
+    def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
+        """A step emitted ``emitted`` (called before the rows' sequences are appended to)."""
         ...
 
-    def keep(self, rows: ActiveRows, order: list[int]) -> None:
-        """Rows finished: row ``i`` of the drafter's caches becomes its row ``order[i]`` (called before ``rows`` is
-        narrowed)."""
+    def select(self, order: list[int], index: torch.Tensor) -> None:
+        """Rows finished: row ``i`` of the drafter's state becomes its row ``order[i]`` (``index``: ``order`` on the
+        device)."""
         ...
 
     def release(self) -> None:

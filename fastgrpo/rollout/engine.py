@@ -22,7 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.drafter import Drafter, Proposal
+from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import host_to_device, read_back
 from fastgrpo.rollout.linear import rollout_linears
@@ -31,7 +31,7 @@ from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
 from fastgrpo.rollout.target_step import TargetStep
-from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.tree import TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
 
@@ -80,9 +80,10 @@ class RolloutEngine:
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
         drafter: proposes draft trees for speculative steps (None: autoregressive only), for example
-            `fastgrpo.speculative.eagle.EagleDrafter`.
+            `fastgrpo.speculative.eagle.EagleDrafter`; or a list of drafters, of which the controller picks one (or
+            several, whose trees are merged) at every step by their names (`TreeShape.drafter`).
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
-        controller: instead of ``tree``, chooses each step's shape from the number of active rows.
+        controller: instead of ``tree``, chooses each step's shape (and drafter) from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
             `fastgrpo.rollout.lora`).
         compile: the ``torch.compile`` backend the target's step runs with (``"inductor"``), None: eager (see
@@ -96,7 +97,7 @@ class RolloutEngine:
         model: PreTrainedModel,
         eos_token_ids: list[int],
         tokenizer: PreTrainedTokenizerBase | None = None,
-        drafter: Drafter | None = None,
+        drafter: Drafter | list[Drafter] | None = None,
         tree: TreeShape | None = None,
         controller: Controller | None = None,
         merge_lora: bool = True,
@@ -109,33 +110,51 @@ class RolloutEngine:
         self.target = TargetStep(compile)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None
-        self.drafter: Drafter | None = None
+        self.drafters: dict[str, Drafter] = {}
         self.controller: Controller | None = None
         self.speculate(drafter, tree, controller)
 
     def speculate(
-        self, drafter: Drafter | None, tree: TreeShape | None = None, controller: Controller | None = None
+        self,
+        drafter: Drafter | list[Drafter] | None,
+        tree: TreeShape | None = None,
+        controller: Controller | None = None,
     ) -> None:
-        """From the next call on, draft with ``drafter`` and trees of ``tree`` or those ``controller`` chooses (None,
-        None, None: autoregressive only)."""
+        """From the next call on, draft with ``drafter`` (one or several) and trees of ``tree`` or those
+        ``controller`` chooses (None, None, None: autoregressive only)."""
         if tree is not None and controller is not None:
             raise ValueError("give a static tree shape or a controller, not both")
         if tree is not None:
             controller = StaticController(tree)
-        if (drafter is None) != (controller is None):
+        drafters = [] if drafter is None else drafter if isinstance(drafter, list) else [drafter]
+        if bool(drafters) != (controller is not None):
             raise ValueError("speculative decoding needs both a drafter and a tree shape or controller")
-        self.drafter, self.controller = drafter, controller
+        names = [d.name for d in drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafters need distinct names, got {names}")
+        self.drafters, self.controller = {d.name: d for d in drafters}, controller
+
+    def _drafters_of(self, shape: TreeShape) -> list[Drafter]:
+        """The drafters that propose ``shape``'s tree (its ``drafter`` names; ``""``: the engine's only one)."""
+        if not shape.drafter:
+            if len(self.drafters) != 1:
+                raise ValueError(f"a tree shape must name one of the drafters {list(self.drafters)}, got {shape}")
+            return list(self.drafters.values())
+        try:
+            return [self.drafters[name] for name in shape.drafter.split("+")]
+        except KeyError as e:
+            raise ValueError(f"no drafter {e} among {list(self.drafters)} (tree shape {shape})") from None
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def release(self) -> None:
-        """Free the KV caches kept for the next call (the target's and the drafter's), so that the memory serves
+        """Free the KV caches kept for the next call (the target's and the drafters'), so that the memory serves
         other work, such as a policy update, until the next call allocates them again."""
         self.cache = None
-        if self.drafter is not None:
-            self.drafter.release()
+        for drafter in self.drafters.values():
+            drafter.release()
 
     @torch.inference_mode()
     def generate(
@@ -159,7 +178,7 @@ class RolloutEngine:
             raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
-        extra = self.drafter.modules if self.drafter is not None else ()
+        extra = tuple(m for d in self.drafters.values() for m in d.modules)
         was_training = self.model.training
         self.model.eval()
         try:
@@ -182,8 +201,7 @@ class RolloutEngine:
 
     def _compile_seconds(self) -> float:
         """Wall time spent so far in steps that compiled a graph (the target's and the drafter's)."""
-        drafted = self.drafter.compile_seconds if self.drafter is not None else 0.0
-        return self.target.compile_seconds + drafted
+        return self.target.compile_seconds + sum(d.compile_seconds for d in self.drafters.values())
 
     def _call(
         self,
@@ -215,9 +233,9 @@ class RolloutEngine:
             self.cache = None
             config, dtype, compiled = self.model.config, self.model.dtype, self.target.compiled
             self.cache = RowCache(config, rows, length + extra, dtype, self.device, compiled)
-        if self.drafter is not None:
-            changed = self.drafter.begin(rows, length, bound)
-            self.controller.begin(draft_changed=changed)
+        if self.drafters:
+            changed = [d.begin(rows, length, bound) for d in self.drafters.values()]
+            self.controller.begin(draft_changed=any(changed))
 
     def prefill(self, prompt_ids: list[list[int]], num_generations: int, call: Generation) -> ActiveRows:
         """Prefill each prompt once (right-padded at slot 0), replicate its rows, sample and append each row's first
@@ -245,8 +263,10 @@ class RolloutEngine:
         active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], lengths, zeros, zeros)
         logprobs = process_logits(head(last)[rows], call.params)
         first = sample(logprobs, call.params, None if call.noise is None else call.noise[:, 0])
-        if self.drafter is not None:
-            active.draft = self.drafter.start(ids, lens, hidden, rows, first, last[rows], lengths)
+        if self.drafters:
+            prefill = Prefill(ids, lens, hidden, rows, first, last[rows], prompt_ids, row_prompt, call.seqs)
+            for drafter in self.drafters.values():
+                drafter.start(prefill)
         ones = torch.ones_like(first)
         verified = Verified(first[:, None], logprobs.gather(1, first[:, None]), ones, last)
         active = self._append(active, verified, HostStep.read(verified, call.eos), call)
@@ -268,14 +288,20 @@ class RolloutEngine:
             self.threads.update()
         if self.controller is None:
             return None
-        return self.controller.choose(rows.size, self.drafter.backlog(rows))
+        return self.controller.choose(rows.size, max(d.backlog() for d in self.drafters.values()))
 
     def propose(self, rows: ActiveRows, shape: TreeShape | None, call: Generation) -> Proposal | None:
-        """A draft tree per row when ``shape`` asks for one."""
+        """A draft tree per row when ``shape`` asks for one (the trees of several drafters merged into one of
+        ``shape.nodes`` nodes)."""
         if shape is None or not shape.speculative:
             return None
         t0 = time.perf_counter()
-        proposal = self.drafter.propose(rows, shape)
+        proposals = [drafter.propose(rows, shape) for drafter in self._drafters_of(shape)]
+        proposal = proposals[0]
+        for other in proposals[1:]:
+            tree = merge_trees(proposal.tree, other.tree, shape.nodes)
+            forwards, backlog = proposal.forwards + other.forwards, proposal.backlog_seconds + other.backlog_seconds
+            proposal = Proposal(tree, forwards, backlog)
         call.stats.draft_forwards += proposal.forwards
         call.stats.draft_time += time.perf_counter() - t0
         return proposal
@@ -317,14 +343,17 @@ class RolloutEngine:
         stats = call.stats
         stats.concurrency.append(rows.size)
         host = HostStep.read(verified, call.eos)
-        if self.drafter is not None:
-            self.drafter.accepted(rows, verified.tokens, verified.hidden, verified.count, host.count)
+        if self.drafters:
+            emitted = Emitted(verified.tokens, verified.hidden, verified.count, host.count)
+            for drafter in self.drafters.values():
+                drafter.accepted(rows, emitted)
         if call.capture:
             for seq, hidden, n in zip(rows.seqs, verified.hidden, host.count, strict=True):
                 seq.hidden.append(hidden[:n])
         accepted = [n - 1 for n in host.count]
         if host.depth is not None:
             stats.record_depths(host.depth, accepted)
+            stats.record_drafter(shape.drafter or next(iter(self.drafters)), accepted)
         emitted_before = stats.tokens_emitted
         rows.lengths = [length + n for length, n in zip(rows.lengths, host.count, strict=True)]
         remaining = self._append(rows, verified, host, call)
@@ -352,8 +381,9 @@ class RolloutEngine:
         if len(keep) == rows.size:
             return rows
         order = fill_holes(keep)
+        index = host_to_device(order, rows.ids.device)
         if keep:
             self.cache.select_rows(order, upto=max(rows.lengths))
-            if self.drafter is not None:
-                self.drafter.keep(rows, order)
-        return rows.select(order, host_to_device(order, rows.ids.device))
+            for drafter in self.drafters.values():
+                drafter.select(order, index)
+        return rows.select(order, index)

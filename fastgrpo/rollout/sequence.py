@@ -4,7 +4,6 @@ tensor is cache row ``i``), and the call's `Generation` (sampling parameters, no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -45,8 +44,8 @@ class ActiveRows:
 
     ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots, and ``lengths`` the
     same on the host (the step never reads them back); ``pending`` ``[B]`` the last emitted token, not yet in the
-    target cache; ``emitted`` ``[B]`` tokens of the completion so far; ``draft`` the drafter's per-row state (see
-    `fastgrpo.rollout.drafter`), None without one.
+    target cache; ``emitted`` ``[B]`` tokens of the completion so far. (Drafters keep their per-row state
+    themselves, see `fastgrpo.rollout.drafter`.)
     """
 
     seqs: list[Sequence]
@@ -55,7 +54,6 @@ class ActiveRows:
     lengths: list[int]
     pending: torch.Tensor
     emitted: torch.Tensor
-    draft: Any = None
 
     @property
     def size(self) -> int:
@@ -70,7 +68,6 @@ class ActiveRows:
             [self.lengths[p] for p in order],
             self.pending[index],
             self.emitted[index],
-            None if self.draft is None else self.draft.select(order, index),
         )
 
 

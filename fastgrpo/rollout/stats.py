@@ -24,6 +24,9 @@ class GenerationStats:
     tree_nodes: list[int] = field(default_factory=list)
     depth_offered: list[int] = field(default_factory=list)
     depth_accepted: list[int] = field(default_factory=list)
+    drafter_steps: dict[str, int] = field(default_factory=dict)  # per drafter (or merged drafters): steps it drafted
+    drafter_rows: dict[str, int] = field(default_factory=dict)  # ... the rows of those steps
+    drafter_accepted: dict[str, int] = field(default_factory=dict)  # ... and the draft tokens they accepted
 
     @property
     def total_time(self) -> float:
@@ -79,6 +82,21 @@ class GenerationStats:
             self.depth_offered[d - 1] += sum(t >= d for t in tree_depth)
             self.depth_accepted[d - 1] += sum(a >= d for a in accepted)
 
+    def record_drafter(self, name: str, accepted: list[int]) -> None:
+        """A tree step drafted by ``name`` in which each row accepted ``accepted`` draft tokens."""
+        self.drafter_steps[name] = self.drafter_steps.get(name, 0) + 1
+        self.drafter_rows[name] = self.drafter_rows.get(name, 0) + len(accepted)
+        self.drafter_accepted[name] = self.drafter_accepted.get(name, 0) + sum(accepted)
+
+    def drafter_metrics(self) -> dict[str, float]:
+        """Per drafter: ``spec/drafter/<name>/share``, the share of decoding steps whose tree it drafted, and
+        ``spec/drafter/<name>/accept_length``, 1 + the draft tokens a row accepted per step it drafted."""
+        metrics = {}
+        for name, steps in self.drafter_steps.items():
+            metrics[f"spec/drafter/{name}/share"] = steps / max(len(self.concurrency), 1)
+            metrics[f"spec/drafter/{name}/accept_length"] = 1 + self.drafter_accepted[name] / self.drafter_rows[name]
+        return metrics
+
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and ``time/compile`` for a
         call that compiled)."""
@@ -92,4 +110,5 @@ class GenerationStats:
             "spec/concurrency_mean": self.concurrency_mean,
             "spec/draft_time": self.draft_time,
             "spec/verify_time": self.verify_time,
+            **self.drafter_metrics(),
         }

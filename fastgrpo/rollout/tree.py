@@ -12,11 +12,14 @@ import torch
 
 @dataclass(frozen=True)
 class TreeShape:
-    """``nodes`` = N verified tokens per row (root included), ``top_k`` = K, ``depth`` = L draft levels."""
+    """``nodes`` = N verified tokens per row (root included), ``top_k`` = K, ``depth`` = L draft levels; ``drafter``
+    names who drafts it (`fastgrpo.rollout.drafter`): ``""`` the engine's only drafter, several names joined by
+    ``+`` their trees merged into one of ``nodes`` nodes (`merge_trees`)."""
 
     nodes: int
     top_k: int
     depth: int
+    drafter: str = ""
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.top_k < 1 or self.depth < 1:
@@ -43,6 +46,8 @@ class DraftTree:
     are those of rank ``1..n - 1``, the tree a shape of ``n`` nodes would have kept from the same candidates.
     levels: the deepest any node may be (known on the host: the shape's draft levels), so that the acceptance walk
     has a fixed number of steps.
+    score: ``[B, N]`` float64 the drafter's log-probability of reaching each node (root 0, a padding node ``-inf``),
+    never higher than its parent's; `merge_trees` ranks the nodes of several trees by it.
     """
 
     tokens: torch.Tensor
@@ -51,6 +56,7 @@ class DraftTree:
     ancestors: torch.Tensor
     rank: torch.Tensor
     levels: int
+    score: torch.Tensor | None = None
 
 
 def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
@@ -64,3 +70,56 @@ def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
         cur = torch.where(cur >= 0, parent.gather(1, cur.clamp(min=0)), cur)
         anc |= cur[:, :, None] == nodes
     return anc
+
+
+def _path_keys(tree: DraftTree) -> torch.Tensor:
+    """``[B, N]`` int64 a hash of each node's path from the root (the set of its ancestors' (depth, token) pairs):
+    equal paths get equal keys, different ones different keys but for a collision of 64-bit hashes."""
+    x = (tree.tokens + 1) * -7046029254386353131 + tree.depth * -4417276706812531889  # odd 64-bit constants
+    x = (x ^ (x >> 31)) * -4658895280553007687
+    x = x ^ (x >> 29)
+    return (tree.ancestors.long() * x[:, None, :]).sum(dim=2)
+
+
+def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
+    """One tree of ``nodes`` nodes per row from two trees rooted at the same token: the nodes of the highest
+    ``score`` of both, a path that both hold kept once (at the higher of its scores). Fixed shapes throughout (no
+    value is read back). Since a node never outscores its parent in either tree, and a node both hold takes the
+    higher score, the best ``nodes - 1`` always form a tree."""
+    b, n1 = first.tokens.shape
+    n2 = second.tokens.shape[1]
+    same = _path_keys(second)[:, 1:, None] == _path_keys(first)[:, None, 1:]  # [B, N2 - 1, N1 - 1]
+    duplicate = same.any(dim=2)
+    twin = same.int().argmax(dim=2) + 1  # the first tree's node with the same path
+    first_score = first.score.scatter_reduce(
+        1, twin, torch.where(duplicate, second.score[:, 1:], -torch.inf), reduce="amax", include_self=True
+    )
+    # The second tree's nodes go after the first's; a child of a duplicate hangs from its twin in the first tree.
+    parent2 = second.parent[:, 1:]
+    parent_is_twin = duplicate.gather(1, (parent2 - 1).clamp(min=0)) & (parent2 > 0)
+    moved = torch.where(parent2 > 0, parent2 - 1 + n1, 0)
+    parent2 = torch.where(parent_is_twin, twin.gather(1, (parent2 - 1).clamp(min=0)), moved)
+    tokens = torch.cat([first.tokens, second.tokens[:, 1:]], 1)
+    parent = torch.cat([first.parent, parent2], 1)
+    depth = torch.cat([first.depth, second.depth[:, 1:]], 1)
+    score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1)
+    m = n1 + n2 - 2  # candidates besides the root
+    keep = min(nodes - 1, m)
+    rank = score[:, 1:] - 1e-9 * depth[:, 1:]  # ties go to the shallower node, a parent before its child
+    chosen, place = rank.topk(keep, dim=-1).indices.sort(dim=-1)  # ``place[b, j]``: chosen node j's place by score
+    chosen = chosen + 1
+    node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tokens.device)
+    node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=tokens.device).expand(b, keep))
+    new_parent = torch.cat([parent[:, :1], node_of.gather(1, parent.gather(1, chosen))], 1)
+    order = torch.cat([torch.zeros_like(chosen[:, :1]), chosen], 1)
+    levels = max(first.levels, second.levels)
+    ranks = torch.cat([torch.zeros_like(place[:, :1]), place + 1], 1)
+    return DraftTree(
+        tokens.gather(1, order),
+        new_parent,
+        depth.gather(1, order),
+        ancestor_mask(new_parent, levels),
+        ranks,
+        levels,
+        score.gather(1, order),
+    )

@@ -3,9 +3,9 @@
 
 - `CapacityController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
   ``K = min(N - 1, K_max)``, ``L = clamp(floor(log2(N / alpha)), L_min, L_max)``.
-- `AdaptiveController`: the shape of the highest predicted goodput (expected tokens per row over predicted step
-  time), from live acceptance statistics and a latency profile it corrects online; autoregressive steps whenever no
-  tree is predicted to beat them.
+- `AdaptiveController`: the shape (and the drafter) of the highest predicted goodput (expected tokens per row over
+  predicted step time), from live acceptance statistics per drafter, the drafters' own costs and a latency profile it
+  corrects online; autoregressive steps whenever no tree is predicted to beat them.
 """
 
 from __future__ import annotations
@@ -14,24 +14,43 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedModel
+from typing import Protocol
 
 from fastgrpo.config import ControllerLimits, SpeculationConfig
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StatelessController, StaticController
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
+from fastgrpo.speculative.profiler import LatencyProfile, neural_draft_seconds
 
 
-def shape_for(limits: ControllerLimits, n_verify: int) -> TreeShape:
-    """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1)."""
+class DraftCost(Protocol):
+    """What the adaptive controller asks of a drafter (`fastgrpo.rollout.drafter.Drafter` has both)."""
+
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float: ...
+
+    def depth(self, shape: TreeShape) -> int: ...
+
+
+@dataclass
+class MergedCost:
+    """Several drafters whose trees are merged into one: each proposes a tree of the shape."""
+
+    parts: list[DraftCost]
+
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        return sum(p.cost(rows, shape, backlog) for p in self.parts)
+
+    def depth(self, shape: TreeShape) -> int:
+        return max(p.depth(shape) for p in self.parts)
+
+
+def shape_for(limits: ControllerLimits, n_verify: int, drafter: str = "") -> TreeShape:
+    """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1), drafted by ``drafter``."""
     n = max(1, min(n_verify, limits.n_max))
     if n == 1:
         return AUTOREGRESSIVE
     k = min(n - 1, limits.k_max)
     depth = min(max(math.floor(math.log2(n / limits.alpha)), limits.l_min), limits.l_max)
-    return TreeShape(n, k, depth)
+    return TreeShape(n, k, depth, drafter)
 
 
 def largest_shape(limits: ControllerLimits) -> TreeShape:
@@ -45,6 +64,7 @@ class CapacityController(StatelessController):
 
     c_peak: int
     limits: ControllerLimits = field(default_factory=ControllerLimits)
+    drafter: str = ""  # who drafts every tree (`TreeShape.drafter`)
 
     def __post_init__(self) -> None:
         if self.c_peak < 1:
@@ -56,14 +76,16 @@ class CapacityController(StatelessController):
         return largest_shape(self.limits)
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        return shape_for(self.limits, self.c_peak // max(rows, 1))
+        return shape_for(self.limits, self.c_peak // max(rows, 1), self.drafter)
 
 
 @dataclass
 class AdaptiveController:
     """Maximises predicted goodput at every step.
 
-    Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``. For each:
+    Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``, for each of
+    ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name; none: the engine's only
+    drafter, priced as a neural draft by the profile). Every drafter has acceptance statistics of its own. For each:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
       an exponential moving average per shape. Every verification updates the shape that ran and every smaller
@@ -74,16 +96,18 @@ class AdaptiveController:
       deeper, the depth averages pooled over the shapes that ran (starting from ``prior_accept ** d``, which weighs
       as much as ``prior_rows`` observed rows, so that the first step, often of one or two rows, does not replace
       it);
-    - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus ``L`` draft levels over
-      ``B * K`` tokens, times a correction factor: observed over profiled step time, averaged separately for
-      autoregressive and speculative steps and for each power-of-two band of tokens in the target forward
+    - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
+      `DraftCost.cost`; a neural draft: ``L`` draft levels over ``B * K`` tokens), times a correction factor:
+      observed over profiled step time, averaged separately for autoregressive steps and each drafter's and for
+      each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
       tokens), else the kind's average. An average moves towards a step faster than it predicts at a weight of at
       least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a plain probe
       (below) faster than its estimate replaces it.
 
-    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps the next bigger candidate runs
-    instead (the smaller ones learn from every step), unless it would lose even with every draft token accepted
+    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps another candidate runs instead
+    (the smaller ones learn from every step): the drafters take turns, the winning drafter probing its next bigger
+    tree, another one its tree of the winner's size, unless it would lose even with every draft token accepted
     (counting the draft's catch-up on the plain steps before it). While a tree wins, every other probe is a plain
     step instead: plain steps' time is learnt only from plain steps, so one slow plain step would otherwise keep
     trees chosen for good at a concurrency where they lose. The interval doubles while probes lose (up to
@@ -101,23 +125,45 @@ class AdaptiveController:
     prior_rows: int = 2
     probe_interval: int = 16
     max_probe_interval: int = 256
+    drafters: dict[str, DraftCost] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.limits.validate()
-        ns = sorted({1, *[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
-        ns = sorted({*ns, self.limits.n_max})
-        self.shapes = [shape_for(self.limits, n) for n in ns]
-        depth = self.limits.l_max
-        self.depth_accept = [self.prior_accept ** (d + 1) for d in range(depth)]  # pooled P(accepted >= d + 1)
+        ns = sorted({*[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
+        ns = sorted({*ns, self.limits.n_max} - {1})
+        self.names = list(self.drafters) or [""]
+        self.groups = {name: [shape_for(self.limits, n, name) for n in ns] for name in self.names}
+        self.shapes = [AUTOREGRESSIVE] + [s for group in self.groups.values() for s in group]
+        self.depth_cap = max(self.levels(s) for s in self.shapes)
+        # per drafter, the pooled P(accepted >= d + 1) over its shapes
+        self.pooled = {name: [self.prior_accept ** (d + 1) for d in range(self.depth_cap)] for name in self.names}
         self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
         self._estimates: dict[TreeShape, list[float]] | None = None  # `_estimate`, until the next observation
-        self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0, ("spec", None): 1.0}
+        self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0}
+        self.correction |= {(self._kind(s), None): 1.0 for s in self.shapes}
         self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
         self._interval = self.probe_interval
         self._since_probe = 0
+        self._turn = 0  # whose turn the next probe is (see `choose`)
         self._last_best: TreeShape | None = None
         self._probed_up = False  # the last probe ran a bigger tree (while a tree wins, the next probe is a plain step)
         self._stale = False  # the draft changed since its acceptance was last measured
+
+    def levels(self, shape: TreeShape) -> int:
+        """How deep the tree of ``shape`` may go (its drafter's `DraftCost.depth`)."""
+        if not shape.speculative:
+            return 0
+        drafter = self.drafters.get(shape.drafter)
+        return shape.levels if drafter is None else drafter.depth(shape)
+
+    def draft_seconds(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        """Predicted seconds to draft ``shape`` for ``rows`` rows (its drafter's `DraftCost.cost`)."""
+        if not shape.speculative:
+            return 0.0
+        drafter = self.drafters.get(shape.drafter)
+        if drafter is None:
+            return neural_draft_seconds(self.profile, rows, shape, backlog)
+        return drafter.cost(rows, shape, backlog)
 
     @property
     def max_shape(self) -> TreeShape:
@@ -126,10 +172,13 @@ class AdaptiveController:
     def _fractions(self, shape: TreeShape) -> list[float]:
         """Estimated fraction of rows that accept a draft token at each depth with this shape (see the class)."""
         if self._estimates is None or shape not in self._estimates:
-            self._estimates = self._estimate({*self.shapes, *self.shape_accept, shape})
+            self._estimates = {}
+            for name in self.names:
+                group = {s for s in (*self.shapes, *self.shape_accept, shape) if s.drafter == name and s.speculative}
+                self._estimates |= self._estimate(name, group)
         return self._estimates[shape]
 
-    def _estimate(self, shapes: set[TreeShape]) -> dict[TreeShape, list[float]]:
+    def _estimate(self, name: str, shapes: set[TreeShape]) -> dict[TreeShape, list[float]]:
         """Per-depth fractions of every shape, smallest first: a measured shape's own averages, raised at each
         depth to those of the smaller measured shapes (a bigger tree accepts at least what a smaller one drafted
         from the same candidates does: the rare steps of a big tree, on other text, must not rank it below a small
@@ -139,31 +188,33 @@ class AdaptiveController:
         for shape in sorted(shapes, key=lambda s: (s.nodes, s.depth, s.top_k)):
             own = self.shape_accept.get(shape)
             if own is None:
-                estimates[shape] = floor + self.depth_accept[len(floor) :]
+                estimates[shape] = floor + self.pooled[name][len(floor) :]
                 continue
             fractions = [max(o, floor[d]) if d < len(floor) else o for d, o in enumerate(own)]
             estimates[shape] = fractions
-            floor = fractions[: shape.levels]
+            floor = fractions[: self.levels(shape)]
         return estimates
 
     def expected_tokens(self, shape: TreeShape) -> float:
         """Expected tokens emitted per row by a step of this shape. A row reaches a depth only through the depths
         above it, so each depth's fraction is capped by the one above (a deep level that has not run yet keeps its
         prior, which must not outweigh a measured zero at depth 1)."""
+        if not shape.speculative:
+            return 1.0
         total, reached = 1.0, 1.0
-        for fraction in self._fractions(shape)[: shape.levels]:
+        for fraction in self._fractions(shape)[: self.levels(shape)]:
             reached = min(reached, fraction)
             total += reached
         return total
 
     @staticmethod
     def _kind(shape: TreeShape) -> str:
-        return "ar" if shape.nodes == 1 else "spec"
+        """Whose step times a correction averages: plain steps', or those of a drafter's trees."""
+        return "ar" if shape.nodes == 1 else f"spec:{shape.drafter}" if shape.drafter else "spec"
 
     def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
-        """Step time the latency profile predicts: the target forward plus the draft levels."""
-        draft = shape.levels * self.profile.draft_time(rows * shape.top_k) if shape.speculative else 0.0
-        return self.profile.tree_time(rows, shape.nodes) + draft
+        """Step time the latency profile predicts: the target forward plus the drafter's cost."""
+        return self.profile.tree_time(rows, shape.nodes) + self.draft_seconds(rows, shape)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
@@ -171,8 +222,9 @@ class AdaptiveController:
         plain = self._correction("ar", rows) * self.profile.target_time(rows)
         if not shape.speculative:
             return plain
-        draft = shape.levels * self.profile.draft_time(rows * shape.top_k)
-        return max(self._correction("spec", rows * shape.nodes) * self._profiled_seconds(rows, shape), plain + draft)
+        draft = self.draft_seconds(rows, shape)
+        corrected = self._correction(self._kind(shape), rows * shape.nodes) * self._profiled_seconds(rows, shape)
+        return max(corrected, plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
         """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward."""
@@ -205,17 +257,27 @@ class AdaptiveController:
             self._probed_up = False
             return AUTOREGRESSIVE
         self._probed_up = True
-        i = self.shapes.index(best)
-        if i == len(self.shapes) - 1:
+        probe = self._probe(best)
+        if probe is None:
             return best
-        probe = self.shapes[i + 1]
         # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
         # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
         seconds = self.predicted_seconds(rows, probe)
-        if probe.speculative and backlog > 1 and not self._stale:
-            seconds += self.profile.draft_time(rows * backlog) - self.profile.draft_time(rows)
-        ceiling = (1 + probe.levels) / seconds
+        if backlog > 1 and not self._stale:
+            seconds += self.draft_seconds(rows, probe, backlog) - self.draft_seconds(rows, probe)
+        ceiling = (1 + self.levels(probe)) / seconds
         return probe if ceiling > self.goodput(rows, best) else best
+
+    def _probe(self, best: TreeShape) -> TreeShape | None:
+        """The candidate this probe tries (None: none bigger): the drafters take turns; the winner's drafter tries
+        its next bigger tree, another drafter its smallest tree at least as big as the winner."""
+        name = self.names[self._turn % len(self.names)]
+        self._turn += 1
+        group = self.groups[name]
+        if best.speculative and best.drafter == name:
+            i = group.index(best)
+            return group[i + 1] if i + 1 < len(group) else None
+        return next((s for s in group if s.nodes >= best.nodes), group[-1])
 
     def _rate(self, key: object, rate: float) -> float:
         """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an exponential
@@ -252,11 +314,13 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return
         self._stale = False
-        pooled = self._depth_fractions(accepted)
-        for d in range(shape.levels):
-            self.depth_accept[d] += self._accept_weight(("depth", d), rows) * (pooled[d] - self.depth_accept[d])
+        fractions = self._depth_fractions(accepted)
+        pooled = self.pooled[shape.drafter]
+        levels = self.levels(shape)
+        for d in range(levels):
+            pooled[d] += self._accept_weight(("depth", shape.drafter, d), rows) * (fractions[d] - pooled[d])
         if path_rank is None:  # the accepted nodes taken as the best-scored chain
-            chain = range(1, shape.levels + 1)
+            chain = range(1, levels + 1)
             path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
         candidates, reached = self._nested_acceptance(shape, path_rank)
         self._estimates = None
@@ -264,7 +328,7 @@ class AdaptiveController:
         for candidate, fractions in zip(candidates, reached, strict=True):
             own = self.shape_accept.setdefault(candidate, first.get(candidate))
             rate = self._accept_weight(candidate, rows)
-            for d in range(candidate.levels):
+            for d in range(self.levels(candidate)):
                 own[d] += rate * (fractions[d] - own[d])
         self._estimates = None
 
@@ -278,13 +342,14 @@ class AdaptiveController:
         each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
         candidates = [
             c
-            for c in self.shapes
-            if c.speculative and c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.depth <= shape.depth
+            for c in self.groups[shape.drafter]
+            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.depth <= shape.depth
         ]
         # A path's leading nodes of rank below n are those whose running maximum rank is below n.
         highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
         reached = [
-            self._depth_fractions([min(bisect.bisect_left(h, c.nodes), c.levels) for h in highest]) for c in candidates
+            self._depth_fractions([min(bisect.bisect_left(h, c.nodes), self.levels(c)) for h in highest])
+            for c in candidates
         ]
         return candidates, reached
 
@@ -292,22 +357,20 @@ class AdaptiveController:
         """Draft tokens each of ``B`` rows accepted -> per depth up to ``l_max``, the fraction of rows that accepted a
         token at that depth."""
         rows = max(len(accepted), 1)
-        return [sum(a > d for a in accepted) / rows for d in range(self.limits.l_max)]
+        return [sum(a > d for a in accepted) / rows for d in range(self.depth_cap)]
 
 
 def controller_from_config(
-    spec: SpeculationConfig, model: PreTrainedModel, draft: DraftHead, model_name: str, compile: str | None = None
+    spec: SpeculationConfig, profile: LatencyProfile | None, drafters: dict[str, DraftCost]
 ) -> Controller:
-    """The controller a ``speculation`` config section asks for (its mode must not be ``off``), priced by the latency
-    profile of the forwards as the engine runs them (compiled by ``compile``, or eager)."""
+    """The controller a ``speculation`` config section asks for (its mode must not be ``off``): ``profile`` (needed by
+    ``adaptive`` and by ``paper`` with ``c_peak: auto``) prices the target's forwards as the engine runs them;
+    ``drafters`` the drafters by name, ``spec.drafter`` and, with merged drafters (``eagle+suffix``), each part."""
     if spec.mode == "static":
-        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth))
+        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth, spec.drafter))
     limits = spec.limits()
-    profile = None
-    if spec.mode == "adaptive" or spec.c_peak == "auto":
-        profile = load_or_calibrate(model, draft, model_name, compile)
     if spec.mode == "paper":
-        return CapacityController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits)
+        return CapacityController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits, spec.drafter)
     if spec.mode == "adaptive":
-        return AdaptiveController(profile, limits)
+        return AdaptiveController(profile, limits, drafters=drafters)
     raise ValueError(f"speculation.mode {spec.mode!r} has no controller")

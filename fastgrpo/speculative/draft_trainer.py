@@ -29,6 +29,7 @@ from fastgrpo.precision import MasterWeights
 from fastgrpo.speculative.draft import DraftHead
 
 if TYPE_CHECKING:
+    from fastgrpo.rollout.drafter import Rollout
     from fastgrpo.rollout.sequence import GenerationOutput
     from fastgrpo.rollout.stats import GenerationStats
 
@@ -231,14 +232,16 @@ class DraftTrainer:
         counts = torch.stack([hits, torch.tensor(len(pred), device=hits.device)]).float()
         return self.config.hidden_loss_weight * hidden_loss + self.config.token_loss_weight * token_loss, counts
 
-    def fit_online(self, samples: list[DraftSample], rollouts: list[GenerationStats]) -> dict[str, float]:
+    def fit_online(
+        self, samples: list[DraftSample], rollouts: list[GenerationStats], drafter: str = "eagle"
+    ) -> dict[str, float]:
         """One online update on the completions of ``rollouts`` (``samples``, from `rollout_samples`): on all of them
-        when every decoding step ran a tree, on fewer as fewer did (`budget_samples`, with the share of tree steps of
-        the rank that ran most, so that every rank takes the same share). Returns `DraftFit.metrics` with
-        ``draft/trained_share`` and ``draft/tree_share``, which say why."""
+        when every decoding step ran a tree of this draft (``drafter``, alone or merged), on fewer as fewer did
+        (`budget_samples`, with that share of the rank that ran most, so that every rank takes the same share).
+        Returns `DraftFit.metrics` with ``draft/trained_share`` and ``draft/tree_share``, which say why."""
         t0 = time.perf_counter()
         steps = sum(len(stats.concurrency) for stats in rollouts)
-        trees = sum(len(stats.tree_nodes) for stats in rollouts)
+        trees = sum(n for stats in rollouts for name, n in stats.drafter_steps.items() if drafter in name.split("+"))
         tree_share = max(distributed.gather(trees / max(steps, 1)))
         samples, share = budget_samples(samples, tree_share, self.config.min_share)
         fit = self.fit(samples)
@@ -287,3 +290,23 @@ class DraftTrainer:
                     losses.append(float(loss.detach()))
         self.draft.eval()
         return DraftFit(losses, float(counts[0] / counts[1]) if counts[1] else float("nan"))
+
+
+class EagleLearner:
+    """Online learning of the EAGLE drafter (`fastgrpo.rollout.drafter.Learner`): ``trainer`` fits the draft on the
+    hidden states the rollouts captured; its state is the optimizer's."""
+
+    captures_hidden = True
+
+    def __init__(self, trainer: DraftTrainer):
+        self.trainer = trainer
+
+    def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
+        samples = [s for r in rollouts for s in rollout_samples(r.prompt_ids, r.output, r.num_generations)]
+        return self.trainer.fit_online(samples, [r.output.stats for r in rollouts])
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.trainer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer.load_state_dict(state)

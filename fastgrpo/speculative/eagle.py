@@ -20,11 +20,12 @@ from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled, extent_bucket
-from fastgrpo.rollout.drafter import Proposal
+from fastgrpo.rollout.drafter import Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.profiler import LatencyProfile, neural_draft_seconds
 
 
 @dataclass
@@ -74,12 +75,25 @@ class PendingPairs:
 class EagleDrafter:
     """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with
     ``compile`` (a ``torch.compile`` backend) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
-    draft-cache extents rounded up to a bucket."""
+    draft-cache extents rounded up to a bucket. ``profile`` (the latency profile of the draft's forwards) prices its
+    trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.draft_trainer.EagleLearner`)."""
 
-    def __init__(self, draft: DraftHead, model: nn.Module, compile: str | None = None):
+    name = "eagle"
+
+    def __init__(
+        self,
+        draft: DraftHead,
+        model: nn.Module,
+        compile: str | None = None,
+        profile: LatencyProfile | None = None,
+        learner: Learner | None = None,
+    ):
         self.draft = draft
         self.model = model
+        self.profile = profile
+        self.learner = learner
         self.cache: RowCache | None = None
+        self.state: PendingPairs | None = None  # the rows of the current call
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
         self._expand = Compiled(expand_tree, compile)
 
@@ -106,55 +120,54 @@ class EagleDrafter:
         changed, self._weights = weights != self._weights, weights
         return changed
 
-    def start(
-        self,
-        prompt_ids: torch.Tensor,
-        prompt_len: torch.Tensor,
-        prompt_hidden: torch.Tensor,
-        rows: torch.Tensor,
-        first: torch.Tensor,
-        first_hidden: torch.Tensor,
-        row_prompt_len: list[int],
-    ) -> PendingPairs:
+    def start(self, prefill: Prefill) -> None:
         """The prompt's pairs (x_{j+1}, h_j), then the first sampled token's."""
+        rows, prompt_ids = prefill.rows, prefill.prompt_ids
         n = rows.numel()
         spare = torch.zeros(n, 1, dtype=prompt_ids.dtype, device=prompt_ids.device)
-        hidden = prompt_hidden[rows, :-1]
-        state = PendingPairs(
+        hidden = prefill.hidden[rows, :-1]
+        self.state = PendingPairs(
             draft_len=torch.zeros_like(rows),
             tokens=torch.cat([prompt_ids[rows, 1:], spare], 1),
             hidden=torch.cat([hidden, hidden.new_zeros(n, 1, hidden.shape[-1])], 1),
-            count=(prompt_len - 1)[rows],
+            count=(prefill.prompt_len - 1)[rows],
             lengths=[0] * n,
-            counts=[length - 1 for length in row_prompt_len],
+            counts=[len(prefill.prompts[p]) - 1 for p in prefill.row_prompt],
         )
-        state.push(first[:, None], first_hidden[:, None], torch.ones_like(first), [1] * n)
-        return state
+        first = prefill.first
+        self.state.push(first[:, None], prefill.first_hidden[:, None], torch.ones_like(first), [1] * n)
 
-    def backlog(self, rows: ActiveRows) -> int:
-        return max(rows.draft.counts)
+    def depth(self, shape: TreeShape) -> int:
+        return shape.levels
 
-    def accepted(
-        self, rows: ActiveRows, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]
-    ) -> None:
-        rows.draft.push(tokens, hidden, count, counts)
+    def backlog(self) -> int:
+        return max(self.state.counts)
 
-    def keep(self, rows: ActiveRows, order: list[int]) -> None:
-        self.cache.select_rows(order, upto=max(rows.draft.lengths))
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        """The profiled draft forwards: the tree's levels, and the catch-up beyond one token per row."""
+        return 0.0 if self.profile is None else neural_draft_seconds(self.profile, rows, shape, backlog)
+
+    def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
+        self.state.push(emitted.tokens, emitted.hidden, emitted.count, emitted.counts)
+
+    def select(self, order: list[int], index: torch.Tensor) -> None:
+        self.cache.select_rows(order, upto=max(self.state.lengths))
+        self.state = self.state.select(order, index)
 
     def release(self) -> None:
         """Free the draft's KV cache (`begin` makes it again)."""
         self.cache = None
+        self.state = None
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
         t0 = time.perf_counter()
-        backlog = sum(rows.draft.counts) / rows.size
+        state = self.state
+        backlog = sum(state.counts) / rows.size
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        root_hidden = self._catch_up(rows.draft, embed)
+        root_hidden = self._catch_up(state, embed)
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
-        state = rows.draft
         longest = max(state.lengths)
         if self._expand.compiled:  # the extents the levels read, bucketed: a few graphs per rollout, not one a step
             longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
@@ -293,4 +306,5 @@ def _select(
     tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
     depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
     ranks = torch.cat([torch.zeros_like(minus_one), place + 1], 1)
-    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks, levels)
+    scores = torch.cat([torch.zeros_like(minus_one, dtype=torch.float64), score.double().gather(1, chosen)], 1)
+    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks, levels, scores)

@@ -41,6 +41,7 @@ from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
+from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.draft import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -118,6 +119,17 @@ class LatencyProfile:
     @classmethod
     def load(cls, path: str | Path) -> LatencyProfile:
         return cls(**json.loads(Path(path).read_text()))
+
+
+def neural_draft_seconds(profile: LatencyProfile, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+    """Predicted seconds of a neural draft's tree of ``shape`` over ``rows`` rows: one draft level over ``rows * K``
+    tokens per level, plus reading ``backlog`` pending tokens per row beyond the one a tree always reads."""
+    if not shape.speculative:
+        return 0.0
+    seconds = shape.levels * profile.draft_time(rows * shape.top_k)
+    if backlog > 1:
+        seconds += profile.draft_time(rows * backlog) - profile.draft_time(rows)
+    return seconds
 
 
 def interpolate(xs: list[int], ys: list[float], x: float) -> float:

@@ -1,0 +1,138 @@
+"""The suffix drafter's memory and trees, merging two drafters' trees into one, and the adaptive controller choosing
+among drafters."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, merge_trees
+from fastgrpo.speculative.controller import AdaptiveController, MergedCost
+from fastgrpo.speculative.profiler import LatencyProfile
+from fastgrpo.speculative.suffix import PromptMemory, SuffixMemory, _trie
+
+
+def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_it() -> None:
+    memory = PromptMemory([1, 2, 3])
+    memory.add([4, 5, 6, 7, 8])  # after the prompt's tail: ... 1 2 3 4 5 6 7 8
+    memory.add([9, 5, 6, 1, 1])
+    found = memory.continuations([3, 4, 5, 6], depth=3)
+    assert found[0] == (4, [7, 8])  # "3 4 5 6" matched, "7 8" followed
+    assert found[1] == (2, [1, 1])  # only "5 6" matched
+    live = memory.add([20, 21])
+    assert memory.continuations([20, 21], depth=2) == [], "the last place of a sequence leads nowhere yet"
+    memory.extend(live, [22])
+    assert memory.continuations([20, 21], depth=2) == [(2, [22])]
+    assert memory.continuations([2, 3, 20, 21], depth=2)[0] == (4, [22]), "the prompt's tail is matched too"
+
+
+def test_a_trie_keeps_the_most_followed_nodes_as_a_tree() -> None:
+    found = [(4, [7, 8, 9]), (2, [7, 8, 1]), (2, [5])]
+    flat, scores = _trie(6, found, nodes=4)
+    tokens, parents, depths, ranks = (flat[i * 4 : (i + 1) * 4] for i in range(4))
+    assert tokens == [6, 7, 8, 9] and parents == [-1, 0, 1, 2] and depths == [0, 1, 2, 3]
+    assert ranks == [0, 1, 2, 3]
+    total = 1 + 4 + 2 + 2
+    assert scores == pytest.approx([0.0, math.log(6 / total), math.log(6 / total), math.log(4 / total)])
+    flat, scores = _trie(6, [], nodes=3)
+    assert flat[:3] == [6, 0, 0] and scores[1:] == [-math.inf, -math.inf], "padding when nothing matched"
+
+
+def test_the_memory_drops_the_prompts_used_most_recently_but_not_the_current_calls() -> None:
+    memory = SuffixMemory(budget=60)
+    for call, prompt in enumerate([[1, 2], [3, 4], [5, 6], [7, 8]]):
+        memory.calls = call
+        memory.memory(prompt).add(list(range(10, 30)))
+    memory.calls = 4
+    memory.memory([9, 9]).add(list(range(30, 50)))
+    memory.evict()
+    # 5 prompts of 22 to 24 tokens each: the most recently used other than the current one go first
+    assert list(memory.prompts) == [(1, 2), (9, 9)]
+    restored = SuffixMemory()
+    restored.load_state_dict(memory.state_dict())
+    assert restored.state_dict() == memory.state_dict()
+    for key, mem in memory.prompts.items():
+        assert restored.prompts[key].continuations([10, 11], 4) == mem.continuations([10, 11], 4)
+
+
+def tree(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:
+    t = torch.tensor([tokens])
+    p = torch.tensor([parents])
+    depth = [0]
+    for parent in parents[1:]:
+        depth.append(depth[parent] + 1)
+    levels = max(depth)
+    return DraftTree(
+        t,
+        p,
+        torch.tensor([depth]),
+        ancestor_mask(p, levels),
+        torch.arange(len(tokens))[None],
+        levels,
+        torch.tensor([scores], dtype=torch.float64),
+    )
+
+
+def paths(t: DraftTree) -> dict[tuple[int, ...], float]:
+    """Every node's token path (root excluded) -> its score."""
+    out = {}
+    for i in range(1, t.tokens.shape[1]):
+        path, node = [], i
+        while node > 0:
+            path.append(int(t.tokens[0, node]))
+            node = int(t.parent[0, node])
+        out[tuple(reversed(path))] = float(t.score[0, i])
+    return out
+
+
+def test_merging_keeps_the_best_nodes_of_both_trees_once_each() -> None:
+    eagle = tree([5, 10, 11, 12], [-1, 0, 0, 1], [0.0, -0.1, -2.0, -0.5])  # 10, 11, 10-12
+    suffix = tree([5, 10, 13, 14], [-1, 0, 1, 2], [0.0, -0.05, -0.2, -0.3])  # 10, 10-13, 10-13-14
+    merged = merge_trees(eagle, suffix, nodes=5)
+    assert paths(merged) == pytest.approx({(10,): -0.05, (10, 13): -0.2, (10, 13, 14): -0.3, (10, 12): -0.5})
+    assert merged.levels == 3
+    assert torch.equal(merged.ancestors, ancestor_mask(merged.parent, 3))
+    assert merged.rank[0].tolist() == [0, 1, 4, 2, 3], "each node's place by score"
+    # a tree of padding adds nothing
+    padding = tree([5, 0, 0, 0], [-1, 0, 0, 0], [0.0, -math.inf, -math.inf, -math.inf])
+    alone = merge_trees(eagle, padding, nodes=4)
+    assert paths(alone) == paths(eagle)
+
+
+def flat(target: float = 0.05) -> LatencyProfile:
+    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    return LatencyProfile("synthetic", "none", "float32", 128, tokens, [target] * 9, [0.002] * 9, 256)
+
+
+class Cost:
+    def __init__(self, seconds: float, deep: bool = False):
+        self.seconds, self.deep = seconds, deep
+
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        return self.seconds * rows
+
+    def depth(self, shape: TreeShape) -> int:
+        return shape.nodes - 1 if self.deep else shape.levels
+
+
+def test_the_controller_runs_the_drafter_that_pays_and_probes_the_others() -> None:
+    drafters = {"eagle": Cost(0.004), "suffix": Cost(0.0, deep=True)}
+    drafters["eagle+suffix"] = MergedCost(list(drafters.values()))
+    controller = AdaptiveController(flat(), probe_interval=2, max_probe_interval=2, drafters=drafters)
+    assert {s.drafter for s in controller.shapes} == {"", "eagle", "suffix", "eagle+suffix"}
+    assert controller.levels(controller.groups["suffix"][-1]) == controller.limits.n_max - 1
+    chosen = []
+    for _ in range(60):
+        shape = controller.choose(4)
+        chosen.append(shape.drafter)
+        if shape.speculative:  # the suffix drafter's trees accept 3 tokens, the others none
+            accepted = [3 if shape.drafter == "suffix" else 0] * 4
+            ranks = [[1, 2, 3, shape.nodes] if shape.drafter == "suffix" else [shape.nodes] * 4] * 4
+            controller.observe(4, shape, controller._profiled_seconds(4, shape), accepted, ranks)
+        else:
+            controller.observe(4, shape, controller._profiled_seconds(4, shape), None)
+    assert chosen[-20:].count("suffix") >= 10, chosen
+    assert {"eagle", "eagle+suffix"} <= set(chosen), "the other drafters are probed"
+    assert controller.expected_tokens(controller.best(4)) > 3.5
