@@ -14,8 +14,9 @@ proposes a tree for every live row (the drafters' own `propose`, with the state 
 the suffix drafter's memory of earlier completions and of the group's, the EAGLE head's KV cache), the row accepts
 the longest path of the tree that the completion follows, and the drafter is handed what was emitted. Sampling
 under the same uniforms emits exactly the recorded tokens whoever drafts, so this is the acceptance the engine
-would see. The EAGLE head starts fresh (as ``make train`` does) and learns online after every step, on that step's
-completions; its weights at each step are the same for ``eagle`` and ``eagle+suffix``.
+would see. The EAGLE head starts fresh, with a reduced vocabulary (``speculation.draft_vocab_size``, 4,096: the most
+frequent tokens of the first step's completions, as a run with that option chooses them), and learns online after
+every step on that step's completions; its weights at each step are the same for ``eagle`` and ``eagle+suffix``.
 
 Reported: accepted tokens per row per verification (1 + draft tokens accepted, as ``spec/tree_accept_length``) at tree
 sizes 4, 8 and 16 (``eagle``: the paper's tree of that many nodes, K = min(N - 1, 8), L from alpha = 0.75; ``suffix``:
@@ -52,12 +53,14 @@ from fastgrpo.speculative.controller import shape_for
 from fastgrpo.speculative.draft import DraftHead
 from fastgrpo.speculative.draft_trainer import DraftTrainer, rollout_samples
 from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.offline import frequent_tokens
 from fastgrpo.speculative.suffix import SuffixDrafter
 from fastgrpo.training_rollouts import step_uniforms
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"
 DRAFTERS = ("eagle", "suffix", "eagle+suffix")
 SIZES = (4, 8, 16)
+DRAFT_VOCAB = 4096
 
 
 @dataclass
@@ -86,11 +89,11 @@ def record(model, tokenizer, eos, prompts: StepPrompts, steps: int, per_epoch: i
     return out_steps
 
 
-def eagle_weights(model, steps: list[Step], seed: int) -> list[dict[str, torch.Tensor]]:
+def eagle_weights(model, steps: list[Step], vocab: torch.Tensor, seed: int) -> list[dict[str, torch.Tensor]]:
     """The fresh draft's weights before each step, learning online after every step on its completions."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        draft = DraftHead(model.config, "smollm2")
+        draft = DraftHead(model.config, "smollm2", vocab)
     trainer = DraftTrainer(draft, model.get_input_embeddings(), model.get_output_embeddings(), DraftTrainConfig())
     weights = []
     for step in steps:
@@ -204,10 +207,12 @@ def _drop_finished(active: ActiveRows, drafters: list, completions: list[list[in
     return active.select(order, index)
 
 
-def replay(model, steps: list[Step], weights, drafter: str, nodes: int) -> tuple[list[Replayed], SuffixDrafter | None]:
+def replay(
+    model, steps: list[Step], weights, vocab: torch.Tensor, drafter: str, nodes: int
+) -> tuple[list[Replayed], SuffixDrafter | None]:
     """Every step replayed in order with one set of drafters (kept across steps); per step what it measured."""
     shape = shape_for(SpeculationConfig().limits(), nodes)
-    draft = DraftHead(model.config, "smollm2") if "eagle" in drafter else None
+    draft = DraftHead(model.config, "smollm2", vocab) if "eagle" in drafter else None
     drafters = []
     suffix = None
     for name in drafter.split("+"):
@@ -252,13 +257,14 @@ def plain_step_seconds(model, eos, steps: list[Step], params) -> dict[int, float
 def run_task(rec: Record, title: str, model, tokenizer, eos, prompts, steps, per_epoch, params, seed) -> None:
     print(f"{title}: recording {steps} steps", file=sys.stderr)
     recorded = record(model, tokenizer, eos, prompts, steps, per_epoch, params, seed)
-    weights = eagle_weights(model, recorded, seed)
+    vocab = frequent_tokens(recorded[0].completions, DRAFT_VOCAB, eos)
+    weights = eagle_weights(model, recorded, vocab, seed)
     epochs = sorted({s.epoch for s in recorded})
     rows, timing, memory = [], [], []
     for nodes in SIZES:
         line = [str(nodes)]
         for drafter in DRAFTERS:
-            results, suffix = replay(model, recorded, weights, drafter, nodes)
+            results, suffix = replay(model, recorded, weights, vocab, drafter, nodes)
             for epoch in epochs:
                 mine = [r for r, s in zip(results, recorded, strict=True) if s.epoch == epoch]
                 line.append(f"{sum(r.emitted for r in mine) / sum(r.verifications for r in mine):.3f}")

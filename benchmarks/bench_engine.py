@@ -33,7 +33,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo.data import load_gsm8k
 from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.linear import forced_routes
+from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -143,8 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         engine_rates, default_rates, generate_rates, compiled_rates = [], [], [], []
         for _ in range(args.repeats):
             e_ids, e_time = run_engine(engine, prompts, args.max_new_tokens)
-            with forced_routes("off"):
-                d_ids, d_time = run_engine(engine, prompts, args.max_new_tokens)
+            measured, engine.routes = engine.routes, LinearRoutes("off")
+            d_ids, d_time = run_engine(engine, prompts, args.max_new_tokens)
+            engine.routes = measured
             g_ids, g_time = run_generate(model, tokenizer, prompts, args.max_new_tokens, eos)
             engine_rates.append(sum(map(len, e_ids)) / e_time)
             default_rates.append(sum(map(len, d_ids)) / d_time)

@@ -73,6 +73,7 @@ class TrainingRollouts:
         self.seed = seed
         self.compile = compile
         self.engine = RolloutEngine(model, eos_token_ids, tokenizer, compile=compile)
+        self.engine.routes.measure(model)  # the CPU routes of its products, before the first rollout
         self.draft: DraftHead | None = None
         self.drafters: list[Drafter] = []
         self.profile: LatencyProfile | None = None

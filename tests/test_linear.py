@@ -12,7 +12,15 @@ from conftest import tiny_model
 from torch import nn
 
 from fastgrpo.rollout import linear
-from fastgrpo.rollout.linear import FEW_ROWS, TIMED_ROWS, calibrate, rollout_linear, rollout_linears, route, routes_for
+from fastgrpo.rollout.linear import (
+    FEW_ROWS,
+    TIMED_ROWS,
+    LinearRoutes,
+    calibrate,
+    rollout_linear,
+    rollout_linears,
+    routes_for,
+)
 
 
 @pytest.mark.parametrize(
@@ -173,8 +181,9 @@ def test_calibration_keeps_linear_unless_another_route_is_clearly_faster(
 def test_products_follow_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """A row count takes the route of the nearest timed row count at or above it (the largest beyond them)."""
     table = {m: ("linear" if i % 2 else "transposed") for i, m in enumerate(TIMED_ROWS)}  # 1: transposed, 2: linear..
-    monkeypatch.setitem(linear._measured, torch.float64, table)
-    assert [route(torch.float64, m) for m in (1, 2, 3, 4, 5, 9, 17, 1000)] == [
+    routes = LinearRoutes("measured")
+    routes.tables[torch.float64] = table
+    assert [routes.route(torch.float64, m) for m in (1, 2, 3, 4, 5, 9, 17, 1000)] == [
         table[1],
         table[2],
         table[4],
@@ -188,31 +197,35 @@ def test_products_follow_the_measured_table(monkeypatch: pytest.MonkeyPatch) -> 
     product = linear._product
     monkeypatch.setattr(linear, "_product", lambda name, *a: taken.append(name) or product(name, *a))
     x, weight = torch.randn(3, 16, dtype=torch.float64), torch.randn(8, 16, dtype=torch.float64)
-    rollout_linear(x, weight)
-    with linear.forced_routes("default"):
+    with routes.applied():
         rollout_linear(x, weight)
-    assert taken == [table[4], "transposed"]
+    with LinearRoutes("default").applied():
+        rollout_linear(x, weight)
+    rollout_linear(x, weight)  # outside any routes: the default table
+    assert taken == [table[4], "transposed", "transposed"]
 
 
 def test_only_one_row_products_take_the_vector_route(monkeypatch: pytest.MonkeyPatch) -> None:
     """A table that times ``vector`` fastest at one row sends one-row products there, and only those; an empty
     product takes ``linear``."""
-    monkeypatch.setitem(linear._measured, torch.float64, {**dict.fromkeys(TIMED_ROWS, "transposed"), 1: "vector"})
+    routes = LinearRoutes("measured")
+    routes.tables[torch.float64] = {**dict.fromkeys(TIMED_ROWS, "transposed"), 1: "vector"}
     taken = []
     product = linear._product
     monkeypatch.setattr(linear, "_product", lambda name, *a: taken.append(name) or product(name, *a))
     weight, bias = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     for shape in [(1, 1, 16), (2, 16), (0, 16)]:
         x = torch.randn(*shape, dtype=torch.float64)
-        torch.testing.assert_close(rollout_linear(x, weight, bias), F.linear(x, weight, bias))
+        with routes.applied():
+            torch.testing.assert_close(rollout_linear(x, weight, bias), F.linear(x, weight, bias))
     assert taken == ["vector", "transposed", "linear"]
 
 
-def test_rollout_linears_measures_once_per_machine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """The first process on a machine measures the routes and saves them; a later process (the in-process table
-    cleared) reads them without measuring; a damaged file is measured again."""
+def test_routes_are_measured_once_per_machine_and_model_shape(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The first engine on a machine measures its model's routes and saves them; a later one (another process) reads
+    them without measuring; a model of other shapes, though of the same dtype, is measured for itself; a damaged file
+    is measured again."""
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
-    monkeypatch.setattr(linear, "_measured", {})
     calls = []
 
     def fake_calibrate(weights: list[torch.Tensor]) -> dict[int, str]:
@@ -221,22 +234,23 @@ def test_rollout_linears_measures_once_per_machine(monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(linear, "calibrate", fake_calibrate)
     model = tiny_model("llama")
-    with rollout_linears(model):
-        pass
-    with rollout_linears(model):
+    routes = LinearRoutes()
+    routes.measure(model)
+    with routes.applied(model):  # measured already
         pass
     assert len(calls) == 1 and all(w.dtype == torch.float64 for w in calls[0])
-    assert route(torch.float64, 3) == "linear" and route(torch.float64, 2) == "transposed"
+    assert routes.route(torch.float64, 3) == "linear" and routes.route(torch.float64, 2) == "transposed"
     (saved,) = (tmp_path / "linear_routes").iterdir()
-    monkeypatch.setattr(linear, "_measured", {})  # a new process on the same machine
-    with rollout_linears(model):
-        assert route(torch.float64, 2) == "transposed"
+    later = LinearRoutes()  # a new process on the same machine
+    with later.applied(model):
+        assert later.route(torch.float64, 2) == "transposed"
     assert len(calls) == 1
+    wider = nn.Linear(64, 48).double()
+    LinearRoutes().measure(wider)
+    assert len(calls) == 2 and [tuple(w.shape) for w in calls[1]] == [(48, 64)]
     saved.write_text("{not json")
-    monkeypatch.setattr(linear, "_measured", {})
-    with rollout_linears(model):
-        pass
-    assert len(calls) == 2 and json.loads(saved.read_text())["2"] == "transposed"
+    LinearRoutes().measure(model)
+    assert len(calls) == 3 and json.loads(saved.read_text())["2"] == "transposed"
 
 
 def test_calibration_times_at_most_its_budget_of_weights(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -251,17 +265,16 @@ def test_calibration_times_at_most_its_budget_of_weights(monkeypatch: pytest.Mon
 
 
 def test_routes_pinned_to_the_default_table_or_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(linear, "_measured", {torch.float32: dict.fromkeys(TIMED_ROWS, "linear")})
     monkeypatch.setattr(linear, "calibrate", lambda weights: pytest.fail("calibrated although pinned"))
     monkeypatch.setenv("FASTGRPO_LINEAR_ROUTES", "default")
-    with rollout_linears(tiny_model("llama")):  # float64 layers, never measured: not calibrated either
-        assert route(torch.float32, 2) == "transposed"
-    assert route(torch.float32, 2) == "linear"
-    monkeypatch.setattr(linear, "_measured", {torch.float32: dict.fromkeys(TIMED_ROWS, "transposed")})
+    routes = LinearRoutes()
+    with routes.applied(tiny_model("llama")):  # float64 layers: not calibrated
+        assert routes.route(torch.float32, 2) == "transposed"
     monkeypatch.setenv("FASTGRPO_LINEAR_ROUTES", "off")
-    with rollout_linears(tiny_model("llama")):  # F.linear everywhere, whatever was measured
-        assert route(torch.float32, 2) == "linear"
-    assert route(torch.float32, 2) == "transposed"
+    routes = LinearRoutes()
+    routes.tables[torch.float32] = dict.fromkeys(TIMED_ROWS, "transposed")
+    with routes.applied(tiny_model("llama")):  # F.linear everywhere, whatever was measured
+        assert routes.route(torch.float32, 2) == "linear"
     monkeypatch.setenv("FASTGRPO_LINEAR_ROUTES", "fastest")
-    with pytest.raises(ValueError, match="FASTGRPO_LINEAR_ROUTES"), rollout_linears(tiny_model("llama")):
-        pass
+    with pytest.raises(ValueError, match="FASTGRPO_LINEAR_ROUTES"):
+        LinearRoutes()

@@ -358,9 +358,9 @@ def test_online_draft_state_survives_checkpoint_and_resume(tiny_model_dir: Path,
 def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    """``speculation.draft_vocab_size``: the first rollout runs plain, the draft is made with that rollout's most
-    frequent completion tokens and trained on it, the next rollouts draft trees, training is that of a plain run
-    (lossless), and a resumed run restores the draft with its vocabulary."""
+    """``speculation.draft_vocab_size``: the first rollout drafts with the suffix drafter alone, the draft is made
+    with that rollout's most frequent completion tokens and trained on it, the next rollouts draft merged trees,
+    training is that of a plain run (lossless), and a resumed run restores the draft with its vocabulary."""
     from dataclasses import replace
 
     from fastgrpo.speculative.offline import frequent_tokens
@@ -376,8 +376,9 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     trainer = make_trainer(config)
     history = trainer.train()
     assert torch.equal(trainer.rollouts.draft.draft_vocab, expected) and len(expected) <= 6 + len(trainer.eos)
-    assert history[0]["spec/n_verify_mean"] == 1.0 and "draft/loss" in history[0]
-    assert all(m["spec/n_verify_mean"] == 4.0 for m in history[1:])
+    assert history[0]["spec/drafter/suffix/share"] == 1.0 and "draft/loss" in history[0]
+    assert all(m["spec/drafter/eagle+suffix/share"] == 1.0 for m in history[1:])
+    assert all(m["spec/n_verify_mean"] == 4.0 for m in history)
     plain = make_trainer(make_config(tiny_model_dir, tmp_path / "plain", max_steps=3, save_steps=10)).train()
     assert [m["reward"] for m in history] == [m["reward"] for m in plain]
 

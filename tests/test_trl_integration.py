@@ -85,8 +85,8 @@ def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: 
 def test_a_fresh_trl_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """``speculation.draft_vocab_size`` in TRL: the first rollout runs plain, the draft is made over its most
-    frequent completion tokens and trained on it, and the next rollout drafts trees."""
+    """``speculation.draft_vocab_size`` in TRL: the first rollout drafts with the suffix drafter alone, the draft is
+    made over its most frequent completion tokens and trained on it, and the next rollout drafts merged trees."""
     from fastgrpo.models import eos_token_ids
     from fastgrpo.speculative.offline import frequent_tokens
 
@@ -100,8 +100,9 @@ def test_a_fresh_trl_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rol
     expected = frequent_tokens(recorder.returned[0]["completion_ids"], 6, eos)
     assert torch.equal(rollout.draft.draft_vocab, expected) and len(expected) <= 6 + len(eos)
     logs = [e for e in trainer.state.log_history if "spec/n_verify_mean" in e]
-    assert [e["spec/n_verify_mean"] for e in logs] == [1.0, 4.0]
-    assert "draft/loss" in logs[0], "the draft trains on the first, plain rollout"
+    assert [e["spec/n_verify_mean"] for e in logs] == [4.0, 4.0]
+    assert "spec/drafter/suffix/share" in logs[0] and "spec/drafter/eagle+suffix/share" in logs[1]
+    assert "draft/loss" in logs[0], "the draft trains on the first rollout"
     now = rollout.draft.state_dict()
     assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
 

@@ -56,8 +56,9 @@ class SpeculationConfig:
     ``c_peak``: the verification capacity in tokens, or ``auto`` to read this model's saved ``fastgrpo profile``
     (a short calibration of a few forwards when there is none). ``draft``: a directory saved by ``fastgrpo draft
     train`` (None: a fresh, untrained draft). ``draft_vocab_size``: a fresh draft gets a reduced vocabulary, the at
-    most this many most frequent tokens of the first rollout's completions (that rollout runs plain, as a random
-    draft could not speed it up), so that drafting and online draft learning do not pay for the full LM head."""
+    most this many most frequent tokens of the first rollout's completions (that rollout drafts with the other
+    drafters only, or runs plain, as a random draft could not speed it up), so that drafting and online draft learning
+    do not pay for the full LM head."""
 
     mode: str = option(
         "adaptive",
@@ -66,7 +67,7 @@ class SpeculationConfig:
         choices=SPECULATION_MODES,
     )
     drafter: str = option(
-        "eagle",
+        "eagle+suffix",
         help="who drafts: `eagle` (the learned draft head), `suffix` (earlier completions, no neural forward) or "
         "`eagle+suffix` (the controller picks either or a merged tree at every step)",
     )
@@ -80,7 +81,8 @@ class SpeculationConfig:
     )
     draft_vocab_size: int | None = option(
         None,
-        help="a fresh draft's reduced vocabulary: the most frequent tokens of the first rollout, which runs plain",
+        help="a fresh draft's reduced vocabulary: the most frequent tokens of the first rollout (which the other "
+        "drafters draft alone)",
     )
     nodes: int = option(
         16,

@@ -25,7 +25,7 @@ from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import host_to_device, read_back
-from fastgrpo.rollout.linear import rollout_linears
+from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
@@ -90,6 +90,8 @@ class RolloutEngine:
             `fastgrpo.rollout.target_step`).
 
     Set ``threads`` to a `fastgrpo.threads.ThreadGovernor` to have every step follow the cores the process has.
+    ``routes`` (`fastgrpo.rollout.linear.LinearRoutes`) routes the CPU products of the model and the drafters; what its
+    owner has not measured (`LinearRoutes.measure`) is measured when a call first runs those layers.
     """
 
     def __init__(
@@ -108,6 +110,7 @@ class RolloutEngine:
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
         self.target = TargetStep(compile)
+        self.routes = LinearRoutes()  # the CPU routes of the model's and the drafters' products (measured on use)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None
         self.drafters: dict[str, Drafter] = {}
@@ -185,7 +188,7 @@ class RolloutEngine:
             with (
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
                 rollout_attention(self.model, *extra),
-                nullcontext() if self.target.compiled else rollout_linears(self.model, *extra),
+                nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, max(map(len, prompt_ids)) + params.max_new_tokens + 1)

@@ -20,17 +20,22 @@ So the route is measured, not assumed: `calibrate` times each route on the layer
 every later product takes the fastest route of the nearest timed row count at or above its own (``linear`` unless
 another route is `CALIBRATION_MARGIN` faster, so that noise between near-equal routes does not move products off it).
 Products beyond the largest timed count (prefills, wide verification trees) take its route, so that count lies past
-every crossover. The measurement takes seconds, so it is made once per machine: saved under the cache directory
-(`routes_path`, keyed by CPU, thread count, torch version, dtype and the weights' shapes) and read by every later
-process, which also makes a run and its ``--resume`` round every product alike. Before any measurement a fixed table
-applies: ``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and bfloat16). The environment
-variable ``FASTGRPO_LINEAR_ROUTES`` is ``measured`` (the default), ``default`` (that table, nothing measured) or
-``off`` (``F.linear`` everywhere, nothing measured). Where autograd needs the product, or
-under autocast, ``F.linear`` runs; other dtypes (float16) and devices keep ``nn.Linear``.
+every crossover. The measurement takes seconds, so it is made once per machine and model shape: saved under the cache
+directory (`routes_path`, keyed by CPU, thread count, torch version, dtype and the weights' shapes) and read by every
+later process, which also makes a run and its ``--resume`` round every product alike.
+
+A `LinearRoutes` object holds the routes of one model (and its drafts): the rollout engine owns one, measured by
+`LinearRoutes.measure` (its owner calls it before the first rollout; a call measures what is not measured yet), and
+runs the model's layers with it inside `LinearRoutes.applied`. Before any measurement a fixed table applies:
+``transposed`` up to `FEW_ROWS` rows, ``onednn`` beyond (``linear`` in float64 and bfloat16). The environment variable
+``FASTGRPO_LINEAR_ROUTES`` is ``measured`` (the default), ``default`` (that table, nothing measured) or ``off``
+(``F.linear`` everywhere, nothing measured). Where autograd needs the product, or under autocast, ``F.linear`` runs;
+other dtypes (float16) and devices keep ``nn.Linear``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -38,7 +43,8 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
+from contextvars import ContextVar
 from functools import partial
 from pathlib import Path
 
@@ -58,9 +64,7 @@ CALIBRATION_ELEMENTS = 64 * 2**20  # weights timed per route and row count (256 
 ROUTES_VERSION = 2  # raised when the routes or their timing change, so that cached tables are measured again
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _TIMED_AT_OR_ABOVE = [next(t for t in TIMED_ROWS if t >= m) for m in range(TIMED_ROWS[-1] + 1)]  # per row count
-_measured: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
 ROUTE_MODES = ("measured", "default", "off")
-_forced: str | None = None  # "default" or "off" inside `forced_routes`
 
 
 def _has_onednn(dtype: torch.dtype) -> bool:
@@ -79,18 +83,6 @@ def _default_route(dtype: torch.dtype, rows: int) -> str:
     return "onednn" if _has_onednn(dtype) else "linear"
 
 
-def route(dtype: torch.dtype, rows: int) -> str:
-    """The route a product of ``rows`` rows of this dtype takes: the measured fastest for the nearest timed row
-    count at or above ``rows`` (the largest beyond it), or the default table before any measurement. An empty
-    product has no speed to gain and takes ``linear``."""
-    if rows < 1 or _forced == "off":
-        return "linear"
-    table = None if _forced == "default" else _measured.get(dtype)
-    if table is None:
-        return _default_route(dtype, rows)
-    return table[_TIMED_AT_OR_ABOVE[min(rows, TIMED_ROWS[-1])]]
-
-
 def _mode_from_environment() -> str:
     value = os.environ.get("FASTGRPO_LINEAR_ROUTES", "measured")
     if value not in ROUTE_MODES:
@@ -98,18 +90,59 @@ def _mode_from_environment() -> str:
     return value
 
 
-@contextmanager
-def forced_routes(mode: str) -> Iterator[None]:
-    """Inside the block, route every product by the default table (``default``) or through ``F.linear`` (``off``),
-    whatever was measured (to compare them)."""
-    global _forced
-    if mode not in ROUTE_MODES[1:]:
-        raise ValueError(f"mode must be one of {list(ROUTE_MODES[1:])}, got {mode!r}")
-    before, _forced = _forced, mode
-    try:
-        yield
-    finally:
-        _forced = before
+class LinearRoutes:
+    """The route each product of one model's layers (and its drafts') takes on this machine.
+
+    ``mode``: ``measured`` (each dtype's fastest routes, `measure`), ``default`` (the fixed table, nothing measured)
+    or ``off`` (``F.linear`` everywhere); None reads ``FASTGRPO_LINEAR_ROUTES``."""
+
+    def __init__(self, mode: str | None = None):
+        if mode is not None and mode not in ROUTE_MODES:
+            raise ValueError(f"mode must be one of {list(ROUTE_MODES)}, got {mode!r}")
+        self.mode = mode or _mode_from_environment()
+        self.tables: dict[torch.dtype, dict[int, str]] = {}  # dtype -> {timed row count: fastest route}
+
+    def measure(self, *modules: nn.Module | None) -> None:
+        """Measure the routes of each dtype of the routed layers inside ``modules`` not measured yet (read from the
+        cache directory where this machine measured layers of these shapes before, `load_or_calibrate`)."""
+        if self.mode != "measured":
+            return
+        layers = routed_layers(*modules)
+        for dtype in {m.weight.dtype for m in layers} - set(self.tables):
+            self.tables[dtype] = load_or_calibrate(
+                _calibration_weights([m.weight for m in layers if m.weight.dtype == dtype])
+            )
+
+    def route(self, dtype: torch.dtype, rows: int) -> str:
+        """The route a product of ``rows`` rows of this dtype takes: the measured fastest for the nearest timed row
+        count at or above ``rows`` (the largest beyond it), or the default table before any measurement. An empty
+        product has no speed to gain and takes ``linear``."""
+        if rows < 1 or self.mode == "off":
+            return "linear"
+        table = self.tables.get(dtype) if self.mode == "measured" else None
+        if table is None:
+            return _default_route(dtype, rows)
+        return table[_TIMED_AT_OR_ABOVE[min(rows, TIMED_ROWS[-1])]]
+
+    @contextmanager
+    def applied(self, *modules: nn.Module | None) -> Iterator[None]:
+        """Run the CPU ``nn.Linear`` layers of a routed dtype (float32, float64, bfloat16) inside ``modules`` (None
+        entries are skipped), and every `rollout_linear` call, with these routes inside the block (measured first,
+        `measure`), then restore the layers."""
+        self.measure(*modules)
+        layers = routed_layers(*modules)
+        for m in layers:
+            m.forward = partial(_forward, m)
+        active = _active.set(self)
+        try:
+            yield
+        finally:
+            _active.reset(active)
+            for m in layers:
+                del m.forward
+
+
+_active: ContextVar[LinearRoutes | None] = ContextVar("fastgrpo_linear_routes", default=None)  # see `applied`
 
 
 def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -135,8 +168,9 @@ def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
 
 
 def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` by the fastest route for a CPU weight of a routed dtype (see the module's
-    docstring); other weights, and products autograd must differentiate, go through ``F.linear``.
+    """``F.linear(x, weight, bias)`` by the fastest route for a CPU weight of a routed dtype (the routes applied
+    around the call, `LinearRoutes.applied`, else the default table); other weights, and products autograd must
+    differentiate, go through ``F.linear``.
 
     Args:
         x: ``[..., in]``.
@@ -152,7 +186,12 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if needs_grad or autocast or x.dtype != weight.dtype or not routed:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    out = _product(route(weight.dtype, rows.shape[0]), rows, weight, bias)
+    routes = _active.get()
+    m = rows.shape[0]
+    name = (
+        routes.route(weight.dtype, m) if routes is not None else "linear" if m < 1 else _default_route(weight.dtype, m)
+    )
+    out = _product(name, rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -236,24 +275,14 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return rollout_linear(x, module.weight, module.bias)
 
 
-@contextmanager
-def rollout_linears(*modules: nn.Module | None) -> Iterator[None]:
-    """Run the CPU ``nn.Linear`` layers of a routed dtype (float32, float64, bfloat16) inside ``modules`` (None
-    entries are skipped) with `rollout_linear` inside the block, then restore them. The first time layers of a dtype
-    are patched in this process, the routes are timed on their weights (`calibrate`)."""
+def routed_layers(*modules: nn.Module | None) -> list[nn.Linear]:
+    """The CPU ``nn.Linear`` layers of a routed dtype inside ``modules`` (None entries skipped), each once."""
     found = (m for module in modules if module is not None for m in module.modules())
     # Keyed by identity: a layer reachable from two of the modules is patched (and restored) once.
-    patched = list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
-    mode = _mode_from_environment()
-    for dtype in {m.weight.dtype for m in patched} - set(_measured) if mode == "measured" else ():
-        _measured[dtype] = load_or_calibrate(
-            _calibration_weights([m.weight for m in patched if m.weight.dtype == dtype])
-        )
-    for m in patched:
-        m.forward = partial(_forward, m)
-    try:
-        with nullcontext() if mode == "measured" else forced_routes(mode):
-            yield
-    finally:
-        for m in patched:
-            del m.forward
+    return list({id(m): m for m in found if type(m) is nn.Linear and _runs_rollout_linear(m.weight)}.values())
+
+
+def rollout_linears(*modules: nn.Module | None) -> contextlib.AbstractContextManager[None]:
+    """`LinearRoutes.applied` with routes of their own (read from the cache directory, or measured the first time on
+    this machine): for code that runs ``modules`` once, outside an engine."""
+    return LinearRoutes().applied(*modules)

@@ -274,6 +274,8 @@ class AdaptiveController:
         name = self.names[self._turn % len(self.names)]
         self._turn += 1
         group = self.groups[name]
+        if not group:  # n_max 1: plain steps only
+            return None
         if best.speculative and best.drafter == name:
             i = group.index(best)
             return group[i + 1] if i + 1 < len(group) else None

@@ -104,15 +104,38 @@ class PromptMemory:
 
 
 @dataclass
+class _Row:
+    """A row of the current call: its sequence, its prompt's memory and its own sequence there."""
+
+    seq: Sequence
+    memory: PromptMemory
+    sid: int
+    read: int = 0  # completion tokens read into the memory
+
+    def catch_up(self) -> None:
+        new = self.seq.completion_ids[self.read :]
+        if new:
+            self.memory.extend(self.sid, new)
+            self.read += len(new)
+
+
+@dataclass
 class SuffixMemory:
     """Every prompt's memory, within ``budget`` tokens; the suffix drafter's online state (`learn` applies the budget,
-    `state_dict` holds the completions, not the index, which `load_state_dict` rebuilds)."""
+    `state_dict` holds the completions, not the index, which `load_state_dict` rebuilds). ``rows`` are the rows of
+    the last call, whose newest tokens are read in (`read_rows`) before the memory is learnt from or saved."""
 
     budget: int = DEFAULT_MEMORY_TOKENS
     prompts: dict[tuple[int, ...], PromptMemory] = field(default_factory=dict)
     calls: int = 0  # generation calls so far (the clock of `PromptMemory.last_used`)
+    rows: list[_Row] = field(default_factory=list)
 
     captures_hidden = False
+
+    def read_rows(self) -> None:
+        """Read the last call's rows up to their last token (a row's tokens are read as trees are drafted for it)."""
+        for row in self.rows:
+            row.catch_up()
 
     def memory(self, prompt: list[int]) -> PromptMemory:
         """The prompt's memory (a new one for a prompt not seen yet or dropped), marked used by this call."""
@@ -139,10 +162,12 @@ class SuffixMemory:
 
     def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
         """The completions are in the memory already (read while they were generated): apply the budget."""
+        self.read_rows()
         self.evict()
         return {"suffix/memory_tokens": float(self.tokens), "suffix/memory_prompts": float(len(self.prompts))}
 
     def state_dict(self) -> dict[str, Any]:
+        self.read_rows()
         prompts = []
         for m in self.prompts.values():
             head = min(PREFIX, len(m.prompt))
@@ -151,28 +176,13 @@ class SuffixMemory:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.clear()
+        self.rows = []
         self.calls = state["calls"]
         for prompt, completions, last_used in state["prompts"]:
             mem = self.memory(prompt)
             for tokens in completions:
                 mem.add(tokens)
             mem.last_used = last_used
-
-
-@dataclass
-class _Row:
-    """A row of the current call: its sequence, its prompt's memory and its own sequence there."""
-
-    seq: Sequence
-    memory: PromptMemory
-    sid: int
-    read: int = 0  # completion tokens read into the memory
-
-    def catch_up(self) -> None:
-        new = self.seq.completion_ids[self.read :]
-        if new:
-            self.memory.extend(self.sid, new)
-            self.read += len(new)
 
 
 class SuffixDrafter:
@@ -186,20 +196,15 @@ class SuffixDrafter:
     def __init__(self, memory_tokens: int = DEFAULT_MEMORY_TOKENS, max_depth: int = 16):
         self.learner = SuffixMemory(memory_tokens)
         self.max_depth = max_depth
-        self.rows: list[_Row] = []
-        self.finished: list[_Row] = []  # rows of the call that ended (read once more when the next call begins)
+        self.rows: list[_Row] = []  # the live rows, in the engine's order
         self.row_seconds = 0.0  # measured seconds to propose for one row (an average, see `cost`)
         self._proposals = 0
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
-        self._close()
+        self.learner.read_rows()
+        self.learner.rows, self.rows = [], []
         self.learner.calls += 1
         return False
-
-    def _close(self) -> None:
-        for row in self.rows + self.finished:
-            row.catch_up()
-        self.rows, self.finished = [], []
 
     def start(self, prefill: Prefill) -> None:
         memories = [self.learner.memory(p) for p in prefill.prompts]
@@ -207,6 +212,7 @@ class SuffixDrafter:
         for seq, p in zip(prefill.seqs, prefill.row_prompt, strict=True):
             mem = memories[p]
             self.rows.append(_Row(seq, mem, mem.add([])))
+        self.learner.rows = list(self.rows)
         self.learner.evict()
 
     def depth(self, shape: TreeShape) -> int:
@@ -222,9 +228,7 @@ class SuffixDrafter:
         pass  # the rows' tokens are read from their sequences when the next tree is drafted
 
     def select(self, order: list[int], index: torch.Tensor) -> None:
-        kept = set(order)
-        self.finished += [row for i, row in enumerate(self.rows) if i not in kept]
-        self.rows = [self.rows[i] for i in order]
+        self.rows = [self.rows[i] for i in order]  # the memory keeps reading the finished ones (`read_rows`)
 
     def release(self) -> None:
         pass
