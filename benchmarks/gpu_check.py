@@ -798,8 +798,8 @@ def plain_and_speculative(
     model: PreTrainedModel, draft: DraftHead, prompts: list[list[int]], params: SamplingParams, source: str
 ) -> tuple[GenerationOutput, GenerationOutput]:
     """Two completions per prompt sampled plainly and with a static 8x3x4 tree from the same noise: ``source``
-    ``uniforms`` hands both engines the same ``[rows, max_new_tokens]`` uniforms (as `Rollouts` does), ``generator``
-    the same seeded generator."""
+    ``uniforms`` hands both engines the same ``[rows, max_new_tokens]`` uniforms (as `TrainingRollouts` does),
+    ``generator`` the same seeded generator."""
     dev, copies = model.device, 2
     outs = []
     for drafter in (None, EagleDrafter(draft, model)):

@@ -27,6 +27,7 @@ from fastgrpo.speculative.offline import frequent_tokens_on_all_ranks
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 
 DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integration's alike
+LEGACY_DRAFT_OPTIMIZER = "optimizer.pt"  # the draft's optimizer in a TRL checkpoint's draft/ before LEARNERS
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -48,9 +49,10 @@ class TrainingRollouts:
         seed: initialises a fresh draft, the same on every process.
         compile: the ``torch.compile`` backend the decoding steps and the draft's expansion run with (None: eager;
             `fastgrpo.rollout.compiled.compile_backend` reads the ``compile`` option).
-        start_from: the drafters' directory to start from (`load_drafters`): a checkpoint's ``draft`` directory when
-            resuming, else ``speculation.draft`` (None: a fresh draft, made at once over the full vocabulary or, with
-            ``speculation.draft_vocab_size``, after the first rollout over its most frequent tokens).
+        start_from: a drafters' directory to start from, ``speculation.draft``: a saved draft, or a checkpoint's
+            ``draft`` directory (of either trainer), whose learners' states are restored too; None: a fresh draft,
+            made at once over the full vocabulary or, with ``speculation.draft_vocab_size``, after the first rollout
+            over its most frequent tokens. A resumed run then calls `restore` with its checkpoint.
     """
 
     def __init__(
@@ -199,11 +201,19 @@ class TrainingRollouts:
 
     def _load_learners(self, directory: Path) -> None:
         """The learners' states saved in ``directory``, into the drafters of the same names (those this run does not
-        draft with are left out)."""
-        path = directory / LEARNERS
-        if not path.is_file():
+        draft with are left out). A directory written before `LEARNERS` existed holds the draft's optimizer alone
+        (`LEGACY_DRAFT_OPTIMIZER`)."""
+        path, legacy = directory / LEARNERS, directory / LEGACY_DRAFT_OPTIMIZER
+        if path.is_file():
+            states: dict[str, Any] = torch.load(path, map_location="cpu")
+        elif legacy.is_file():
+            states = {"eagle": torch.load(legacy, map_location="cpu")}
+        else:
             return
-        states: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
+        self.load_learner_states(states)
+
+    def load_learner_states(self, states: dict[str, Any]) -> None:
+        """Learner states by drafter name into the drafters of those names (others are left out)."""
         for drafter in self.drafters:
             if drafter.learner is not None and drafter.name in states:
                 drafter.learner.load_state_dict(states[drafter.name])

@@ -136,3 +136,14 @@ def test_the_controller_runs_the_drafter_that_pays_and_probes_the_others() -> No
     assert chosen[-20:].count("suffix") >= 10, chosen
     assert {"eagle", "eagle+suffix"} <= set(chosen), "the other drafters are probed"
     assert controller.expected_tokens(controller.best(4)) > 3.5
+
+
+def test_a_prompt_of_every_call_is_trimmed_to_the_budget_keeping_its_newest_completions() -> None:
+    memory = SuffixMemory(budget=40)
+    mem = memory.memory([1, 2])
+    for i in range(5):
+        mem.add(list(range(10 * i, 10 * i + 10)))  # 12 tokens each, after the prompt's 2
+    memory.learn([])
+    assert memory.tokens == 2 + 3 * 12
+    assert mem.continuations([40, 41], 3) == [(2, [42, 43, 44])]
+    assert mem.continuations([0, 1], 3) == [], "the oldest completions went first"

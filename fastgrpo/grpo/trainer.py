@@ -175,6 +175,8 @@ class GRPOTrainer:
         elif "master_weights" in state:
             self._restore_without_masters(state["master_weights"])
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
+        if "draft_optimizer" in state:  # a checkpoint written before the drafters' state moved to draft/
+            self.rollouts.load_learner_states({"eagle": state["draft_optimizer"]})
         set_rng_state(state["rng"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)

@@ -1,12 +1,13 @@
 """The propose stage of an engine step: a drafter proposes a tree of candidate tokens per active row, which the
-engine's target forward verifies. This is the interface (the drafter kit); `fastgrpo.drafters` holds the drafters
-(the learned EAGLE head, the suffix drafter over earlier completions) and the factory that builds them by name.
-Adding a drafter is one class with these methods plus one line in that factory.
+engine's target forward verifies. This is the interface (the drafter kit); `fastgrpo.speculative` holds the drafters
+(the learned EAGLE head, the suffix drafter over earlier completions) and, in `fastgrpo.speculative.drafters`, the
+factory that builds them by name. Adding a drafter is one class with these methods plus one line in that factory.
 
 A drafter owns all of its per-row state (what it has read of each row, its caches) and narrows it in `select`
 whenever rows finish, so that its row ``i`` is always row ``i`` of the batch. A drafter reads nothing back from the
 device: what the host must know (how many tokens each row emitted, the rows' tokens) the engine hands it. Whatever
-it proposes, verification keeps the output exactly the target's: a tree is a function of the context only.
+it proposes, verification keeps the output exactly the target's, as long as a tree does not depend on the step's own
+random draws (it may depend on anything before them: the context, the other rows, earlier calls).
 """
 
 from __future__ import annotations

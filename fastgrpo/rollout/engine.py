@@ -203,7 +203,7 @@ class RolloutEngine:
             self.model.train(was_training)
 
     def _compile_seconds(self) -> float:
-        """Wall time spent so far in steps that compiled a graph (the target's and the drafter's)."""
+        """Wall time spent so far in steps that compiled a graph (the target's and the drafters')."""
         return self.target.compile_seconds + sum(d.compile_seconds for d in self.drafters.values())
 
     def _call(
@@ -341,7 +341,7 @@ class RolloutEngine:
         call: Generation,
         start: float,
     ) -> ActiveRows:
-        """Read the step's result back (the step's one synchronisation), hand the drafter what it needs of it, append
+        """Read the step's result back (the step's one synchronisation), hand the drafters what they need of it, append
         the emitted tokens, drop finished rows and tell the controller what the step cost and accepted."""
         stats = call.stats
         stats.concurrency.append(rows.size)

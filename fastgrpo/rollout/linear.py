@@ -91,7 +91,8 @@ def _mode_from_environment() -> str:
 
 
 class LinearRoutes:
-    """The route each product of one model's layers (and its drafts') takes on this machine.
+    """The route each product of one model's layers takes on this machine (its drafts' layers of a dtype take the
+    routes measured for the model's).
 
     ``mode``: ``measured`` (each dtype's fastest routes, `measure`), ``default`` (the fixed table, nothing measured)
     or ``off`` (``F.linear`` everywhere); None reads ``FASTGRPO_LINEAR_ROUTES``."""

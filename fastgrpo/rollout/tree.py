@@ -72,6 +72,9 @@ def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
     return anc
 
 
+SCORE_FLOOR = -1e4  # a log-probability below it is no draft worth verifying (`merge_trees` ranks below it alike)
+
+
 def _path_keys(tree: DraftTree) -> torch.Tensor:
     """``[B, N]`` int64 a hash of each node's path from the root (the set of its ancestors' (depth, token) pairs):
     equal paths get equal keys, different ones different keys but for a collision of 64-bit hashes."""
@@ -85,7 +88,10 @@ def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
     """One tree of ``nodes`` nodes per row from two trees rooted at the same token: the nodes of the highest
     ``score`` of both, a path that both hold kept once (at the higher of its scores). Fixed shapes throughout (no
     value is read back). Since a node never outscores its parent in either tree, and a node both hold takes the
-    higher score, the best ``nodes - 1`` always form a tree."""
+    higher score, the best ``nodes - 1`` always form a tree (scores below `SCORE_FLOOR`, padding's ``-inf`` among
+    them, count as the floor, so that ties among them still go to the shallower node, a parent before its child)."""
+    if first.score is None or second.score is None:
+        raise ValueError("merging draft trees needs their node scores (DraftTree.score)")
     b, n1 = first.tokens.shape
     n2 = second.tokens.shape[1]
     same = _path_keys(second)[:, 1:, None] == _path_keys(first)[:, None, 1:]  # [B, N2 - 1, N1 - 1]
@@ -102,7 +108,7 @@ def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
     tokens = torch.cat([first.tokens, second.tokens[:, 1:]], 1)
     parent = torch.cat([first.parent, parent2], 1)
     depth = torch.cat([first.depth, second.depth[:, 1:]], 1)
-    score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1)
+    score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1).clamp(min=SCORE_FLOOR)
     m = n1 + n2 - 2  # candidates besides the root
     keep = min(nodes - 1, m)
     rank = score[:, 1:] - 1e-9 * depth[:, 1:]  # ties go to the shallower node, a parent before its child

@@ -147,7 +147,7 @@ class AdaptiveController:
         self._turn = 0  # whose turn the next probe is (see `choose`)
         self._last_best: TreeShape | None = None
         self._probed_up = False  # the last probe ran a bigger tree (while a tree wins, the next probe is a plain step)
-        self._stale = False  # the draft changed since its acceptance was last measured
+        self._stale: set[str] = set()  # drafters not measured since a draft changed (see `begin`)
 
     def levels(self, shape: TreeShape) -> int:
         """How deep the tree of ``shape`` may go (its drafter's `DraftCost.depth`)."""
@@ -242,7 +242,8 @@ class AdaptiveController:
     def begin(self, draft_changed: bool = False) -> None:
         """Probe often again: the draft may have been trained since the last call."""
         self._interval, self._since_probe = self.probe_interval, 0
-        self._stale = self._stale or draft_changed
+        if draft_changed:
+            self._stale = set(self.names)
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         best = self.best(rows)
@@ -263,7 +264,7 @@ class AdaptiveController:
         # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
         # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
         seconds = self.predicted_seconds(rows, probe)
-        if backlog > 1 and not self._stale:
+        if backlog > 1 and probe.drafter not in self._stale:
             seconds += self.draft_seconds(rows, probe, backlog) - self.draft_seconds(rows, probe)
         ceiling = (1 + self.levels(probe)) / seconds
         return probe if ceiling > self.goodput(rows, best) else best
@@ -315,7 +316,7 @@ class AdaptiveController:
             self.correction[key] = current + rate * (ratio - current)
         if accepted is None or shape.nodes == 1:
             return
-        self._stale = False
+        self._stale.discard(shape.drafter)
         fractions = self._depth_fractions(accepted)
         pooled = self.pooled[shape.drafter]
         levels = self.levels(shape)

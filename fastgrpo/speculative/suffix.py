@@ -26,7 +26,7 @@ from torch import nn
 
 from fastgrpo.rollout.drafter import Emitted, Prefill, Proposal, Rollout
 from fastgrpo.rollout.host import host_to_device
-from fastgrpo.rollout.sequence import ActiveRows, Sequence
+from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 
 KEY = 2  # tokens a match must share at least (the index's key)
@@ -80,6 +80,20 @@ class PromptMemory:
                 places.append(base + pos)
         self.indexed[sid] = max(len(seq) - 1, start)
 
+    def trim(self, tokens: int) -> None:
+        """Keep the prompt and the newest completions within ``tokens`` tokens (the index made anew)."""
+        kept, total = [], len(self.prompt)
+        head = min(PREFIX, len(self.prompt))
+        for seq in reversed(self.seqs[1:]):
+            if total + len(seq) > tokens:
+                break
+            kept.append(seq[head:].tolist())
+            total += len(seq)
+        self.seqs, self.indexed, self.index = [], [], {}
+        self.add(self.prompt, prefix=0)
+        for completion in reversed(kept):
+            self.add(completion)
+
     def continuations(self, context: list[int], depth: int) -> list[tuple[int, list[int]]]:
         """``(match length, next tokens)`` of the `CANDIDATES` places whose preceding tokens match the end of
         ``context`` longest (the most recent first on ties), at most ``depth`` tokens each."""
@@ -105,15 +119,16 @@ class PromptMemory:
 
 @dataclass
 class _Row:
-    """A row of the current call: its sequence, its prompt's memory and its own sequence there."""
+    """A row of the current call: its completion's tokens (the engine's own list, which grows as the row decodes; not
+    its `Sequence`, which holds captured hidden states), its prompt's memory and its own sequence there."""
 
-    seq: Sequence
+    completion: list[int]
     memory: PromptMemory
     sid: int
     read: int = 0  # completion tokens read into the memory
 
     def catch_up(self) -> None:
-        new = self.seq.completion_ids[self.read :]
+        new = self.completion[self.read :]
         if new:
             self.memory.extend(self.sid, new)
             self.read += len(new)
@@ -161,9 +176,18 @@ class SuffixMemory:
             del self.prompts[tuple(mem.prompt)]
 
     def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
-        """The completions are in the memory already (read while they were generated): apply the budget."""
+        """The completions are in the memory already (read while they were generated): apply the budget, to the last
+        call's prompts too (their oldest completions go first)."""
         self.read_rows()
+        self.rows = []
         self.evict()
+        over = self.tokens - self.budget
+        for mem in sorted(self.prompts.values(), key=lambda m: -m.tokens):
+            if over <= 0:
+                break
+            before = mem.tokens
+            mem.trim(max(before - over, len(mem.prompt)))
+            over -= before - mem.tokens
         return {"suffix/memory_tokens": float(self.tokens), "suffix/memory_prompts": float(len(self.prompts))}
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,7 +235,7 @@ class SuffixDrafter:
         self.rows = []
         for seq, p in zip(prefill.seqs, prefill.row_prompt, strict=True):
             mem = memories[p]
-            self.rows.append(_Row(seq, mem, mem.add([])))
+            self.rows.append(_Row(seq.completion_ids, mem, mem.add([])))
         self.learner.rows = list(self.rows)
         self.learner.evict()
 
@@ -228,7 +252,11 @@ class SuffixDrafter:
         pass  # the rows' tokens are read from their sequences when the next tree is drafted
 
     def select(self, order: list[int], index: torch.Tensor) -> None:
-        self.rows = [self.rows[i] for i in order]  # the memory keeps reading the finished ones (`read_rows`)
+        kept = set(order)
+        for i, row in enumerate(self.rows):
+            if i not in kept:  # a finished row's last tokens, for its siblings still decoding
+                row.catch_up()
+        self.rows = [self.rows[i] for i in order]
 
     def release(self) -> None:
         pass
@@ -237,21 +265,26 @@ class SuffixDrafter:
         """Per row, a trie of the continuations of its longest matches; the best ``N - 1`` nodes by weight."""
         t0 = time.perf_counter()
         n, depth = shape.nodes, self.depth(shape)
+        deepest = 1
         ints: list[int] = []
         scores: list[float] = []
         for row in self.rows:
             row.catch_up()
-            context = row.memory.prompt[-MAX_MATCH:] + row.seq.completion_ids[-MAX_MATCH:]
+            context = row.memory.prompt[-MAX_MATCH:] + row.completion[-MAX_MATCH:]
             found = row.memory.continuations(context, depth)
-            tree_ints, tree_scores = _trie(row.seq.completion_ids[-1], found, n)
+            tree_ints, tree_scores = _trie(row.completion[-1], found, n)
             ints += tree_ints
             scores += tree_scores
+            deepest = max(deepest, max(tree_ints[2 * n : 3 * n]))
         dev = rows.pending.device
         b = len(self.rows)
         tokens, parent, node_depth, rank = host_to_device(ints, dev).view(b, 4, n).unbind(1)
         score = torch.tensor(scores, dtype=torch.float64, device="cpu").view(b, n)
         score = score if dev.type == "cpu" else score.pin_memory().to(dev, non_blocking=True)
-        tree = DraftTree(tokens, parent, node_depth, ancestor_mask(parent, depth), rank, depth, score)
+        # The acceptance walk takes levels + 1 steps: as deep as the deepest tree, rounded up to a power of two (a
+        # compiled step meets a few depths only).
+        levels = min(depth, 1 << (deepest - 1).bit_length())
+        tree = DraftTree(tokens, parent, node_depth, ancestor_mask(parent, levels), rank, levels, score)
         seconds = time.perf_counter() - t0
         self._proposals += 1
         rate = max(0.1, 1.0 / self._proposals)
