@@ -249,7 +249,7 @@ class SuffixDrafter:
         return self.row_seconds * rows
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
-        pass  # the rows' tokens are read from their sequences when the next tree is drafted
+        pass  # the rows' tokens are read from their completions when the next tree is drafted
 
     def select(self, order: list[int], index: torch.Tensor) -> None:
         kept = set(order)
