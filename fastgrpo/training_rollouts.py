@@ -83,12 +83,11 @@ class TrainingRollouts:
         if speculation.mode == "off":
             return
         start = Path(start_from) if start_from is not None else None
-        if start is not None and (start / DRAFT_CONFIG).is_file() and needs_draft_head(speculation):
-            try:
-                self.draft = DraftHead.load(start, model)
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"speculation.draft: {e}") from None
-        elif needs_draft_head(speculation) and speculation.draft_vocab_size is None:
+        try:
+            self.draft = self._saved_draft(start) if start is not None else None
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"speculation.draft: {e}") from None
+        if self.draft is None and needs_draft_head(speculation) and speculation.draft_vocab_size is None:
             self.draft = self._fresh_draft()
         self._build()
         if start is not None:
@@ -98,6 +97,12 @@ class TrainingRollouts:
     def awaits_draft_vocab(self) -> bool:
         """The EAGLE head is to draft but its fresh draft waits for the first rollout to choose its vocabulary."""
         return needs_draft_head(self.speculation) and self.draft is None
+
+    def _saved_draft(self, directory: Path) -> DraftHead | None:
+        """The EAGLE head saved in ``directory``, when there is one and this run drafts with it."""
+        if not ((directory / DRAFT_CONFIG).is_file() and needs_draft_head(self.speculation)):
+            return None
+        return DraftHead.load(directory, self.model)
 
     def _fresh_draft(self, vocab: torch.Tensor | None = None) -> DraftHead:
         """An untrained draft over the ``[V_d]`` target ids ``vocab`` (None: the full vocabulary)."""
@@ -193,8 +198,9 @@ class TrainingRollouts:
         directory = Path(checkpoint) / DRAFT_DIR
         if not directory.is_dir() or self.speculation.mode == "off":
             return
-        if (directory / DRAFT_CONFIG).is_file() and needs_draft_head(self.speculation):
-            self.draft = DraftHead.load(directory, self.model)
+        saved = self._saved_draft(directory)
+        if saved is not None:
+            self.draft = saved
             self.drafters = [d for d in self.drafters if not isinstance(d, EagleDrafter)]
             self._build()
         self._load_learners(directory)

@@ -143,7 +143,8 @@ class LinearRoutes:
                 del m.forward
 
 
-_active: ContextVar[LinearRoutes | None] = ContextVar("fastgrpo_linear_routes", default=None)  # see `applied`
+_DEFAULT_ROUTES = LinearRoutes("default")  # outside any `LinearRoutes.applied` block
+_active: ContextVar[LinearRoutes] = ContextVar("fastgrpo_linear_routes", default=_DEFAULT_ROUTES)  # see `applied`
 
 
 def _product(name: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -187,12 +188,7 @@ def rollout_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if needs_grad or autocast or x.dtype != weight.dtype or not routed:
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
-    routes = _active.get()
-    m = rows.shape[0]
-    name = (
-        routes.route(weight.dtype, m) if routes is not None else "linear" if m < 1 else _default_route(weight.dtype, m)
-    )
-    out = _product(name, rows, weight, bias)
+    out = _product(_active.get().route(weight.dtype, rows.shape[0]), rows, weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
