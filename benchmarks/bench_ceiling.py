@@ -45,8 +45,8 @@ from fastgrpo.speculative.ceiling import (
     nodes_needed,
     ranks_against,
 )
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.draft_trainer import DraftTrainer
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.training import DraftTrainer
 from fastgrpo.speculative.profiler import interleaved_medians, interpolate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

@@ -33,8 +33,8 @@ from fastgrpo.rollout.scheduling import StaticController
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController, CapacityController
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.profiler import load_or_calibrate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"

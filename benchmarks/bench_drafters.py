@@ -50,11 +50,11 @@ from fastgrpo.rollout.stats import GenerationStats
 from fastgrpo.rollout.tree import TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import shape_for
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.draft_trainer import DraftTrainer, rollout_samples
-from fastgrpo.speculative.eagle import EagleDrafter
-from fastgrpo.speculative.offline import frequent_tokens
-from fastgrpo.speculative.suffix import SuffixDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.training import DraftTrainer, rollout_samples
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.offline import frequent_tokens
+from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 from fastgrpo.training_rollouts import step_uniforms
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "train.jsonl"

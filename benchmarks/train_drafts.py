@@ -31,7 +31,7 @@ from fastgrpo.data import load_gsm8k
 from fastgrpo.models import eos_token_ids, load_model, load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.offline import collect_mixed, fit_draft
+from fastgrpo.speculative.eagle.offline import collect_mixed, fit_draft
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 

@@ -221,7 +221,7 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.models import check_cache_dir, eos_token_ids, load_model, load_tokenizer
     from fastgrpo.paths import check_writable_dir
     from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.speculative.offline import train_offline
+    from fastgrpo.speculative.eagle.offline import train_offline
 
     check_writable_dir(args.output, "--output")
     check_cache_dir()
@@ -268,7 +268,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.report import plot_profile
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
-    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.eagle.head import DraftHead
 
     check_model_source(args.model, "--model")
     check_cache_dir()

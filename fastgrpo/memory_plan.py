@@ -148,7 +148,7 @@ class ModelShape:
         return self.embedding_params + self.num_layers * self.layer_params() + self.hidden_size + head
 
     def draft_parameters(self) -> tuple[int, int]:
-        """``(all, trainable)`` parameters of the draft head (`fastgrpo.speculative.draft.DraftHead`): the ``2H -> H``
+        """``(all, trainable)`` parameters of the draft head (`fastgrpo.speculative.eagle.head.DraftHead`): the ``2H -> H``
         input projection with its bias, one decoder layer, the final norm and a one-row embedding that is frozen."""
         h = self.hidden_size
         trainable = 2 * h * h + h + self.layer_params() + h

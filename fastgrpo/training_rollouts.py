@@ -20,10 +20,10 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import DraftCost, MergedCost, controller_from_config
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.drafters import DrafterContext, build_drafters, needs_draft_head
-from fastgrpo.speculative.eagle import EagleDrafter
-from fastgrpo.speculative.offline import frequent_tokens_on_all_ranks
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.offline import frequent_tokens_on_all_ranks
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 
 DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integration's alike

@@ -129,7 +129,7 @@ def save_qwen_draft(tmp: Path) -> None:
     """A draft saved for a Qwen2 model, not for the Llama the runs train."""
     from transformers import Qwen2Config
 
-    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.eagle.head import DraftHead
 
     config = Qwen2Config(
         vocab_size=64,

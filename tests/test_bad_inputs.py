@@ -210,7 +210,7 @@ def test_generate_without_generations(capsys) -> None:
 
 
 def test_a_draft_for_another_model_and_bad_lora_targets(capsys, model_dir: Path, tmp_path: Path) -> None:
-    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.eagle.head import DraftHead
 
     DraftHead(tiny_model("qwen2").config, "qwen2").save(tmp_path / "draft")  # a draft for another model
     config = write_config(

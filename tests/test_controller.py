@@ -20,8 +20,8 @@ from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import profiler
 from fastgrpo.speculative.controller import AdaptiveController, CapacityController, shape_for
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.profiler import LatencyProfile, find_knee
 
 EOS = 1
@@ -463,7 +463,7 @@ def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model:
 def test_a_tree_ranks_its_nodes_so_that_ranks_below_n_are_the_tree_of_n_nodes() -> None:
     """Two rows of candidates (root children, then two children of each); the nodes of rank below ``n`` in the
     tree of 6 nodes are exactly the nodes of the tree of ``n`` nodes drafted from the same candidates."""
-    from fastgrpo.speculative.eagle import _select
+    from fastgrpo.speculative.eagle.drafter import _select
 
     cand_tok = [torch.tensor([[10, 11], [20, 21]]), torch.tensor([[12, 13, 14, 15], [22, 23, 24, 25]])]
     cand_score = [

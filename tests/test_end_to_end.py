@@ -58,7 +58,7 @@ def test_profile_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 
 def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from fastgrpo.models import load_model
-    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.eagle.head import DraftHead
 
     out = tmp_path / "draft"
     main(

@@ -16,7 +16,7 @@ from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_ch
 from fastgrpo.rollout.sampling import process_logits
 from fastgrpo.rollout.sequence import GenerationOutput, fill_holes
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 
 F64 = torch.float64
 ATOL = 1e-10
@@ -340,7 +340,7 @@ def test_released_caches_are_freed_and_made_again(llama_model: PreTrainedModel) 
     """`release` (before a policy update) drops the target's and the drafter's caches; the next call allocates them
     again and decodes as before."""
     from fastgrpo.rollout.tree import TreeShape
-    from fastgrpo.speculative.eagle import EagleDrafter
+    from fastgrpo.speculative.eagle.drafter import EagleDrafter
 
     eos, ref = greedy_reference("llama")
     drafter = EagleDrafter(DraftHead(llama_model.config).double(), llama_model)

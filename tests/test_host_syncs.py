@@ -17,8 +17,8 @@ from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.profiler import LatencyProfile
 
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7], [1, 90]]

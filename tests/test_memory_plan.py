@@ -119,7 +119,7 @@ def test_parameter_count_matches_the_model_built_from_the_config(name: str) -> N
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-0.5b", "qwen3-0.6b"])
 def test_draft_head_count_matches_the_draft(name: str) -> None:
-    from fastgrpo.speculative.draft import DraftHead
+    from fastgrpo.speculative.eagle.head import DraftHead
 
     with torch.device("meta"):
         draft = DraftHead(CONFIGS[name])

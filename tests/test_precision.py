@@ -147,8 +147,8 @@ def test_a_bfloat16_draft_is_trained_through_float32_masters_that_its_state_carr
     from conftest import make_tiny_model
 
     from fastgrpo.config import DraftTrainConfig
-    from fastgrpo.speculative.draft import DraftHead
-    from fastgrpo.speculative.draft_trainer import DraftSample, DraftTrainer
+    from fastgrpo.speculative.eagle.head import DraftHead
+    from fastgrpo.speculative.eagle.training import DraftSample, DraftTrainer
 
     model = make_tiny_model("llama").to(torch.bfloat16)
     embed, head = model.get_input_embeddings(), model.get_output_embeddings()

@@ -11,7 +11,7 @@ import torch
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, merge_trees
 from fastgrpo.speculative.controller import AdaptiveController, MergedCost
 from fastgrpo.speculative.profiler import LatencyProfile
-from fastgrpo.speculative.suffix import PromptMemory, SuffixMemory, _trie
+from fastgrpo.speculative.suffix.drafter import PromptMemory, SuffixMemory, _trie
 
 
 def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_it() -> None:

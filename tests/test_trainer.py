@@ -363,7 +363,7 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     training is that of a plain run (lossless), and a resumed run restores the draft with its vocabulary."""
     from dataclasses import replace
 
-    from fastgrpo.speculative.offline import frequent_tokens
+    from fastgrpo.speculative.eagle.offline import frequent_tokens
 
     config = online_config(tiny_model_dir, tmp_path / "vocab", max_steps=3, save_steps=2)
     config = replace(config, speculation=replace(config.speculation, draft_vocab_size=6))
@@ -397,7 +397,7 @@ def test_draft_vocab_size_is_for_a_fresh_draft_only(tmp_path: Path) -> None:
 
 
 def test_budget_samples_follow_how_often_the_rollout_ran_trees() -> None:
-    from fastgrpo.speculative.draft_trainer import budget_samples
+    from fastgrpo.speculative.eagle.training import budget_samples
 
     samples = list(range(16))
     assert budget_samples(samples, 0.0, 0.25) == ([0, 5, 10, 15], 0.25)  # evenly spaced: every group keeps some

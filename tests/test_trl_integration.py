@@ -88,7 +88,7 @@ def test_a_fresh_trl_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rol
     """``speculation.draft_vocab_size`` in TRL: the first rollout drafts with the suffix drafter alone, the draft is
     made over its most frequent completion tokens and trained on it, and the next rollout drafts merged trees."""
     from fastgrpo.models import eos_token_ids
-    from fastgrpo.speculative.offline import frequent_tokens
+    from fastgrpo.speculative.eagle.offline import frequent_tokens
 
     spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=3, draft_vocab_size=6)
     rollout = SpeculativeRollout(speculation=spec)

@@ -31,7 +31,7 @@ from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.drafters import drafter_names
 from fastgrpo.training_rollouts import TrainingRollouts
 

@@ -80,7 +80,7 @@ class RolloutEngine:
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
         drafter: proposes draft trees for speculative steps (None: autoregressive only), for example
-            `fastgrpo.speculative.eagle.EagleDrafter`; or a list of drafters, of which the controller picks one (or
+            `fastgrpo.speculative.eagle.drafter.EagleDrafter`; or a list of drafters, of which the controller picks one (or
             several, whose trees are merged) at every step by their names (`TreeShape.drafter`).
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
         controller: instead of ``tree``, chooses each step's shape (and drafter) from the number of active rows.

@@ -1,5 +1,5 @@
 """The drafters a run can draft with, by name (``speculation.drafter``): ``eagle`` (the learned EAGLE head,
-`fastgrpo.speculative.eagle`), ``suffix`` (trees from earlier completions, `fastgrpo.speculative.suffix`), or several
+`fastgrpo.speculative.eagle.drafter`), ``suffix`` (trees from earlier completions, `fastgrpo.speculative.suffix.drafter`), or several
 joined by ``+`` (``eagle+suffix``), between which the adaptive controller chooses at every step, merged trees of them
 included. A new drafter is a class with the methods of `fastgrpo.rollout.drafter.Drafter` and one line in
 `BUILDERS` (or a `register_drafter` call)."""
@@ -13,11 +13,11 @@ from transformers import PreTrainedModel
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.draft_trainer import DraftTrainer, EagleLearner
-from fastgrpo.speculative.eagle import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.training import DraftTrainer, EagleLearner
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.profiler import LatencyProfile
-from fastgrpo.speculative.suffix import SuffixDrafter
+from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 
 @dataclass

@@ -42,7 +42,7 @@ from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)

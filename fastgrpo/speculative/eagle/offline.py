@@ -17,8 +17,8 @@ from fastgrpo.config import DraftTrainConfig
 from fastgrpo.models import encode_prompts
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.draft import DraftHead
-from fastgrpo.speculative.draft_trainer import DraftFit, DraftSample, DraftTrainer
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.training import DraftFit, DraftSample, DraftTrainer
 
 
 def collect_samples(

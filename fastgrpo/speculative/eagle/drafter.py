@@ -24,7 +24,7 @@ from fastgrpo.rollout.drafter import Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile, neural_draft_seconds
 
 
@@ -76,7 +76,7 @@ class EagleDrafter:
     """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with
     ``compile`` (a ``torch.compile`` backend) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
     draft-cache extents rounded up to a bucket. ``profile`` (the latency profile of the draft's forwards) prices its
-    trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.draft_trainer.EagleLearner`)."""
+    trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.eagle.training.EagleLearner`)."""
 
     name = "eagle"
 

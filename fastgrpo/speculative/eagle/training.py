@@ -26,7 +26,7 @@ from fastgrpo import distributed
 from fastgrpo.config import DraftTrainConfig
 from fastgrpo.models import warn_if_bf16_emulated
 from fastgrpo.precision import MasterWeights
-from fastgrpo.speculative.draft import DraftHead
+from fastgrpo.speculative.eagle.head import DraftHead
 
 if TYPE_CHECKING:
     from fastgrpo.rollout.drafter import Rollout
