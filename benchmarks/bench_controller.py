@@ -32,9 +32,10 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.scheduling import StaticController
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import AdaptiveController, CapacityController
-from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.controller import AdaptiveController, PaperController, priced
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.plugin import EaglePlugin
 from fastgrpo.speculative.profiler import load_or_calibrate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -42,15 +43,16 @@ GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 
 def make_engines(model, tokenizer, draft: DraftHead, eos: list[int], c_peak: int, profile) -> dict[str, RolloutEngine]:
     """One engine per mode; each keeps its controller's state across calls, as a training run does."""
-    controllers = {
-        "static N4/K2/L3": StaticController(TreeShape(4, 2, 3)),
-        "static N16/K4/L5": StaticController(TreeShape(16, 4, 5)),
-        f"paper (C_peak {c_peak})": CapacityController(c_peak),
-        "adaptive": AdaptiveController(profile),
+    adaptive = EagleDrafter(draft, model, profile=profile)
+    drafters = {
+        "static N4/K2/L3": (EagleDrafter(draft, model), StaticController(TreeShape(4, 2, 3))),
+        "static N16/K4/L5": (EagleDrafter(draft, model), StaticController(TreeShape(16, 4, 5))),
+        f"paper (C_peak {c_peak})": (EagleDrafter(draft, model), PaperController(c_peak)),
+        "adaptive": (adaptive, AdaptiveController(profile, drafters=priced([adaptive]))),
     }
     engines = {"autoregressive": RolloutEngine(model, eos, tokenizer)}
-    for name, controller in controllers.items():
-        engines[name] = RolloutEngine(model, eos, tokenizer, drafter=EagleDrafter(draft, model), controller=controller)
+    for name, (drafter, controller) in drafters.items():
+        engines[name] = RolloutEngine(model, eos, tokenizer, drafter=drafter, controller=controller)
     return engines
 
 
@@ -177,7 +179,16 @@ def main() -> None:
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model)
-    profile = load_or_calibrate(model, draft, "smollm2")
+    eagle = EaglePlugin()
+
+    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]):
+        return (
+            {}
+            if eagle.name in skip
+            else {eagle.name: eagle.cost_probe(model, tokens, context_length, None, Path(args.draft))}
+        )
+
+    profile = load_or_calibrate(model, "smollm2", probes)
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak}")
     engines = make_engines(model, tokenizer, draft, eos_token_ids(model, tokenizer), profile.c_peak, profile)
     wanted = tuple(m.strip() for m in args.modes.split(",") if m.strip())

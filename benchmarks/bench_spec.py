@@ -31,8 +31,8 @@ from fastgrpo.models import encode_prompts, eos_token_ids, load_model, load_toke
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 SHAPES = {"small": TreeShape(4, 2, 3), "medium": TreeShape(8, 3, 4), "large": TreeShape(16, 4, 5)}

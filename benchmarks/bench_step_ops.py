@@ -36,8 +36,8 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
 
 VOCAB = 2048
 SAMPLING = {

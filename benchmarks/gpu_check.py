@@ -112,9 +112,9 @@ from fastgrpo.rollout.sampling import process_logits
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.training import DraftTrainer, rollout_samples
-from fastgrpo.speculative.eagle.drafter import EagleDrafter
 
 SECTION_NAMES = ("environment", "grpo", "greedy", "sampling", "sdpa", "decode")
 GPU_TOKENIZER = REPO / ".gpu" / "tokenizer"

@@ -146,7 +146,7 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
 
 
 def plot_profile(profile: LatencyProfile, path: str | Path) -> Path:
-    """Draw the target and draft latency curves with the knee marked and, when the profile has the grid, what a
+    """Draw the target's latency curve and each profiled drafter's with the knee marked and, when the profile has the grid, what a
     forward over ``N`` tokens per row costs against one token per row, for each row count; writes a PNG."""
     import matplotlib
 
@@ -157,7 +157,8 @@ def plot_profile(profile: LatencyProfile, path: str | Path) -> Path:
     fig, axes = plt.subplots(1, panels, figsize=(6.4 * panels, 4.2), squeeze=False)
     ax = axes[0][0]
     ax.plot(profile.tokens, [1e3 * s for s in profile.target_seconds], "o-", label="target forward")
-    ax.plot(profile.tokens, [1e3 * s for s in profile.draft_seconds], "s-", label="draft level")
+    for name, seconds in profile.drafter_seconds.items():
+        ax.plot(profile.tokens, [1e3 * s for s in seconds], "s-", label=f"{name} drafter")
     ax.axvline(profile.c_peak, color="gray", linestyle="--", label=f"C_peak = {profile.c_peak} tokens")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")

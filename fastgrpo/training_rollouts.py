@@ -1,12 +1,11 @@
 """A training run's rollouts: one `RolloutEngine`, built once, and, while speculation is on, the drafters it drafts
-with (`fastgrpo.speculative.drafters`), the controller that chooses their trees, their online learning (the EAGLE
-head's training, the suffix drafter's memory) and the sampling noise of every step. `GRPOTrainer` and the TRL
-integration both roll out through `TrainingRollouts`, and both save and restore it the same way (`save`,
-`restore`), so that a checkpoint of either resumes in either."""
+with (each built by its plugin, `fastgrpo.speculative.registry`), the controller that chooses their trees, their
+online learning and the sampling noise of every step. `GRPOTrainer` and the TRL integration both roll out through
+`TrainingRollouts`, and both save and restore it the same way (`save`, `restore`), so that a checkpoint of either
+resumes in either."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +13,17 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
-from fastgrpo.config.speculation import DRAFT_CONFIG, LEARNERS
+from fastgrpo.config.speculation import LEARNERS
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import DraftCost, MergedCost, controller_from_config
-from fastgrpo.speculative.eagle.head import DraftHead
-from fastgrpo.speculative.drafters import DrafterContext, build_drafters, needs_draft_head
-from fastgrpo.speculative.eagle.drafter import EagleDrafter
-from fastgrpo.speculative.eagle.offline import frequent_tokens_on_all_ranks
-from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
+from fastgrpo.speculative.controller import controller_from_config
+from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
+from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
+from fastgrpo.speculative.registry import plugins
 
 DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integration's alike
-LEGACY_DRAFT_OPTIMIZER = "optimizer.pt"  # the draft's optimizer in a TRL checkpoint's draft/ before LEARNERS
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -45,14 +41,14 @@ class TrainingRollouts:
 
     Args:
         speculation: the ``speculation`` options; with ``mode: off`` the engine decodes plainly.
-        draft_training: online draft learning (``online: false`` keeps the draft fixed).
-        seed: initialises a fresh draft, the same on every process.
-        compile: the ``torch.compile`` backend the decoding steps and the draft's expansion run with (None: eager;
+        draft_training: online draft learning (``online: false`` keeps the drafters fixed).
+        seed: initialises fresh drafter networks, the same on every process.
+        compile: the ``torch.compile`` backend the decoding steps and the drafters run with (None: eager;
             `fastgrpo.rollout.compiled.compile_backend` reads the ``compile`` option).
         start_from: a drafters' directory to start from, ``speculation.draft``: a saved draft, or a checkpoint's
-            ``draft`` directory (of either trainer), whose learners' states are restored too; None: a fresh draft,
-            made at once over the full vocabulary or, with ``speculation.draft_vocab_size``, after the first rollout
-            over its most frequent tokens. A resumed run then calls `restore` with its checkpoint.
+            ``draft`` directory (of either trainer), whose learners' states are restored too; None: fresh drafters
+            (a drafter that waits for data, as a fresh EAGLE head with ``speculation.draft_vocab_size`` for its
+            vocabulary, is built after the first rollout). A resumed run then calls `restore` with its checkpoint.
     """
 
     def __init__(
@@ -76,62 +72,74 @@ class TrainingRollouts:
         self.compile = compile
         self.engine = RolloutEngine(model, eos_token_ids, tokenizer, compile=compile)
         self.engine.routes.measure(model)  # the CPU routes of its products, before the first rollout
-        self.draft: DraftHead | None = None
+        self.plugins: list[DrafterPlugin] = plugins(speculation)
         self.drafters: list[Drafter] = []
         self.profile: LatencyProfile | None = None
         self.pending: list[Rollout] = []  # rollouts the learners have not learnt from
-        if speculation.mode == "off":
+        if not self.plugins:
             return
         start = Path(start_from) if start_from is not None else None
         try:
-            self.draft = self._saved_draft(start) if start is not None else None
+            self._build(saved=start)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"speculation.draft: {e}") from None
-        if self.draft is None and needs_draft_head(speculation) and speculation.draft_vocab_size is None:
-            self.draft = self._fresh_draft()
-        self._build()
         if start is not None:
             self._load_learners(start)
 
+    def drafter(self, name: str) -> Drafter | None:
+        """The drafter called ``name`` (None: not drafting with it, or not built yet)."""
+        return next((d for d in self.drafters if d.name == name), None)
+
     @property
-    def awaits_draft_vocab(self) -> bool:
-        """The EAGLE head is to draft but its fresh draft waits for the first rollout to choose its vocabulary."""
-        return needs_draft_head(self.speculation) and self.draft is None
+    def waiting(self) -> list[DrafterPlugin]:
+        """The plugins whose drafters could not be built yet (they are tried again after every rollout)."""
+        return [p for p in self.plugins if self.drafter(p.name) is None]
 
-    def _saved_draft(self, directory: Path) -> DraftHead | None:
-        """The EAGLE head saved in ``directory``, when there is one and this run drafts with it."""
-        if not ((directory / DRAFT_CONFIG).is_file() and needs_draft_head(self.speculation)):
-            return None
-        return DraftHead.load(directory, self.model)
+    def _context(self, rollout: GenerationOutput | None = None) -> DrafterContext:
+        return DrafterContext(
+            self.model,
+            self.model_name,
+            self.eos,
+            self.seed,
+            self.compile,
+            self.profile,
+            self.speculation,
+            self.draft_training,
+            rollout,
+        )
 
-    def _fresh_draft(self, vocab: torch.Tensor | None = None) -> DraftHead:
-        """An untrained draft over the ``[V_d]`` target ids ``vocab`` (None: the full vocabulary)."""
-        with torch.random.fork_rng(devices=[]):  # leaves the run's random state alone (the head is built on the CPU)
-            torch.default_generator.manual_seed(self.seed)
-            return DraftHead(self.model.config, self.model_name, vocab)
+    def _probes(self, saved: Path | None):
+        """The latency profile's probes of the drafters that have one (`DrafterPlugin.cost_probe`)."""
 
-    def _build(self) -> None:
-        """Build the drafters that can draft now and a controller over them; the engine drafts with them from the next
-        rollout on (drafters built before keep their state: a suffix memory is not lost when the EAGLE head joins)."""
-        if self.draft is not None:
-            param = next(self.model.parameters())
-            self.draft = self.draft.to(device=param.device, dtype=param.dtype)
+        def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
+            made = {}
+            for plugin in self.plugins:
+                if plugin.name not in skip:
+                    probe = plugin.cost_probe(self.model, tokens, context_length, self.compile, saved)
+                    if probe is not None:
+                        made[plugin.name] = probe
+            return made
+
+        return probes
+
+    def _build(self, saved: Path | None = None, rollout: GenerationOutput | None = None) -> None:
+        """Build the drafters that are not built yet and can be now (from ``saved`` where it holds their files), and a
+        controller over all of them; the engine drafts with them from the next rollout on (drafters built before keep
+        their state: a suffix memory is not lost when the EAGLE head joins)."""
         spec = self.speculation
         if self.profile is None and (spec.mode == "adaptive" or (spec.mode == "paper" and spec.c_peak == "auto")):
-            self.profile = load_or_calibrate(self.model, self.draft, self.model_name, self.compile)
-        ctx = DrafterContext(self.model, self.draft, self.compile, self.profile, self.speculation, self.draft_training)
+            self.profile = load_or_calibrate(self.model, self.model_name, self._probes(saved), self.compile)
+        ctx = self._context(rollout)
         built = {d.name: d for d in self.drafters}
-        fresh = build_drafters(ctx)
-        self.drafters = [built.get(d.name, d) for d in fresh]
+        for plugin in self.waiting:
+            drafter = plugin.build(ctx, saved)
+            if drafter is not None:
+                built[plugin.name] = drafter
+        self.drafters = [built[p.name] for p in self.plugins if p.name in built]
         if not self.drafters:
             self.engine.speculate(None)
             return
-        costs: dict[str, DraftCost] = {d.name: d for d in self.drafters}
-        if len(self.drafters) > 1:
-            costs["+".join(costs)] = MergedCost(list(costs.values()))
-        if spec.mode != "adaptive":  # one tree of all the drafters built so far
-            spec = replace(spec, drafter="+".join(d.name for d in self.drafters))
-        self.engine.speculate(self.drafters, controller=controller_from_config(spec, self.profile, costs))
+        self.engine.speculate(self.drafters, controller=controller_from_config(spec, self.profile, self.drafters))
 
     def generate(
         self,
@@ -148,14 +156,13 @@ class TrainingRollouts:
         if not params.greedy:
             rows = len(prompt_ids) * num_generations
             uniforms = step_uniforms(self.seed, step, rows, params.max_new_tokens, rank, world_size)
-        awaits_vocab = self.awaits_draft_vocab
+        waiting = self.waiting
         learners = [d.learner for d in self.drafters if d.learner is not None]
-        capture = any(learner.captures_hidden for learner in learners) or (awaits_vocab and self.draft_training.online)
+        capture = any(learner.captures_hidden for learner in learners)
+        capture |= self.draft_training.online and any(p.captures_hidden for p in waiting)
         out = self.engine.generate(prompt_ids, params, num_generations, capture_hidden=capture, uniforms=uniforms)
-        if awaits_vocab:
-            vocab = frequent_tokens_on_all_ranks(out.completion_ids, self.speculation.draft_vocab_size, self.eos)
-            self.draft = self._fresh_draft(vocab)
-            self._build()
+        if waiting:
+            self._build(rollout=out)
         if any(d.learner is not None for d in self.drafters):
             self.pending.append(Rollout(prompt_ids, out, num_generations))
         return out
@@ -181,45 +188,38 @@ class TrainingRollouts:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, checkpoint: str | Path, learners: bool = True) -> None:
-        """Write the drafters' state into ``checkpoint/draft``: the EAGLE head (a saved draft, which
-        ``speculation.draft`` and ``fastgrpo generate --draft`` read) and, with ``learners``, every learner's state
+        """Write the drafters' state into ``checkpoint/draft``: each drafter's own files (`DrafterPlugin.save`: the
+        EAGLE head as a saved draft, which ``speculation.draft`` reads) and, with ``learners``, every learner's state
         (`LEARNERS`: the draft's optimizer, the suffix drafter's memory)."""
         directory = Path(checkpoint) / DRAFT_DIR
-        if self.draft is not None:
-            self.draft.save(directory)
+        for plugin in self.plugins:
+            drafter = self.drafter(plugin.name)
+            if drafter is not None:
+                plugin.save(drafter, directory)
         states = {d.name: d.learner.state_dict() for d in self.drafters if d.learner is not None and learners}
         if states:
             directory.mkdir(parents=True, exist_ok=True)
             torch.save(states, directory / LEARNERS)
 
     def restore(self, checkpoint: str | Path) -> None:
-        """Restore what `save` wrote into ``checkpoint`` (nothing when it holds no drafters' directory): the EAGLE head
-        replaces the current one (with its vocabulary) and the learners take their saved states."""
+        """Restore what `save` wrote into ``checkpoint`` (nothing when it holds no drafters' directory): a drafter
+        whose files are there is built from them anew, and the learners take their saved states."""
         directory = Path(checkpoint) / DRAFT_DIR
-        if not directory.is_dir() or self.speculation.mode == "off":
+        if not directory.is_dir() or not self.plugins:
             return
-        saved = self._saved_draft(directory)
-        if saved is not None:
-            self.draft = saved
-            self.drafters = [d for d in self.drafters if not isinstance(d, EagleDrafter)]
-            self._build()
+        saved = {p.name for p in self.plugins if p.saved_in(directory)}
+        if saved:
+            self.drafters = [d for d in self.drafters if d.name not in saved]
+            self._build(saved=directory)
         self._load_learners(directory)
 
     def _load_learners(self, directory: Path) -> None:
         """The learners' states saved in ``directory``, into the drafters of the same names (those this run does not
-        draft with are left out). A directory written before `LEARNERS` existed holds the draft's optimizer alone
-        (`LEGACY_DRAFT_OPTIMIZER`)."""
-        path, legacy = directory / LEARNERS, directory / LEGACY_DRAFT_OPTIMIZER
-        if path.is_file():
-            states: dict[str, Any] = torch.load(path, map_location="cpu")
-        elif legacy.is_file():
-            states = {"eagle": torch.load(legacy, map_location="cpu")}
-        else:
+        draft with are left out)."""
+        path = directory / LEARNERS
+        if not path.is_file():
             return
-        self.load_learner_states(states)
-
-    def load_learner_states(self, states: dict[str, Any]) -> None:
-        """Learner states by drafter name into the drafters of those names (others are left out)."""
+        states: dict[str, Any] = torch.load(path, map_location="cpu")
         for drafter in self.drafters:
             if drafter.learner is not None and drafter.name in states:
                 drafter.learner.load_state_dict(states[drafter.name])

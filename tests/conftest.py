@@ -23,6 +23,12 @@ from transformers import (
 )
 
 from fastgrpo.models import load_tokenizer
+from fastgrpo.rollout.drafter import Drafter
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.eagle.drafter import EagleCost
+from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
+from fastgrpo.speculative.registry import PLUGINS
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 
@@ -135,3 +141,29 @@ def torchrun_two(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([*cmd, *args], env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+class ProfiledLevels(Drafter):
+    """Prices trees as the EAGLE head's are priced (`EagleCost`, from a profile's ``eagle`` curve): what a controller
+    tested without a drafter of its own is given."""
+
+    def __init__(self, profile: LatencyProfile):
+        self.price = EagleCost(profile)
+
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        return self.price(rows, shape, backlog)
+
+
+def adaptive(profile: LatencyProfile, **options) -> AdaptiveController:
+    """An adaptive controller over one unnamed drafter (the engine's only one) priced by `ProfiledLevels`."""
+    return AdaptiveController(profile, drafters={"": ProfiledLevels(profile)}, **options)
+
+
+def plugin_probes(model: PreTrainedModel, names: tuple[str, ...] = ("eagle",), compile: str | None = None):
+    """A latency profile's probes (`fastgrpo.speculative.profiler.ProbeFactory`) of the named drafters' plugins."""
+
+    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
+        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, compile) for n in names if n not in skip}
+        return {n: p for n, p in made.items() if p is not None}
+
+    return probes

@@ -9,6 +9,7 @@ from functools import partial
 
 import pytest
 import torch
+from conftest import adaptive, plugin_probes
 from transformers import PreTrainedModel
 
 from fastgrpo import machine
@@ -19,9 +20,9 @@ from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import profiler
-from fastgrpo.speculative.controller import AdaptiveController, CapacityController, shape_for
-from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.controller import AdaptiveController, PaperController, shape_for
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile, find_knee
 
 EOS = 1
@@ -38,8 +39,8 @@ def flat_profile(target: float = 0.05, draft: float = 0.002, knee: int = 32) -> 
         context_length=128,
         tokens=tokens,
         target_seconds=[target * max(1.0, t / knee) for t in tokens],
-        draft_seconds=[draft * max(1.0, t / knee) for t in tokens],
         c_peak=knee,
+        drafter_seconds={"eagle": [draft * max(1.0, t / knee) for t in tokens]},
     )
 
 
@@ -59,7 +60,7 @@ def flat_profile(target: float = 0.05, draft: float = 0.002, knee: int = 32) -> 
     ],
 )
 def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -> None:
-    controller = CapacityController(c_peak=64)
+    controller = PaperController(c_peak=64)
     assert controller.choose(rows) == expected
     n = max(1, min(64 // rows, 64))
     if n > 1:
@@ -69,7 +70,7 @@ def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -
 
 def test_paper_controller_respects_custom_limits() -> None:
     limits = ControllerLimits(n_max=8, k_max=2, l_min=2, l_max=3, alpha=0.5)
-    controller = CapacityController(c_peak=100, limits=limits)
+    controller = PaperController(c_peak=100, limits=limits)
     assert controller.choose(1) == TreeShape(8, 2, 3)  # N capped at 8, log2(16) = 4 capped at 3
     assert controller.choose(25) == TreeShape(4, 2, 3)  # N = 4, log2(8) = 3
     assert controller.choose(50) == TreeShape(2, 1, 2)  # N = 2, log2(4) = 2
@@ -79,7 +80,7 @@ def test_paper_controller_respects_custom_limits() -> None:
 @pytest.mark.parametrize("bad", [dict(n_max=0), dict(l_max=3, l_min=4), dict(alpha=0.0), dict(k_max=0)])
 def test_bad_limits_are_refused(bad: dict) -> None:
     with pytest.raises(ValueError, match=f"{next(iter(bad))} must be"):
-        CapacityController(c_peak=16, limits=ControllerLimits(**bad))
+        PaperController(c_peak=16, limits=ControllerLimits(**bad))
 
 
 def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> None:
@@ -89,7 +90,7 @@ def test_n_verify_one_runs_no_draft_forward(llama_model: PreTrainedModel) -> Non
     params = SamplingParams(max_new_tokens=12, temperature=0)
     reference = RolloutEngine(llama_model, [EOS]).generate(PROMPTS, params)
     engine = RolloutEngine(
-        llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=CapacityController(c_peak=1)
+        llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=PaperController(c_peak=1)
     )
     out = engine.generate(PROMPTS, params)
     assert out.completion_ids == reference.completion_ids
@@ -118,7 +119,7 @@ def run_steps(controller: AdaptiveController, rows: int, steps: int, accept_frac
 
 
 def test_adaptive_chooses_autoregressive_when_nothing_is_accepted() -> None:
-    controller = AdaptiveController(flat_profile())
+    controller = adaptive(flat_profile())
     chosen = run_steps(controller, rows=1, steps=200, accept_fraction=0.0)
     assert controller.best(1) == AUTOREGRESSIVE
     # Trees here cost a 25th of a plain step, so it takes a few dozen one-row steps to rule them out.
@@ -128,7 +129,7 @@ def test_adaptive_chooses_autoregressive_when_nothing_is_accepted() -> None:
 def test_one_unlucky_step_does_not_rule_a_good_draft_out() -> None:
     """The prior acceptance weighs as much as a few rows: a first one-row step that accepted nothing leaves trees
     chosen (with the plain 1/n average it replaced the prior, and one row rejects a draft token often)."""
-    controller = AdaptiveController(flat_profile(draft=0.01))
+    controller = adaptive(flat_profile(draft=0.01))
     shape = controller.choose(1)
     assert shape.speculative
     controller.observe(1, shape, controller._profiled_seconds(1, shape), [0])
@@ -141,7 +142,7 @@ def test_one_unlucky_step_does_not_rule_a_good_draft_out() -> None:
 def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
     """Shallow trees accepted nothing; the deeper levels only the big trees have keep their prior, yet a big tree
     cannot expect more than the one bonus token, because a row reaches depth 4 only through depths 1 to 3."""
-    controller = AdaptiveController(flat_profile(draft=0.0), prior_rows=0)  # measured values replace the prior
+    controller = adaptive(flat_profile(draft=0.0), prior_rows=0)  # measured values replace the prior
     shallow = TreeShape(4, 3, 3)
     for _ in range(5):
         controller.observe(1, shallow, controller._profiled_seconds(1, shallow), [0])
@@ -152,7 +153,7 @@ def test_depths_no_tree_has_reached_cannot_outweigh_a_measured_zero() -> None:
 
 
 def test_adaptive_chooses_big_trees_when_everything_is_accepted() -> None:
-    controller = AdaptiveController(flat_profile())
+    controller = adaptive(flat_profile())
     run_steps(controller, rows=1, steps=100, accept_fraction=1.0)
     best = controller.best(1)
     assert best.nodes >= 16 and best.levels == 5  # the deepest trees the limits allow
@@ -161,7 +162,7 @@ def test_adaptive_chooses_big_trees_when_everything_is_accepted() -> None:
 
 def test_adaptive_shrinks_trees_as_concurrency_grows() -> None:
     """Past the knee a bigger tree makes every step slower: with 200 rows plain steps win, with one row trees do."""
-    controller = AdaptiveController(flat_profile(knee=32))
+    controller = adaptive(flat_profile(knee=32))
     run_steps(controller, rows=1, steps=100, accept_fraction=0.5)
     assert controller.best(1).speculative
     assert controller.best(256) == AUTOREGRESSIVE
@@ -170,7 +171,7 @@ def test_adaptive_shrinks_trees_as_concurrency_grows() -> None:
 
 
 def test_adaptive_corrects_the_profile_from_observed_times() -> None:
-    controller = AdaptiveController(flat_profile(target=0.05))
+    controller = adaptive(flat_profile(target=0.05))
     for _ in range(30):
         controller.observe(4, AUTOREGRESSIVE, 0.1, None)  # steps take twice what the profile says
     assert controller.predicted_seconds(4, AUTOREGRESSIVE) == pytest.approx(0.1)
@@ -185,7 +186,7 @@ def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> Non
     """At 64 rows past the knee a tree of 2 nodes costs twice a plain step and emits 1.7 tokens: plain steps win.
     The first plain step ran twice as slow as usual (the machine was busy), which makes trees look better, and a
     tree's steps say nothing of a plain step's time: the controller must run plain steps again to find out."""
-    rows, controller = 64, AdaptiveController(flat_profile())
+    rows, controller = 64, adaptive(flat_profile())
     chosen = []
     for step in range(100):
         shape = controller.choose(rows)
@@ -205,7 +206,7 @@ def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> 
     """A target forward costs what its tokens cost, rows or tree nodes: plain steps over 8 rows that take twice the
     profile make a 2-row tree of 4 nodes (8 tokens) twice as dear before any tree has run, while plain steps over
     2 rows stay as profiled."""
-    controller = AdaptiveController(flat_profile(target=0.05, knee=64))
+    controller = adaptive(flat_profile(target=0.05, knee=64))
     tree = TreeShape(4, 2, 3)
     before = controller.predicted_seconds(2, tree)
     for _ in range(30):
@@ -243,7 +244,7 @@ def test_adaptive_runs_deep_one_row_trees_where_the_grid_says_they_cost_a_plain_
     nodes costs 1.1 plain steps (the grid); priced as that many rows of one token, trees past the knee's 4 tokens
     cost more and the controller stays at 4 nodes."""
     flat = flat_profile(target=0.05, draft=0.0001, knee=4)
-    by_tokens, by_grid = AdaptiveController(flat), AdaptiveController(grid_profile(one_row_tree=1.1))
+    by_tokens, by_grid = adaptive(flat), adaptive(grid_profile(one_row_tree=1.1))
     assert by_tokens.best(1).nodes == 4
     assert by_grid.best(1).nodes >= 16 and by_grid.best(1).levels == 5
     tree = TreeShape(8, 3, 4)
@@ -268,7 +269,7 @@ def test_adaptive_with_a_draft_that_never_agrees_falls_back_to_autoregressive(
         for module, cost in ((llama_model.get_decoder(), 0.05), (draft.decoder, 0.001))
     ]
     try:
-        controller = AdaptiveController(flat_profile(target=0.05, draft=0.001, knee=64))
+        controller = adaptive(flat_profile(target=0.05, draft=0.001, knee=64))
         engine = RolloutEngine(llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=controller)
         out = engine.generate(PROMPTS, params)
     finally:
@@ -289,8 +290,8 @@ def test_every_mode_is_lossless_under_greedy_decoding(family_model: PreTrainedMo
     draft = DraftHead(family_model.config).double()
     controllers = {
         "static": StaticController(TreeShape(8, 3, 4)),
-        "paper": CapacityController(c_peak=24, limits=ControllerLimits(n_max=16)),
-        "adaptive": AdaptiveController(flat_profile(), probe_interval=2),
+        "paper": PaperController(c_peak=24, limits=ControllerLimits(n_max=16)),
+        "adaptive": adaptive(flat_profile(), probe_interval=2),
     }
     params = SamplingParams(max_new_tokens=30, temperature=0)
     reference = RolloutEngine(family_model, [EOS]).generate(PROMPTS, params, 3)
@@ -330,7 +331,9 @@ def test_profiler_finds_the_knee_of_a_model_with_known_latency(
     handle = llama_model.get_decoder().register_forward_pre_hook(slow, with_kwargs=True)
     llama_model.train()  # as a trainer's model is when its first rollout calibrates the controller
     try:
-        profile = profiler.measure(llama_model, None, "tiny", tokens=(1, 2, 4, 8, 16, 32, 64), repeats=3)
+        profile = profiler.measure(
+            llama_model, "tiny", plugin_probes(llama_model), tokens=(1, 2, 4, 8, 16, 32, 64), repeats=3
+        )
     finally:
         handle.remove()
         was_training = llama_model.training
@@ -374,14 +377,14 @@ def test_load_or_calibrate_prefers_a_saved_profile_and_saves_its_calibration(
 ) -> None:
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
     path = profiler.profile_path("tiny", torch.device("cpu"), torch.float64)
-    calibrated = profiler.load_or_calibrate(llama_model, None, "tiny")
+    calibrated = profiler.load_or_calibrate(llama_model, "tiny", plugin_probes(llama_model))
     assert calibrated.tokens == list(profiler.CALIBRATION_TOKENS)
     assert LatencyProfile.load(path) == calibrated, "the next run on this machine reads the calibration"
     monkeypatch.setattr(profiler, "calibrate", lambda *a: pytest.fail("calibrated again"))
-    assert profiler.load_or_calibrate(llama_model, None, "tiny") == calibrated
+    assert profiler.load_or_calibrate(llama_model, "tiny", plugin_probes(llama_model)) == calibrated
     saved = flat_profile()
     saved.save(path)
-    assert profiler.load_or_calibrate(llama_model, None, "tiny") == saved
+    assert profiler.load_or_calibrate(llama_model, "tiny", plugin_probes(llama_model)) == saved
 
 
 def test_a_compiled_engine_is_priced_by_a_profile_of_compiled_forwards(
@@ -393,14 +396,16 @@ def test_a_compiled_engine_is_priced_by_a_profile_of_compiled_forwards(
     eager = profiler.profile_path("tiny", torch.device("cpu"), torch.float64)
     compiled = profiler.profile_path("tiny", torch.device("cpu"), torch.float64, compile="aot_eager")
     assert compiled != eager and compiled.parent == eager.parent
-    profile = profiler.load_or_calibrate(llama_model, None, "tiny", compile="aot_eager")
+    profile = profiler.load_or_calibrate(
+        llama_model, "tiny", plugin_probes(llama_model, compile="aot_eager"), "aot_eager"
+    )
     assert compiled.is_file() and not eager.exists()
     assert profile.tokens == list(profiler.CALIBRATION_TOKENS) and min(profile.target_seconds) > 0
 
 
 def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
     """Far past the knee even a fully accepted tree is slower per token than a plain step: no probe runs there."""
-    controller = AdaptiveController(flat_profile(knee=8, draft=0.01), probe_interval=2)
+    controller = adaptive(flat_profile(knee=8, draft=0.01), probe_interval=2)
     chosen = run_steps(controller, rows=256, steps=64, accept_fraction=1.0)
     assert not any(s.speculative for s in chosen)  # probes are due every few steps, but none could win
 
@@ -408,7 +413,7 @@ def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
 def test_adaptive_does_not_probe_when_the_draft_catch_up_would_cost_more_than_it_could_win() -> None:
     """After many plain steps a tree first feeds the draft every row's backlog; with a long backlog over many rows
     that costs more than a fully accepted tree could save, so the probes due every few steps do not run."""
-    controller = AdaptiveController(flat_profile(knee=32, draft=0.01), probe_interval=2)
+    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2)
     run_steps(controller, rows=8, steps=20, accept_fraction=0.0)  # plain steps win; probes keep running
     assert controller.best(8) == AUTOREGRESSIVE
     probes = [controller.choose(8, backlog=1) for _ in range(64)]
@@ -421,7 +426,7 @@ def test_a_changed_draft_is_probed_once_whatever_its_catch_up_costs() -> None:
     """Online learning changes the draft between rollouts. A draft that was bad when last measured must still be
     measured again, or the controller would never notice it has learned: the first due probe after a change runs
     despite the catch-up, and only until a tree has run."""
-    controller = AdaptiveController(flat_profile(knee=32, draft=0.01), probe_interval=2)
+    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2)
     run_steps(controller, rows=8, steps=20, accept_fraction=0.0)
     controller.begin(draft_changed=False)
     assert not any(controller.choose(8, backlog=200).speculative for _ in range(64))
@@ -487,7 +492,7 @@ def test_a_verification_teaches_every_smaller_tree_what_it_would_have_accepted()
     """One step of N24/K8/L5 over two rows: row 0 accepted nodes of ranks 1, 5, 9, row 1 one node of rank 2. The
     tree of 4 nodes would have accepted one token in each row, that of 8 nodes two in row 0; bigger shapes learn
     nothing from it."""
-    controller = AdaptiveController(flat_profile(), prior_rows=0)  # one measurement replaces the prior
+    controller = adaptive(flat_profile(), prior_rows=0)  # one measurement replaces the prior
     big = TreeShape(24, 8, 5)
     path_rank = [[1, 5, 9, 24, 24], [2, 24, 24, 24, 24]]
     controller.observe(2, big, 0.06, [3, 1], path_rank)
@@ -524,7 +529,7 @@ def test_the_engine_reports_the_ranks_of_the_accepted_path(llama_model: PreTrain
 def test_an_unlucky_step_of_a_big_tree_does_not_rank_it_below_a_smaller_one() -> None:
     """A bigger tree accepts at least what a smaller one drafted from the same candidates does: a big tree measured
     on one step that accepted nothing is estimated at what the small trees accepted, not at zero."""
-    controller = AdaptiveController(flat_profile(), prior_rows=0)
+    controller = adaptive(flat_profile(), prior_rows=0)
     small, big = TreeShape(4, 3, 3), TreeShape(24, 8, 5)
     for _ in range(3):
         controller.observe(1, small, 0.05, [2], [[1, 2, 4]])

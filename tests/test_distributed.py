@@ -60,7 +60,7 @@ def _worker(rank: int, world: int, port: int, config: str, draft_dir: str) -> No
     try:
         trainer = GRPOTrainer(load_config(config))
         trainer.train()
-        trainer.rollouts.draft.save(Path(draft_dir) / f"rank{rank}")
+        trainer.rollouts.drafter("eagle").draft.save(Path(draft_dir) / f"rank{rank}")
     finally:
         distributed.shutdown()
 

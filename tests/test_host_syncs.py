@@ -11,14 +11,15 @@ from collections import Counter
 import pytest
 import torch
 from conftest import VOCAB, tiny_model
+from conftest import adaptive as adaptive_over
 
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController
-from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile
 
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7], [1, 90]]
@@ -64,8 +65,10 @@ def adaptive() -> AdaptiveController:
     """A controller whose profile makes trees cheap, so that it runs trees and plain steps both."""
     tokens = [1, 2, 4, 8, 16, 32, 64, 128]
     seconds = [0.05 * max(1.0, t / 32) for t in tokens]
-    profile = LatencyProfile("synthetic", "none", "float64", 64, tokens, seconds, [s / 20 for s in seconds], 32)
-    return AdaptiveController(profile)
+    profile = LatencyProfile(
+        "synthetic", "none", "float64", 64, tokens, seconds, 32, {"eagle": [s / 20 for s in seconds]}
+    )
+    return adaptive_over(profile)
 
 
 def test_the_counter_sees_every_kind_of_host_read() -> None:

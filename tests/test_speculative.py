@@ -32,9 +32,9 @@ from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
 from fastgrpo.rollout.tree import DraftTree, TreeShape
 from fastgrpo.rollout.verify import Acceptance
 from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.training import DraftSample, DraftTrainer, rollout_samples
-from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 EOS = 3

@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
+from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, merge_trees
-from fastgrpo.speculative.controller import AdaptiveController, MergedCost
+from fastgrpo.speculative.controller import AdaptiveController, priced
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.suffix.drafter import PromptMemory, SuffixMemory, _trie
 
@@ -103,23 +104,22 @@ def test_merging_keeps_the_best_nodes_of_both_trees_once_each() -> None:
 
 def flat(target: float = 0.05) -> LatencyProfile:
     tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    return LatencyProfile("synthetic", "none", "float32", 128, tokens, [target] * 9, [0.002] * 9, 256)
+    return LatencyProfile("synthetic", "none", "float32", 128, tokens, [target] * 9, 256, {"eagle": [0.002] * 9})
 
 
-class Cost:
-    def __init__(self, seconds: float, deep: bool = False):
-        self.seconds, self.deep = seconds, deep
+class Cost(Drafter):
+    def __init__(self, name: str, seconds: float, deep: bool = False):
+        self.name, self.seconds, self.deep = name, seconds, deep
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         return self.seconds * rows
 
-    def depth(self, shape: TreeShape) -> int:
+    def deepest(self, shape: TreeShape) -> int:
         return shape.nodes - 1 if self.deep else shape.levels
 
 
 def test_the_controller_runs_the_drafter_that_pays_and_probes_the_others() -> None:
-    drafters = {"eagle": Cost(0.004), "suffix": Cost(0.0, deep=True)}
-    drafters["eagle+suffix"] = MergedCost(list(drafters.values()))
+    drafters = priced([Cost("eagle", 0.004), Cost("suffix", 0.0, deep=True)])
     controller = AdaptiveController(flat(), probe_interval=2, max_probe_interval=2, drafters=drafters)
     assert {s.drafter for s in controller.shapes} == {"", "eagle", "suffix", "eagle+suffix"}
     assert controller.levels(controller.groups["suffix"][-1]) == controller.limits.n_max - 1

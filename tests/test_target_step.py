@@ -1,7 +1,7 @@
 """The target's step and the draft's expansion compiled with ``torch.compile(fullgraph=True)``
-(`fastgrpo.rollout.target_step`, `fastgrpo.speculative.eagle.drafter`): graphs without breaks, the eager step's tokens, plain
-and speculative, greedy and sampled under the same uniforms, over padded rows and bucketed extents, and the weights as
-training leaves them.
+(`fastgrpo.rollout.target_step`, `fastgrpo.speculative.eagle.drafter`): graphs without breaks, the eager step's
+tokens, plain and speculative, greedy and sampled under the same uniforms, over padded rows and bucketed extents,
+and the weights as training leaves them.
 
 Most tests compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would
 receive it, in seconds; one compiles with inductor itself."""
@@ -19,8 +19,8 @@ from fastgrpo.rollout.compiled import Compiled, row_bucket
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.head import DraftHead
 
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7], [1, 90]]  # 3 prompts x 2 generations: 6 rows, padded to 8
 MAX_NEW = 12

@@ -13,40 +13,32 @@ from conftest import save_tiny_llama
 from test_speculative import EOS, PROMPTS, tiny_model
 
 from fastgrpo.config import SpeculationConfig
-from fastgrpo.rollout.drafter import Emitted, Prefill, Proposal
+from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative import drafters
+from fastgrpo.speculative import registry
 from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
 from fastgrpo.speculative.profiler import LatencyProfile, profile_path
 
 
-class PromptTailDrafter:
+class PromptTailDrafter(Drafter):
     """Chains of ``N - 1`` tokens: what followed the pending token's last occurrence in the prompt, then the prompt's
     first tokens again (a row whose token is not in its prompt gets the prompt's last tokens)."""
 
     name = "toy"
-    learner = None
-    modules = ()
-    compile_seconds = 0.0
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
 
-    def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
-        return False
-
     def start(self, prefill: Prefill) -> None:
         self.prompts = [prefill.prompts[p] for p in prefill.row_prompt]
 
-    def depth(self, shape: TreeShape) -> int:
+    def deepest(self, shape: TreeShape) -> int:
         return shape.nodes - 1
-
-    def backlog(self) -> int:
-        return 0
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         return 1e-6 * rows
@@ -73,19 +65,23 @@ class PromptTailDrafter:
     def select(self, order: list[int], index: torch.Tensor) -> None:
         self.prompts = [self.prompts[i] for i in order]
 
-    def release(self) -> None:
-        pass
+
+class ToyPlugin(DrafterPlugin):
+    name = "toy"
+
+    def build(self, ctx: DrafterContext, saved: Path | None = None) -> Drafter:
+        return PromptTailDrafter()
 
 
 @pytest.fixture
 def toy_registered(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(drafters.BUILDERS, "toy", lambda ctx: PromptTailDrafter())
+    monkeypatch.setitem(registry.PLUGINS, "toy", ToyPlugin())
 
 
 def flat_profile(name: str) -> LatencyProfile:
     """Forwards of up to 256 tokens all cost the same: trees look cheap, so the controller's first choice is one."""
     tokens = [1, 4, 16, 64, 256]
-    return LatencyProfile(name, "cpu", "float32", 64, tokens, [0.01] * 5, [0.0001] * 5, 256)
+    return LatencyProfile(name, "cpu", "float32", 64, tokens, [0.01] * 5, 256, {"eagle": [0.0001] * 5})
 
 
 def test_the_toy_drafter_is_lossless_in_the_engine_and_accepted_on_repetitive_prompts() -> None:
@@ -138,7 +134,7 @@ def test_an_unknown_drafter_is_refused_naming_the_option(tmp_path: Path) -> None
 
     for bad in ("toy", "eagle+eagle"):
         with pytest.raises(ValueError, match="speculation.drafter must be one of"):
-            drafters.drafter_names(bad)
+            registry.drafter_names(bad)
     with pytest.raises(ValueError, match="speculation.drafter must name drafters"):
         SpeculationConfig(drafter="eagle+").validate()
     model_dir = save_tiny_llama(tmp_path / "model", seed=0, tie_word_embeddings=True)

@@ -236,7 +236,11 @@ def test_speculative_rollouts_in_training_save_the_draft(tiny_model_dir: Path, t
     assert first["spec/n_verify_mean"] == 4.0 and first["spec/draft_time"] > 0
     assert (tmp_path / "checkpoint-2" / "draft" / "draft.safetensors").is_file()
     resumed = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec, max_steps=3), resume=True)
-    for a, b in zip(resumed.rollouts.draft.parameters(), trainer.rollouts.draft.parameters(), strict=True):
+    for a, b in zip(
+        resumed.rollouts.drafter("eagle").draft.parameters(),
+        trainer.rollouts.drafter("eagle").draft.parameters(),
+        strict=True,
+    ):
         assert torch.equal(a, b)
 
 
@@ -253,7 +257,7 @@ def test_speculation_with_online_draft_learning_changes_nothing_in_training(
     # machine's timings are.
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path / "cache"))
     tokens = [1, 4, 16, 64, 256]
-    flat = LatencyProfile(str(tiny_model_dir), "cpu", "float32", 64, tokens, [0.01] * 5, [0.0001] * 5, 256)
+    flat = LatencyProfile(str(tiny_model_dir), "cpu", "float32", 64, tokens, [0.01] * 5, 256, {"eagle": [0.0001] * 5})
     flat.save(profile_path(str(tiny_model_dir), torch.device("cpu"), torch.float32))
 
     runs = {}
@@ -296,8 +300,8 @@ def test_lora_with_speculation_resumes_the_adapter_and_the_draft(tiny_model_dir:
     resumed.train()
     for (name, a), (_, b) in zip(resumed.model.named_parameters(), full.model.named_parameters(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
-    full_draft = full.rollouts.draft.state_dict()
-    for name, value in resumed.rollouts.draft.state_dict().items():
+    full_draft = full.rollouts.drafter("eagle").draft.state_dict()
+    for name, value in resumed.rollouts.drafter("eagle").draft.state_dict().items():
         torch.testing.assert_close(value, full_draft[name], msg=name)
 
 
@@ -315,12 +319,14 @@ def test_a_draft_update_moves_the_draft_and_not_the_policy(tiny_model_dir: Path,
     trainer = make_trainer(online_config(tiny_model_dir, tmp_path))
     trainer.rollout(0, trainer.prompts.rows(0))
     policy = [p.detach().clone() for p in trainer.model.parameters()]
-    draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
+    draft = [p.detach().clone() for p in trainer.rollouts.drafter("eagle").draft.parameters()]
     metrics = trainer.rollouts.learn()
     assert metrics["draft/loss"] > 0
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), policy, strict=True))
     assert all(p.grad is None for p in trainer.model.parameters()), "no gradient reaches the policy"
-    assert not all(torch.equal(a, b) for a, b in zip(trainer.rollouts.draft.parameters(), draft, strict=True))
+    assert not all(
+        torch.equal(a, b) for a, b in zip(trainer.rollouts.drafter("eagle").draft.parameters(), draft, strict=True)
+    )
 
 
 def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -328,10 +334,12 @@ def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path
     optimize, seen = trainer.update.optimize, []
 
     def checked(batch):
-        draft = [p.detach().clone() for p in trainer.rollouts.draft.parameters()]
+        draft = [p.detach().clone() for p in trainer.rollouts.drafter("eagle").draft.parameters()]
         policy = [p.detach().clone() for p in trainer.model.parameters()]
         out = optimize(batch)
-        assert all(torch.equal(a, b) for a, b in zip(trainer.rollouts.draft.parameters(), draft, strict=True))
+        assert all(
+            torch.equal(a, b) for a, b in zip(trainer.rollouts.drafter("eagle").draft.parameters(), draft, strict=True)
+        )
         assert not all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), policy, strict=True))
         seen.append(True)
         return out
@@ -348,7 +356,11 @@ def test_online_draft_state_survives_checkpoint_and_resume(tiny_model_dir: Path,
     resumed = make_trainer(online_config(tiny_model_dir, tmp_path / "cut", max_steps=4, save_steps=4), resume=True)
     assert resumed.start_step == 2
     resumed.train()
-    for a, b in zip(resumed.rollouts.draft.parameters(), full.rollouts.draft.parameters(), strict=True):
+    for a, b in zip(
+        resumed.rollouts.drafter("eagle").draft.parameters(),
+        full.rollouts.drafter("eagle").draft.parameters(),
+        strict=True,
+    ):
         torch.testing.assert_close(a, b)
     eagle = next(d for d in resumed.rollouts.drafters if d.name == "eagle")
     state = eagle.learner.trainer.optimizer.state_dict()["state"]
@@ -368,14 +380,16 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     config = online_config(tiny_model_dir, tmp_path / "vocab", max_steps=3, save_steps=2)
     config = replace(config, speculation=replace(config.speculation, draft_vocab_size=6))
     first = make_trainer(config)
-    assert first.rollouts.draft is None and first.rollouts.awaits_draft_vocab
+    assert first.rollouts.drafter("eagle") is None and [p.name for p in first.rollouts.waiting] == ["eagle"]
     _, out = first.rollout(0, first.prompts.rows(0))
     expected = frequent_tokens(out.completion_ids, 6, first.eos)
     first.close()
 
     trainer = make_trainer(config)
     history = trainer.train()
-    assert torch.equal(trainer.rollouts.draft.draft_vocab, expected) and len(expected) <= 6 + len(trainer.eos)
+    assert torch.equal(trainer.rollouts.drafter("eagle").draft.draft_vocab, expected) and len(expected) <= 6 + len(
+        trainer.eos
+    )
     assert history[0]["spec/drafter/suffix/share"] == 1.0 and "draft/loss" in history[0]
     assert all(m["spec/drafter/eagle+suffix/share"] == 1.0 for m in history[1:])
     assert all(m["spec/n_verify_mean"] == 4.0 for m in history)
@@ -383,7 +397,7 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     assert [m["reward"] for m in history] == [m["reward"] for m in plain]
 
     resumed = make_trainer(replace(config, max_steps=4), resume=True)
-    assert resumed.start_step == 3 and torch.equal(resumed.rollouts.draft.draft_vocab, expected)
+    assert resumed.start_step == 3 and torch.equal(resumed.rollouts.drafter("eagle").draft.draft_vocab, expected)
     resumed.train()
 
 

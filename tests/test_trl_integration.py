@@ -31,7 +31,7 @@ class Recorder:
     def __call__(self, prompts: list, trainer: trl.GRPOTrainer) -> dict:
         out = self.rollout(prompts, trainer)
         if self.draft_at_start is None:
-            self.draft_at_start = {k: v.clone() for k, v in self.rollout.draft.state_dict().items()}
+            self.draft_at_start = {k: v.clone() for k, v in self.rollout.drafter("eagle").draft.state_dict().items()}
         self.returned.append(out)
         return out
 
@@ -66,7 +66,7 @@ def test_trl_trains_with_fastgrpo_rollouts_and_online_draft_learning(model_dir: 
     assert {"spec/accept_length", "draft/loss", "draft/time", "rollout/tokens_per_second"} <= logged
 
     # The draft was updated, and saved with TRL's checkpoint.
-    now = rollout.draft.state_dict()
+    now = rollout.drafter("eagle").draft.state_dict()
     assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
     saved = tmp_path / "run" / "checkpoint-2" / "draft"
     assert (saved / "draft.safetensors").is_file() and (saved / "learners.pt").is_file()
@@ -98,12 +98,12 @@ def test_a_fresh_trl_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rol
 
     eos = eos_token_ids(rollout.engine.model, trainer.processing_class)
     expected = frequent_tokens(recorder.returned[0]["completion_ids"], 6, eos)
-    assert torch.equal(rollout.draft.draft_vocab, expected) and len(expected) <= 6 + len(eos)
+    assert torch.equal(rollout.drafter("eagle").draft.draft_vocab, expected) and len(expected) <= 6 + len(eos)
     logs = [e for e in trainer.state.log_history if "spec/n_verify_mean" in e]
     assert [e["spec/n_verify_mean"] for e in logs] == [4.0, 4.0]
     assert "spec/drafter/suffix/share" in logs[0] and "spec/drafter/eagle+suffix/share" in logs[1]
     assert "draft/loss" in logs[0], "the draft trains on the first rollout"
-    now = rollout.draft.state_dict()
+    now = rollout.drafter("eagle").draft.state_dict()
     assert any(not torch.equal(now[k], v) for k, v in recorder.draft_at_start.items())
 
     with pytest.raises(ValueError, match="draft_vocab_size applies to a fresh draft"):
@@ -142,7 +142,7 @@ def test_an_untested_trl_version_is_refused_with_the_range_it_needs(monkeypatch:
 def drafters_state(rollouts) -> dict:
     """The drafters' state of a `TrainingRollouts`: the EAGLE head's weights and every learner's state."""
     return {
-        "draft": {k: v.clone() for k, v in rollouts.draft.state_dict().items()},
+        "draft": {k: v.clone() for k, v in rollouts.drafter("eagle").draft.state_dict().items()},
         "learners": {d.name: copy.deepcopy(d.learner.state_dict()) for d in rollouts.drafters if d.learner},
     }
 

@@ -76,7 +76,7 @@ def main(model_dir: str, out: str) -> None:
     trainer = tiny_grpo_trainer(model_dir, out, rollout, [DraftCallback(rollout)])
     trainer.train()
     assert rollout.calls == 2 and "draft/loss" in {k for e in trainer.state.log_history for k in e}
-    rollout.draft.save(Path(out) / f"rank{os.environ['RANK']}")
+    rollout.drafter("eagle").draft.save(Path(out) / f"rank{os.environ['RANK']}")
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.drafters import drafter_names
+from fastgrpo.speculative.registry import drafter_names
 from fastgrpo.threads import ThreadGovernor
 from fastgrpo.training_rollouts import TrainingRollouts
 

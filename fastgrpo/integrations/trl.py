@@ -28,11 +28,11 @@ from packaging.version import Version
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.models import encode_prompts, eos_token_ids
 from fastgrpo.rollout.compiled import compile_backend
+from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
-from fastgrpo.speculative.drafters import drafter_names
+from fastgrpo.speculative.registry import drafter_names
 from fastgrpo.training_rollouts import TrainingRollouts
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
@@ -112,10 +112,10 @@ class SpeculativeRollout:
         """The rollout engine (None before the first rollout)."""
         return None if self.rollouts is None else self.rollouts.engine
 
-    @property
-    def draft(self) -> DraftHead | None:
-        """The draft (None before the first rollout, and with ``draft_vocab_size`` until the first rollout ended)."""
-        return None if self.rollouts is None else self.rollouts.draft
+    def drafter(self, name: str) -> Drafter | None:
+        """The drafter called ``name`` (None before the first rollout, and while it waits to be built, as a fresh
+        EAGLE head with ``draft_vocab_size`` until the first rollout ended)."""
+        return None if self.rollouts is None else self.rollouts.drafter(name)
 
     # -- TRL's hook -----------------------------------------------------------------------------------------
     def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The propose stage of an engine step: a drafter proposes a tree of candidate tokens per active row, which the
 engine's target forward verifies. This is the interface (the drafter kit); `fastgrpo.speculative` holds the drafters
-(the learned EAGLE head, the suffix drafter over earlier completions) and, in `fastgrpo.speculative.drafters`, the
-factory that builds them by name. Adding a drafter is one class with these methods plus one line in that factory.
+(the learned EAGLE head, the suffix drafter over earlier completions), each a package with the plugin that builds it
+by name (`fastgrpo.speculative.registry`).
 
 A drafter owns all of its per-row state (what it has read of each row, its caches) and narrows it in `select`
 whenever rows finish, so that its row ``i`` is always row ``i`` of the batch. A drafter reads nothing back from the
@@ -92,58 +92,55 @@ class Learner(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class Drafter(Protocol):
-    """Proposes draft trees for the engine to verify."""
+class Drafter:
+    """Proposes draft trees for the engine to verify. Every drafter implements proposing: `start`, `propose`,
+    `accepted` and `select`; the rest is optional, with defaults for a drafter that keeps nothing between calls, has
+    no network, does not learn and costs nothing worth pricing.
 
-    name: str
-    learner: Learner | None  # None: it does not learn online
+    Pricing (`cost`, `deepest`, `backlog`) is what the adaptive controller asks of a drafter."""
 
-    @property
-    def modules(self) -> tuple[nn.Module, ...]:
-        """The drafter's networks: the engine runs them with its rollout attention and linear routes during a call."""
-        ...
+    name: str = ""
+    learner: Learner | None = None  # None: it does not learn online
+    modules: tuple[nn.Module, ...] = ()  # its networks: the engine runs them with its attention and linear routes
+    compile_seconds: float = 0.0  # wall time its proposals spent compiling graphs so far
 
-    @property
-    def compile_seconds(self) -> float:
-        """Wall time its proposals spent compiling graphs so far (0 when it runs eagerly)."""
-        ...
-
+    # -- proposing ------------------------------------------------------------------------------------------------
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """A generation call of up to ``rows`` rows of ``length`` tokens starts (trees no larger than ``bound``);
         returns whether what it drafts from changed since the previous call (its measured acceptance is then out of
         date)."""
-        ...
+        return False
 
     def start(self, prefill: Prefill) -> None:
         """Set up the per-row state of a call's rows after the prefill."""
-        ...
-
-    def depth(self, shape: TreeShape) -> int:
-        """The deepest node its trees of ``shape`` may hold (their ``levels``)."""
-        ...
-
-    def backlog(self) -> int:
-        """The most tokens a row has emitted that the drafter has not read yet (a tree would read them first)."""
-        ...
-
-    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-        """Predicted seconds to propose trees of ``shape`` for ``rows`` rows, after reading ``backlog`` pending
-        tokens per row: measured or modelled by the drafter."""
-        ...
+        raise NotImplementedError
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """A tree of ``shape`` for every active row, rooted at the row's pending token, with node scores."""
-        ...
+        raise NotImplementedError
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         """A step emitted ``emitted`` (called before the rows' sequences are appended to)."""
-        ...
+        raise NotImplementedError
 
     def select(self, order: list[int], index: torch.Tensor) -> None:
         """Rows finished: row ``i`` of the drafter's state becomes its row ``order[i]`` (``index``: ``order`` on the
         device)."""
-        ...
+        raise NotImplementedError
 
     def release(self) -> None:
         """Free the caches kept between calls (the next `begin` allocates them again)."""
-        ...
+
+    # -- pricing --------------------------------------------------------------------------------------------------
+    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        """Predicted seconds to propose trees of ``shape`` for ``rows`` rows, after reading ``backlog`` pending
+        tokens per row."""
+        return 0.0
+
+    def deepest(self, shape: TreeShape) -> int:
+        """The deepest node its trees of ``shape`` may hold."""
+        return shape.levels
+
+    def backlog(self) -> int:
+        """The most tokens a row has emitted that the drafter has not read yet (a tree would read them first)."""
+        return 0

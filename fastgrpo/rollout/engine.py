@@ -79,9 +79,9 @@ class RolloutEngine:
         model: the policy; its weights are used as they are (no copy).
         eos_token_ids: ids that end a completion.
         tokenizer: needed only for stop strings.
-        drafter: proposes draft trees for speculative steps (None: autoregressive only), for example
-            `fastgrpo.speculative.eagle.drafter.EagleDrafter`; or a list of drafters, of which the controller picks one (or
-            several, whose trees are merged) at every step by their names (`TreeShape.drafter`).
+        drafter: proposes draft trees for speculative steps (None: autoregressive only; see
+            `fastgrpo.rollout.drafter`), or a list of drafters, of which the controller picks one (or all, their trees
+            merged) at every step by their names (`TreeShape.drafter`).
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
         controller: instead of ``tree``, chooses each step's shape (and drafter) from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
@@ -136,17 +136,17 @@ class RolloutEngine:
         if len(set(names)) != len(names):
             raise ValueError(f"drafters need distinct names, got {names}")
         self.drafters, self.controller = {d.name: d for d in drafters}, controller
+        # who may draft a tree: each drafter, and all of them merged (``eagle+suffix``); ``""``: the only drafter
+        self.teams = {name: [d] for name, d in self.drafters.items()} | {"+".join(names): drafters}
+        if len(drafters) == 1:
+            self.teams[""] = drafters
 
     def _drafters_of(self, shape: TreeShape) -> list[Drafter]:
-        """The drafters that propose ``shape``'s tree (its ``drafter`` names; ``""``: the engine's only one)."""
-        if not shape.drafter:
-            if len(self.drafters) != 1:
-                raise ValueError(f"a tree shape must name one of the drafters {list(self.drafters)}, got {shape}")
-            return list(self.drafters.values())
+        """The drafters that propose ``shape``'s tree (`TreeShape.drafter`)."""
         try:
-            return [self.drafters[name] for name in shape.drafter.split("+")]
-        except KeyError as e:
-            raise ValueError(f"no drafter {e} among {list(self.drafters)} (tree shape {shape})") from None
+            return self.teams[shape.drafter]
+        except KeyError:
+            raise ValueError(f"tree shape {shape} names none of the drafters {list(self.teams)}") from None
 
     @property
     def device(self) -> torch.device:
@@ -357,6 +357,8 @@ class RolloutEngine:
         if host.depth is not None:
             stats.record_depths(host.depth, accepted)
             stats.record_drafter(shape.drafter or next(iter(self.drafters)), accepted)
+            for drafter in self._drafters_of(shape):
+                stats.drafter_trees[drafter.name] = stats.drafter_trees.get(drafter.name, 0) + 1
         emitted_before = stats.tokens_emitted
         rows.lengths = [length + n for length, n in zip(rows.lengths, host.count, strict=True)]
         remaining = self._append(rows, verified, host, call)

@@ -27,6 +27,7 @@ class GenerationStats:
     drafter_steps: dict[str, int] = field(default_factory=dict)  # per drafter (or merged drafters): steps it drafted
     drafter_rows: dict[str, int] = field(default_factory=dict)  # ... the rows of those steps
     drafter_accepted: dict[str, int] = field(default_factory=dict)  # ... and the draft tokens they accepted
+    drafter_trees: dict[str, int] = field(default_factory=dict)  # per drafter: steps it drafted, alone or merged
 
     @property
     def total_time(self) -> float:

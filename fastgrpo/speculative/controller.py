@@ -1,7 +1,7 @@
 """The controllers that size each decoding step's draft tree from the live number of active rows (the interface,
 `Controller`, and the fixed `StaticController` are the engine's, in `fastgrpo.rollout.scheduling`).
 
-- `CapacityController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
+- `PaperController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
   ``K = min(N - 1, K_max)``, ``L = clamp(floor(log2(N / alpha)), L_min, L_max)``.
 - `AdaptiveController`: the shape (and the drafter) of the highest predicted goodput (expected tokens per row over
   predicted step time), from live acceptance statistics per drafter, the drafters' own costs and a latency profile it
@@ -14,33 +14,35 @@ import bisect
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from fastgrpo.config import ControllerLimits, SpeculationConfig
+from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StatelessController, StaticController
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.profiler import LatencyProfile, neural_draft_seconds
+from fastgrpo.speculative.profiler import LatencyProfile
 
 
-class DraftCost(Protocol):
-    """What the adaptive controller asks of a drafter (`fastgrpo.rollout.drafter.Drafter` has both)."""
+class MergedDrafters(Drafter):
+    """The pricing of several drafters whose trees are merged into one: each proposes a tree of the shape."""
 
-    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float: ...
-
-    def depth(self, shape: TreeShape) -> int: ...
-
-
-@dataclass
-class MergedCost:
-    """Several drafters whose trees are merged into one: each proposes a tree of the shape."""
-
-    parts: list[DraftCost]
+    def __init__(self, parts: list[Drafter]):
+        self.parts = parts
+        self.name = "+".join(p.name for p in parts)
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         return sum(p.cost(rows, shape, backlog) for p in self.parts)
 
-    def depth(self, shape: TreeShape) -> int:
-        return max(p.depth(shape) for p in self.parts)
+    def deepest(self, shape: TreeShape) -> int:
+        return max(p.deepest(shape) for p in self.parts)
+
+
+def priced(drafters: list[Drafter]) -> dict[str, Drafter]:
+    """What the adaptive controller chooses among, by name: each drafter and, with several, their merged trees."""
+    named = {d.name: d for d in drafters}
+    if len(drafters) > 1:
+        merged = MergedDrafters(drafters)
+        named[merged.name] = merged
+    return named
 
 
 def shape_for(limits: ControllerLimits, n_verify: int, drafter: str = "") -> TreeShape:
@@ -59,7 +61,7 @@ def largest_shape(limits: ControllerLimits) -> TreeShape:
 
 
 @dataclass
-class CapacityController(StatelessController):
+class PaperController(StatelessController):
     """FastGRPO's concurrency-aware rule: ``N_verify = C_peak // B`` tokens per row, recomputed every step."""
 
     c_peak: int
@@ -84,8 +86,8 @@ class AdaptiveController:
     """Maximises predicted goodput at every step.
 
     Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``, for each of
-    ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name; none: the engine's only
-    drafter, priced as a neural draft by the profile). Every drafter has acceptance statistics of its own. For each:
+    ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name: `priced`). Every drafter
+    has acceptance statistics of its own. For each:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
       an exponential moving average per shape. Every verification updates the shape that ran and every smaller
@@ -97,7 +99,7 @@ class AdaptiveController:
       as much as ``prior_rows`` observed rows, so that the first step, often of one or two rows, does not replace
       it);
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
-      `DraftCost.cost`; a neural draft: ``L`` draft levels over ``B * K`` tokens), times a correction factor:
+      `Drafter.cost`), times a correction factor:
       observed over profiled step time, averaged separately for autoregressive steps and each drafter's and for
       each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
@@ -125,13 +127,15 @@ class AdaptiveController:
     prior_rows: int = 2
     probe_interval: int = 16
     max_probe_interval: int = 256
-    drafters: dict[str, DraftCost] = field(default_factory=dict)
+    drafters: dict[str, Drafter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.limits.validate()
+        if not self.drafters:
+            raise ValueError("the adaptive controller needs the drafters whose trees it prices")
         ns = sorted({*[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
         ns = sorted({*ns, self.limits.n_max} - {1})
-        self.names = list(self.drafters) or [""]
+        self.names = list(self.drafters)
         self.groups = {name: [shape_for(self.limits, n, name) for n in ns] for name in self.names}
         self.shapes = [AUTOREGRESSIVE] + [s for group in self.groups.values() for s in group]
         self.depth_cap = max(self.levels(s) for s in self.shapes)
@@ -150,20 +154,12 @@ class AdaptiveController:
         self._stale: set[str] = set()  # drafters not measured since a draft changed (see `begin`)
 
     def levels(self, shape: TreeShape) -> int:
-        """How deep the tree of ``shape`` may go (its drafter's `DraftCost.depth`)."""
-        if not shape.speculative:
-            return 0
-        drafter = self.drafters.get(shape.drafter)
-        return shape.levels if drafter is None else drafter.depth(shape)
+        """How deep the tree of ``shape`` may go (its drafter's `Drafter.deepest`)."""
+        return self.drafters[shape.drafter].deepest(shape) if shape.speculative else 0
 
     def draft_seconds(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-        """Predicted seconds to draft ``shape`` for ``rows`` rows (its drafter's `DraftCost.cost`)."""
-        if not shape.speculative:
-            return 0.0
-        drafter = self.drafters.get(shape.drafter)
-        if drafter is None:
-            return neural_draft_seconds(self.profile, rows, shape, backlog)
-        return drafter.cost(rows, shape, backlog)
+        """Predicted seconds to draft ``shape`` for ``rows`` rows (its drafter's `Drafter.cost`)."""
+        return self.drafters[shape.drafter].cost(rows, shape, backlog) if shape.speculative else 0.0
 
     @property
     def max_shape(self) -> TreeShape:
@@ -364,16 +360,17 @@ class AdaptiveController:
 
 
 def controller_from_config(
-    spec: SpeculationConfig, profile: LatencyProfile | None, drafters: dict[str, DraftCost]
+    spec: SpeculationConfig, profile: LatencyProfile | None, drafters: list[Drafter]
 ) -> Controller:
-    """The controller a ``speculation`` config section asks for (its mode must not be ``off``): ``profile`` (needed by
-    ``adaptive`` and by ``paper`` with ``c_peak: auto``) prices the target's forwards as the engine runs them;
-    ``drafters`` the drafters by name, ``spec.drafter`` and, with merged drafters (``eagle+suffix``), each part."""
+    """The controller a ``speculation`` config section asks for (its mode must not be ``off``) over the ``drafters``
+    built: ``profile`` (needed by ``adaptive`` and by ``paper`` with ``c_peak: auto``) prices the target's forwards as
+    the engine runs them. ``static`` and ``paper`` trees merge the trees of every drafter."""
+    merged = "+".join(d.name for d in drafters)
     if spec.mode == "static":
-        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth, spec.drafter))
+        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth, merged))
     limits = spec.limits()
     if spec.mode == "paper":
-        return CapacityController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits, spec.drafter)
+        return PaperController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits, merged)
     if spec.mode == "adaptive":
-        return AdaptiveController(profile, limits, drafters=drafters)
+        return AdaptiveController(profile, limits, drafters=priced(drafters))
     raise ValueError(f"speculation.mode {spec.mode!r} has no controller")

@@ -1,8 +1,9 @@
 """Measures what a forward costs on the hardware at hand, as a function of the tokens in it.
 
 The target curve times one decoder forward plus LM head over ``t`` rows of one token each, every row reading a
-context of about ``context_length`` cached tokens (ragged, as in a rollout, so the masked attention path runs). The
-draft curve times one draft tree level over ``t`` tokens (one draft layer plus its LM head and top-k). The
+context of about ``context_length`` cached tokens (ragged, as in a rollout, so the masked attention path runs). A
+drafter whose plugin gives a `CostProbe` (the EAGLE head: one draft tree level) gets a curve of its own, timed over
+``t`` tokens alike; a drafter without one (the suffix drafter) prices itself and is not in the profile. The
 verification capacity ``C_peak`` is the knee of the target curve: the token count up to which the latency stays
 flat, beyond which it grows in proportion to the tokens.
 
@@ -16,7 +17,8 @@ With ``compile`` (a ``torch.compile`` backend, as the engine runs its steps with
 controller prices the steps the engine runs.
 
 Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (`fastgrpo.machine.device_key`),
-dtype, whether the forwards were compiled and `PROFILE_VERSION`, and reused.
+dtype, whether the forwards were compiled and `PROFILE_VERSION`, and reused; a drafter a saved profile lacks is
+timed and added to it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from fastgrpo.machine import device_key, file_key, write_atomically
@@ -39,24 +42,41 @@ from fastgrpo.models import cache_root
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled
-from fastgrpo.rollout.forward import decoder_and_head, forward_block, forward_chain
+from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.linear import rollout_linears
-from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.eagle.head import DraftHead
 
 DEFAULT_TOKENS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 CALIBRATION_TOKENS = (1, 4, 16, 64)
 TREE_NODES = (2, 4, 8, 16, 32, 64)
-# Part of every saved profile's name: raised when the rollout's kernels change what a forward costs, or the profile
-# what it holds, so that older profiles are not reused (2: oneDNN linear layers past four rows on CPU; 3: the grid of
-# rows by tokens per row).
-PROFILE_VERSION = 3
+# Part of every saved profile's name: raised when what a forward costs or what a profile holds changes, so that a
+# profile of another kind is not reused.
+PROFILE_VERSION = 4
+
+
+@dataclass
+class CostProbe:
+    """What the profile times of a drafter: ``calls[i]`` runs one unit of its proposals over ``tokens[i]`` tokens
+    (the token counts the probe was made for), on the target's device; ``modules`` are its networks, run with the
+    rollout's attention and linear routes as the engine runs them."""
+
+    calls: list[Callable[[], object]]
+    modules: tuple[nn.Module, ...] = ()
+
+
+# (token counts, context length, drafters already profiled) -> the other drafters' probes by name
+ProbeFactory = Callable[[tuple[int, ...], int, set[str]], dict[str, CostProbe]]
+
+
+def no_probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
+    """The `ProbeFactory` of a run that prices no drafter from the profile."""
+    return {}
 
 
 @dataclass
 class LatencyProfile:
-    """Median seconds of one target forward (``target_seconds``) and of one draft level (``draft_seconds``) at each
-    token count in ``tokens`` (one token per row); ``c_peak`` is the knee of the target curve. ``tree_seconds[i][j]``
+    """Median seconds of one target forward (``target_seconds``) and of one unit of each profiled drafter's proposals
+    (``drafter_seconds``, by drafter name: see `CostProbe`) at each token count in ``tokens`` (one token per row);
+    ``c_peak`` is the knee of the target curve. ``tree_seconds[i][j]``
     is a target forward over ``tree_rows[i]`` rows of ``tree_nodes[j]`` tokens each (None where that grid point was
     not measured); a profile without the grid prices ``B`` rows of ``N`` tokens as ``B * N`` rows of one."""
 
@@ -66,8 +86,8 @@ class LatencyProfile:
     context_length: int
     tokens: list[int]
     target_seconds: list[float]
-    draft_seconds: list[float]
     c_peak: int
+    drafter_seconds: dict[str, list[float]] = field(default_factory=dict)
     tree_rows: list[int] = field(default_factory=list)
     tree_nodes: list[int] = field(default_factory=list)
     tree_seconds: list[list[float | None]] = field(default_factory=list)
@@ -108,9 +128,9 @@ class LatencyProfile:
         ys = [self.target_time(rows)] + [s for _, s in measured]
         return interpolate(xs, ys, nodes)
 
-    def draft_time(self, tokens: float) -> float:
-        """Predicted seconds of one draft level over ``tokens`` tokens."""
-        return interpolate(self.tokens, self.draft_seconds, tokens)
+    def drafter_time(self, name: str, tokens: float) -> float:
+        """Predicted seconds of one unit of drafter ``name``'s proposals over ``tokens`` tokens."""
+        return interpolate(self.tokens, self.drafter_seconds[name], tokens)
 
     def save(self, path: str | Path) -> Path:
         """Write the profile as JSON (atomically)."""
@@ -119,17 +139,6 @@ class LatencyProfile:
     @classmethod
     def load(cls, path: str | Path) -> LatencyProfile:
         return cls(**json.loads(Path(path).read_text()))
-
-
-def neural_draft_seconds(profile: LatencyProfile, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-    """Predicted seconds of a neural draft's tree of ``shape`` over ``rows`` rows: one draft level over ``rows * K``
-    tokens per level, plus reading ``backlog`` pending tokens per row beyond the one a tree always reads."""
-    if not shape.speculative:
-        return 0.0
-    seconds = shape.levels * profile.draft_time(rows * shape.top_k)
-    if backlog > 1:
-        seconds += profile.draft_time(rows * backlog) - profile.draft_time(rows)
-    return seconds
 
 
 def interpolate(xs: list[int], ys: list[float], x: float) -> float:
@@ -210,82 +219,74 @@ def interleaved_medians(
 @torch.inference_mode()
 def measure(
     model: PreTrainedModel,
-    draft: DraftHead | None,
     model_name: str,
+    probes: ProbeFactory = no_probes,
     tokens: tuple[int, ...] = DEFAULT_TOKENS,
     context_length: int = 256,
     repeats: int = 5,
-    top_k: int = 4,
     progress: bool = False,
     compile: str | None = None,
 ) -> LatencyProfile:
-    """Time target forwards and draft levels at each token count; returns the profile with its knee.
+    """Time target forwards and the ``probes``' drafters at each token count; returns the profile with its knee.
 
-    Without a draft, a fresh (untrained) draft head of the model's architecture is timed: its cost does not depend
-    on its weights. With ``compile``, the forwards run compiled by that ``torch.compile`` backend. The model is left
-    in the training mode it had."""
-    if not tokens or min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
-        raise ValueError(f"token counts must be increasing positive integers, got {tokens}")
-    if context_length < 2:
-        raise ValueError(f"context_length must be >= 2, got {context_length}")
-    param = next(model.parameters())
-    dev = param.device
-    if draft is None:
-        draft = DraftHead(model.config, model_name).to(device=dev, dtype=param.dtype).eval()
+    With ``compile``, the forwards run compiled by that ``torch.compile`` backend. The model is left in the training
+    mode it had."""
+    _check(tokens, context_length)
     was_training = model.training
     model.eval()
     try:
-        return _measure(model, draft, model_name, tokens, context_length, repeats, top_k, progress, compile)
+        return _measure(
+            model, model_name, probes(tokens, context_length, set()), tokens, context_length, repeats, progress, compile
+        )
     finally:
         model.train(was_training)
 
 
+def _check(tokens: tuple[int, ...], context_length: int) -> None:
+    if not tokens or min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
+        raise ValueError(f"token counts must be increasing positive integers, got {tokens}")
+    if context_length < 2:
+        raise ValueError(f"context_length must be >= 2, got {context_length}")
+
+
 def _measure(
     model: PreTrainedModel,
-    draft: DraftHead,
     model_name: str,
+    probes: dict[str, CostProbe],
     tokens: tuple[int, ...],
     context_length: int,
     repeats: int,
-    top_k: int,
     progress: bool,
     compile: str | None,
 ) -> LatencyProfile:
     param = next(model.parameters())
     dev = param.device
     decoder, head = decoder_and_head(model)
-    embed = model.get_input_embeddings()
     rows = max(tokens)
     grid_rows = [r for r in tokens if r & (r - 1) == 0]
     grid = [(r, n) for r in grid_rows for n in TREE_NODES if r * n <= rows]
     compiled = compile is not None
     cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev, compiled)
-    draft_cache = RowCache(draft.body.config, rows, context_length + 2, param.dtype, dev, compiled)
-    target, level = partial(Compiled(_target_forward, compile), dev), partial(Compiled(_draft_level, compile), dev)
+    target = partial(Compiled(_target_forward, compile), dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
-    target_fns, draft_fns = [], []
+    target_fns = []
     for t in tokens:
-        # ragged: the masked path runs
-        base = context_length - torch.randint(0, 2, (t,), generator=gen, device="cpu").to(dev)
+        base = context_length - torch.randint(0, 2, (t,), generator=gen, device="cpu").to(dev)  # ragged: masked path
         ids = torch.randint(0, vocab, (t, 1), generator=gen, device="cpu").to(dev)
-        block = (
-            base,
-            torch.zeros(1, dtype=torch.long, device=dev),
-            base[:, None],
-            torch.ones(1, 1, dtype=torch.bool, device=dev),
-        )
         target_fns.append(partial(target, decoder, head, cache, base, ids, context_length + 1))
-        draft_fns.append(partial(level, draft, draft_cache, embed(ids), block, head, top_k, context_length + 1))
     tree_fns = []
     for r, n in grid:
         base = context_length - torch.randint(0, 2, (r,), generator=gen, device="cpu").to(dev)
         ids = torch.randint(0, vocab, (r, n), generator=gen, device="cpu").to(dev)
         tree_fns.append(partial(target, decoder, head, cache, base, ids, context_length + n))
-    with rollout_attention(model, draft.decoder), nullcontext() if compiled else rollout_linears(model, draft):
-        seconds = interleaved_medians(target_fns + draft_fns + tree_fns, repeats, dev, progress)
-    target_s, draft_s = seconds[: len(tokens)], seconds[len(tokens) : 2 * len(tokens)]
-    measured = dict(zip(grid, seconds[2 * len(tokens) :], strict=True))
+    drafter_fns = [fn for probe in probes.values() for fn in probe.calls]
+    modules = tuple(m for probe in probes.values() for m in probe.modules)
+    with rollout_attention(model, *modules), nullcontext() if compiled else rollout_linears(model, *modules):
+        seconds = interleaved_medians(target_fns + tree_fns + drafter_fns, repeats, dev, progress)
+    target_s = seconds[: len(tokens)]
+    measured = dict(zip(grid, seconds[len(tokens) : len(tokens) + len(grid)], strict=True))
+    drafter_s = seconds[len(tokens) + len(grid) :]
     return LatencyProfile(
         model=model_name,
         device=device_key(dev),
@@ -293,12 +294,17 @@ def _measure(
         context_length=context_length,
         tokens=list(tokens),
         target_seconds=target_s,
-        draft_seconds=draft_s,
         c_peak=find_knee(list(tokens), target_s),
+        drafter_seconds=_split(drafter_s, probes, len(tokens)),
         tree_rows=grid_rows,
         tree_nodes=list(TREE_NODES),
         tree_seconds=[[measured.get((r, n)) for n in TREE_NODES] for r in grid_rows],
     )
+
+
+def _split(seconds: list[float], probes: dict[str, CostProbe], count: int) -> dict[str, list[float]]:
+    """The probes' timings, ``count`` per probe in order, by drafter name."""
+    return {name: seconds[i * count : (i + 1) * count] for i, name in enumerate(probes)}
 
 
 def _target_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: torch.Tensor, extent: int) -> torch.Tensor:
@@ -307,33 +313,49 @@ def _target_forward(decoder, head, cache: RowCache, base: torch.Tensor, ids: tor
     return head(forward_chain(decoder, cache, base, input_ids=ids, extent=extent))
 
 
-def _draft_level(
-    draft: DraftHead, cache: RowCache, embeds: torch.Tensor, block: tuple, head, top_k: int, extent: int
-) -> torch.Tensor:
-    """One draft tree level: features, the draft layer, its LM head and the top-k, over ``[t, 1]`` tokens."""
-    x = draft.features(embeds, torch.zeros_like(embeds))
-    out = forward_block(draft.decoder, cache, *block, inputs_embeds=x, extent=extent)
-    return torch.log_softmax(draft.logits(out, head).float(), dim=-1).topk(top_k, dim=-1).values
+@torch.inference_mode()
+def add_drafters(
+    profile: LatencyProfile,
+    model: PreTrainedModel,
+    probes: ProbeFactory,
+    compile: str | None = None,
+    repeats: int = 2,
+) -> list[str]:
+    """Time the drafters of ``probes`` that ``profile`` lacks, at its token counts and context length (compiled by
+    ``compile`` as the profile's forwards were), into it; returns their names."""
+    made = probes(tuple(profile.tokens), profile.context_length, set(profile.drafter_seconds))
+    if not made:
+        return []
+    dev = next(model.parameters()).device
+    modules = tuple(m for probe in made.values() for m in probe.modules)
+    linears = nullcontext() if compile is not None else rollout_linears(model, *modules)
+    with rollout_attention(model, *modules), linears:
+        seconds = interleaved_medians([fn for probe in made.values() for fn in probe.calls], repeats, dev, False)
+    profile.drafter_seconds |= _split(seconds, made, len(profile.tokens))
+    return list(made)
 
 
 def calibrate(
-    model: PreTrainedModel, draft: DraftHead | None, model_name: str, compile: str | None = None
+    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, compile: str | None = None
 ) -> LatencyProfile:
     """A short profile of a few forwards, for a first run with no saved profile (the adaptive controller corrects
     it online from the step times it observes)."""
-    return measure(model, draft, model_name, CALIBRATION_TOKENS, context_length=128, repeats=2, compile=compile)
+    return measure(model, model_name, probes, CALIBRATION_TOKENS, context_length=128, repeats=2, compile=compile)
 
 
 def load_or_calibrate(
-    model: PreTrainedModel, draft: DraftHead | None, model_name: str, compile: str | None = None
+    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, compile: str | None = None
 ) -> LatencyProfile:
-    """The saved profile of this model, device and dtype (and ``compile`` backend) when there is one, else a short
-    calibration, which is saved there so that the next run on this machine starts at once (`fastgrpo profile`
-    replaces it)."""
+    """The saved profile of this model, device and dtype (and ``compile`` backend) when there is one, with the
+    drafters of ``probes`` it lacks timed into it; else a short calibration. Either is saved there, so that the next
+    run on this machine starts at once (`fastgrpo profile` replaces it)."""
     param = next(model.parameters())
     path = profile_path(model_name, param.device, param.dtype, compile=compile)
     if path.is_file():
-        return LatencyProfile.load(path)
-    profile = calibrate(model, draft, model_name, compile)
+        profile = LatencyProfile.load(path)
+        if add_drafters(profile, model, probes, compile):
+            profile.save(path)
+        return profile
+    profile = calibrate(model, model_name, probes, compile)
     profile.save(path)
     return profile

@@ -14,18 +14,40 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled, extent_bucket
-from fastgrpo.rollout.drafter import Emitted, Learner, Prefill, Proposal
+from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.speculative.eagle.head import DraftHead
-from fastgrpo.speculative.profiler import LatencyProfile, neural_draft_seconds
+from fastgrpo.speculative.profiler import LatencyProfile
+
+NAME = "eagle"
+
+
+@dataclass
+class EagleCost:
+    """What the EAGLE head's trees cost, from the latency profile's timing of one draft level (`CostProbe` of
+    `fastgrpo.speculative.eagle.plugin.EaglePlugin`): a tree of ``shape`` over ``rows`` rows runs one level over
+    ``rows * K`` tokens per level, plus reading ``backlog`` pending tokens per row beyond the one a tree always
+    reads."""
+
+    profile: LatencyProfile
+
+    def __call__(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
+        if not shape.speculative:
+            return 0.0
+        level = partial(self.profile.drafter_time, NAME)
+        seconds = shape.levels * level(rows * shape.top_k)
+        if backlog > 1:
+            seconds += level(rows * backlog) - level(rows)
+        return seconds
 
 
 @dataclass
@@ -72,13 +94,13 @@ class PendingPairs:
         self.count = self.count + count
 
 
-class EagleDrafter:
+class EagleDrafter(Drafter):
     """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with
     ``compile`` (a ``torch.compile`` backend) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
     draft-cache extents rounded up to a bucket. ``profile`` (the latency profile of the draft's forwards) prices its
     trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.eagle.training.EagleLearner`)."""
 
-    name = "eagle"
+    name = NAME
 
     def __init__(
         self,
@@ -90,7 +112,7 @@ class EagleDrafter:
     ):
         self.draft = draft
         self.model = model
-        self.profile = profile
+        self.price = None if profile is None else EagleCost(profile)
         self.learner = learner
         self.cache: RowCache | None = None
         self.state: PendingPairs | None = None  # the rows of the current call
@@ -106,11 +128,16 @@ class EagleDrafter:
     def modules(self) -> tuple[nn.Module, ...]:
         return (self.draft,)
 
+    @staticmethod
+    def cache_slots(length: int, bound: TreeShape) -> int:
+        """Draft cache slots per row for a call of ``length`` tokens: room for the context, a catch-up block as long
+        as the longest row's pending pairs, and a tree no larger than ``bound``."""
+        return 2 * length + bound.depth * bound.top_k
+
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
-        """Size the draft cache: room for the context, a catch-up block as long as the longest row's pending pairs,
-        and a tree. The weights changed when an optimizer step or a load wrote them in place, which bumps each
-        tensor's version counter."""
-        need = 2 * length + bound.depth * bound.top_k
+        """Size the draft cache (`cache_slots`). The weights changed when an optimizer step or a load wrote them in
+        place, which bumps each tensor's version counter."""
+        need = self.cache_slots(length, bound)
         if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < need:
             self.cache = None
             param = next(self.model.parameters())
@@ -137,15 +164,12 @@ class EagleDrafter:
         first = prefill.first
         self.state.push(first[:, None], prefill.first_hidden[:, None], torch.ones_like(first), [1] * n)
 
-    def depth(self, shape: TreeShape) -> int:
-        return shape.levels
-
     def backlog(self) -> int:
         return max(self.state.counts)
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         """The profiled draft forwards: the tree's levels, and the catch-up beyond one token per row."""
-        return 0.0 if self.profile is None else neural_draft_seconds(self.profile, rows, shape, backlog)
+        return 0.0 if self.price is None else self.price(rows, shape, backlog)
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         self.state.push(emitted.tokens, emitted.hidden, emitted.count, emitted.counts)

@@ -241,7 +241,7 @@ class DraftTrainer:
         Returns `DraftFit.metrics` with ``draft/trained_share`` and ``draft/tree_share``, which say why."""
         t0 = time.perf_counter()
         steps = sum(len(stats.concurrency) for stats in rollouts)
-        trees = sum(n for stats in rollouts for name, n in stats.drafter_steps.items() if drafter in name.split("+"))
+        trees = sum(stats.drafter_trees.get(drafter, 0) for stats in rollouts)
         tree_share = max(distributed.gather(trees / max(steps, 1)))
         samples, share = budget_samples(samples, tree_share, self.config.min_share)
         fit = self.fit(samples)

@@ -1,0 +1,1 @@
+"""The suffix drafter: trees from earlier completions of the same prompt (`drafter`) and its plugin (`plugin`)."""

@@ -22,9 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
-from fastgrpo.rollout.drafter import Emitted, Prefill, Proposal, Rollout
+from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal, Rollout
 from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
@@ -209,13 +208,11 @@ class SuffixMemory:
             mem.last_used = last_used
 
 
-class SuffixDrafter:
+class SuffixDrafter(Drafter):
     """Drafts trees of up to ``max_depth`` levels from each row's `PromptMemory` (see the module); the memory of
     earlier completions, its `learner`, holds at most ``memory_tokens`` tokens."""
 
     name = "suffix"
-    modules: tuple[nn.Module, ...] = ()
-    compile_seconds = 0.0
 
     def __init__(self, memory_tokens: int = DEFAULT_MEMORY_TOKENS, max_depth: int = 16):
         self.learner = SuffixMemory(memory_tokens)
@@ -239,11 +236,8 @@ class SuffixDrafter:
         self.learner.rows = list(self.rows)
         self.learner.evict()
 
-    def depth(self, shape: TreeShape) -> int:
+    def deepest(self, shape: TreeShape) -> int:
         return min(shape.nodes - 1, self.max_depth)
-
-    def backlog(self) -> int:
-        return 0
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         return self.row_seconds * rows
@@ -258,13 +252,10 @@ class SuffixDrafter:
                 row.catch_up()
         self.rows = [self.rows[i] for i in order]
 
-    def release(self) -> None:
-        pass
-
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Per row, a trie of the continuations of its longest matches; the best ``N - 1`` nodes by weight."""
         t0 = time.perf_counter()
-        n, depth = shape.nodes, self.depth(shape)
+        n, depth = shape.nodes, self.deepest(shape)
         deepest = 1
         ints: list[int] = []
         scores: list[float] = []

@@ -1,0 +1,86 @@
+"""What a drafter kind supplies besides its `fastgrpo.rollout.drafter.Drafter`. Each drafter is a package whose
+`DrafterPlugin` says everything about it that a run needs besides proposing trees: how to build it, how to save and
+load its own files, what its proposals cost (timed into the latency profile) and how much memory it takes.
+`fastgrpo.training_rollouts`, the latency profile, the controller and the memory plan loop over the plugins of the
+drafters named and name none. A new drafter is a `fastgrpo.rollout.drafter.Drafter` and a
+plugin registered with `fastgrpo.speculative.registry.register_drafter`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from transformers import PreTrainedModel
+
+from fastgrpo.config import DraftTrainConfig, SpeculationConfig
+from fastgrpo.rollout.drafter import Drafter
+from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
+
+if TYPE_CHECKING:
+    from fastgrpo.config import GRPOConfig
+    from fastgrpo.memory.items import MemoryItem
+    from fastgrpo.memory.shapes import ModelShape
+
+
+@dataclass
+class DrafterContext:
+    """What a drafter is built from: the target ``model`` (``model_name`` names it, ``eos_token_ids`` end its
+    completions), the run's ``seed`` (a fresh network starts from it), the ``compile`` backend of the engine's steps
+    (None: eager), the latency ``profile`` (None when no controller needs one), the run's options, and ``rollout``:
+    the latest rollout (None before the first), from which a drafter that waits for data (as a fresh EAGLE head for
+    its vocabulary) is built."""
+
+    model: PreTrainedModel
+    model_name: str
+    eos_token_ids: list[int]
+    seed: int
+    compile: str | None
+    profile: LatencyProfile | None
+    speculation: SpeculationConfig
+    draft_training: DraftTrainConfig
+    rollout: GenerationOutput | None = None
+
+
+class DrafterPlugin:
+    """One drafter kind. ``build`` is all a plugin must do; the rest is optional.
+
+    ``captures_hidden``: its drafters learn from the target's hidden states of the rollouts (the engine captures
+    them while one of the drafters named is built or waits to be)."""
+
+    name: str = ""
+    captures_hidden: bool = False
+
+    def build(self, ctx: DrafterContext, saved: Path | None = None) -> Drafter | None:
+        """A drafter for the run, from the files `save` wrote in ``saved`` when given (and there); None while it
+        cannot be built yet (`TrainingRollouts` tries again after every rollout, with ``ctx.rollout`` set)."""
+        raise NotImplementedError
+
+    def saved_in(self, directory: Path) -> bool:
+        """Whether ``directory`` holds what `save` writes (the drafter is then rebuilt from it on a restore)."""
+        return False
+
+    def save(self, drafter: Drafter, directory: Path) -> None:
+        """Write the drafter's own files (a network's weights, say) into ``directory``; its learner's state is saved
+        beside them by the caller."""
+
+    def cost_probe(
+        self,
+        model: PreTrainedModel,
+        tokens: tuple[int, ...],
+        context_length: int,
+        compile: str | None,
+        saved: Path | None = None,
+    ) -> CostProbe | None:
+        """What the latency profile times of this drafter at each of ``tokens`` over contexts of ``context_length``
+        tokens, compiled by ``compile`` as the engine would run it, for the drafter `build` makes from ``saved``
+        (None: it prices itself otherwise)."""
+        return None
+
+    def memory(
+        self, config: GRPOConfig, shape: ModelShape, dtype_bytes: int, world_size: int, cuda: bool
+    ) -> list[MemoryItem]:
+        """Device memory its drafting and learning take in a run of ``config`` (see `fastgrpo.memory.plan`)."""
+        return []

@@ -1,0 +1,41 @@
+"""The drafters a run can draft with, by name (``speculation.drafter``): ``eagle`` (the learned EAGLE head,
+`fastgrpo.speculative.eagle`), ``suffix`` (trees from earlier completions, `fastgrpo.speculative.suffix`), or several
+(``eagle+suffix``), between which the adaptive controller chooses at every step, merged trees of them included. A
+new drafter is a `fastgrpo.rollout.drafter.Drafter` and a `fastgrpo.speculative.plugin.DrafterPlugin` registered
+here with `register_drafter`."""
+
+from __future__ import annotations
+
+from fastgrpo.config import SpeculationConfig
+from fastgrpo.speculative.eagle.plugin import EaglePlugin
+from fastgrpo.speculative.plugin import DrafterPlugin
+from fastgrpo.speculative.suffix.plugin import SuffixPlugin
+
+PLUGINS: dict[str, DrafterPlugin] = {plugin.name: plugin for plugin in (EaglePlugin(), SuffixPlugin())}
+
+
+
+def register_drafter(plugin: DrafterPlugin) -> None:
+    """Make ``plugin.name`` a drafter ``speculation.drafter`` can name."""
+    if not plugin.name or "+" in plugin.name:
+        raise ValueError(f"a drafter's name must be non-empty and hold no '+', got {plugin.name!r}")
+    PLUGINS[plugin.name] = plugin
+
+
+def drafter_names(choice: str) -> list[str]:
+    """The drafters ``speculation.drafter`` names (``eagle+suffix``: both), checked."""
+    names = choice.split("+")
+    unknown = [n for n in names if n not in PLUGINS]
+    if unknown or len(set(names)) != len(names):
+        raise ValueError(
+            f"speculation.drafter must be one of {sorted(PLUGINS)} or several joined by '+' (each once), "
+            f"got {choice!r}"
+        )
+    return names
+
+
+def plugins(speculation: SpeculationConfig) -> list[DrafterPlugin]:
+    """The plugins of the drafters ``speculation`` drafts with, in the order named (none with ``mode: off``)."""
+    if speculation.mode == "off":
+        return []
+    return [PLUGINS[name] for name in drafter_names(speculation.drafter)]
