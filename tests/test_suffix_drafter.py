@@ -147,3 +147,29 @@ def test_a_prompt_of_every_call_is_trimmed_to_the_budget_keeping_its_newest_comp
     assert memory.tokens == 2 + 3 * 12
     assert mem.continuations([40, 41], 3) == [(2, [42, 43, 44])]
     assert mem.continuations([0, 1], 3) == [], "the oldest completions went first"
+
+
+def test_a_suffix_only_run_profiles_and_builds_no_draft_head(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The latency profile of a run that drafts with the suffix drafter alone times the target and nothing else (no
+    draft head is built, timed or saved); adding the EAGLE head later times it into the same saved profile."""
+    from conftest import tiny_model
+
+    from fastgrpo.config import DraftTrainConfig, SpeculationConfig
+    from fastgrpo.training_rollouts import TrainingRollouts
+
+    monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+
+    def rollouts(drafter: str) -> TrainingRollouts:
+        spec = SpeculationConfig(mode="adaptive", drafter=drafter)
+        return TrainingRollouts(model, None, [1], spec, DraftTrainConfig(), "tiny")
+
+    suffix = rollouts("suffix")
+    assert suffix.profile.drafter_seconds == {}
+    assert [d.name for d in suffix.drafters] == ["suffix"] and all(d.modules == () for d in suffix.drafters)
+    suffix.save(tmp_path / "checkpoint")
+    assert not (tmp_path / "checkpoint" / "draft" / "draft_config.json").exists()
+    both = rollouts("eagle+suffix")
+    assert (
+        list(both.profile.drafter_seconds) == ["eagle"] and both.profile.target_seconds == suffix.profile.target_seconds
+    )
