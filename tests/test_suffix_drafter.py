@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, merge_trees
+from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, best_subtree, merge_trees
 from fastgrpo.speculative.controller import AdaptiveController, priced
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.suffix.drafter import PromptMemory, SuffixMemory, _trie
@@ -31,14 +31,17 @@ def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_i
 
 def test_a_trie_keeps_the_most_followed_nodes_as_a_tree() -> None:
     found = [(4, [7, 8, 9]), (2, [7, 8, 1]), (2, [5])]
-    flat, scores = _trie(6, found, nodes=4)
-    tokens, parents, depths, ranks = (flat[i * 4 : (i + 1) * 4] for i in range(4))
-    assert tokens == [6, 7, 8, 9] and parents == [-1, 0, 1, 2] and depths == [0, 1, 2, 3]
-    assert ranks == [0, 1, 2, 3]
+    trie = _trie(6, found)
+    assert trie[:3] == ([6, 7, 8, 9, 1, 5], [-1, 0, 1, 2, 2, 0], [0, 1, 2, 3, 3, 1])
     total = 1 + 4 + 2 + 2
-    assert scores == pytest.approx([0.0, math.log(6 / total), math.log(6 / total), math.log(4 / total)])
-    flat, scores = _trie(6, [], nodes=3)
-    assert flat[:3] == [6, 0, 0] and scores[1:] == [-math.inf, -math.inf], "padding when nothing matched"
+    assert trie[3] == pytest.approx([0.0] + [math.log(w / total) for w in (6, 6, 4, 2, 2)])
+    tokens, parent, depth = (torch.tensor([column]) for column in trie[:3])
+    tree = best_subtree(tokens, parent, depth, torch.tensor([trie[3]], dtype=torch.float64), nodes=4, levels=3)
+    assert tree.tokens.tolist() == [[6, 7, 8, 9]] and tree.parent.tolist() == [[-1, 0, 1, 2]]
+    assert tree.rank.tolist() == [[0, 1, 2, 3]]
+    tree = best_subtree(tokens, parent, depth, torch.tensor([trie[3]], dtype=torch.float64), nodes=5, levels=3)
+    assert tree.tokens.tolist() == [[6, 7, 8, 9, 5]], "ties go to the shallower node"
+    assert _trie(6, []) == ([6], [-1], [0], [0.0]), "nothing matched: the root alone"
 
 
 def test_the_memory_drops_the_prompts_used_most_recently_but_not_the_current_calls() -> None:

@@ -86,14 +86,11 @@ def _path_keys(tree: DraftTree) -> torch.Tensor:
 
 def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
     """One tree of ``nodes`` nodes per row from two trees rooted at the same token: the nodes of the highest
-    ``score`` of both, a path that both hold kept once (at the higher of its scores). Fixed shapes throughout (no
-    value is read back). Since a node never outscores its parent in either tree, and a node both hold takes the
-    higher score, the best ``nodes - 1`` always form a tree (scores below `SCORE_FLOOR`, padding's ``-inf`` among
-    them, count as the floor, so that ties among them still go to the shallower node, a parent before its child)."""
+    ``score`` of both (`best_subtree`), a path that both hold kept once (at the higher of its scores). Fixed shapes
+    throughout (no value is read back)."""
     if first.score is None or second.score is None:
         raise ValueError("merging draft trees needs their node scores (DraftTree.score)")
-    b, n1 = first.tokens.shape
-    n2 = second.tokens.shape[1]
+    n1 = first.tokens.shape[1]
     same = _path_keys(second)[:, 1:, None] == _path_keys(first)[:, None, 1:]  # [B, N2 - 1, N1 - 1]
     duplicate = same.any(dim=2)
     twin = same.int().argmax(dim=2) + 1  # the first tree's node with the same path
@@ -108,17 +105,29 @@ def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
     tokens = torch.cat([first.tokens, second.tokens[:, 1:]], 1)
     parent = torch.cat([first.parent, parent2], 1)
     depth = torch.cat([first.depth, second.depth[:, 1:]], 1)
-    score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1).clamp(min=SCORE_FLOOR)
-    m = n1 + n2 - 2  # candidates besides the root
+    score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1)
+    return best_subtree(tokens, parent, depth, score, nodes, max(first.levels, second.levels))
+
+
+def best_subtree(
+    tokens: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor, score: torch.Tensor, nodes: int, levels: int
+) -> DraftTree:
+    """The tree of the best ``nodes - 1`` candidates per row, re-indexed: the rule every drafter's trees are cut by.
+
+    ``tokens``, ``parent``, ``depth`` and ``score`` (float64) are ``[B, M + 1]`` candidate nodes, the root at index 0
+    (its parent -1) and every other node after its parent. A node never scores above its parent, so the best nodes
+    always form a tree: scores below `SCORE_FLOOR` (padding's ``-inf`` among them) count as the floor, and ties go to
+    the shallower node, a parent before its child. ``levels`` bounds the kept nodes' depth (`DraftTree.levels`)."""
+    b, m = tokens.shape[0], tokens.shape[1] - 1
     keep = min(nodes - 1, m)
-    rank = score[:, 1:] - 1e-9 * depth[:, 1:]  # ties go to the shallower node, a parent before its child
+    score = score.clamp(min=SCORE_FLOOR)
+    rank = score[:, 1:] - 1e-9 * depth[:, 1:]
     chosen, place = rank.topk(keep, dim=-1).indices.sort(dim=-1)  # ``place[b, j]``: chosen node j's place by score
     chosen = chosen + 1
     node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tokens.device)
     node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=tokens.device).expand(b, keep))
     new_parent = torch.cat([parent[:, :1], node_of.gather(1, parent.gather(1, chosen))], 1)
     order = torch.cat([torch.zeros_like(chosen[:, :1]), chosen], 1)
-    levels = max(first.levels, second.levels)
     ranks = torch.cat([torch.zeros_like(place[:, :1]), place + 1], 1)
     return DraftTree(
         tokens.gather(1, order),

@@ -24,7 +24,7 @@ from fastgrpo.rollout.compiled import Compiled, extent_bucket
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
-from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
+from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile
 
@@ -313,22 +313,15 @@ def _select(
     nodes: int,
     levels: int,
 ) -> DraftTree:
-    """Keep the best ``N - 1`` candidates (by score, shallower first on ties) and index them as a tree."""
-    tok, score = torch.cat(cand_tok, 1), torch.cat(cand_score, 1)
-    parent, depth = torch.cat(cand_parent, 1), torch.cat(cand_depth, 1)
-    b, m = tok.shape
-    keep = min(nodes - 1, m)
-    rank = score.double() - 1e-9 * depth
-    # Sorted by candidate index, parents precede children; ``place[b, j]`` is chosen node j's place by score.
-    chosen, place = rank.topk(keep, dim=-1).indices.sort(dim=-1)
-    node_of = torch.zeros(b, m + 1, dtype=torch.long, device=tok.device)  # candidate -> node (slot m: the root)
-    node_of.scatter_(1, chosen, torch.arange(1, keep + 1, device=tok.device).expand(b, keep))
-    cand_parent = parent.gather(1, chosen)
-    tree_parent = node_of.gather(1, torch.where(cand_parent < 0, m, cand_parent))
-    minus_one = torch.full((b, 1), -1, dtype=torch.long, device=tok.device)
-    tree_parent = torch.cat([minus_one, tree_parent], 1)
-    tokens = torch.cat([root_token[:, None], tok.gather(1, chosen)], 1)
-    depths = torch.cat([torch.zeros_like(minus_one), depth.gather(1, chosen)], 1)
-    ranks = torch.cat([torch.zeros_like(minus_one), place + 1], 1)
-    scores = torch.cat([torch.zeros_like(minus_one, dtype=torch.float64), score.double().gather(1, chosen)], 1)
-    return DraftTree(tokens, tree_parent, depths, ancestor_mask(tree_parent, levels), ranks, levels, scores)
+    """The expansion's candidates (their parents as candidate indices, -1 for the root) as `best_subtree` takes them:
+    the root first, every candidate one place on."""
+    root = torch.full_like(root_token[:, None], -1)
+    parent = torch.cat(cand_parent, 1)
+    return best_subtree(
+        torch.cat([root_token[:, None], *cand_tok], 1),
+        torch.cat([root, torch.where(parent < 0, 0, parent + 1)], 1),
+        torch.cat([torch.zeros_like(root), *cand_depth], 1),
+        torch.cat([torch.zeros_like(root, dtype=torch.float64), *(s.double() for s in cand_score)], 1),
+        nodes,
+        levels,
+    )

@@ -26,7 +26,7 @@ import torch
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal, Rollout
 from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows
-from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
+from fastgrpo.rollout.tree import TreeShape, best_subtree
 
 KEY = 2  # tokens a match must share at least (the index's key)
 PREFIX = 8  # prompt tokens kept before each completion, so that a completion's first tokens can be matched
@@ -253,29 +253,33 @@ class SuffixDrafter(Drafter):
         self.rows = [self.rows[i] for i in order]
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
-        """Per row, a trie of the continuations of its longest matches; the best ``N - 1`` nodes by weight."""
+        """Per row, a trie of the continuations of its longest matches, cut to its best ``N - 1`` nodes by weight
+        (`best_subtree`)."""
         t0 = time.perf_counter()
         n, depth = shape.nodes, self.deepest(shape)
-        deepest = 1
-        ints: list[int] = []
-        scores: list[float] = []
+        tries = []
         for row in self.rows:
             row.catch_up()
             context = row.memory.prompt[-MAX_MATCH:] + row.completion[-MAX_MATCH:]
-            found = row.memory.continuations(context, depth)
-            tree_ints, tree_scores = _trie(row.completion[-1], found, n)
-            ints += tree_ints
-            scores += tree_scores
-            deepest = max(deepest, max(tree_ints[2 * n : 3 * n]))
+            tries.append(_trie(row.completion[-1], row.memory.continuations(context, depth)))
+        width = max(n, *(len(tokens) for tokens, *_ in tries))
+        ints: list[int] = []
+        scores: list[float] = []
+        deepest = 1
+        for tokens, parents, depths, weights in tries:
+            pad = width - len(tokens)
+            ints += tokens + [0] * pad + parents + [0] * pad + depths + [1] * pad
+            scores += weights + [-math.inf] * pad
+            deepest = max(deepest, *depths)
         dev = rows.pending.device
         b = len(self.rows)
-        tokens, parent, node_depth, rank = host_to_device(ints, dev).view(b, 4, n).unbind(1)
-        score = torch.tensor(scores, dtype=torch.float64, device="cpu").view(b, n)
+        tokens, parent, node_depth = host_to_device(ints, dev).view(b, 3, width).unbind(1)
+        score = torch.tensor(scores, dtype=torch.float64, device="cpu").view(b, width)
         score = score if dev.type == "cpu" else score.pin_memory().to(dev, non_blocking=True)
-        # The acceptance walk takes levels + 1 steps: as deep as the deepest tree, rounded up to a power of two (a
+        # The acceptance walk takes levels + 1 steps: as deep as the deepest trie, rounded up to a power of two (a
         # compiled step meets a few depths only).
         levels = min(depth, 1 << (deepest - 1).bit_length())
-        tree = DraftTree(tokens, parent, node_depth, ancestor_mask(parent, levels), rank, levels, score)
+        tree = best_subtree(tokens, parent, node_depth, score, n, levels)
         seconds = time.perf_counter() - t0
         self._proposals += 1
         rate = max(0.1, 1.0 / self._proposals)
@@ -283,10 +287,10 @@ class SuffixDrafter(Drafter):
         return Proposal(tree, 0)
 
 
-def _trie(root: int, found: list[tuple[int, list[int]]], nodes: int) -> tuple[list[int], list[float]]:
-    """One row's tree of ``nodes`` nodes from ``(match length, continuation)`` pairs: ``[tokens, parents, depths,
-    ranks]`` flattened, and the nodes' log-weights (the share of the matches' weight that continues along each
-    node's path, a match weighing its length; padding nodes ``-inf``)."""
+def _trie(root: int, found: list[tuple[int, list[int]]]) -> tuple[list[int], list[int], list[int], list[float]]:
+    """One row's trie from ``(match length, continuation)`` pairs, root first and every node after its parent: its
+    nodes' tokens, parents, depths and log-weights (the share of the matches' weight that continues along each node's
+    path, a match weighing its length)."""
     children: dict[tuple[int, int], int] = {}
     weight, token, parent, depth = [0.0], [root], [-1], [0]
     total = 1.0  # a pseudo-match that continues nowhere: one match alone is not certain
@@ -303,14 +307,4 @@ def _trie(root: int, found: list[tuple[int, list[int]]], nodes: int) -> tuple[li
                 weight.append(0.0)
             weight[child] += m
             node = child
-    best = sorted(range(1, len(token)), key=lambda i: (-weight[i], depth[i], i))[: nodes - 1]
-    place = {i: r + 1 for r, i in enumerate(best)}
-    chosen = sorted(best)  # creation order: a parent before its children
-    slot = {0: 0} | {i: j + 1 for j, i in enumerate(chosen)}
-    pad = nodes - 1 - len(chosen)
-    ranks = [0] + [place[i] for i in chosen] + list(range(len(chosen) + 1, nodes))
-    tokens = [root] + [token[i] for i in chosen] + [0] * pad
-    parents = [-1] + [slot[parent[i]] for i in chosen] + [0] * pad
-    depths = [0] + [depth[i] for i in chosen] + [1] * pad
-    scores = [0.0] + [math.log(weight[i] / total) for i in chosen] + [-math.inf] * pad
-    return tokens + parents + depths + ranks, scores
+    return token, parent, depth, [0.0] + [math.log(w / total) for w in weight[1:]]
