@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     model = load_model("smollm2", dtype=args.dtype).eval()
     eos = eos_token_ids(model, tokenizer)
     engine = RolloutEngine(model, eos, tokenizer=tokenizer)
-    compiled = RolloutEngine(model, eos, tokenizer=tokenizer, compile="inductor") if args.compile else None
+    compiled = RolloutEngine(model, eos, tokenizer=tokenizer, backend="inductor") if args.compile else None
     rows = load_gsm8k(args.data)[: max(args.batch_sizes)]
     all_prompts = encode_prompts(tokenizer, [r["prompt"] for r in rows], MAX_PROMPT_LENGTH)
     print(

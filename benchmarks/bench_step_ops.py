@@ -110,7 +110,7 @@ def main() -> None:
             cells = [tree_name, sampling_name]
             for compile in (None, "aot_eager"):
                 drafter = EagleDrafter(draft, model, compile) if shape is not None else None
-                engine = RolloutEngine(model, [VOCAB], drafter=drafter, tree=shape, compile=compile)  # EOS unused
+                engine = RolloutEngine(model, [VOCAB], drafter=drafter, tree=shape, backend=compile)  # EOS unused
                 counted = count_steps(engine, params, args.rows)
                 ops, graphs, syncs = ([c[i] for c in counted] for i in range(3))
                 cells += [f"{statistics.median(ops):.0f}"]

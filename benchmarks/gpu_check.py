@@ -1228,7 +1228,7 @@ def section_decode(check: Check, section: Section) -> None:
         copy_bandwidth_gb_s=copy_bw / 1e9,
         published_bandwidth_gb_s=None if spec_bw is None else spec_bw / 1e9,
     )
-    engine, compiled = RolloutEngine(model, []), RolloutEngine(model, [], compile=compile_backend_for(dev))
+    engine, compiled = RolloutEngine(model, []), RolloutEngine(model, [], backend=compile_backend_for(dev))
     engine_step_seconds(engine, 2, 16, 3)  # one-off costs of both sides
     generate_token_seconds(model, 2, 16, 3)
     t0 = time.perf_counter()

@@ -146,8 +146,9 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
 
 
 def plot_profile(profile: LatencyProfile, path: str | Path) -> Path:
-    """Draw the target's latency curve and each profiled drafter's with the knee marked and, when the profile has the grid, what a
-    forward over ``N`` tokens per row costs against one token per row, for each row count; writes a PNG."""
+    """Draw the target's latency curve and each profiled drafter's with the knee marked and, when the profile has the
+    grid, what a forward over ``N`` tokens per row costs against one token per row, for each row count; writes a
+    PNG."""
     import matplotlib
 
     matplotlib.use("Agg")

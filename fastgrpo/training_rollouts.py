@@ -43,7 +43,7 @@ class TrainingRollouts:
         speculation: the ``speculation`` options; with ``mode: off`` the engine decodes plainly.
         draft_training: online draft learning (``online: false`` keeps the drafters fixed).
         seed: initialises fresh drafter networks, the same on every process.
-        compile: the ``torch.compile`` backend the decoding steps and the drafters run with (None: eager;
+        backend: the ``torch.compile`` backend the decoding steps and the drafters run with (None: eager;
             `fastgrpo.rollout.compiled.compile_backend` reads the ``compile`` option).
         start_from: a drafters' directory to start from, ``speculation.draft``: a saved draft, or a checkpoint's
             ``draft`` directory (of either trainer), whose learners' states are restored too; None: fresh drafters
@@ -60,7 +60,7 @@ class TrainingRollouts:
         draft_training: DraftTrainConfig,
         model_name: str,
         seed: int = 0,
-        compile: str | None = None,
+        backend: str | None = None,
         start_from: str | Path | None = None,
     ):
         self.model = model
@@ -69,8 +69,8 @@ class TrainingRollouts:
         self.draft_training = draft_training
         self.model_name = model_name
         self.seed = seed
-        self.compile = compile
-        self.engine = RolloutEngine(model, eos_token_ids, tokenizer, compile=compile)
+        self.backend = backend
+        self.engine = RolloutEngine(model, eos_token_ids, tokenizer, backend=backend)
         self.engine.routes.measure(model)  # the CPU routes of its products, before the first rollout
         self.plugins: list[DrafterPlugin] = plugins(speculation)
         self.drafters: list[Drafter] = []
@@ -101,7 +101,7 @@ class TrainingRollouts:
             self.model_name,
             self.eos,
             self.seed,
-            self.compile,
+            self.backend,
             self.profile,
             self.speculation,
             self.draft_training,
@@ -115,7 +115,7 @@ class TrainingRollouts:
             made = {}
             for plugin in self.plugins:
                 if plugin.name not in skip:
-                    probe = plugin.cost_probe(self.model, tokens, context_length, self.compile, saved)
+                    probe = plugin.cost_probe(self.model, tokens, context_length, self.backend, saved)
                     if probe is not None:
                         made[plugin.name] = probe
             return made
@@ -128,7 +128,7 @@ class TrainingRollouts:
         their state: a suffix memory is not lost when the EAGLE head joins)."""
         spec = self.speculation
         if self.profile is None and (spec.mode == "adaptive" or (spec.mode == "paper" and spec.c_peak == "auto")):
-            self.profile = load_or_calibrate(self.model, self.model_name, self._probes(saved), self.compile)
+            self.profile = load_or_calibrate(self.model, self.model_name, self._probes(saved), self.backend)
         ctx = self._context(rollout)
         built = {d.name: d for d in self.drafters}
         for plugin in self.waiting:

@@ -159,11 +159,11 @@ def adaptive(profile: LatencyProfile, **options) -> AdaptiveController:
     return AdaptiveController(profile, drafters={"": ProfiledLevels(profile)}, **options)
 
 
-def plugin_probes(model: PreTrainedModel, names: tuple[str, ...] = ("eagle",), compile: str | None = None):
+def plugin_probes(model: PreTrainedModel, names: tuple[str, ...] = ("eagle",), backend: str | None = None):
     """A latency profile's probes (`fastgrpo.speculative.profiler.ProbeFactory`) of the named drafters' plugins."""
 
     def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
-        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, compile) for n in names if n not in skip}
+        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, backend) for n in names if n not in skip}
         return {n: p for n, p in made.items() if p is not None}
 
     return probes

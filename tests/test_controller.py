@@ -394,10 +394,10 @@ def test_a_compiled_engine_is_priced_by_a_profile_of_compiled_forwards(
     apart from the eager one's."""
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
     eager = profiler.profile_path("tiny", torch.device("cpu"), torch.float64)
-    compiled = profiler.profile_path("tiny", torch.device("cpu"), torch.float64, compile="aot_eager")
+    compiled = profiler.profile_path("tiny", torch.device("cpu"), torch.float64, backend="aot_eager")
     assert compiled != eager and compiled.parent == eager.parent
     profile = profiler.load_or_calibrate(
-        llama_model, "tiny", plugin_probes(llama_model, compile="aot_eager"), "aot_eager"
+        llama_model, "tiny", plugin_probes(llama_model, backend="aot_eager"), "aot_eager"
     )
     assert compiled.is_file() and not eager.exists()
     assert profile.tokens == list(profiler.CALIBRATION_TOKENS) and min(profile.target_seconds) > 0

@@ -56,7 +56,7 @@ def engines(model, draft, shape: TreeShape | None, backend: str) -> tuple[Rollou
     built = []
     for compile in (None, backend):
         drafter = EagleDrafter(draft, model, compile) if shape is not None else None
-        built.append(RolloutEngine(model, [eos], drafter=drafter, tree=shape, compile=compile))
+        built.append(RolloutEngine(model, [eos], drafter=drafter, tree=shape, backend=compile))
     return built[0], built[1]
 
 
@@ -121,7 +121,7 @@ def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, dra
     params = PARAMS["top-p"]
     eos = eos_midway(model)
     eager, compiled = (
-        RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TreeShape(4, 2, 3), compile=compile)
+        RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TreeShape(4, 2, 3), backend=compile)
         for compile in (None, "aot_eager")
     )
     same_outputs(eager, compiled, params)

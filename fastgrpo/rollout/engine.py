@@ -8,7 +8,7 @@ step verifies the pending token alone and emits one token per row; a speculative
 one. A row that ends (EOS, a stop string or the length limit) leaves the batch at once, so the concurrency falls
 during the call; it is recorded per step. A step reads the device once, in postprocess (`HostStep`): the host keeps
 every length it needs itself, so that on a GPU the host runs ahead of the device (`fastgrpo.rollout.host`); with
-``compile`` the verification runs as a compiled graph (`fastgrpo.rollout.target_step`).
+a compile ``backend`` the verification runs as a compiled graph (`fastgrpo.rollout.target_step`).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class RolloutEngine:
         controller: instead of ``tree``, chooses each step's shape (and drafter) from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
             `fastgrpo.rollout.lora`).
-        compile: the ``torch.compile`` backend the target's step runs with (``"inductor"``), None: eager (see
+        backend: the ``torch.compile`` backend the target's step runs with (``"inductor"``), None: eager (see
             `fastgrpo.rollout.target_step`).
 
     Set ``threads`` to a `fastgrpo.threads.ThreadGovernor` to have every step follow the cores the process has.
@@ -103,13 +103,13 @@ class RolloutEngine:
         tree: TreeShape | None = None,
         controller: Controller | None = None,
         merge_lora: bool = True,
-        compile: str | None = None,
+        backend: str | None = None,
     ):
         self.model = model
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device="cpu")
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
-        self.target = TargetStep(compile)
+        self.target = TargetStep(backend)
         self.routes = LinearRoutes()  # the CPU routes of the model's and the drafters' products (measured on use)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 @dataclass
 class DrafterContext:
     """What a drafter is built from: the target ``model`` (``model_name`` names it, ``eos_token_ids`` end its
-    completions), the run's ``seed`` (a fresh network starts from it), the ``compile`` backend of the engine's steps
+    completions), the run's ``seed`` (a fresh network starts from it), the compile ``backend`` of the engine's steps
     (None: eager), the latency ``profile`` (None when no controller needs one), the run's options, and ``rollout``:
     the latest rollout (None before the first), from which a drafter that waits for data (as a fresh EAGLE head for
     its vocabulary) is built."""
@@ -37,7 +37,7 @@ class DrafterContext:
     model_name: str
     eos_token_ids: list[int]
     seed: int
-    compile: str | None
+    backend: str | None
     profile: LatencyProfile | None
     speculation: SpeculationConfig
     draft_training: DraftTrainConfig
@@ -71,11 +71,11 @@ class DrafterPlugin:
         model: PreTrainedModel,
         tokens: tuple[int, ...],
         context_length: int,
-        compile: str | None,
+        backend: str | None,
         saved: Path | None = None,
     ) -> CostProbe | None:
         """What the latency profile times of this drafter at each of ``tokens`` over contexts of ``context_length``
-        tokens, compiled by ``compile`` as the engine would run it, for the drafter `build` makes from ``saved``
+        tokens, compiled by ``backend`` as the engine would run it, for the drafter `build` makes from ``saved``
         (None: it prices itself otherwise)."""
         return None
 

@@ -12,7 +12,7 @@ not ``B * N``, and on a CPU one row of 8 tokens can cost what one token costs wh
 that. So the profile also times a grid of ``B`` rows (the powers of two among the token counts) by ``N`` tokens per
 row (`TREE_NODES`, up to the largest token count in all).
 
-With ``compile`` (a ``torch.compile`` backend, as the engine runs its steps with) the forwards are timed compiled
+With a compile ``backend`` (of ``torch.compile``, as the engine runs its steps with) the forwards are timed compiled
 (`fastgrpo.rollout.compiled`; on a GPU captured as CUDA graphs), their compilation in the warm-up, so that the
 controller prices the steps the engine runs.
 
@@ -178,12 +178,12 @@ def profile_path(
     device: torch.device,
     dtype: torch.dtype,
     cache_dir: str | Path | None = None,
-    compile: str | None = None,
+    backend: str | None = None,
 ) -> Path:
     """Where the profile of this model on this device (`fastgrpo.machine.device_key`) and dtype, with its forwards
-    compiled by ``compile`` or eager, is kept."""
+    compiled by ``backend`` or eager, is kept."""
     root = Path(cache_dir or cache_root()) / "profiles"
-    compiled = f"-compiled-{compile}" if compile else ""
+    compiled = f"-compiled-{backend}" if backend else ""
     return root / f"{file_key(model_name, device_key(device), str(dtype))}{compiled}-v{PROFILE_VERSION}.json"
 
 
@@ -225,18 +225,18 @@ def measure(
     context_length: int = 256,
     repeats: int = 5,
     progress: bool = False,
-    compile: str | None = None,
+    backend: str | None = None,
 ) -> LatencyProfile:
     """Time target forwards and the ``probes``' drafters at each token count; returns the profile with its knee.
 
-    With ``compile``, the forwards run compiled by that ``torch.compile`` backend. The model is left in the training
+    With a ``backend``, the forwards run compiled by ``torch.compile`` with it. The model is left in the training
     mode it had."""
     _check(tokens, context_length)
     was_training = model.training
     model.eval()
     try:
         return _measure(
-            model, model_name, probes(tokens, context_length, set()), tokens, context_length, repeats, progress, compile
+            model, model_name, probes(tokens, context_length, set()), tokens, context_length, repeats, progress, backend
         )
     finally:
         model.train(was_training)
@@ -257,7 +257,7 @@ def _measure(
     context_length: int,
     repeats: int,
     progress: bool,
-    compile: str | None,
+    backend: str | None,
 ) -> LatencyProfile:
     param = next(model.parameters())
     dev = param.device
@@ -265,9 +265,9 @@ def _measure(
     rows = max(tokens)
     grid_rows = [r for r in tokens if r & (r - 1) == 0]
     grid = [(r, n) for r in grid_rows for n in TREE_NODES if r * n <= rows]
-    compiled = compile is not None
+    compiled = backend is not None
     cache = RowCache(model.config, rows, context_length + max(TREE_NODES) + 2, param.dtype, dev, compiled)
-    target = partial(Compiled(_target_forward, compile), dev)
+    target = partial(Compiled(_target_forward, backend), dev)
     gen = torch.Generator(device="cpu").manual_seed(0)
     vocab = model.config.get_text_config().vocab_size
     target_fns = []
@@ -318,17 +318,17 @@ def add_drafters(
     profile: LatencyProfile,
     model: PreTrainedModel,
     probes: ProbeFactory,
-    compile: str | None = None,
+    backend: str | None = None,
     repeats: int = 2,
 ) -> list[str]:
     """Time the drafters of ``probes`` that ``profile`` lacks, at its token counts and context length (compiled by
-    ``compile`` as the profile's forwards were), into it; returns their names."""
+    ``backend`` as the profile's forwards were), into it; returns their names."""
     made = probes(tuple(profile.tokens), profile.context_length, set(profile.drafter_seconds))
     if not made:
         return []
     dev = next(model.parameters()).device
     modules = tuple(m for probe in made.values() for m in probe.modules)
-    linears = nullcontext() if compile is not None else rollout_linears(model, *modules)
+    linears = nullcontext() if backend is not None else rollout_linears(model, *modules)
     with rollout_attention(model, *modules), linears:
         seconds = interleaved_medians([fn for probe in made.values() for fn in probe.calls], repeats, dev, False)
     profile.drafter_seconds |= _split(seconds, made, len(profile.tokens))
@@ -336,26 +336,26 @@ def add_drafters(
 
 
 def calibrate(
-    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, compile: str | None = None
+    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, backend: str | None = None
 ) -> LatencyProfile:
     """A short profile of a few forwards, for a first run with no saved profile (the adaptive controller corrects
     it online from the step times it observes)."""
-    return measure(model, model_name, probes, CALIBRATION_TOKENS, context_length=128, repeats=2, compile=compile)
+    return measure(model, model_name, probes, CALIBRATION_TOKENS, context_length=128, repeats=2, backend=backend)
 
 
 def load_or_calibrate(
-    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, compile: str | None = None
+    model: PreTrainedModel, model_name: str, probes: ProbeFactory = no_probes, backend: str | None = None
 ) -> LatencyProfile:
-    """The saved profile of this model, device and dtype (and ``compile`` backend) when there is one, with the
+    """The saved profile of this model, device and dtype (and compile ``backend``) when there is one, with the
     drafters of ``probes`` it lacks timed into it; else a short calibration. Either is saved there, so that the next
     run on this machine starts at once (`fastgrpo profile` replaces it)."""
     param = next(model.parameters())
-    path = profile_path(model_name, param.device, param.dtype, compile=compile)
+    path = profile_path(model_name, param.device, param.dtype, backend=backend)
     if path.is_file():
         profile = LatencyProfile.load(path)
-        if add_drafters(profile, model, probes, compile):
+        if add_drafters(profile, model, probes, backend):
             profile.save(path)
         return profile
-    profile = calibrate(model, model_name, probes, compile)
+    profile = calibrate(model, model_name, probes, backend)
     profile.save(path)
     return profile

@@ -14,7 +14,6 @@ from fastgrpo.speculative.suffix.plugin import SuffixPlugin
 PLUGINS: dict[str, DrafterPlugin] = {plugin.name: plugin for plugin in (EaglePlugin(), SuffixPlugin())}
 
 
-
 def register_drafter(plugin: DrafterPlugin) -> None:
     """Make ``plugin.name`` a drafter ``speculation.drafter`` can name."""
     if not plugin.name or "+" in plugin.name:
@@ -28,8 +27,7 @@ def drafter_names(choice: str) -> list[str]:
     unknown = [n for n in names if n not in PLUGINS]
     if unknown or len(set(names)) != len(names):
         raise ValueError(
-            f"speculation.drafter must be one of {sorted(PLUGINS)} or several joined by '+' (each once), "
-            f"got {choice!r}"
+            f"speculation.drafter must be one of {sorted(PLUGINS)} or several joined by '+' (each once), got {choice!r}"
         )
     return names
 

@@ -95,8 +95,8 @@ class PendingPairs:
 
 
 class EagleDrafter(Drafter):
-    """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with
-    ``compile`` (a ``torch.compile`` backend) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
+    """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with a
+    compile ``backend`` (of ``torch.compile``) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
     draft-cache extents rounded up to a bucket. ``profile`` (the latency profile of the draft's forwards) prices its
     trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.eagle.training.EagleLearner`)."""
 
@@ -106,7 +106,7 @@ class EagleDrafter(Drafter):
         self,
         draft: DraftHead,
         model: nn.Module,
-        compile: str | None = None,
+        backend: str | None = None,
         profile: LatencyProfile | None = None,
         learner: Learner | None = None,
     ):
@@ -117,7 +117,7 @@ class EagleDrafter(Drafter):
         self.cache: RowCache | None = None
         self.state: PendingPairs | None = None  # the rows of the current call
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
-        self._expand = Compiled(expand_tree, compile)
+        self._expand = Compiled(expand_tree, backend)
 
     @property
     def compile_seconds(self) -> float:

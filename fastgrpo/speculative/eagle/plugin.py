@@ -69,7 +69,7 @@ class EaglePlugin(DrafterPlugin):
         if ctx.draft_training.online:
             embed, lm_head = ctx.model.get_input_embeddings(), ctx.model.get_output_embeddings()
             learner = EagleLearner(DraftTrainer(head, embed, lm_head, ctx.draft_training))
-        return EagleDrafter(head, ctx.model, ctx.compile, ctx.profile, learner)
+        return EagleDrafter(head, ctx.model, ctx.backend, ctx.profile, learner)
 
     def save(self, drafter: Drafter, directory: Path) -> None:
         assert isinstance(drafter, EagleDrafter)
@@ -80,7 +80,7 @@ class EaglePlugin(DrafterPlugin):
         model: PreTrainedModel,
         tokens: tuple[int, ...],
         context_length: int,
-        compile: str | None,
+        backend: str | None,
         saved: Path | None = None,
     ) -> CostProbe:
         """One draft tree level (features, the draft layer, its LM head and the top-k) over ``t`` tokens each reading
@@ -89,8 +89,8 @@ class EaglePlugin(DrafterPlugin):
         dev = param.device
         head = DraftHead.load(saved, model) if saved is not None and self.saved_in(saved) else None
         head = (head or fresh_head(model, "", 0)).eval()
-        cache = RowCache(head.body.config, max(tokens), context_length + 2, param.dtype, dev, compile is not None)
-        level = partial(Compiled(draft_level, compile), dev)
+        cache = RowCache(head.body.config, max(tokens), context_length + 2, param.dtype, dev, backend is not None)
+        level = partial(Compiled(draft_level, backend), dev)
         embed, lm_head = model.get_input_embeddings(), model.get_output_embeddings()
         gen = torch.Generator(device="cpu").manual_seed(1)
         vocab = model.config.get_text_config().vocab_size
