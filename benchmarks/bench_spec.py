@@ -178,7 +178,7 @@ def main() -> None:
     sampling = dict(modes[m] for m in decodings)
     for engine in engines.values():  # warm-up: the first call of a process pays one-off costs (kernels, allocation)
         engine.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.0))
-    shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.depth}" for n, s in shapes.items())
+    shape_text = ", ".join(f"{n}=N{s.nodes}/K{s.top_k}/L{s.max_levels}" for n, s in shapes.items())
     threads = torch.get_num_threads()
     print(
         f"\nSmolLM2-135M-Instruct, {args.dtype}, {threads} threads, max_new_tokens={args.max_new_tokens}, "

@@ -767,7 +767,7 @@ def section_sampling(check: Check, section: Section) -> None:
     params = SamplingParams(max_new_tokens=2, temperature=1.0)
     for seed, engine, name in (
         (12, plain, "next token, plain"),
-        (13, spec, f"next token, speculative {tree.nodes}x{tree.top_k}x{tree.depth}"),
+        (13, spec, f"next token, speculative {tree.nodes}x{tree.top_k}x{tree.max_levels}"),
     ):
         out = engine.generate([prompt], params, draws, generator=torch.Generator(device=dev).manual_seed(seed))
         first = Counter(c[0] for c in out.completion_ids).most_common(1)[0][0]

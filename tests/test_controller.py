@@ -65,7 +65,7 @@ def test_paper_controller_follows_the_formulas(rows: int, expected: TreeShape) -
     n = max(1, min(64 // rows, 64))
     if n > 1:
         assert expected.top_k == min(n - 1, 8)
-        assert expected.depth == min(max(math.floor(math.log2(n / 0.75)), 3), 5)
+        assert expected.max_levels == min(max(math.floor(math.log2(n / 0.75)), 3), 5)
 
 
 def test_paper_controller_respects_custom_limits() -> None:

@@ -225,10 +225,10 @@ def test_greedy_equals_autoregressive(model_and_drafts, shape: TreeShape, draft_
             assert out.completion_ids[2 * i] == expected
             assert out.completion_ids[2 * i + 1] == expected
         assert out.finish_reasons[::2] == reference.finish_reasons
-    eagle_nodes = min(shape.nodes, 1 + shape.top_k + (shape.depth - 1) * shape.top_k**2)
+    eagle_nodes = min(shape.nodes, 1 + shape.top_k + (shape.max_levels - 1) * shape.top_k**2)
     assert out.stats.n_verify_mean == (eagle_nodes if drafter == "eagle" else shape.nodes)
     if shape.speculative and "eagle" in drafter:
-        assert out.stats.draft_forwards == out.stats.target_forwards * shape.depth
+        assert out.stats.draft_forwards == out.stats.target_forwards * shape.max_levels
     else:
         assert out.stats.draft_forwards == 0
     if (draft_kind == "trained" or "suffix" in drafter) and shape.nodes >= 8:
@@ -383,7 +383,7 @@ def stale_accept(tree: DraftTree, logits: torch.Tensor, params: SamplingParams, 
     previous = node.clone()
     active = torch.ones(b, dtype=torch.bool)
     path, tokens, lps = [], [], []
-    for step in range(int(tree.depth.max()) + 1):
+    for step in range(int(tree.node_depth.max()) + 1):
         here = logprobs[rows, previous]
         y = sample(here, params, uniforms[:, step])
         path.append(torch.where(active, node, -1))

@@ -42,33 +42,33 @@ class Verified:
     ``count[b]``; ``hidden`` ``[B, E, H]`` the target's hidden state each was sampled from (the fed tokens' states);
     for a tree, ``path_rank`` ``[B, E - 1]`` the score rank of each accepted draft node (`DraftTree.rank`, ``N``
     past the row's accepted ones), from which the controller tells what smaller trees would have accepted, and
-    ``depth`` ``[B]`` the deepest node of each row's tree."""
+    ``deepest`` ``[B]`` the deepest node of each row's tree."""
 
     tokens: torch.Tensor
     logprobs: torch.Tensor
     count: torch.Tensor
     hidden: torch.Tensor
     path_rank: torch.Tensor | None = None
-    depth: torch.Tensor | None = None
+    deepest: torch.Tensor | None = None
 
 
 @dataclass
 class HostStep:
     """What the host reads of a step, in one copy (`read_back`): per row the emitted ``tokens``, their ``logprobs``,
-    which are ``eos`` and how many (``count``) the row emits; for a tree, ``path_rank`` and ``depth`` (`Verified`)."""
+    which are ``eos`` and how many (``count``) the row emits; for a tree, ``path_rank`` and ``deepest`` (`Verified`)."""
 
     tokens: list[list[int]]
     logprobs: list[list[float]]
     eos: list[list[int]]
     count: list[int]
     path_rank: list[list[int]] | None = None
-    depth: list[int] | None = None
+    deepest: list[int] | None = None
 
     @classmethod
     def read(cls, verified: Verified, eos: torch.Tensor) -> HostStep:
         tensors = [verified.tokens, verified.logprobs, torch.isin(verified.tokens, eos), verified.count]
         if verified.path_rank is not None:
-            tensors += [verified.path_rank, verified.depth]
+            tensors += [verified.path_rank, verified.deepest]
         return cls(*read_back(*tensors))
 
 
@@ -354,8 +354,8 @@ class RolloutEngine:
             for seq, hidden, n in zip(rows.seqs, verified.hidden, host.count, strict=True):
                 seq.hidden.append(hidden[:n])
         accepted = [n - 1 for n in host.count]
-        if host.depth is not None:
-            stats.record_depths(host.depth, accepted)
+        if host.deepest is not None:
+            stats.record_depths(host.deepest, accepted)
             stats.record_drafter(shape.drafter or next(iter(self.drafters)), accepted)
             for drafter in self._drafters_of(shape):
                 stats.drafter_trees[drafter.name] = stats.drafter_trees.get(drafter.name, 0) + 1

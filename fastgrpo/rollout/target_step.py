@@ -66,7 +66,7 @@ def tree_step(
     accepted ones) and ``[B]`` the deepest node of each row's tree."""
     n = tree.tokens.shape[1]
     offsets = torch.arange(n, device=tree.tokens.device)
-    positions = row_len[:, None] + tree.depth
+    positions = row_len[:, None] + tree.node_depth
     hidden = forward_block(
         decoder, cache, row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens, extent=extent
     )
@@ -77,7 +77,7 @@ def tree_step(
     path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
     drafted = path[:, 1:]
     path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
-    return result.tokens, result.logprobs, result.length, path_hidden, path_rank, tree.depth.max(dim=1).values
+    return result.tokens, result.logprobs, result.length, path_hidden, path_rank, tree.node_depth.max(dim=1).values
 
 
 class TargetStep:
@@ -141,7 +141,7 @@ class TargetStep:
             return tree_step(decoder, head, cache, tree, row_len, uniforms, params, extent)
         live, pad = len(lengths), _padding(len(lengths), row_len.device)
         padded = DraftTree(
-            *(_pad(t, pad) for t in (tree.tokens, tree.parent, tree.depth, tree.ancestors, tree.rank)), tree.levels
+            *(_pad(t, pad) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
         args = (padded, _pad(row_len, pad), _pad(uniforms, pad), params, extent_bucket(extent, cache.max_len))
         out = self._tree(row_len.device, decoder, head, cache, *args)

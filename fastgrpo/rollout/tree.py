@@ -12,18 +12,19 @@ import torch
 
 @dataclass(frozen=True)
 class TreeShape:
-    """``nodes`` = N verified tokens per row (root included), ``top_k`` = K, ``depth`` = L draft levels; ``drafter``
+    """``nodes`` = N verified tokens per row (root included), ``top_k`` = K, ``max_levels`` = L draft levels at most
+    (the option ``speculation.depth``); ``drafter``
     names who drafts it (`fastgrpo.rollout.drafter`): ``""`` the engine's only drafter, several names joined by
     ``+`` their trees merged into one of ``nodes`` nodes (`merge_trees`)."""
 
     nodes: int
     top_k: int
-    depth: int
+    max_levels: int
     drafter: str = ""
 
     def __post_init__(self) -> None:
-        if self.nodes < 1 or self.top_k < 1 or self.depth < 1:
-            raise ValueError(f"tree shape needs nodes, top_k, depth >= 1, got {self}")
+        if self.nodes < 1 or self.top_k < 1 or self.max_levels < 1:
+            raise ValueError(f"tree shape needs nodes, top_k, max_levels >= 1, got {self}")
 
     @property
     def speculative(self) -> bool:
@@ -33,7 +34,7 @@ class TreeShape:
     def levels(self) -> int:
         """Draft forwards a step of this shape costs (the catch-up included): none for a plain step, and no deeper
         than ``nodes - 1``, since a child never outscores its parent and no deeper node can be kept."""
-        return 0 if self.nodes == 1 else min(self.depth, self.nodes - 1)
+        return 0 if self.nodes == 1 else min(self.max_levels, self.nodes - 1)
 
 
 @dataclass
@@ -41,7 +42,8 @@ class DraftTree:
     """Per-row draft trees of ``N`` nodes; node 0 is the root (the row's pending, already-emitted token).
 
     tokens: ``[B, N]`` target token ids. parent: ``[B, N]`` parent node (-1 for the root).
-    depth: ``[B, N]`` (root 0). ancestors: ``[B, N, N]`` bool, ``[b, i, j]`` when node j is i or an ancestor of i.
+    node_depth: ``[B, N]`` each node's depth (root 0). ancestors: ``[B, N, N]`` bool, ``[b, i, j]`` when node j is i
+    or an ancestor of i.
     rank: ``[B, N]`` place of each node by score (root 0, best draft node 1): the best ``n - 1`` draft nodes of a row
     are those of rank ``1..n - 1``, the tree a shape of ``n`` nodes would have kept from the same candidates.
     levels: the deepest any node may be (known on the host: the shape's draft levels), so that the acceptance walk
@@ -52,7 +54,7 @@ class DraftTree:
 
     tokens: torch.Tensor
     parent: torch.Tensor
-    depth: torch.Tensor
+    node_depth: torch.Tensor
     ancestors: torch.Tensor
     rank: torch.Tensor
     levels: int
@@ -78,7 +80,7 @@ SCORE_FLOOR = -1e4  # a log-probability below it is no draft worth verifying (`m
 def _path_keys(tree: DraftTree) -> torch.Tensor:
     """``[B, N]`` int64 a hash of each node's path from the root (the set of its ancestors' (depth, token) pairs):
     equal paths get equal keys, different ones different keys but for a collision of 64-bit hashes."""
-    x = (tree.tokens + 1) * -7046029254386353131 + tree.depth * -4417276706812531889  # odd 64-bit constants
+    x = (tree.tokens + 1) * -7046029254386353131 + tree.node_depth * -4417276706812531889  # odd 64-bit constants
     x = (x ^ (x >> 31)) * -4658895280553007687
     x = x ^ (x >> 29)
     return (tree.ancestors.long() * x[:, None, :]).sum(dim=2)
@@ -104,7 +106,7 @@ def merge_trees(first: DraftTree, second: DraftTree, nodes: int) -> DraftTree:
     parent2 = torch.where(parent_is_twin, twin.gather(1, (parent2 - 1).clamp(min=0)), moved)
     tokens = torch.cat([first.tokens, second.tokens[:, 1:]], 1)
     parent = torch.cat([first.parent, parent2], 1)
-    depth = torch.cat([first.depth, second.depth[:, 1:]], 1)
+    depth = torch.cat([first.node_depth, second.node_depth[:, 1:]], 1)
     score = torch.cat([first_score, torch.where(duplicate, -torch.inf, second.score[:, 1:])], 1)
     return best_subtree(tokens, parent, depth, score, nodes, max(first.levels, second.levels))
 

@@ -181,7 +181,7 @@ class AdaptiveController:
         one); a shape never measured takes the biggest smaller measured one's, and the pooled averages deeper."""
         estimates: dict[TreeShape, list[float]] = {}
         floor: list[float] = []  # the biggest measured shape so far, down to its depth
-        for shape in sorted(shapes, key=lambda s: (s.nodes, s.depth, s.top_k)):
+        for shape in sorted(shapes, key=lambda s: (s.nodes, s.max_levels, s.top_k)):
             own = self.shape_accept.get(shape)
             if own is None:
                 estimates[shape] = floor + self.pooled[name][len(floor) :]
@@ -342,7 +342,7 @@ class AdaptiveController:
         candidates = [
             c
             for c in self.groups[shape.drafter]
-            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.depth <= shape.depth
+            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.max_levels <= shape.max_levels
         ]
         # A path's leading nodes of rank below n are those whose running maximum rank is below n.
         highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]

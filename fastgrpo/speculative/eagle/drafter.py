@@ -132,7 +132,7 @@ class EagleDrafter(Drafter):
     def cache_slots(length: int, bound: TreeShape) -> int:
         """Draft cache slots per row for a call of ``length`` tokens: room for the context, a catch-up block as long
         as the longest row's pending pairs, and a tree no larger than ``bound``."""
-        return 2 * length + bound.depth * bound.top_k
+        return 2 * length + bound.max_levels * bound.top_k
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """Size the draft cache (`cache_slots`). The weights changed when an optimizer step or a load wrote them in
@@ -191,7 +191,7 @@ class EagleDrafter(Drafter):
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         root_hidden = self._catch_up(state, embed)
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
-        backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.depth + 1) / backlog)
+        backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.max_levels + 1) / backlog)
         longest = max(state.lengths)
         if self._expand.compiled:  # the extents the levels read, bucketed: a few graphs per rollout, not one a step
             longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
