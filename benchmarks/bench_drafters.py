@@ -189,7 +189,7 @@ def replay_call(model, drafters: list, shape: TreeShape, step: Step, out: Replay
         for seq, t in zip(active.seqs, emitted_tokens, strict=True):
             seq.completion_ids.extend(t)
         active.row_len = active.row_len + count_t
-        active.lengths = [length + c for length, c in zip(active.lengths, counts, strict=True)]
+        active.host_len = [length + c for length, c in zip(active.host_len, counts, strict=True)]
         active.pending = torch.tensor([t[-1] for t in emitted_tokens])
         active.emitted = active.emitted + count_t
         active = _drop_finished(active, drafters, completions)

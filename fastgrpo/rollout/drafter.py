@@ -56,13 +56,13 @@ class Prefill:
 
 @dataclass
 class Emitted:
-    """What a step emitted: the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row (``counts``: ``count`` on the
-    host), ``hidden`` ``[B, E, H]`` the target's hidden state each of them was drawn from."""
+    """What a step emitted: the first ``count[b]`` of ``[B, E]`` ``tokens`` of each row (``host_count``: ``count`` on
+    the host), ``hidden`` ``[B, E, H]`` the target's hidden state each of them was drawn from."""
 
     tokens: torch.Tensor
     hidden: torch.Tensor
     count: torch.Tensor
-    counts: list[int]
+    host_count: list[int]
 
 
 @dataclass

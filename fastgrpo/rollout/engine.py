@@ -318,13 +318,13 @@ class RolloutEngine:
         if proposal is None:
             uniforms = call.uniforms(rows, 1)
             uniforms = None if uniforms is None else uniforms[:, 0]
-            out = self.target.plain(*args, rows.pending, rows.row_len, rows.lengths, uniforms, call.params)
+            out = self.target.plain(*args, rows.pending, rows.row_len, rows.host_len, uniforms, call.params)
             tokens, logprobs, hidden = out
             verified = Verified(tokens[:, None], logprobs[:, None], torch.ones_like(tokens), hidden)
         else:
             tree = proposal.tree
             uniforms = call.uniforms(rows, tree.levels + 1)
-            out = self.target.tree(*args, tree, rows.row_len, rows.lengths, uniforms, call.params)
+            out = self.target.tree(*args, tree, rows.row_len, rows.host_len, uniforms, call.params)
             verified = Verified(*out)
             call.stats.tree_nodes.append(tree.tokens.shape[1])
         rows.row_len = rows.row_len + verified.count
@@ -360,7 +360,7 @@ class RolloutEngine:
             for drafter in self._drafters_of(shape):
                 stats.drafter_trees[drafter.name] = stats.drafter_trees.get(drafter.name, 0) + 1
         emitted_before = stats.tokens_emitted
-        rows.lengths = [length + n for length, n in zip(rows.lengths, host.count, strict=True)]
+        rows.host_len = [length + n for length, n in zip(rows.host_len, host.count, strict=True)]
         remaining = self._append(rows, verified, host, call)
         stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.step_times.append(time.perf_counter() - start)
@@ -388,7 +388,7 @@ class RolloutEngine:
         order = fill_holes(keep)
         index = host_to_device(order, rows.ids.device)
         if keep:
-            self.cache.select_rows(order, upto=max(rows.lengths))
+            self.cache.select_rows(order, upto=max(rows.host_len))
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)

@@ -42,7 +42,7 @@ class Sequence:
 class ActiveRows:
     """The rows still decoding: ``seqs[i]`` is produced by cache row ``i`` (of the target's and the drafter's caches).
 
-    ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots, and ``lengths`` the
+    ``ids`` ``[B]`` each row's completion index; ``row_len`` ``[B]`` filled target cache slots, and ``host_len`` the
     same on the host (the step never reads them back); ``pending`` ``[B]`` the last emitted token, not yet in the
     target cache; ``emitted`` ``[B]`` tokens of the completion so far. (Drafters keep their per-row state
     themselves, see `fastgrpo.rollout.drafter`.)
@@ -51,7 +51,7 @@ class ActiveRows:
     seqs: list[Sequence]
     ids: torch.Tensor
     row_len: torch.Tensor
-    lengths: list[int]
+    host_len: list[int]
     pending: torch.Tensor
     emitted: torch.Tensor
 
@@ -65,7 +65,7 @@ class ActiveRows:
             [self.seqs[p] for p in order],
             self.ids[index],
             self.row_len[index],
-            [self.lengths[p] for p in order],
+            [self.host_len[p] for p in order],
             self.pending[index],
             self.emitted[index],
         )

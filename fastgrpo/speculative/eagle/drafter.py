@@ -55,14 +55,14 @@ class PendingPairs:
     """The draft's per-row state: ``draft_len`` ``[B]`` filled draft cache slots, and the (token, preceding target
     hidden state) pairs ``tokens``/``hidden`` ``[B, C + 1]``/``[B, C + 1, H]`` that the draft cache has not read yet,
     the first ``count[b]`` of row ``b``; the capacity ``C`` grows by doubling and the last column is a spare one that
-    writes of nothing go to. ``lengths`` and ``counts`` hold ``draft_len`` and ``count`` on the host."""
+    writes of nothing go to. ``host_len`` and ``host_count`` hold ``draft_len`` and ``count`` on the host."""
 
     draft_len: torch.Tensor
     tokens: torch.Tensor
     hidden: torch.Tensor
     count: torch.Tensor
-    lengths: list[int]
-    counts: list[int]
+    host_len: list[int]
+    host_count: list[int]
 
     def select(self, order: list[int], index: torch.Tensor) -> PendingPairs:
         return PendingPairs(
@@ -70,16 +70,16 @@ class PendingPairs:
             self.tokens[index],
             self.hidden[index],
             self.count[index],
-            [self.lengths[p] for p in order],
-            [self.counts[p] for p in order],
+            [self.host_len[p] for p in order],
+            [self.host_count[p] for p in order],
         )
 
-    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, counts: list[int]) -> None:
-        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs (``counts``:
-        ``count`` on the host)."""
+    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, host_count: list[int]) -> None:
+        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs
+        (``host_count``: ``count`` on the host)."""
         b, e = tokens.shape
-        self.counts = [c + n for c, n in zip(self.counts, counts, strict=True)]
-        need, cap = max(self.counts), self.tokens.shape[1] - 1
+        self.host_count = [c + n for c, n in zip(self.host_count, host_count, strict=True)]
+        need, cap = max(self.host_count), self.tokens.shape[1] - 1
         if need > cap:
             grown = max(need, 2 * cap)
             new_tok = self.tokens.new_zeros(b, grown + 1)
@@ -158,24 +158,24 @@ class EagleDrafter(Drafter):
             tokens=torch.cat([prompt_ids[rows, 1:], spare], 1),
             hidden=torch.cat([hidden, hidden.new_zeros(n, 1, hidden.shape[-1])], 1),
             count=(prefill.prompt_len - 1)[rows],
-            lengths=[0] * n,
-            counts=[len(prefill.prompts[p]) - 1 for p in prefill.row_prompt],
+            host_len=[0] * n,
+            host_count=[len(prefill.prompts[p]) - 1 for p in prefill.row_prompt],
         )
         first = prefill.first
         self.state.push(first[:, None], prefill.first_hidden[:, None], torch.ones_like(first), [1] * n)
 
     def backlog(self) -> int:
-        return max(self.state.counts)
+        return max(self.state.host_count)
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         """The profiled draft forwards: the tree's levels, and the catch-up beyond one token per row."""
         return 0.0 if self.price is None else self.price(rows, shape, backlog)
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
-        self.state.push(emitted.tokens, emitted.hidden, emitted.count, emitted.counts)
+        self.state.push(emitted.tokens, emitted.hidden, emitted.count, emitted.host_count)
 
     def select(self, order: list[int], index: torch.Tensor) -> None:
-        self.cache.select_rows(order, upto=max(self.state.lengths))
+        self.cache.select_rows(order, upto=max(self.state.host_len))
         self.state = self.state.select(order, index)
 
     def release(self) -> None:
@@ -187,12 +187,12 @@ class EagleDrafter(Drafter):
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
         t0 = time.perf_counter()
         state = self.state
-        backlog = sum(state.counts) / rows.size
+        backlog = sum(state.host_count) / rows.size
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         root_hidden = self._catch_up(state, embed)
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.max_levels + 1) / backlog)
-        longest = max(state.lengths)
+        longest = max(state.host_len)
         if self._expand.compiled:  # the extents the levels read, bucketed: a few graphs per rollout, not one a step
             longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
         tree = self._expand(
@@ -213,7 +213,7 @@ class EagleDrafter(Drafter):
     def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
         (the root of the next tree)."""
-        width = max(state.counts)
+        width = max(state.host_count)
         x = self.draft.features(embed(state.tokens[:, :width]), state.hidden[:, :width])
         out = forward_chain(
             self.draft.decoder,
@@ -221,13 +221,13 @@ class EagleDrafter(Drafter):
             state.draft_len,
             inputs_embeds=x,
             position_offset=1,
-            extent=max(state.lengths) + width,
+            extent=max(state.host_len) + width,
         )
         root = out[torch.arange(out.shape[0], device=out.device), state.count - 1]
         state.draft_len = state.draft_len + state.count
         state.count = torch.zeros_like(state.count)
-        state.lengths = [n + c for n, c in zip(state.lengths, state.counts, strict=True)]
-        state.counts = [0] * len(state.counts)
+        state.host_len = [n + c for n, c in zip(state.host_len, state.host_count, strict=True)]
+        state.host_count = [0] * len(state.host_count)
         return root
 
 
