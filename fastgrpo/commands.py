@@ -11,6 +11,16 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from fastgrpo.config import GRPOConfig
+    from fastgrpo.config.commands import GenerateOptions
+
+
+def parse_command_options(command: str, args: argparse.Namespace, overrides: list[str]) -> tuple:
+    """The option dataclasses of ``command`` (`fastgrpo.config.commands.COMMANDS`), from ``--config`` and the
+    ``--name value`` overrides, validated."""
+    from fastgrpo.config.commands import COMMANDS
+    from fastgrpo.config.files import parse_options
+
+    return parse_options(COMMANDS[command], args.config, overrides)
 
 
 def train(args: argparse.Namespace, overrides: list[str]) -> None:
@@ -46,7 +56,7 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         )
 
 
-def read_prompts(args: argparse.Namespace) -> list[list[dict]]:
+def read_prompts(args: GenerateOptions) -> list[list[dict]]:
     """The chat prompts of ``--prompt`` and ``--prompts_file``, each checked as a dataset's prompt is; an error names
     the option, or the file and line."""
     from fastgrpo.data.prompts import prompt_problem
@@ -90,11 +100,7 @@ def _shown(value: object, limit: int = 60) -> str:
 
 
 def generate(args: argparse.Namespace, overrides: list[str]) -> None:
-    for option in ("num_generations", "max_prompt_length"):
-        if getattr(args, option) < 1:
-            raise ValueError(f"--{option} must be >= 1, got {getattr(args, option)}")
-    if not 0 <= args.seed < 2**63:
-        raise ValueError(f"--seed must be in [0, 2**63), got {args.seed}")
+    (opts,) = parse_command_options("generate", args, overrides)
     import torch
 
     from fastgrpo.distributed import resolve_device
@@ -108,37 +114,27 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     )
     from fastgrpo.paths import check_writable_file
     from fastgrpo.rollout.engine import RolloutEngine
-    from fastgrpo.sampling_params import SamplingParams
 
-    try:
-        params = SamplingParams(
-            max_new_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-        )
-    except ValueError as e:
-        raise ValueError(f"--{str(e).replace('max_new_tokens', 'max_completion_length')}") from None
-    check_model_source(args.model, "--model")
-    device = resolve_device(args.device)
-    prompts = read_prompts(args)
-    if args.output:
-        check_writable_file(args.output, "--output")
+    params = opts.sampling_params()
+    check_model_source(opts.model, "--model")
+    device = resolve_device(opts.device)
+    prompts = read_prompts(opts)
+    if opts.output:
+        check_writable_file(opts.output, "--output")
     check_cache_dir()
-    tokenizer = load_tokenizer(args.model)
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    tokenizer = load_tokenizer(opts.model)
+    model = load_model(opts.model, dtype=opts.dtype, device=device)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
-    ids = encode_prompts(tokenizer, prompts, max_prompt_length=args.max_prompt_length)
-    generator = torch.Generator(device="cpu").manual_seed(args.seed)
-    out = engine.generate(ids, params, num_generations=args.num_generations, generator=generator)
+    ids = encode_prompts(tokenizer, prompts, max_prompt_length=opts.max_prompt_length)
+    generator = torch.Generator(device="cpu").manual_seed(opts.seed)
+    out = engine.generate(ids, params, num_generations=opts.num_generations, generator=generator)
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    output = Path(args.output).expanduser() if args.output else None
+    output = Path(opts.output).expanduser() if opts.output else None
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
     sink = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
     for i, text in enumerate(texts):
-        prompt = prompts[i // args.num_generations]
+        prompt = prompts[i // opts.num_generations]
         if sink:
             sink.write(json.dumps({"prompt": prompt, "completion": text}) + "\n")
         else:
@@ -155,7 +151,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
 def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
     if batch_size < 1:
-        raise ValueError(f"--batch_size must be >= 1, got {batch_size}")
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     import torch
     from tqdm.auto import tqdm
 
@@ -189,33 +185,27 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
 
 def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.config.files import build_config, read_options
+    from fastgrpo.config.commands import COMMANDS
+    from fastgrpo.config.files import build_options, read_options
 
-    values = read_options(args.config, overrides)
+    values = read_options(args.config, overrides, COMMANDS["eval"])
     dataset = values.get("dataset")
-    dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by build_config, naming it
+    dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by build_options, naming it
     held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
-    config = build_config(values, defaults={"dataset": {"split": "test"}} if held_out else None)
+    defaults = {"dataset": {"split": "test"}} if held_out else None
+    opts, config = build_options(COMMANDS["eval"], values, defaults)
     if held_out:
         print(
             "eval: arithmetic questions of the test split, which training never draws (--dataset.split train for "
             "training's)",
             file=sys.stderr,
         )
-    result = evaluate(config, args.batch_size)
+    result = evaluate(config, opts.batch_size)
     print(json.dumps({"model": config.model, "dataset": config.dataset.name, **result}))
 
 
 def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
-    if not 0.0 <= args.greedy_fraction <= 1.0:
-        raise ValueError(f"--greedy_fraction must be in [0, 1], got {args.greedy_fraction}")
-    if args.batch_size < 1:
-        raise ValueError(f"--batch_size must be >= 1, got {args.batch_size}")
-    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
-        raise ValueError(f"--draft_vocab_size must be >= 1, got {args.draft_vocab_size}")
-    from fastgrpo.config import load_config
-
-    config = load_config(args.config, overrides)
+    opts, config = parse_command_options("draft train", args, overrides)
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_cache_dir, eos_token_ids, load_model, load_tokenizer
@@ -223,7 +213,7 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.speculative.eagle.offline import train_offline
 
-    check_writable_dir(args.output, "--output")
+    check_writable_dir(opts.output, "--output")
     check_cache_dir()
     rows = load_dataset(config.dataset)
     tokenizer = load_tokenizer(config.model)
@@ -237,59 +227,54 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
         config.sampling_params(),
         config.draft_training,
         target_name=config.model,
-        batch_size=args.batch_size,
+        batch_size=opts.batch_size,
         max_prompt_length=config.max_prompt_length,
-        draft_vocab_size=args.draft_vocab_size,
-        greedy_fraction=args.greedy_fraction,
+        draft_vocab_size=config.speculation.draft_vocab_size,
+        greedy_fraction=opts.greedy_fraction,
     )
-    draft.save(args.output)
-    print(json.dumps({"draft": args.output, **report}))
-
-
-def parse_tokens(text: str) -> tuple[int, ...]:
-    try:
-        tokens = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        raise ValueError(f"--tokens must be comma-separated integers, got {text!r}") from None
-    if min(tokens) < 1 or list(tokens) != sorted(set(tokens)):
-        raise ValueError(f"--tokens must be increasing positive integers, got {text!r}")
-    return tokens
+    draft.save(opts.output)
+    print(json.dumps({"draft": opts.output, **report}))
 
 
 def profile(args: argparse.Namespace, overrides: list[str]) -> None:
-    tokens = parse_tokens(args.tokens)
-    if args.repeats < 1 or args.context_length < 2:
-        raise ValueError("--repeats must be >= 1 and --context_length >= 2")
-    if args.draft is not None and not Path(args.draft).is_dir():
-        raise ValueError(f"--draft: {args.draft} is not a directory with a saved draft")
+    (opts,) = parse_command_options("profile", args, overrides)
+    tokens = opts.token_counts()
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_cache_dir, check_model_source, load_model
     from fastgrpo.paths import check_writable_file
     from fastgrpo.report import plot_profile
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
-    from fastgrpo.speculative.eagle.head import DraftHead
+    from fastgrpo.speculative.registry import PLUGINS, drafter_names
 
-    check_model_source(args.model, "--model")
+    names = drafter_names(opts.speculation.drafter)
+    check_model_source(opts.model, "--model")
     check_cache_dir()
-    if args.output:
-        check_writable_file(args.output, "--output")
-    device = resolve_device(args.device)
-    backend = compile_backend(args.compile, device)
-    model = load_model(args.model, dtype=args.dtype, device=device)
+    if opts.output:
+        check_writable_file(opts.output, "--output")
+    device = resolve_device(opts.device)
+    backend = compile_backend(opts.compile, device)
+    model = load_model(opts.model, dtype=opts.dtype, device=device)
     model.requires_grad_(False)
-    draft = DraftHead.load(args.draft, model) if args.draft else None
+    saved = Path(opts.draft) if opts.draft else None
+
+    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, profiler.CostProbe]:
+        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, backend, saved) for n in names if n not in skip}
+        return {n: probe for n, probe in made.items() if probe is not None}
+
     profile = profiler.measure(
-        model, draft, args.model, tokens, args.context_length, args.repeats, progress=True, compile=backend
+        model, opts.model, probes, tokens, opts.context_length, opts.repeats, progress=True, backend=backend
     )
     param = next(model.parameters())
-    path = profile.save(args.output or profiler.profile_path(args.model, param.device, param.dtype, compile=backend))
+    path = profile.save(opts.output or profiler.profile_path(opts.model, param.device, param.dtype, backend=backend))
     png = plot_profile(profile, path.with_suffix(".png"))
     print(f"{profile.model} on {profile.device}, {profile.dtype}, context {profile.context_length}")
-    print("| tokens | target forward ms | ms per token | draft level ms |")
-    print("|---|---|---|---|")
-    for t, target, draft_s in zip(profile.tokens, profile.target_seconds, profile.draft_seconds, strict=True):
-        print(f"| {t} | {1e3 * target:.1f} | {1e3 * target / t:.2f} | {1e3 * draft_s:.1f} |")
+    drafters = list(profile.drafter_seconds)
+    print("| tokens | target forward ms | ms per token |" + "".join(f" {n} drafter ms |" for n in drafters))
+    print("|---|---|---|" + "---|" * len(drafters))
+    for i, (t, target) in enumerate(zip(profile.tokens, profile.target_seconds, strict=True)):
+        cells = "".join(f" {1e3 * profile.drafter_seconds[n][i]:.1f} |" for n in drafters)
+        print(f"| {t} | {1e3 * target:.1f} | {1e3 * target / t:.2f} |{cells}")
     if profile.tree_rows:
         print("\nTarget forward over rows x N tokens per row, as a multiple of one token per row:")
         print("| rows | one token ms | " + " | ".join(f"N={n}" for n in profile.tree_nodes) + " |")

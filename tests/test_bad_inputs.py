@@ -204,7 +204,7 @@ def test_commands_load_the_model_on_their_device_and_refuse_a_missing_gpu(
 
 
 def test_generate_without_generations(capsys) -> None:
-    assert "--num_generations must be >= 1, got 0" in refused(
+    assert "num_generations must be >= 1, got 0" in refused(
         capsys, "generate", "--prompt", "hi", "--num-generations", "0"
     )
 
@@ -405,8 +405,8 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
 
 def test_a_batch_size_below_one_is_refused_before_a_model_loads(capsys, model_dir: Path, tmp_path: Path) -> None:
     config = write_config(tmp_path / "c.yaml", model_dir, dataset={"num_examples": 2})
-    assert "--batch_size must be >= 1, got 0" in refused(capsys, "eval", "--config", str(config), "--batch-size", "0")
-    assert "--batch_size must be >= 1, got -2" in refused(
+    assert "batch_size must be >= 1, got 0" in refused(capsys, "eval", "--config", str(config), "--batch-size", "0")
+    assert "batch_size must be >= 1, got -2" in refused(
         capsys, "draft", "train", "--config", str(config), "--output", str(tmp_path / "d"), "--batch-size", "-2"
     )
 

@@ -114,7 +114,7 @@ def test_cli_profile_rejects_bad_token_counts_before_loading_a_model(capsys: pyt
     with pytest.raises(SystemExit) as excinfo:
         main(["profile", "--model", "no/such-model", "--tokens", "8,4"])
     assert excinfo.value.code == 2
-    assert "--tokens must be increasing positive integers" in capsys.readouterr().err
+    assert "tokens must be increasing positive integers" in capsys.readouterr().err
 
 
 def test_every_option_is_documented_and_the_reference_is_current() -> None:
@@ -141,7 +141,7 @@ def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "override" in text and "--batch-size" in text and "(default: 32)" in text
+    assert "override" in text and "--batch_size V prompts generated at once" in text and "(default: 32)" in text
     for name, *_ in option_rows():
         assert f"--{name} V" in text
     assert "--learning_rate V AdamW learning rate of the policy; valid: > 0 (default: 1.0e-06)" in text
@@ -151,7 +151,7 @@ def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.Capt
 
 
 def test_profile_help_shows_the_profilers_default_token_counts() -> None:
-    from fastgrpo import cli
+    from fastgrpo.config.commands import PROFILE_TOKENS, ProfileOptions
     from fastgrpo.speculative import profiler
 
-    assert ",".join(map(str, profiler.DEFAULT_TOKENS)) == cli.PROFILE_TOKENS
+    assert ",".join(map(str, profiler.DEFAULT_TOKENS)) == PROFILE_TOKENS == ProfileOptions().tokens

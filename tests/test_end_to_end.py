@@ -54,6 +54,10 @@ def test_profile_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert path.with_suffix(".png").is_file()
     printed = capsys.readouterr().out
     assert "C_peak = " in printed and "| rows | one token ms | N=2 |" in printed
+    assert list(profile["drafter_seconds"]) == ["eagle"] and "| eagle drafter ms |" in printed
+    suffix = tmp_path / "suffix.json"
+    main(["profile", "--tokens", "1,2", "--repeats", "1", "--speculation.drafter", "suffix", "--output", str(suffix)])
+    assert json.loads(suffix.read_text())["drafter_seconds"] == {}, "a suffix-only profile times no draft head"
 
 
 def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -73,4 +77,4 @@ def test_draft_train_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as excinfo:
         main(["draft", "train", "--output", str(out), "--dataset.limit", "2", "--greedy-fraction", "1.5"])
     assert excinfo.value.code == 2
-    assert "--greedy_fraction must be in [0, 1], got 1.5" in capsys.readouterr().err
+    assert "greedy_fraction must be in [0, 1], got 1.5" in capsys.readouterr().err

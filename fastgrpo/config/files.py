@@ -1,10 +1,12 @@
-"""Reading and writing configs: YAML files (with YAML 1.2's booleans), ``--option value`` overrides, the dump in
-``config.yaml`` and the option reference ``docs/options.md``."""
+"""Reading and writing options: YAML files (with YAML 1.2's booleans), ``--option value`` overrides, the dump in
+``config.yaml`` and the option reference ``docs/options.md``. Every command reads its options so
+(`parse_options`), into the dataclasses `fastgrpo.config.commands.COMMANDS` names for it."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -67,9 +69,14 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
     return value
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a dict, refusing unknown keys and ill-typed values."""
-    hints = typing.get_type_hints(cls)
+    """Build dataclass ``cls`` from a dict, refusing unknown keys, ill-typed values and missing required options."""
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in values.items():
@@ -83,12 +90,73 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
             kwargs[key] = _build(hints[key], value, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(prefix + key, value, hints[key])
+    for name, f in fields.items():
+        if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ValueError(f"{prefix}{name} is required: {f.metadata.get('help', 'an option without default')}")
     return cls(**kwargs)
 
 
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """Turn ``--a.b value`` / ``--a.b=value`` pairs into a nested dict; values are parsed as YAML scalars."""
+def _annotation(classes: tuple[type, ...], key: str) -> Any:
+    """The type of option ``key`` (dotted: ``dataset.name``) among the fields of ``classes``; None if none has it."""
+    *parents, leaf = key.split(".")
+    for cls in classes:
+        for parent in parents:
+            hint = _hints(cls).get(parent) if parent in {f.name for f in dataclasses.fields(cls)} else None
+            if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+                break
+            cls = hint
+        else:
+            if leaf in {f.name for f in dataclasses.fields(cls)}:
+                return _hints(cls)[leaf]
+    return None
+
+
+def _text_option(annotation: Any) -> tuple[type | None, bool]:
+    """``(str or list, nullable)`` for an option of text (``str``, ``list[str]``, either or None), else
+    ``(None, False)``."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = [a for a in args if a is not type(None)] if args else [annotation]
+    if len(kinds) != 1:
+        return None, False
+    if kinds[0] is str:
+        return str, type(None) in args
+    if typing.get_origin(kinds[0]) is list and typing.get_args(kinds[0]) == (str,):
+        return list, type(None) in args
+    return None, False
+
+
+def _command_line_value(key: str, raw: str, annotation: Any) -> Any:
+    """The value of ``--key raw``: YAML, except that an option of text takes the text as typed (a prompt may hold
+    ``: `` or ``#``); ``null`` is still None where the option allows it, a quoted value is read as YAML, a list
+    option also takes a YAML list of strings (``[accuracy, format]``)."""
+    if raw == "":
+        return ""
+    kind, nullable = _text_option(annotation)
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+    if kind is not None and not quoted:
+        if nullable and raw in ("null", "Null", "NULL", "~"):
+            return None
+        if kind is list and raw.startswith("["):
+            try:
+                items = yaml.load(raw, Loader=YAMLLoader)
+            except yaml.YAMLError:
+                items = None
+            if isinstance(items, list) and all(isinstance(item, str) for item in items):
+                return items
+        return raw
+    try:
+        return yaml.load(raw, Loader=YAMLLoader)
+    except yaml.YAMLError as e:
+        raise ValueError(f"--{key}: {raw!r} is not a YAML value ({getattr(e, 'problem', e)})") from None
+
+
+def parse_overrides(args: list[str], classes: tuple[type, ...] | None = None) -> dict[str, Any]:
+    """Turn ``--a.b value`` / ``--a.b=value`` pairs into a nested dict; values are parsed as YAML scalars. Given the
+    dataclasses the options are for, an option of text takes its text as typed, a list option given several times
+    holds every value (``--prompt A --prompt B``), and the classes' ``ALIASES`` name other spellings."""
+    aliases = {alias: name for cls in classes or () for alias, name in getattr(cls, "ALIASES", {}).items()}
     out: dict[str, Any] = {}
+    given: set[str] = set()
     i = 0
     while i < len(args):
         arg = args[i]
@@ -102,14 +170,20 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
                 raise ValueError(f"option {arg} needs a value")
             key, raw = arg[2:], args[i + 1]
             i += 2
+        name = key.replace("-", "_")
+        name = aliases.get(name, name)
+        annotation = _annotation(classes, name) if classes else None
+        value = _command_line_value(key, raw, annotation)
         node = out
-        *parents, leaf = key.replace("-", "_").split(".")
+        *parents, leaf = name.split(".")
         for p in parents:
             node = node.setdefault(p, {})
-        try:
-            node[leaf] = yaml.load(raw, Loader=YAMLLoader) if raw != "" else ""
-        except yaml.YAMLError as e:
-            raise ValueError(f"--{key}: {raw!r} is not a YAML value ({getattr(e, 'problem', e)})") from None
+        listed = list in {typing.get_origin(a) for a in (annotation, *typing.get_args(annotation))}
+        if name in given and listed and node.get(leaf) is not None:
+            previous = node[leaf] if isinstance(node[leaf], list) else [node[leaf]]
+            value = previous + (value if isinstance(value, list) else [value])
+        node[leaf] = value
+        given.add(name)
     return out
 
 
@@ -122,19 +196,50 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> GRPOConfig:
     """Read a YAML config (optional), apply ``--option value`` overrides, build and validate."""
-    return build_config(read_options(path, overrides))
+    return parse_options((GRPOConfig,), path, overrides)[0]
 
 
 def build_config(values: dict[str, Any], defaults: dict[str, Any] | None = None) -> GRPOConfig:
     """The validated config of ``values`` (nested plain data, as `read_options` gives); ``defaults`` (nested the
     same way) replace the options' own defaults where ``values`` does not set them."""
-    config = _build(GRPOConfig, _merge(defaults or {}, values))
-    config.validate()
-    return config
+    return build_options((GRPOConfig,), values, defaults)[0]
 
 
-def read_options(path: str | Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
-    """The options a YAML config (optional) and ``--option value`` overrides set, as nested plain data."""
+def parse_options(
+    classes: tuple[type, ...],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> tuple[Any, ...]:
+    """One validated instance of each dataclass of ``classes``, from a YAML file (optional) of their options and
+    ``--option value`` overrides, as TRL's ``HfArgumentParser`` parses a script's dataclasses."""
+    return build_options(classes, read_options(path, overrides, classes), defaults)
+
+
+def build_options(
+    classes: tuple[type, ...], values: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> tuple[Any, ...]:
+    """`parse_options` of ``values`` (nested plain data, as `read_options` gives); ``defaults`` (nested the same way)
+    replace the options' own defaults where ``values`` does not set them. Each option belongs to one of the
+    classes; an unknown one is refused with the closest known name, a bad value with its option's name."""
+    owner = {f.name: cls for cls in reversed(classes) for f in dataclasses.fields(cls)}
+    parts: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    for key, value in _merge(defaults or {}, values).items():
+        if key not in owner:
+            close = difflib.get_close_matches(key, owner, n=1)
+            raise ValueError(f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else ""))
+        parts[owner[key]][key] = value
+    built = tuple(_build(cls, parts[cls]) for cls in classes)
+    for options in built:
+        options.validate()
+    return built
+
+
+def read_options(
+    path: str | Path | None = None, overrides: list[str] | None = None, classes: tuple[type, ...] | None = None
+) -> dict[str, Any]:
+    """The options a YAML config (optional) and ``--option value`` overrides set, as nested plain data; ``classes``:
+    the dataclasses they are for (see `parse_overrides`)."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
@@ -150,7 +255,7 @@ def read_options(path: str | Path | None = None, overrides: list[str] | None = N
             raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a mapping of options")
-    return _merge(values, parse_overrides(overrides or []))
+    return _merge(values, parse_overrides(overrides or [], classes))
 
 
 def config_to_dict(config: GRPOConfig) -> dict[str, Any]:
@@ -165,13 +270,16 @@ def config_to_dict(config: GRPOConfig) -> dict[str, Any]:
 
 
 def yaml_value(value: Any) -> str:
-    """``value`` as one line of YAML (``null``, ``false``, ``[accuracy]``)."""
+    """``value`` as one line of YAML (``null``, ``false``, ``[accuracy]``); ``required`` for an option without
+    default."""
+    if value is dataclasses.MISSING:
+        return "required"
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
 
 
 def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
     """``(name, type, default, help)`` of every option in declaration order, nested ones dotted
-    (``dataset.name``)."""
+    (``dataset.name``); the default of a required option is ``dataclasses.MISSING``."""
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
@@ -187,19 +295,47 @@ def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str
     return rows
 
 
+def command_option_rows(command: str) -> list[tuple[str, str, Any, str]]:
+    """`option_rows` of every dataclass ``fastgrpo COMMAND`` reads (``draft train`` for the subcommand)."""
+    from fastgrpo.config.commands import COMMANDS
+
+    return [row for cls in COMMANDS[command] for row in option_rows(cls)]
+
+
+def _table(rows: list[tuple[str, str, Any, str]]) -> list[str]:
+    lines = ["| option | type | default | what it does |", "|---|---|---|---|"]
+    for name, type_, default, help_ in rows:
+        lines.append(f"| `{name}` | `{type_.replace(' | ', ' or ')}` | `{yaml_value(default)}` | {help_} |")
+    return lines
+
+
 def options_markdown() -> str:
     """The option reference, ``docs/options.md``: ``python -m fastgrpo.config > docs/options.md`` writes it."""
+    from fastgrpo.config.commands import COMMANDS
+
     lines = [
         "# Options",
         "",
         "Every option of `fastgrpo train` (and of `eval` and `draft train`, which read the same config), as a YAML key",
         "(nested ones as mappings: `dataset: {name: gsm8k}`) or on the command line (`--learning_rate 1e-5`,",
         "`--dataset.name gsm8k`); the command line wins. Names follow TRL's `GRPOConfig` where TRL has the option.",
-        "This page is generated from the config dataclasses by `python -m fastgrpo.config > docs/options.md`.",
+        "`generate` and `profile` take some of these options (the same default), and every command except `report`",
+        "its own below, read the same way: from a YAML `--config` file and `--name value`.",
+        "This page is generated from the option dataclasses by `python -m fastgrpo.config > docs/options.md`.",
         "",
-        "| option | type | default | what it does |",
-        "|---|---|---|---|",
+        *_table(option_rows()),
     ]
-    for name, type_, default, help_ in option_rows():
-        lines.append(f"| `{name}` | `{type_.replace(' | ', ' or ')}` | `{yaml_value(default)}` | {help_} |")
+    train = {row[0]: row for row in option_rows()}
+    for command, classes in COMMANDS.items():
+        if classes == (GRPOConfig,):
+            continue
+        rows = command_option_rows(command)
+        same = [name for name, *rest in rows if train.get(name) == (name, *rest)]
+        if GRPOConfig in classes:
+            intro = "Every option of `fastgrpo train`, and these of its own"
+        else:
+            intro = f"The options {', '.join(f'`{name}`' for name in same)} of `fastgrpo train`, and these"
+        aliases = [f"`--{a}` for `--{n}`" for cls in classes for a, n in getattr(cls, "ALIASES", {}).items()]
+        intro += f" ({'; '.join(aliases)} also works):" if aliases else ":"
+        lines += ["", f"## fastgrpo {command}", "", intro, "", *_table([r for r in rows if r[0] not in same])]
     return "\n".join(lines) + "\n"
