@@ -13,13 +13,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
-from fastgrpo.config.speculation import LEARNERS
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import controller_from_config
-from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
+from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins
 

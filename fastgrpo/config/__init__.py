@@ -18,7 +18,6 @@ from fastgrpo.config.files import (
 )
 from fastgrpo.config.grpo import LOSS_TYPES, SCALE_REWARDS, GRPOConfig
 from fastgrpo.config.speculation import (
-    DRAFT_CONFIG,
     LR_SCHEDULERS,
     ControllerLimits,
     DraftTrainConfig,
@@ -27,7 +26,6 @@ from fastgrpo.config.speculation import (
 
 __all__ = [
     "COMMANDS",
-    "DRAFT_CONFIG",
     "LOSS_TYPES",
     "LR_SCHEDULERS",
     "SCALE_REWARDS",

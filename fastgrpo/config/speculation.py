@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from fastgrpo.fields import Range, check_ranges, option
 
-DRAFT_CONFIG = "draft_config.json"  # the file that makes a directory a saved draft
-LEARNERS = "learners.pt"  # beside it in a checkpoint: the drafters' online state (optimizer, suffix memory)
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 # A verification forward holds rows x nodes tokens: past a few hundred per row it costs far more than it can win.
 MAX_TREE_NODES = 256
@@ -119,11 +116,6 @@ class SpeculationConfig:
             raise ValueError(
                 "speculation.draft_vocab_size applies to a fresh draft; the saved draft in speculation.draft "
                 f"({self.draft}) keeps its own vocabulary"
-            )
-        if self.draft is not None and not any((Path(self.draft) / f).is_file() for f in (DRAFT_CONFIG, LEARNERS)):
-            raise ValueError(
-                f"speculation.draft: {self.draft} is neither a directory saved by fastgrpo draft train (no "
-                f"{DRAFT_CONFIG}) nor a checkpoint's drafters (no {LEARNERS})"
             )
 
 

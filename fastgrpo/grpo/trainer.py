@@ -40,7 +40,7 @@ from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.registry import drafter_names
+from fastgrpo.speculative.registry import check_speculation
 from fastgrpo.threads import ThreadGovernor
 from fastgrpo.training_rollouts import TrainingRollouts
 
@@ -83,7 +83,7 @@ class GRPOTrainer:
         resume: bool = False,
     ):
         config.validate()
-        drafter_names(config.speculation.drafter)  # the drafters registered (`register_drafter`) included
+        check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
         self.config = config
         self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)

@@ -32,7 +32,7 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.registry import drafter_names
+from fastgrpo.speculative.registry import check_speculation
 from fastgrpo.training_rollouts import TrainingRollouts
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
@@ -97,7 +97,7 @@ class SpeculativeRollout:
         if draft is not None:  # the saved draft given here stands for speculation.draft, and is checked as it is
             self.speculation = dataclasses.replace(self.speculation, draft=str(draft))
         self.speculation.validate()
-        drafter_names(self.speculation.drafter)
+        check_speculation(self.speculation)
         if self.speculation.mode == "off":
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
         self.draft_training = draft_training or DraftTrainConfig()

@@ -19,6 +19,8 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
 
+LEARNERS = "learners.pt"  # in a drafters' directory: the learners' states by drafter name (`DrafterPlugin`)
+
 if TYPE_CHECKING:
     from fastgrpo.config import GRPOConfig
     from fastgrpo.memory.items import MemoryItem

@@ -6,9 +6,11 @@ here with `register_drafter`."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastgrpo.config import SpeculationConfig
 from fastgrpo.speculative.eagle.plugin import EaglePlugin
-from fastgrpo.speculative.plugin import DrafterPlugin
+from fastgrpo.speculative.plugin import LEARNERS, DrafterPlugin
 from fastgrpo.speculative.suffix.plugin import SuffixPlugin
 
 PLUGINS: dict[str, DrafterPlugin] = {plugin.name: plugin for plugin in (EaglePlugin(), SuffixPlugin())}
@@ -37,3 +39,18 @@ def plugins(speculation: SpeculationConfig) -> list[DrafterPlugin]:
     if speculation.mode == "off":
         return []
     return [PLUGINS[name] for name in drafter_names(speculation.drafter)]
+
+
+def check_speculation(speculation: SpeculationConfig) -> None:
+    """Refuse, before any model loads, drafters that are not registered and a ``speculation.draft`` directory that
+    holds neither a saved drafter of the drafters named nor a checkpoint's drafters (their learners' states)."""
+    names = drafter_names(speculation.drafter)
+    if speculation.draft is None:
+        return
+    directory = Path(speculation.draft)
+    if not any(PLUGINS[n].saved_in(directory) for n in names) and not (directory / LEARNERS).is_file():
+        raise ValueError(
+            f"speculation.draft: {directory} is neither a directory saved by a drafter of speculation.drafter "
+            f"({speculation.drafter}; `fastgrpo draft train` saves the eagle head's) nor a checkpoint's drafters "
+            f"(no {LEARNERS})"
+        )

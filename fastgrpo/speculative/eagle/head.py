@@ -18,10 +18,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
-from fastgrpo.config import DRAFT_CONFIG
 from fastgrpo.rollout.linear import rollout_linear
 
 DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_CONFIG = "draft_config.json"  # the file that makes a directory a saved draft
 # Architecture fields a draft must share with its target.
 TARGET_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
 

@@ -13,13 +13,12 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from fastgrpo.config import DRAFT_CONFIG
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.forward import forward_block
 from fastgrpo.speculative.eagle.drafter import NAME, EagleDrafter
-from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.head import DRAFT_CONFIG, DraftHead
 from fastgrpo.speculative.eagle.offline import frequent_tokens_on_all_ranks
 from fastgrpo.speculative.eagle.training import DraftTrainer, EagleLearner
 from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
