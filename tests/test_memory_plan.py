@@ -1,4 +1,4 @@
-"""The memory plan (`fastgrpo.memory_plan`): parameter counts against models built on the meta device, activations
+"""The memory plan (`fastgrpo.memory`): parameter counts against models built on the meta device, activations
 against the tensors autograd really saves (with and without gradient checkpointing), the plan's arithmetic,
 `check_fits`'s advice, the trainer's free-memory convention, and ``fastgrpo train --dry-run``. No weights are loaded
 but those of tiny models."""
@@ -15,26 +15,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-from fastgrpo import memory_plan
 from fastgrpo.cli import main
-from fastgrpo.config import GRPOConfig
-from fastgrpo.memory_plan import (
-    CARD_80GB_BYTES,
-    CUDA_CONTEXT_BYTES,
-    GIB,
-    MOMENTS,
-    ModelShape,
+from fastgrpo.config import DraftTrainConfig, GRPOConfig
+from fastgrpo.memory import fitting
+from fastgrpo.memory.activations import (
     TrainingForward,
     autocast_copy_bytes,
-    check_fits,
     checkpointed_activation_bytes,
-    estimate_memory,
-    fitting_options,
     forward_activation_bytes,
     head_saved_bytes,
-    lora_shape,
-    plan_for_trainer,
 )
+from fastgrpo.memory.fitting import CARD_80GB_BYTES, check_fits, fitting_options, plan_for_trainer
+from fastgrpo.memory.items import GIB, MOMENTS
+from fastgrpo.memory.plan import CUDA_CONTEXT_BYTES, estimate_memory
+from fastgrpo.memory.shapes import ModelShape, lora_shape
+from fastgrpo.speculative.eagle.memory import draft_parameters
 
 # The published shapes of the models the plan is checked on.
 CONFIGS: dict[str, PretrainedConfig] = {
@@ -123,7 +118,7 @@ def test_draft_head_count_matches_the_draft(name: str) -> None:
 
     with torch.device("meta"):
         draft = DraftHead(CONFIGS[name])
-    assert ModelShape.from_config(CONFIGS[name]).draft_parameters() == (
+    assert draft_parameters(ModelShape.from_config(CONFIGS[name])) == (
         sum(p.numel() for p in draft.parameters()),
         trainable(draft),
     )
@@ -347,8 +342,8 @@ def test_items_add_up_to_the_moments_and_phases() -> None:
 
 @pytest.mark.parametrize("mode", ["off", "static", "adaptive"])
 def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
-    """layers x 2 x rows x KV heads x slots x head dim x bytes, with the engine's slots: prompt + completion + 1 +
-    the largest tree (1 without speculation)."""
+    """layers x 2 x rows x KV heads x slots x head dim x bytes, with the engine's slots (prompt + completion + 1 +
+    the largest tree, 1 without speculation) and rows (a compiled step's, on a GPU, padded to a power of two)."""
     config = GRPOConfig(
         speculation=dataclasses.replace(GRPOConfig().speculation, mode=mode),
         max_prompt_length=300,
@@ -362,11 +357,63 @@ def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
     for name in ("qwen2.5-7b", "qwen3-0.6b"):
         shape = ModelShape.from_config(CONFIGS[name])
         plan = estimate_memory(config, CONFIGS[name], "cuda")
-        expected = shape.num_layers * 2 * 24 * shape.num_kv_heads * slots * shape.head_dim * 2
-        assert plan.kv_slots == slots
+        expected = shape.num_layers * 2 * 32 * shape.num_kv_heads * slots * shape.head_dim * 2  # 24 rows -> 32
+        assert plan.kv_slots == slots and plan.rows == 32
         assert plan.item("KV cache").bytes == (expected, expected, 0, 0)
-    cpu = estimate_memory(config, CONFIGS["qwen3-0.6b"], "cpu")  # float32, and kept through the update on CPU
-    assert set(cpu.item("KV cache").bytes) == {2 * expected}
+    cpu = estimate_memory(config, CONFIGS["qwen3-0.6b"], "cpu")  # eager, float32, and kept through the update
+    assert cpu.rows == 24 and set(cpu.item("KV cache").bytes) == {2 * expected * 24 // 32}
+
+
+@pytest.mark.parametrize("mode", ["off", "static", "adaptive"])
+def test_the_plan_sizes_the_caches_as_the_engine_and_the_eagle_drafter_allocate_them(mode: str) -> None:
+    """The plan asks the engine's sizing rule: a tiny engine generating with the options' longest prompt and
+    completion allocates the rows and slots the plan counts, and the EAGLE drafter's cache as many slots as its
+    item says."""
+    from conftest import tiny_model
+
+    from fastgrpo.config import SpeculationConfig
+    from fastgrpo.rollout.cache import cache_bytes
+    from fastgrpo.sampling_params import SamplingParams
+    from fastgrpo.training_rollouts import TrainingRollouts
+
+    spec = SpeculationConfig(mode=mode, nodes=4, top_k=2, depth=3, n_max=8, k_max=4, l_max=3, c_peak=8)
+    config = GRPOConfig(
+        speculation=spec,
+        max_prompt_length=9,
+        max_completion_length=6,
+        num_generations=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=3,
+        dtype="float64",
+    )
+    model = tiny_model("llama")
+    rollouts = TrainingRollouts(model, None, [], spec, DraftTrainConfig(online=False), "tiny")
+    rollouts.engine.generate([[5] * 9, [6] * 9, [7] * 2], SamplingParams(max_new_tokens=6, temperature=0), 2)
+    plan = estimate_memory(config, model.config, "cpu")
+    cache = rollouts.engine.cache
+    assert (cache.max_rows, cache.max_len) == (plan.rows, plan.kv_slots)
+    shape = ModelShape.from_config(model.config)
+    assert plan.item("KV cache").bytes[0] == cache_bytes(shape.kv_dims, cache.max_rows, cache.max_len, 8)
+    eagle = rollouts.drafter("eagle")
+    if eagle is None:
+        assert mode == "off" and not [i for i in plan.items if "draft" in i.name]
+        return
+    _, heads, head_dim = shape.kv_dims
+    allocated = cache_bytes((1, heads, head_dim), eagle.cache.max_rows, eagle.cache.max_len, 8)
+    assert plan.item("draft KV cache").bytes[0] == allocated
+
+
+def test_a_suffix_only_plan_holds_no_draft_head() -> None:
+    """The drafters' items come from their plugins: the suffix drafter has none, so a run that drafts with it alone
+    is planned (and refused or not) without a draft head, its cache, its training or its captured states."""
+    base = GRPOConfig()
+    suffix = dataclasses.replace(base, speculation=dataclasses.replace(base.speculation, drafter="suffix"))
+    for name in ("qwen2.5-0.5b", "qwen2.5-7b"):
+        both, alone = estimate_memory(base, CONFIGS[name], "cuda"), estimate_memory(suffix, CONFIGS[name], "cuda")
+        drafted = {i.name for i in both.items if "draft" in i.name or i.name == "captured hidden states"}
+        assert {"draft head", "draft KV cache", "draft training temporaries", "captured hidden states"} <= drafted
+        assert not drafted & {i.name for i in alone.items}
+        assert alone.peak_bytes < both.peak_bytes
 
 
 def test_lora_and_fewer_generations_lower_the_peak() -> None:
@@ -449,7 +496,7 @@ def test_plan_for_trainer_counts_free_reserved_and_the_context(monkeypatch: pyte
     peak = estimate_memory(config, CONFIGS["qwen2.5-0.5b"], "cuda").peak_bytes
     reserved = 3 * GIB  # the policy, loaded already
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
-    monkeypatch.setattr(memory_plan, "world_size", lambda: 1)
+    monkeypatch.setattr(fitting, "world_size", lambda: 1)
     device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (peak - reserved - CUDA_CONTEXT_BYTES, 0))
     assert plan_for_trainer(config, CONFIGS["qwen2.5-0.5b"], device).peak_bytes == peak

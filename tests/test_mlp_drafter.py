@@ -20,6 +20,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
+from fastgrpo.memory.items import MemoryItem, MemoryItems
+from fastgrpo.memory.plan import estimate_memory
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import ActiveRows
@@ -27,7 +29,7 @@ from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import registry
 from fastgrpo.speculative.controller import AdaptiveController, priced
-from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
+from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin, PlannedRun
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
 
 NAME = "mlp"
@@ -179,6 +181,12 @@ class MLPPlugin(DrafterPlugin):
         states = [torch.zeros(t, model.config.hidden_size, dtype=param.dtype, device=param.device) for t in tokens]
         return CostProbe([lambda h=h: head(heads(h)) for h in states], (heads,))
 
+    def memory(self, run: PlannedRun) -> list[MemoryItem]:
+        items = MemoryItems()
+        h = run.shape.hidden_size
+        items.resident("mlp heads", HEADS * (2 * h * h + 2 * h) * run.dtype_bytes)
+        return items.items
+
 
 @pytest.fixture
 def mlp_registered(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -240,6 +248,9 @@ def test_a_grpo_run_with_the_mlp_drafter_learns_checkpoints_and_resumes(
 
     full = make_trainer(config(tmp_path / "full", 2))
     assert [d.name for d in full.rollouts.drafters] == [NAME]
+    plan = estimate_memory(full.config, full.model.config, "cpu")
+    assert plan.item("mlp heads").bytes[0] == sum(p.numel() * 4 for p in full.rollouts.drafter(NAME).heads.parameters())
+    assert not [item for item in plan.items if "draft" in item.name], "no EAGLE head is planned"
     heads = [p.detach().clone() for p in full.rollouts.drafter(NAME).heads.parameters()]
     history = full.train()
     assert all(m["spec/n_verify_mean"] == 4.0 and m["mlp/loss"] > 0 for m in history)

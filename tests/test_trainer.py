@@ -445,7 +445,7 @@ def test_a_gpu_run_that_would_not_fit_is_refused_before_any_weight_is_read(
 
     gpu = distributed.DistInfo(0, 1, torch.device("cuda", 0))
     monkeypatch.setattr(distributed, "init", lambda *a, **k: gpu)
-    monkeypatch.setattr("fastgrpo.memory_plan.available_bytes", lambda device: 2 * 2**30)
+    monkeypatch.setattr("fastgrpo.memory.fitting.available_bytes", lambda device: 2 * 2**30)
 
     class Loaded(Exception):
         pass

@@ -240,11 +240,13 @@ def resumed_options(out: Path, given: dict[str, Any]) -> list[str]:
 def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device: Any) -> int:
     """About what one checkpoint of the run takes on disk: the policy's weights (a LoRA run's adapters only), and
     unless ``save_only_model`` AdamW's two moments with float32 master weights where the weights are low precision;
-    the draft and its optimizer likewise when speculation is on."""
-    from fastgrpo.memory_plan import ModelShape, lora_shape, plan_dtype
+    each drafter's files and learner's state (`DrafterPlugin.checkpoint_bytes`)."""
+    from fastgrpo.memory.plan import planned_run
+    from fastgrpo.memory.shapes import lora_shape
+    from fastgrpo.speculative.registry import plugins
 
-    shape = ModelShape.from_config(model_config)
-    width = {"float64": 8, "float32": 4}.get(plan_dtype(config.dtype, device), 2)
+    run = planned_run(config, model_config, device)
+    shape, width = run.shape, run.dtype_bytes
     # AdamW's state per trained parameter: two moments in the parameter's dtype, or float32 moments and masters
     adam_state = 2 * width if width >= 4 else 12
     if config.use_peft:  # peft keeps the adapters in float32
@@ -254,8 +256,4 @@ def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device:
         trained = shape.num_parameters()
         weights, state = trained * width, adam_state
     optimizer = 0 if config.save_only_model else trained * state
-    draft = 0
-    if config.speculation.mode != "off":
-        total, _ = shape.draft_parameters()
-        draft = total * width + (0 if config.save_only_model else total * adam_state)
-    return weights + optimizer + draft
+    return weights + optimizer + sum(plugin.checkpoint_bytes(run) for plugin in plugins(config.speculation))

@@ -27,7 +27,7 @@ from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_dir import DirectoryLock, check_disk_space, checkpoint_bytes, resumed_options
 from fastgrpo.grpo.run_log import RunLog
-from fastgrpo.memory_plan import plan_for_trainer, read_model_config
+from fastgrpo.memory.fitting import plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
     eos_token_ids,
@@ -175,8 +175,6 @@ class GRPOTrainer:
         elif "master_weights" in state:
             self._restore_without_masters(state["master_weights"])
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
-        if "draft_optimizer" in state:  # a checkpoint written before the drafters' state moved to draft/
-            self.rollouts.load_learner_states({"eagle": state["draft_optimizer"]})
         set_rng_state(state["rng"])
         self.start_step = state["step"]
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)

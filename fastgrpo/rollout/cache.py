@@ -23,7 +23,26 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from fastgrpo.memory.shapes import kv_dims
 from fastgrpo.rollout.host import host_to_device
+
+
+def call_length(prompt_len: int, max_new_tokens: int) -> int:
+    """Tokens a row of a generation call may hold: its prompt, its completion and the pending token after it."""
+    return prompt_len + max_new_tokens + 1
+
+
+def cache_slots(length: int, tree_nodes: int) -> int:
+    """Slots per row of the target's cache for a call of ``length`` tokens verifying trees of up to ``tree_nodes``
+    nodes (1: plain steps)."""
+    return length + tree_nodes
+
+
+def cache_bytes(dims: tuple[int, int, int], rows: int, slots: int, itemsize: int) -> int:
+    """Bytes of a `RowCache` of ``rows`` x ``slots`` for a decoder of ``dims`` (`kv_dims`): keys and values of
+    ``[rows, kv heads, slots, head dim]`` per layer."""
+    layers, heads, head_dim = dims
+    return layers * 2 * rows * heads * slots * head_dim * itemsize
 
 
 class RowLayer(CacheLayerMixin):
@@ -78,12 +97,7 @@ class RowCache(Cache):
         device: torch.device,
         compiled: bool = False,
     ):
-        text_config = config.get_text_config()
-        heads = text_config.num_key_value_heads or text_config.num_attention_heads
-        head_dim = getattr(text_config, "head_dim", None) or (
-            text_config.hidden_size // text_config.num_attention_heads
-        )
-        n_layers = text_config.num_hidden_layers
+        n_layers, heads, head_dim = kv_dims(config)
         shape = (max_rows, heads, max_len, head_dim)
         self.kv: torch.Tensor | None = None
         if compiled:  # keys and values of each layer in tensors of their own, at addresses a CUDA graph keeps
@@ -99,6 +113,10 @@ class RowCache(Cache):
         self.rows = torch.zeros(0, 1, dtype=torch.long, device=device)
         self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.kv_len = 0
+
+    def holds(self, rows: int, slots: int) -> bool:
+        """Whether it has room for ``rows`` rows of ``slots`` slots (a call that needs more gets a new cache)."""
+        return self.max_rows >= rows and self.max_len >= slots
 
     def prepare(self, slots: torch.Tensor, kv_len: int) -> None:
         """Set where the next forward writes (``slots``: ``[B, T]`` slot per new token, each below ``kv_len``) and how

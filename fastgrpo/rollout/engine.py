@@ -21,7 +21,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
-from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import host_to_device, read_back
@@ -191,7 +191,7 @@ class RolloutEngine:
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
-                self._begin(call, max(map(len, prompt_ids)) + params.max_new_tokens + 1)
+                self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
                 rows = self.prefill(prompt_ids, num_generations, call)
                 t0, compiling = time.perf_counter(), self._compile_seconds()
                 while rows.size:
@@ -231,11 +231,11 @@ class RolloutEngine:
         controller a call starts."""
         rows = self.target.rows(len(call.seqs))
         bound = self.controller.max_shape if self.controller is not None else None
-        extra = bound.nodes if bound is not None else 1
-        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < length + extra:
-            self.cache = None
+        slots = cache_slots(length, bound.nodes if bound is not None else 1)
+        if self.cache is None or not self.cache.holds(rows, slots):
+            self.cache = None  # freed before the new one is made
             config, dtype, compiled = self.model.config, self.model.dtype, self.target.compiled
-            self.cache = RowCache(config, rows, length + extra, dtype, self.device, compiled)
+            self.cache = RowCache(config, rows, slots, dtype, self.device, compiled)
         if self.drafters:
             changed = [d.begin(rows, length, bound) for d in self.drafters.values()]
             self.controller.begin(draft_changed=any(changed))

@@ -1,5 +1,5 @@
 """What a generation call did, step by step: concurrency, tokens per forward, tree sizes and acceptance by depth,
-and where its time went (prefill, drafting, verification, bookkeeping)."""
+and where its time went (prefill, drafting, verification)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,6 @@ class GenerationStats:
         return self.prefill_time + self.decode_time
 
     @property
-    def bookkeeping_time(self) -> float:
-        return self.decode_time - self.draft_time - self.verify_time
-
-    @property
     def tokens_per_second(self) -> float:
         return self.tokens_emitted / max(self.total_time, 1e-9)
 
@@ -68,11 +64,6 @@ class GenerationStats:
         if not self.depth_offered:
             return float("nan")
         return 1.0 + sum(self.depth_accepted) / self.depth_offered[0]
-
-    @property
-    def acceptance_by_depth(self) -> list[float]:
-        """For each draft depth d (1-based), the fraction of offered depth-d paths whose token was accepted."""
-        return [a / o if o else 0.0 for a, o in zip(self.depth_accepted, self.depth_offered, strict=True)]
 
     def record_depths(self, tree_depth: list[int], accepted: list[int]) -> None:
         """``tree_depth`` the deepest node of each row's tree, ``accepted`` the draft tokens each row accepted."""

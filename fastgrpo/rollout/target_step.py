@@ -80,6 +80,11 @@ def tree_step(
     return result.tokens, result.logprobs, result.length, path_hidden, path_rank, tree.node_depth.max(dim=1).values
 
 
+def step_rows(live: int, compiled: bool) -> int:
+    """The rows a step over ``live`` rows computes: compiled, padded to a power of two (a graph per bucket)."""
+    return row_bucket(live) if compiled else live
+
+
 class TargetStep:
     """Runs `plain_step` and `tree_step` eagerly (``backend`` None) or compiled by ``torch.compile`` with
     ``backend`` (``"inductor"``; another backend, such as ``"aot_eager"``, checks the graphs without generating
@@ -100,7 +105,7 @@ class TargetStep:
 
     def rows(self, live: int) -> int:
         """The rows a step over ``live`` rows computes (and the caches must hold)."""
-        return row_bucket(live) if self.compiled else live
+        return step_rows(live, self.compiled)
 
     def plain(
         self,

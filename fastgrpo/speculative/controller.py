@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -359,6 +360,13 @@ class AdaptiveController:
         return [sum(a > d for a in accepted) / rows for d in range(self.depth_cap)]
 
 
+def tree_bound(spec: SpeculationConfig) -> TreeShape | None:
+    """The largest tree a run of ``spec`` verifies (its controller's `max_shape`; None: speculation off)."""
+    if spec.mode == "off":
+        return None
+    return TreeShape(spec.nodes, spec.top_k, spec.depth) if spec.mode == "static" else largest_shape(spec.limits())
+
+
 def controller_from_config(
     spec: SpeculationConfig, profile: LatencyProfile | None, drafters: list[Drafter]
 ) -> Controller:
@@ -367,7 +375,7 @@ def controller_from_config(
     the engine runs them. ``static`` and ``paper`` trees merge the trees of every drafter."""
     merged = "+".join(d.name for d in drafters)
     if spec.mode == "static":
-        return StaticController(TreeShape(spec.nodes, spec.top_k, spec.depth, merged))
+        return StaticController(dataclasses.replace(tree_bound(spec), drafter=merged))
     limits = spec.limits()
     if spec.mode == "paper":
         return PaperController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits, merged)

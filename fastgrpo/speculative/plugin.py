@@ -10,21 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from transformers import PreTrainedModel
 
-from fastgrpo.config import DraftTrainConfig, SpeculationConfig
+from fastgrpo.config import DraftTrainConfig, GRPOConfig, SpeculationConfig
+from fastgrpo.memory.items import MemoryItem
+from fastgrpo.memory.shapes import ModelShape
+from fastgrpo.rollout.cache import cache_slots
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
 
 LEARNERS = "learners.pt"  # in a drafters' directory: the learners' states by drafter name (`DrafterPlugin`)
-
-if TYPE_CHECKING:
-    from fastgrpo.config import GRPOConfig
-    from fastgrpo.memory.items import MemoryItem
-    from fastgrpo.memory.shapes import ModelShape
 
 
 @dataclass
@@ -44,6 +42,33 @@ class DrafterContext:
     speculation: SpeculationConfig
     draft_training: DraftTrainConfig
     rollout: GenerationOutput | None = None
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What a memory estimate is made from (`fastgrpo.memory.plan`): the run's options, the model's shape, the bytes
+    of an element of its dtype, the processes in the job, whether on a GPU, and the rollout's sizes as the engine
+    makes them: ``rows`` cache rows, ``length`` tokens per row of a call, ``bound`` the largest tree (None: plain)."""
+
+    config: GRPOConfig
+    shape: ModelShape
+    dtype_bytes: int
+    world_size: int
+    cuda: bool
+    rows: int
+    length: int
+    bound: TreeShape | None
+
+    @property
+    def kv_slots(self) -> int:
+        """Slots per row of the target's KV cache (`fastgrpo.rollout.cache.cache_slots`)."""
+        return cache_slots(self.length, self.bound.nodes if self.bound is not None else 1)
+
+    @property
+    def cache_moments(self) -> int:
+        """Moments a rollout's cache is held (`fastgrpo.memory.items.MOMENTS`): on a GPU the trainer gives the caches
+        back before the update; on the CPU they stay for the next rollout."""
+        return 2 if self.cuda else 4
 
 
 class DrafterPlugin:
@@ -81,8 +106,10 @@ class DrafterPlugin:
         (None: it prices itself otherwise)."""
         return None
 
-    def memory(
-        self, config: GRPOConfig, shape: ModelShape, dtype_bytes: int, world_size: int, cuda: bool
-    ) -> list[MemoryItem]:
-        """Device memory its drafting and learning take in a run of ``config`` (see `fastgrpo.memory.plan`)."""
+    def memory(self, run: PlannedRun) -> list[MemoryItem]:
+        """Device memory its drafting and learning take in ``run`` (see `fastgrpo.memory.plan`)."""
         return []
+
+    def checkpoint_bytes(self, run: PlannedRun) -> int:
+        """About what its files and learner's state take in a checkpoint of ``run``."""
+        return 0

@@ -138,8 +138,8 @@ class EagleDrafter(Drafter):
         """Size the draft cache (`cache_slots`). The weights changed when an optimizer step or a load wrote them in
         place, which bumps each tensor's version counter."""
         need = self.cache_slots(length, bound)
-        if self.cache is None or self.cache.max_rows < rows or self.cache.max_len < need:
-            self.cache = None
+        if self.cache is None or not self.cache.holds(rows, need):
+            self.cache = None  # freed before the new one is made
             param = next(self.model.parameters())
             compiled = self._expand.compiled
             self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device, compiled)

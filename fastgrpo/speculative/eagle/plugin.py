@@ -7,27 +7,23 @@ from __future__ import annotations
 
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from fastgrpo.memory.items import MemoryItem
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.forward import forward_block
 from fastgrpo.speculative.eagle.drafter import NAME, EagleDrafter
 from fastgrpo.speculative.eagle.head import DRAFT_CONFIG, DraftHead
+from fastgrpo.speculative.eagle.memory import eagle_checkpoint_bytes, eagle_memory
 from fastgrpo.speculative.eagle.offline import frequent_tokens_on_all_ranks
 from fastgrpo.speculative.eagle.training import DraftTrainer, EagleLearner
-from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin
+from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin, PlannedRun
 from fastgrpo.speculative.profiler import CostProbe
-
-if TYPE_CHECKING:
-    from fastgrpo.config import GRPOConfig
-    from fastgrpo.memory.items import MemoryItem
-    from fastgrpo.memory.shapes import ModelShape
 
 PROBE_TOP_K = 4  # children per node of the timed draft level
 
@@ -106,12 +102,11 @@ class EaglePlugin(DrafterPlugin):
             calls.append(partial(level, head, cache, embed(ids), block, lm_head, PROBE_TOP_K, context_length + 1))
         return CostProbe(calls, (head,))
 
-    def memory(
-        self, config: GRPOConfig, shape: ModelShape, dtype_bytes: int, world_size: int, cuda: bool
-    ) -> list[MemoryItem]:
-        from fastgrpo.speculative.eagle.memory import eagle_memory
+    def memory(self, run: PlannedRun) -> list[MemoryItem]:
+        return eagle_memory(run)
 
-        return eagle_memory(config, shape, dtype_bytes, world_size, cuda)
+    def checkpoint_bytes(self, run: PlannedRun) -> int:
+        return eagle_checkpoint_bytes(run)
 
 
 def draft_level(

@@ -1,0 +1,249 @@
+"""Whether a run's memory plan fits the device: `check_fits` refuses a plan larger than the memory available, naming
+the options that would fit (each re-estimated, `fitting_options`); `plan_for_trainer` is what the trainer calls, and
+`dry_run` is ``fastgrpo train --dry-run``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+from transformers import PretrainedConfig
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.memory.items import GIB
+from fastgrpo.memory.plan import CUDA_CONTEXT_BYTES, MASTERS, MemoryPlan, estimate_memory
+from fastgrpo.models import SUPPORTED_FAMILIES, check_model_source, resolve_model_path
+
+CARD_80GB_BYTES = 81559 * 2**20  # what an 80 GB A100/H100 reports in all
+
+
+def _fits(config: GRPOConfig, plan: MemoryPlan, free_bytes: int, world_size: int | None = None) -> MemoryPlan | None:
+    """``config`` re-estimated like ``plan`` (same model and device); the new plan when it fits ``free_bytes``."""
+    new = estimate_memory(config, plan.shape, plan.device, plan.world_size if world_size is None else world_size)
+    return new if new.peak_bytes <= free_bytes else None
+
+
+def _largest(candidates: Iterator[GRPOConfig], plan: MemoryPlan, free_bytes: int) -> tuple[GRPOConfig, MemoryPlan]:
+    """The first candidate (they come largest first) that fits, and its plan; raises StopIteration when none does."""
+    for candidate in candidates:
+        fitted = _fits(candidate, plan, free_bytes)
+        if fitted is not None:
+            return candidate, fitted
+    raise StopIteration
+
+
+def _smaller_micro_batches(config: GRPOConfig) -> Iterator[GRPOConfig]:
+    """The same completions per step in smaller micro-batches (more accumulation steps), largest first."""
+    rows = config.generation_batch_size
+    for b in range(config.per_device_train_batch_size - 1, 0, -1):
+        if rows % b == 0:
+            yield dataclasses.replace(config, per_device_train_batch_size=b, gradient_accumulation_steps=rows // b)
+
+
+def _fewer_completions(config: GRPOConfig) -> Iterator[GRPOConfig]:
+    """Fewer completions per step, largest first: whole groups of ``num_generations`` while there is more than one,
+    then a single smaller group; each in the largest micro-batches (at most the current ones) that divide it."""
+    g = config.num_generations
+    for rows in range(config.generation_batch_size - 1, 1, -1):
+        if rows >= g and rows % g:
+            continue
+        b = max(d for d in range(1, min(config.per_device_train_batch_size, rows) + 1) if rows % d == 0)
+        yield dataclasses.replace(
+            config, num_generations=min(g, rows), per_device_train_batch_size=b, gradient_accumulation_steps=rows // b
+        )
+
+
+def _shorter_completions(config: GRPOConfig, plan: MemoryPlan, free_bytes: int) -> tuple[GRPOConfig, MemoryPlan]:
+    """The longest ``max_completion_length`` below the current one that fits (memory grows with it: bisection)."""
+    low, high, best = 1, config.max_completion_length - 1, None
+    while low <= high:
+        mid = (low + high) // 2
+        candidate = dataclasses.replace(config, max_completion_length=mid)
+        fitted = _fits(candidate, plan, free_bytes)
+        if fitted is None:
+            high = mid - 1
+        else:
+            best, low = (candidate, fitted), mid + 1
+    if best is None:
+        raise StopIteration
+    return best
+
+
+def _changed(old: GRPOConfig, new: GRPOConfig) -> str:
+    """``name: value`` of each option that differs, comma-separated (nested ones dotted)."""
+    parts = []
+    for f in dataclasses.fields(old):
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if dataclasses.is_dataclass(a):
+            parts += [
+                f"{f.name}.{g.name}: {getattr(b, g.name)}"
+                for g in dataclasses.fields(a)
+                if getattr(a, g.name) != getattr(b, g.name)
+            ]
+        elif a != b:
+            parts.append(f"{f.name}: {str(b).lower() if isinstance(b, bool) else b}")
+    return ", ".join(parts)
+
+
+def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> list[tuple[str, MemoryPlan]]:
+    """The single changes of ``config`` whose re-estimated peak fits ``free_bytes``, each as ``(options, plan)``:
+    LoRA, the reference model dropped (``beta: 0``), gradient checkpointing, the same completions in smaller
+    micro-batches, fewer completions per step (smaller groups if need be), shorter completions, FSDP over the fewest
+    processes that fit (without master weights, which FSDP runs do not keep), and no speculation. Changes that fit
+    only together are not searched."""
+    found: list[tuple[str, MemoryPlan]] = []
+
+    def attempt(make: Callable[[], tuple[GRPOConfig, MemoryPlan]]) -> None:
+        try:
+            candidate, fitted = make()
+        except StopIteration:
+            return
+        found.append((_changed(config, candidate), fitted))
+
+    def single(candidate: GRPOConfig) -> Callable[[], tuple[GRPOConfig, MemoryPlan]]:
+        return lambda: _largest(iter([candidate]), plan, free_bytes)
+
+    if not config.use_peft:
+        attempt(single(dataclasses.replace(config, use_peft=True, fsdp=False)))
+        if config.beta > 0:
+            attempt(single(dataclasses.replace(config, beta=0.0)))
+    if not config.gradient_checkpointing:
+        attempt(single(dataclasses.replace(config, gradient_checkpointing=True)))
+    attempt(lambda: _largest(_smaller_micro_batches(config), plan, free_bytes))
+    attempt(lambda: _largest(_fewer_completions(config), plan, free_bytes))
+    if config.max_completion_length > 1:
+        attempt(lambda: _shorter_completions(config, plan, free_bytes))
+    if not config.use_peft:
+        sharded = dataclasses.replace(config, fsdp=True, master_weights=False)
+        masters = any(item.name == MASTERS for item in plan.items)
+        what = "fsdp: true" + (", master_weights: false" if masters else "")
+        for n in range(max(2, plan.world_size), 257):
+            fitted = _fits(sharded, plan, free_bytes, world_size=n)
+            if fitted is not None:
+                found.append((f"{what} on {n} processes (torchrun --nproc_per_node {n})", fitted))
+                break
+    if config.speculation.mode != "off":
+        off = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="off"))
+        attempt(single(off))
+    return found
+
+
+def check_fits(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> None:
+    """Raise ``ValueError`` when ``plan`` (made from ``config``) peaks above ``free_bytes``, the memory the whole
+    process may use on its device (`available_bytes` measures it). The message gives the estimate, and every single
+    change of options that `fitting_options` finds to fit, each with its re-estimated peak."""
+    if plan.peak_bytes <= free_bytes:
+        return
+    options = fitting_options(plan, free_bytes, config)
+    if options:
+        advice = "each of these changes alone fits: " + "; ".join(
+            f"{what} (peak {fitted.peak_bytes / GIB:.1f} GiB)" for what, fitted in options
+        )
+    else:
+        advice = (
+            "no single change of use_peft, beta, gradient_checkpointing, per_device_train_batch_size, "
+            "gradient_accumulation_steps, num_generations, max_completion_length, fsdp or speculation.mode fits: "
+            "combine them, or use a larger device"
+        )
+    raise ValueError(
+        f"the run needs about {plan.peak_bytes / GIB:.1f} GiB of device memory per process (peak at "
+        f"{plan.peak_moment}), more than the {free_bytes / GIB:.1f} GiB available on {plan.device}; {advice}. "
+        "`fastgrpo train --dry-run` itemises the estimate"
+    )
+
+
+def world_size() -> int:
+    """Processes in the job: torch.distributed's world when it is up, else torchrun's ``WORLD_SIZE`` (1 alone)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def available_bytes(device: torch.device | str) -> int:
+    """The device memory a process's run may use in all, on CUDA device ``device``: what is free now
+    (``torch.cuda.mem_get_info``), plus what this process's caching allocator holds already
+    (``torch.cuda.memory_reserved``: tensors it has loaded, such as the policy, and cached blocks), plus the CUDA
+    context allowance of the plan (the context exists once ``mem_get_info`` has run, so its memory is already
+    outside the free figure, while the plan counts it)."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES
+
+
+def plan_for_trainer(config: GRPOConfig, model_config: PretrainedConfig, device: torch.device) -> MemoryPlan:
+    """The run's memory plan on ``device``, refused (``ValueError`` from `check_fits`) on CUDA when it does not fit.
+
+    Free-memory convention: the plan estimates everything the process will hold on the device, including what it
+    has already allocated, and is checked against `available_bytes(device)` = ``torch.cuda.mem_get_info(device)``'s
+    free bytes + ``torch.cuda.memory_reserved(device)`` + `CUDA_CONTEXT_BYTES`. So call it on each process with its
+    own device, at any point after ``distributed.init`` and before the first rollout, before or after loading the
+    policy, the reference model, the LoRA wrapping, the draft head and the optimizer's master weights: what they
+    hold is in ``memory_reserved`` (with the allocator's cached free blocks, which the run can reuse too), and the
+    plan counts it. The condition is that every live device tensor of the process is one the plan counts (not a
+    second copy of the model, say). Other processes' memory on the same GPU is not free and is not counted.
+    ``model_config`` is the policy's transformers config (``model.config``, also for a peft model). The world size
+    is torch.distributed's (or ``WORLD_SIZE``). On a device other than CUDA the plan is returned unchecked."""
+    device = torch.device(device)
+    plan = estimate_memory(config, model_config, device, world_size())
+    if device.type == "cuda":
+        check_fits(plan, available_bytes(device), config)
+    return plan
+
+
+def read_model_config(name: str) -> PretrainedConfig:
+    """The transformers config of ``config.model`` (a directory, a hub id, or ``smollm2``), without its weights or
+    tokenizer; ``ValueError`` when it is not the config of a causal language model."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    check_model_source(name)
+    try:
+        model_config = AutoConfig.from_pretrained(resolve_model_path(name))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"model: cannot read the config of {name}: {e}") from None
+    if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(model_config, "auto_map", None):
+        raise ValueError(
+            f"model: cannot load {name} as a causal language model: its config is a {type(model_config).__name__}, "
+            "of a model that transformers' AutoModelForCausalLM does not build"
+        )
+    return model_config
+
+
+def dry_run(config: GRPOConfig) -> str:
+    """``fastgrpo train --dry-run``: the memory plan of ``config`` (validated already) on the device the run would
+    use, from the model's config alone, and on a GPU whether it fits the memory available there (`available_bytes`).
+    ``device: cuda`` on a machine without a GPU plans for one (bfloat16 for ``dtype: auto``) without that check.
+    Nothing is written."""
+    from fastgrpo.distributed import resolve_device
+
+    model_config = read_model_config(config.model)
+    planned_only = config.device == "cuda" and not torch.cuda.is_available()
+    if planned_only:  # planning a GPU run on a machine without one: the plan is arithmetic
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        device = resolve_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+    plan = estimate_memory(config, model_config, device, world_size())
+    lines = [f"memory plan of {config.model}: {plan.summary()}", "", plan.table(), ""]
+    if plan.shape.model_type not in SUPPORTED_FAMILIES:
+        lines.append(f"note: {plan.shape.model_type} is outside the families the estimate models exactly")
+    if planned_only:
+        lines.append("no GPU here: the plan is for a CUDA device, checked against an 80 GB card's memory")
+        lines.append(_fits_line(plan, CARD_80GB_BYTES, config, "an 80 GB card"))
+    elif device.type == "cuda":
+        lines.append(_fits_line(plan, available_bytes(device), config, str(device)))
+    else:
+        lines.append(
+            f"no GPU: the plan is for the CPU (dtype {plan.dtype}), whose memory is the host's; add --device cuda to "
+            "plan a GPU run"
+        )
+    return "\n".join(lines)
+
+
+def _fits_line(plan: MemoryPlan, available: int, config: GRPOConfig, where: str) -> str:
+    """``fits: yes`` with the memory available on ``where``, or ``fits: no`` with `check_fits`'s advice."""
+    try:
+        check_fits(plan, available, config)
+    except ValueError as e:
+        return f"fits: no: {e}"
+    return f"fits: yes, {available / GIB:.1f} GiB available on {where}"

@@ -1,0 +1,332 @@
+"""How much device memory a training run will take, per process, estimated from its options and the model's config
+alone (no weights are loaded), item by item, so that a run that cannot fit is refused before its first rollout with
+the options that would make it fit.
+
+A GRPO step has two phases whose peaks are separate, each in two moments:
+
+- the rollout: *decode* (the KV caches, the hidden states captured for the draft, the logits of the widest forward),
+  then the *draft update* (the draft head's online training on those states); the KV caches and captured states are
+  given back before the policy update;
+- the update: the *backward* of a micro-batch (every decoder layer's saved activations; with ``gradient_checkpointing``
+  each layer's input instead, and during the backward one layer's activations recomputed at a time; the LM head runs
+  in checkpointed chunks of ``logprob_chunk_tokens`` either way), then the *optimizer step* (AdamW's temporaries,
+  float32 gradients of the master weights).
+
+The weights, the optimizer state, the reference model, the LoRA adapters and the drafters' networks are resident in
+all four moments. The peak is the largest moment. Every prompt is taken at ``max_prompt_length`` and every
+completion at ``max_completion_length``: the estimate bounds a run whose rows are shorter.
+
+The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
+drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
+`MemoryPlan`; `fastgrpo.memory.fitting` checks it against the memory available.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.memory.activations import (
+    TrainingForward,
+    checkpointed_activation_bytes,
+    forward_activation_bytes,
+    layer_activation_bytes,
+)
+from fastgrpo.memory.items import GIB, MOMENTS, PHASE_OF, MemoryItem, MemoryItems
+from fastgrpo.memory.shapes import LoraShape, ModelShape, lora_shape
+from fastgrpo.models import DTYPES, resolve_dtype
+from fastgrpo.rollout.cache import cache_bytes, call_length
+from fastgrpo.rollout.compiled import compile_backend
+from fastgrpo.rollout.target_step import step_rows
+from fastgrpo.speculative.controller import tree_bound
+from fastgrpo.speculative.plugin import PlannedRun
+from fastgrpo.speculative.registry import plugins
+
+CUDA_CONTEXT_BYTES = 2**29  # the CUDA context with torch's kernels loaded (lazily): about 0.5 GiB on recent GPUs
+CUDA_WORKSPACE_BYTES = 2**29  # cuBLAS/cuDNN workspaces and the allocator's rounding
+HOST_RUNTIME_BYTES = 2**30  # on CPU: Python with torch and transformers imported
+MASTERS = "float32 master weights"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The itemised estimate of a run's device memory per process.
+
+    ``items`` hold bytes at each of the four moments (`MOMENTS`: decode and draft update form the rollout phase,
+    backward and optimizer step the update phase); a moment's total is the sum of its column, a phase's the larger
+    of its two moments, and the peak the larger phase. The other fields say what the estimate assumed."""
+
+    items: tuple[MemoryItem, ...]
+    shape: ModelShape
+    device: str
+    dtype: str
+    world_size: int
+    shards: int
+    rows: int
+    kv_slots: int
+    micro_batch_rows: int
+    seq_len: int
+    parameters: int
+    trainable: int
+    use_peft: bool
+    gradient_checkpointing: bool = False
+
+    def item(self, name: str) -> MemoryItem:
+        """The item called ``name`` (KeyError when the plan has none: it would be 0 everywhere)."""
+        for item in self.items:
+            if item.name == name:
+                return item
+        raise KeyError(f"no memory item {name!r}; items: {[i.name for i in self.items]}")
+
+    @property
+    def moments(self) -> tuple[int, int, int, int]:
+        """Total bytes at each of the four moments."""
+        return tuple(sum(item.bytes[k] for item in self.items) for k in range(len(MOMENTS)))  # type: ignore[return-value]
+
+    @property
+    def rollout_bytes(self) -> int:
+        """Peak of the rollout phase (decode, then the draft update)."""
+        return max(self.moments[:2])
+
+    @property
+    def update_bytes(self) -> int:
+        """Peak of the update phase (a micro-batch's backward, then the optimizer step)."""
+        return max(self.moments[2:])
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.rollout_bytes, self.update_bytes)
+
+    @property
+    def peak_moment(self) -> str:
+        """``phase: moment`` of the peak."""
+        k = max(range(len(MOMENTS)), key=lambda j: self.moments[j])
+        return f"{PHASE_OF[k]}: {MOMENTS[k]}"
+
+    def summary(self) -> str:
+        """One line: the model, precision, training mode and the sizes the estimate assumed."""
+        mode = f"LoRA ({self.trainable / 1e6:.1f} M adapter parameters)" if self.use_peft else "full fine-tune"
+        procs = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        if self.shards > 1:
+            procs += f", FSDP-sharded {self.shards} ways"
+        return (
+            f"{self.shape.model_type}, {self.parameters / 1e9:.2f} B parameters in {self.dtype} on {self.device}, "
+            f"{mode}, {procs}; rollout of {self.rows} completions x {self.kv_slots} KV slots, update in micro-batches "
+            f"of {self.micro_batch_rows} x {self.seq_len} tokens"
+            + (", layers checkpointed" if self.gradient_checkpointing else "")
+        )
+
+    def table(self) -> str:
+        """The plan as text: one line per item in GiB at each moment, the totals, and the phases' peaks."""
+        name_width = max(len("item (GiB)"), *(len(i.name) for i in self.items))
+        heads = ("rollout:", "rollout:", "update:", "update:")
+        lines = [
+            " " * name_width + "".join(f"{h:>16}" for h in heads),
+            f"{'item (GiB)':<{name_width}}" + "".join(f"{m:>16}" for m in MOMENTS),
+        ]
+        for item in self.items:
+            lines.append(f"{item.name:<{name_width}}" + "".join(f"{b / GIB:16.2f}" for b in item.bytes))
+        lines.append(f"{'total':<{name_width}}" + "".join(f"{b / GIB:16.2f}" for b in self.moments))
+        lines.append(
+            f"peak: rollout phase {self.rollout_bytes / GIB:.2f} GiB, update phase {self.update_bytes / GIB:.2f} GiB; "
+            f"{self.peak_bytes / GIB:.2f} GiB at {self.peak_moment}"
+        )
+        return "\n".join(lines)
+
+
+def plan_dtype(dtype: str, device: torch.device) -> str:
+    """The policy's concrete dtype on ``device`` (`fastgrpo.models.resolve_dtype`); ``auto`` on a CUDA device this
+    machine does not have is taken as bfloat16, as on any recent GPU."""
+    if dtype == "auto" and device.type == "cuda" and not torch.cuda.is_available():
+        return "bfloat16"
+    return resolve_dtype(dtype, device)
+
+
+def planned_run(
+    config: GRPOConfig, model_config: PretrainedConfig | ModelShape, device: torch.device | str, world_size: int = 1
+) -> PlannedRun:
+    """The sizes a plan of ``config``'s run on ``device`` is made from: the model's shape and dtype, and the
+    rollout's cache rows, call length and largest tree as the engine makes them (`fastgrpo.rollout.cache`)."""
+    device = torch.device(device)
+    shape = model_config if isinstance(model_config, ModelShape) else ModelShape.from_config(model_config)
+    compiled = compile_backend(config.compile, device) is not None
+    return PlannedRun(
+        config,
+        shape,
+        DTYPES[plan_dtype(config.dtype, device)].itemsize,
+        world_size,
+        device.type == "cuda",
+        rows=step_rows(config.generation_batch_size, compiled),
+        length=call_length(config.max_prompt_length, config.max_completion_length),
+        bound=tree_bound(config.speculation),
+    )
+
+
+def estimate_memory(
+    config: GRPOConfig,
+    model_config: PretrainedConfig | ModelShape,
+    device: torch.device | str = "cuda",
+    world_size: int = 1,
+) -> MemoryPlan:
+    """Estimate the device memory one process of ``config``'s run takes on ``device`` (a CUDA device this machine
+    lacks is fine: the plan is arithmetic), with ``world_size`` processes in the job (FSDP shards over them).
+
+    ``model_config`` is the policy's transformers config (or its `ModelShape`). See the module docstring for the
+    phases; the comment above each ``items.add`` gives the item's rule."""
+    device = torch.device(device)
+    run = planned_run(config, model_config, device, world_size)
+    shape, w, dtype = run.shape, run.dtype_bytes, plan_dtype(config.dtype, device)
+    h = shape.hidden_size
+    params = shape.num_parameters()
+    shards = world_size if config.fsdp and world_size > 1 and not config.use_peft else 1
+
+    # What trains: the whole policy, or LoRA adapters that peft keeps in float32 over 16-bit weights.
+    lora = lora_shape(shape, config) if config.use_peft else None
+    grad_bytes = (4 if w == 2 else w) if lora else w
+    trainable = lora.params if lora else params
+    masters = config.master_weights and grad_bytes == 2
+    moment_bytes = 4 if masters else grad_bytes
+    items = MemoryItems()
+
+    # Policy weights. FSDP2 gathers them in full for the rollout and the draft update (each rank keeps its shard
+    # too); during the update one layer (and the next, prefetched) is gathered besides the root's embedding and head.
+    if shards == 1:
+        items.resident(f"policy weights ({dtype})", params * w)
+    else:
+        root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h
+        gathered = (root + 2 * shape.layer_params()) * w
+        full = params * w + params * w / shards
+        items.add(f"policy weights ({dtype}, sharded)", full, full, params * w / shards + gathered, params * w / shards)
+    if lora:
+        items.resident(f"LoRA adapters ({_dtype_name(grad_bytes, dtype)})", lora.params * grad_bytes)
+
+    # Gradients live from the first backward to the optimizer step (zeroed to None after it); with master weights
+    # they become float32 on the masters for the step. DDP keeps a bucketed copy for its all-reduce.
+    step_grads = trainable * (4 if masters else grad_bytes) / shards
+    items.add("policy gradients", 0, 0, trainable * grad_bytes / shards, step_grads)
+    if world_size > 1 and shards == 1:
+        items.add("DDP gradient buckets", 0, 0, trainable * grad_bytes, trainable * grad_bytes)
+    items.resident(f"AdamW moments ({_dtype_name(moment_bytes, dtype)}, x2)", 2 * trainable * moment_bytes / shards)
+    if masters:
+        items.resident(MASTERS, trainable * 4 / shards)
+    # AdamW's step on CUDA (foreach) makes one moment-sized buffer (the square root of the second moment) for all
+    # parameters at once; on the CPU (a loop) for one parameter at a time.
+    largest = trainable if device.type == "cuda" else _largest_trainable(shape, lora, config.lora_r)
+    items.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
+    if config.beta > 0 and not lora:
+        items.resident(f"reference model ({dtype})", params * w)
+
+    _rollout_items(items, run, lora)
+    for plugin in plugins(config.speculation):
+        items.items += plugin.memory(run)
+    _update_items(items, config, shape, w, lora, grad_bytes, run.cuda)
+
+    if device.type == "cuda":
+        items.resident("CUDA context", CUDA_CONTEXT_BYTES)
+        items.resident("CUDA workspaces", CUDA_WORKSPACE_BYTES)
+    else:
+        items.resident("Python, torch and transformers", HOST_RUNTIME_BYTES)
+    return MemoryPlan(
+        items=tuple(items.items),
+        shape=shape,
+        device=device.type,
+        dtype=dtype,
+        world_size=world_size,
+        shards=shards,
+        rows=run.rows,
+        kv_slots=run.kv_slots,
+        micro_batch_rows=config.per_device_train_batch_size,
+        seq_len=config.max_prompt_length + config.max_completion_length,
+        parameters=params,
+        trainable=trainable,
+        use_peft=config.use_peft,
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
+
+
+def _largest_trainable(shape: ModelShape, lora: LoraShape | None, rank: int) -> int:
+    """Elements of the largest trainable tensor: the embedding (or a linear weight) of the policy, or the largest
+    LoRA adapter matrix."""
+    if lora is None:
+        return max(shape.embedding_params, *(i * o for i, o in shape.linears().values()))
+    widths = [max(i, o) for name, (i, o) in shape.linears().items() if name in lora.modules]
+    if lora.modules & {"lm_head", "embed_tokens"}:
+        widths.append(shape.vocab_size)
+    return rank * max(widths, default=shape.hidden_size)
+
+
+def _dtype_name(size: int, policy_dtype: str) -> str:
+    """The name of a ``size``-byte floating dtype: the policy's own when it has that size, else float32/float64."""
+    return policy_dtype if DTYPES[policy_dtype].itemsize == size else f"float{8 * size}"
+
+
+def _rollout_items(items: MemoryItems, run: PlannedRun, lora: LoraShape | None) -> None:
+    """The rollout's KV cache, captured states and forward temporaries (decode; the cache and captured states stay
+    until after the draft update, and on the CPU the cache stays for the next rollout)."""
+    config, shape, w = run.config, run.shape, run.dtype_bytes
+    rows, p_len, c_len = run.rows, config.max_prompt_length, config.max_completion_length
+    prompts = config.generation_batch_size // config.num_generations
+    h, v, q, kv = shape.hidden_size, shape.vocab_size, shape.q_width, shape.kv_width
+    items.add("KV cache", *[cache_bytes(shape.kv_dims, rows, run.kv_slots, w)] * run.cache_moments)
+    if lora and w == 2:  # `merged_lora` keeps each adapted 16-bit weight to restore it exactly
+        items.add("LoRA merge copies", lora.adapted * w)
+    if config.draft_training.online and any(p.captures_hidden for p in plugins(config.speculation)):
+        # Per row [prompt + completion - 1, H]: while `Generation.output` concatenates them, the pieces (the
+        # prefill's per-prompt states and every step's) are alive too.
+        kept = rows * (p_len + c_len - 1) * h * w
+        pieces = (prompts * p_len + rows * c_len) * h * w
+        items.add("captured hidden states", kept + pieces, kept)
+    # The widest forward: the prefill of the prompts or a tree per row; one layer's temporaries at a time (inference
+    # mode), the attention scores of a masked SDPA in float32, and the logits: the verified tree's raw logits and
+    # float32 sampling distributions per row.
+    width = run.bound.nodes if run.bound is not None else 1
+    tokens = max(prompts * p_len, rows * width)
+    per_token = h * (3 * w + 4) + (q + 2 * kv) * w + 2 * q * w + 3 * shape.intermediate_size * w
+    scores = 4 * shape.num_heads * max(prompts * p_len * p_len, rows * width * run.kv_slots)
+    logits = rows * width * v * w + 3 * rows * v * 4
+    items.add("rollout forward temporaries", tokens * per_token + scores + logits)
+
+
+def _update_items(
+    items: MemoryItems,
+    config: GRPOConfig,
+    shape: ModelShape,
+    w: int,
+    lora: LoraShape | None,
+    grad_bytes: int,
+    cuda: bool,
+) -> None:
+    """The policy update's saved activations for one micro-batch (with ``gradient_checkpointing``: what the
+    checkpointed forward keeps, and one layer's recomputed activations) and its backward temporaries."""
+    rows, seq_len = config.per_device_train_batch_size, config.max_prompt_length + config.max_completion_length
+    run = TrainingForward(
+        residual=w,
+        compute=2 if config.bf16 and w == 4 else w,
+        full=lora is None,
+        lora_modules=lora.modules if lora else frozenset(),
+        lora_rank=config.lora_r,
+        lora_bytes=grad_bytes,
+        lora_dropout=config.lora_dropout > 0,
+        cuda=cuda,
+    )
+    kept = rows * config.max_completion_length
+    if config.gradient_checkpointing:
+        saved, recomputed = checkpointed_activation_bytes(shape, run, rows, seq_len, kept)
+        items.add("update activations (micro-batch)", 0, 0, saved)
+        items.add("recomputed layer activations", 0, 0, recomputed)
+    else:
+        items.add("update activations (micro-batch)", 0, 0, forward_activation_bytes(shape, run, rows, seq_len, kept))
+    # The backward of the LM head, chunk by chunk: the chunk's logits recomputed and upcast, their log-softmax and
+    # gradients, the head's low-precision copy under autocast, and the head's weight gradient before it is
+    # accumulated; or one decoder layer's gradients (and with checkpointing the temporaries of its recomputation).
+    chunk = min(config.logprob_chunk_tokens, kept)
+    head = chunk * shape.vocab_size * (run.compute + 16)
+    if run.compute != run.residual:
+        head += shape.embedding_params * run.compute
+    if lora is None:
+        head += shape.embedding_params * w
+    layer = rows * seq_len * layer_activation_bytes(shape, run, seq_len)
+    items.add("backward temporaries", 0, 0, max(head, layer))
