@@ -2,10 +2,10 @@
 accepted, what speedup that would buy at each concurrency, and how close the trained draft comes.
 
 SmolLM2-135M-Instruct samples GRPO rollouts (GSM8K test prompts x ``--num-generations``, T=1, top-p 0.95, up to 256
-new tokens, as in ``bench_controller.py``), capturing its hidden states. Along the sampled completions
-(`fastgrpo.speculative.ceiling`) it measures the accepted length of full trees proposed by a perfect draft (the target's
-own top-K) and by the trained draft (its top-K, fed its own drafted features below depth 1, as in the engine), and
-an upper bound on the accepted length of any N-node tree from any draft under any lossless rule.
+new tokens, as in ``bench_controller.py``), capturing its hidden states. Along the sampled completions (`ceiling.py`,
+beside this script) it measures the accepted length of full trees proposed by a perfect draft (the target's own
+top-K) and by the trained draft (its top-K, fed its own drafted features below depth 1, as in the engine), and an
+upper bound on the accepted length of any N-node tree from any draft under any lossless rule.
 
 It then times target forwards over N tokens in each of B rows, t(B, N): a step verifying N-node trees costs at
 least that, so ``bound(N) x t(B, 1) / t(B, N)`` bounds the speedup of any draft at B rows (drafting and bookkeeping
@@ -25,6 +25,14 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from ceiling import (
+    NO_RANK,
+    CompletionRanks,
+    depth_bound,
+    depth_in_full_tree,
+    nodes_needed,
+    ranks_against,
+)
 from record import Record
 
 from fastgrpo.config import DraftTrainConfig
@@ -37,14 +45,6 @@ from fastgrpo.rollout.forward import decoder_and_head, forward_block
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.sampling import process_logits
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.ceiling import (
-    NO_RANK,
-    CompletionRanks,
-    depth_bound,
-    depth_in_full_tree,
-    nodes_needed,
-    ranks_against,
-)
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.training import DraftTrainer
 from fastgrpo.speculative.profiler import interleaved_medians, interpolate

@@ -1,6 +1,6 @@
 """What one decoding step of the rollout engine asks of torch: the aten ops it dispatches (each a kernel launch on a
 GPU, a few microseconds of host time when eager) and the host synchronisations among them (each a stall of the
-host until the device has drained its queue), counted with `fastgrpo.rollout.syncs` on the machine at hand. The
+host until the device has drained its queue), counted with `syncs.py` (beside this script) on the machine at hand. The
 counts do not depend on the hardware, so a CPU tells what a GPU step would launch and wait for. Top-p runs the
 ranking a GPU runs (one sort; on a CPU the engine ranks by heads, reading back which rows go on, which costs nothing
 there).
@@ -27,13 +27,13 @@ from collections import Counter
 
 import torch
 from record import Record
+from syncs import counting_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from fastgrpo.rollout import sampling
 from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.eagle.drafter import EagleDrafter

@@ -3,7 +3,7 @@ commit, the machine (CPU model and flags, cores, torch and transformers versions
 ``docs/benchmarks.md`` can be regenerated from it: ``python benchmarks/record.py runs/bench/bench_engine.json``.
 
 A benchmark makes one `Record`, prints its tables through `Record.table` and calls `Record.save` at the end. It also
-sets glibc to keep freed memory, as the ``fastgrpo`` command line does (`fastgrpo.rollout.allocator`)."""
+sets glibc to keep freed memory, as the ``fastgrpo`` command line does (`fastgrpo.malloc`)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ class Record:
     """The tables of one benchmark run, printed as they come and saved together with what produced them."""
 
     def __init__(self, name: str):
-        from fastgrpo.rollout.allocator import keep_freed_memory
+        from fastgrpo.malloc import keep_freed_memory
 
         keep_freed_memory()
         self.name = name

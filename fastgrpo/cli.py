@@ -6,7 +6,7 @@ as ``--dataset.name gsm8k``); everything is validated before a model loads. torc
 the commands that use them, so that ``fastgrpo --help`` answers at once.
 
 The commands that run a model set one process-wide thing first: glibc keeps freed memory in the process
-(`fastgrpo.rollout.allocator`); ``FASTGRPO_MALLOC=system`` turns that off.
+(`fastgrpo.malloc`); ``FASTGRPO_MALLOC=system`` turns that off.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.command != "report":
-        from fastgrpo.rollout.allocator import keep_freed_memory
+        from fastgrpo.malloc import keep_freed_memory
 
         keep_freed_memory()
     try:

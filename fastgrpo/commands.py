@@ -28,7 +28,7 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
 
     config = load_config(args.config, overrides)
     if getattr(args, "dry_run", False):
-        from fastgrpo.memory.fitting import dry_run
+        from fastgrpo.memory_plan.fitting import dry_run
 
         print(dry_run(config))
         return

@@ -522,15 +522,19 @@ def test_writes_are_checked_before_the_work_and_a_full_disk_mid_save_loses_nothi
     assert steps == [1, 2, 3]
 
 
-def test_a_run_from_before_the_marks_is_recognised_and_resumed(capsys, model_dir: Path, tmp_path: Path) -> None:
-    """A run written before runs marked their files (no fastgrpo_run.json, no marks in its checkpoints) is still a
-    run: a new run is refused as over another run, and --resume adopts it."""
+def test_a_checkpoint_of_an_older_layout_is_refused_with_one_line(capsys, model_dir: Path, tmp_path: Path) -> None:
+    """A checkpoint whose state holds another layout, or none (an older fastgrpo), and a directory with no run mark
+    are refused by --resume, naming the checkpoint or the directory, before a model loads; nothing is deleted."""
     config = write_config(tmp_path / "c.yaml", model_dir, max_steps=1)
     assert run_cli(capsys, "train", "--config", str(config))[0] == 0
     out = tmp_path / "c-run"
+    state_file = out / "checkpoint-1" / "trainer_state.pt"
+    state = torch.load(state_file, weights_only=False)
+    assert state.pop("layout") == 2
+    torch.save(state, state_file)
+    err = refused(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
+    (line,) = [line for line in err.splitlines() if line.startswith("fastgrpo train: error:")]
+    assert "checkpoint-1 was written by an older fastgrpo (checkpoint layout 1, this one reads 2)" in line
     (out / "fastgrpo_run.json").unlink()
-    (out / "checkpoint-1" / "fastgrpo_run_id").unlink()
-    assert "holds another run" in refused(capsys, "train", "--config", str(config))
-    code, err = run_cli(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
-    assert code == 0, err
-    assert (out / "checkpoint-2").is_dir() and (out / "checkpoint-1" / "fastgrpo_run_id").is_file()
+    err = refused(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
+    assert "older than its run marks cannot be resumed" in err and (out / "checkpoint-1").is_dir()

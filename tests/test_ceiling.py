@@ -7,8 +7,7 @@ import heapq
 
 import pytest
 import torch
-
-from fastgrpo.speculative.ceiling import CompletionRanks, depth_bound, depth_in_full_tree, nodes_needed
+from ceiling import CompletionRanks, depth_bound, depth_in_full_tree, nodes_needed
 
 VOCAB, LENGTH = 5, 20_000
 

@@ -1,4 +1,4 @@
-"""The engine's decoding step reads the device once: counted on CPU with a dispatch mode (`fastgrpo.rollout.syncs`),
+"""The engine's decoding step reads the device once: counted on CPU with a dispatch mode (`benchmarks/syncs.py`),
 for plain and tree steps, greedy, sampled and with top-p, static and adaptive trees, with rows ending on the way.
 
 On a CPU, where reading a value back stalls nothing, top-p ranks by heads it reads back; the tests run the ranking a
@@ -12,9 +12,9 @@ import pytest
 import torch
 from conftest import VOCAB, tiny_model
 from conftest import adaptive as adaptive_over
+from syncs import counting_dispatch
 
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController

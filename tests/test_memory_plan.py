@@ -17,7 +17,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qw
 
 from fastgrpo.cli import main
 from fastgrpo.config import DraftTrainConfig, GRPOConfig
-from fastgrpo.memory import fitting
 from fastgrpo.memory.activations import (
     TrainingForward,
     autocast_copy_bytes,
@@ -25,10 +24,11 @@ from fastgrpo.memory.activations import (
     forward_activation_bytes,
     head_saved_bytes,
 )
-from fastgrpo.memory.fitting import CARD_80GB_BYTES, check_fits, fitting_options, plan_for_trainer
 from fastgrpo.memory.items import GIB, MOMENTS
-from fastgrpo.memory.plan import CUDA_CONTEXT_BYTES, estimate_memory
 from fastgrpo.memory.shapes import ModelShape, lora_shape
+from fastgrpo.memory_plan import fitting
+from fastgrpo.memory_plan.fitting import CARD_80GB_BYTES, check_fits, fitting_options, plan_for_trainer
+from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, estimate_memory
 from fastgrpo.speculative.eagle.memory import draft_parameters
 
 # The published shapes of the models the plan is checked on.
@@ -368,12 +368,14 @@ def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
 def test_the_plan_sizes_the_caches_as_the_engine_and_the_eagle_drafter_allocate_them(mode: str) -> None:
     """The plan asks the engine's sizing rule: a tiny engine generating with the options' longest prompt and
     completion allocates the rows and slots the plan counts, and the EAGLE drafter's cache as many slots as its
-    item says."""
+    item says, in the bytes their buffers hold."""
     from conftest import tiny_model
 
     from fastgrpo.config import SpeculationConfig
-    from fastgrpo.rollout.cache import cache_bytes
+    from fastgrpo.rollout.cache import RowCache, call_length
     from fastgrpo.sampling_params import SamplingParams
+    from fastgrpo.speculative.controller import tree_bound
+    from fastgrpo.speculative.eagle.drafter import EagleDrafter
     from fastgrpo.training_rollouts import TrainingRollouts
 
     spec = SpeculationConfig(mode=mode, nodes=4, top_k=2, depth=3, n_max=8, k_max=4, l_max=3, c_peak=8)
@@ -392,15 +394,17 @@ def test_the_plan_sizes_the_caches_as_the_engine_and_the_eagle_drafter_allocate_
     plan = estimate_memory(config, model.config, "cpu")
     cache = rollouts.engine.cache
     assert (cache.max_rows, cache.max_len) == (plan.rows, plan.kv_slots)
-    shape = ModelShape.from_config(model.config)
-    assert plan.item("KV cache").bytes[0] == cache_bytes(shape.kv_dims, cache.max_rows, cache.max_len, 8)
+
+    def allocated(cache: RowCache) -> int:
+        return sum(buf.numel() * buf.element_size() for layer in cache.layers for buf in (layer.keys, layer.values))
+
+    assert plan.item("KV cache").bytes[0] == allocated(cache)
     eagle = rollouts.drafter("eagle")
     if eagle is None:
         assert mode == "off" and not [i for i in plan.items if "draft" in i.name]
         return
-    _, heads, head_dim = shape.kv_dims
-    allocated = cache_bytes((1, heads, head_dim), eagle.cache.max_rows, eagle.cache.max_len, 8)
-    assert plan.item("draft KV cache").bytes[0] == allocated
+    assert eagle.cache.max_len == EagleDrafter.cache_slots(call_length(9, 6), tree_bound(spec))
+    assert plan.item("draft KV cache").bytes[0] == allocated(eagle.cache)
 
 
 def test_a_suffix_only_plan_holds_no_draft_head() -> None:

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.memory.items import MemoryItem, MemoryItems
-from fastgrpo.memory.plan import estimate_memory
+from fastgrpo.memory_plan.plan import estimate_memory
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import ActiveRows

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from syncs import counting_dispatch
 
 from fastgrpo.rollout.sampling import CDF_BLOCK, process_logits, sample
-from fastgrpo.rollout.syncs import counting_dispatch
 from fastgrpo.sampling_params import SamplingParams
 
 F64 = torch.float64

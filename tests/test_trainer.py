@@ -157,7 +157,7 @@ def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_di
     make_trainer(config).train()
     checkpoint = tmp_path / "checkpoint-2"
     AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng"}
+    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng", "layout"}
     assert "test_trainer:length_reward" in (tmp_path / "config.yaml").read_text()
     with pytest.raises(ValueError, match="save_only_model"):
         make_trainer(config, resume=True)
@@ -166,6 +166,36 @@ def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_di
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)
+
+
+@pytest.mark.parametrize("layout", [None, 1, 3])
+def test_a_checkpoint_of_another_layout_is_refused_before_any_weight_is_read(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: int | None
+) -> None:
+    """A checkpoint whose state holds no layout (written by a fastgrpo that saved none) or another one than
+    `LAYOUT` is refused by --resume with one line naming it, before a model loads."""
+    from fastgrpo.grpo import trainer as trainer_module
+    from fastgrpo.grpo.checkpoint import LAYOUT, STATE_FILE, save_checkpoint
+    from fastgrpo.grpo.run_dir import claim_output_dir
+
+    assert LAYOUT == 2  # the parameters are an older layout, none, and a newer one
+    run_id = claim_output_dir(tmp_path, resume=False, overwrite=False)
+    checkpoint = save_checkpoint(tmp_path, 2, lambda directory: None, {"optimizer": {}, "scheduler": {}}, run_id)
+    state = torch.load(checkpoint / STATE_FILE, weights_only=False)
+    assert state.pop("layout") == LAYOUT
+    torch.save(state if layout is None else {**state, "layout": layout}, checkpoint / STATE_FILE)
+
+    def load_model(*args, **kwargs):
+        pytest.fail("a model was loaded for a checkpoint that cannot be resumed")
+
+    monkeypatch.setattr(trainer_module, "load_model", load_model)
+    with pytest.raises(ValueError) as refused:
+        make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)
+    age = "a newer" if layout == 3 else "an older"
+    assert str(refused.value) == (
+        f"--resume: {checkpoint} was written by {age} fastgrpo (checkpoint layout {layout or 1}, this one reads 2) "
+        "and cannot be resumed; start a new run from its weights with --model"
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
@@ -445,7 +475,7 @@ def test_a_gpu_run_that_would_not_fit_is_refused_before_any_weight_is_read(
 
     gpu = distributed.DistInfo(0, 1, torch.device("cuda", 0))
     monkeypatch.setattr(distributed, "init", lambda *a, **k: gpu)
-    monkeypatch.setattr("fastgrpo.memory.fitting.available_bytes", lambda device: 2 * 2**30)
+    monkeypatch.setattr("fastgrpo.memory_plan.fitting.available_bytes", lambda device: 2 * 2**30)
 
     class Loaded(Exception):
         pass

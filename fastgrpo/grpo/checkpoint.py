@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -18,12 +17,14 @@ from typing import Any
 
 import torch
 
-from fastgrpo.grpo.run_dir import claim_output_dir, mark, marked_by, read_run_id
+from fastgrpo.grpo.run_dir import CHECKPOINT_RE, claim_output_dir, mark, marked_by, read_run_id
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 STATE_FILE = "trainer_state.pt"
+# The layout of what a checkpoint holds (its state's keys, the files beside the state, draft/), saved in its state:
+# resuming from a checkpoint of another layout is refused, never misread. Raise it whenever what is saved changes.
+LAYOUT = 2
 
 
 def rng_state() -> dict[str, Any]:
@@ -78,7 +79,7 @@ def save_checkpoint(
         tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; a checkpoint is as readable as any other directory
         mark(tmp, run_id)
         write_model(tmp)
-        torch.save({**state, "step": step, "rng": rng_state()}, tmp / STATE_FILE)
+        torch.save({**state, "step": step, "rng": rng_state(), "layout": LAYOUT}, tmp / STATE_FILE)
         if final.exists():
             _remove(final)
         os.replace(tmp, final)
@@ -162,7 +163,8 @@ def prepare_output_dir(
 ) -> tuple[Path | None, dict[str, Any] | None, str]:
     """Make ``out`` this run's (`fastgrpo.grpo.run_dir.claim_output_dir`; ``main``: this process writes, the others
     read the run's id after it) and pick the checkpoint to resume from: the newest of the run's whose weights and
-    state are readable. Returns it and its state (None and None for a new run), and the run's id."""
+    state are readable, refused unless it has this fastgrpo's `LAYOUT`. Returns it and its state (None and None for
+    a new run), and the run's id."""
     if main:
         run_id = claim_output_dir(out, resume, overwrite)
     else:
@@ -177,6 +179,13 @@ def prepare_output_dir(
     if checkpoint is None:
         detail = f" intact ({'; '.join(passed)})" if passed else ""
         raise FileNotFoundError(f"--resume: no{detail} checkpoint under {out}")
+    layout = state.get("layout", 1)
+    if layout != LAYOUT:
+        age = "a newer" if isinstance(layout, int) and layout > LAYOUT else "an older"
+        raise ValueError(
+            f"--resume: {checkpoint} was written by {age} fastgrpo (checkpoint layout {layout}, this one reads "
+            f"{LAYOUT}) and cannot be resumed; start a new run from its weights with --model"
+        )
     if "optimizer" not in state:
         raise ValueError(
             f"--resume: {checkpoint} was saved with save_only_model: true and holds no optimizer state to resume "

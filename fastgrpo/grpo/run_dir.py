@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
@@ -34,6 +35,7 @@ RUN_FILE = "fastgrpo_run.json"
 MARK_FILE = "fastgrpo_run_id"
 LOCK_FILE = ".fastgrpo.lock"
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report", "tensorboard")  # what a run writes besides checkpoints
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # a checkpoint's directory
 
 
 class DirectoryLock:
@@ -115,13 +117,6 @@ def _new_run(out: Path) -> str:
     return run_id
 
 
-def _legacy_checkpoints(out: Path) -> list[Path]:
-    """Checkpoints of a run from before runs marked their files: ``checkpoint-N`` with a fastgrpo trainer state."""
-    from fastgrpo.grpo.checkpoint import CHECKPOINT_RE, STATE_FILE
-
-    return [p for p in out.iterdir() if CHECKPOINT_RE.match(p.name) and (p / STATE_FILE).is_file()]
-
-
 def _owned(out: Path, run_id: str | None) -> list[Path]:
     """What in ``out`` belongs to the fastgrpo run ``run_id``: its own files and whatever carries its mark."""
     if run_id is None:
@@ -133,25 +128,23 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
     """Make ``out`` this run's and return the run's id (the caller holds the directory's `DirectoryLock`).
 
     A new run needs an empty directory; with ``overwrite`` it deletes the earlier fastgrpo run's files there and keeps
-    everything else. ``resume`` continues the run found there (a run from before runs were marked is adopted: its
-    checkpoints get the mark). Temporaries the run left behind when it was killed are removed."""
+    everything else. ``resume`` continues the run found there. Temporaries the run left behind when it was killed
+    are removed."""
     out.mkdir(parents=True, exist_ok=True)
     run_id = read_run_id(out)
-    legacy = _legacy_checkpoints(out) if run_id is None else []
-    if legacy and (resume or overwrite):
-        run_id = _new_run(out)
-        for checkpoint in legacy:
-            mark(checkpoint, run_id)
     # a run file alone is a run that wrote nothing yet (a trainer built and not trained): the directory is free
     entries = [p for p in out.iterdir() if p.name not in (LOCK_FILE, RUN_FILE)]
     if resume:
         if run_id is None:
-            raise FileNotFoundError(f"--resume: no checkpoint under {out} (no fastgrpo run wrote there)")
+            raise FileNotFoundError(
+                f"--resume: no checkpoint under {out} (no fastgrpo run wrote there; a directory written by a fastgrpo "
+                "older than its run marks cannot be resumed)"
+            )
     elif entries:
         owned = _owned(out, run_id)
         foreign = sorted(p.name for p in entries if p not in owned)
         if not overwrite:
-            a_run = run_id is not None or bool(legacy)  # a run from before the marks, too
+            a_run = run_id is not None
             what = "another run" if a_run else "files that no fastgrpo run wrote"
             names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
             raise ValueError(
@@ -160,8 +153,6 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
                 + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
                 "deletes an earlier fastgrpo run's files and keeps everything else)"
             )
-        from fastgrpo.grpo.checkpoint import CHECKPOINT_RE
-
         clashing = [name for name in foreign if CHECKPOINT_RE.match(name)]
         if clashing:
             raise ValueError(
@@ -241,8 +232,8 @@ def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device:
     """About what one checkpoint of the run takes on disk: the policy's weights (a LoRA run's adapters only), and
     unless ``save_only_model`` AdamW's two moments with float32 master weights where the weights are low precision;
     each drafter's files and learner's state (`DrafterPlugin.checkpoint_bytes`)."""
-    from fastgrpo.memory.plan import planned_run
     from fastgrpo.memory.shapes import lora_shape
+    from fastgrpo.memory_plan.plan import planned_run
     from fastgrpo.speculative.registry import plugins
 
     run = planned_run(config, model_config, device)

@@ -27,7 +27,7 @@ from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_dir import DirectoryLock, check_disk_space, checkpoint_bytes, resumed_options
 from fastgrpo.grpo.run_log import RunLog
-from fastgrpo.memory.fitting import plan_for_trainer, read_model_config
+from fastgrpo.memory_plan.fitting import plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
     eos_token_ids,
@@ -168,8 +168,8 @@ class GRPOTrainer:
             if "master_weights" not in state:
                 raise ValueError(
                     f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run of another dtype, "
-                    "or without them): resume with the dtype it was saved with (dtype: float32 for a run from "
-                    "before dtype: auto), or with master_weights: false to go on in low precision"
+                    "or without them): resume with the dtype it was saved with, or with master_weights: false to go "
+                    "on in low precision"
                 )
             self.update.masters.load_state_dict(state["master_weights"])
         elif "master_weights" in state:

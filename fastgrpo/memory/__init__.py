@@ -1,2 +1,2 @@
-"""A run's device memory, estimated from its options and the model's config alone: the model's shapes (`shapes`),
-what training saves (`activations`), the plan's items (`items`), the plan (`plan`) and whether it fits (`fitting`)."""
+"""The arithmetic of device memory: a model's shapes (`shapes`), what training saves for its backward
+(`activations`) and the items a plan is made of (`items`). `fastgrpo.memory_plan` makes a run's plan from them."""

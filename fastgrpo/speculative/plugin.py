@@ -46,9 +46,10 @@ class DrafterContext:
 
 @dataclass(frozen=True)
 class PlannedRun:
-    """What a memory estimate is made from (`fastgrpo.memory.plan`): the run's options, the model's shape, the bytes
-    of an element of its dtype, the processes in the job, whether on a GPU, and the rollout's sizes as the engine
-    makes them: ``rows`` cache rows, ``length`` tokens per row of a call, ``bound`` the largest tree (None: plain)."""
+    """What a memory estimate is made from (`fastgrpo.memory_plan.plan`): the run's options, the model's shape, the
+    bytes of an element of its dtype, the processes in the job, whether on a GPU, and the rollout's sizes as the
+    engine makes them: ``rows`` cache rows, ``length`` tokens per row of a call, ``bound`` the largest tree (None:
+    plain)."""
 
     config: GRPOConfig
     shape: ModelShape
@@ -107,7 +108,7 @@ class DrafterPlugin:
         return None
 
     def memory(self, run: PlannedRun) -> list[MemoryItem]:
-        """Device memory its drafting and learning take in ``run`` (see `fastgrpo.memory.plan`)."""
+        """Device memory its drafting and learning take in ``run`` (see `fastgrpo.memory_plan.plan`)."""
         return []
 
     def checkpoint_bytes(self, run: PlannedRun) -> int:

@@ -1,11 +1,11 @@
-"""glibc malloc thresholds set by the rollout engine on CPU."""
+"""glibc malloc thresholds (`fastgrpo.malloc`): set once per process by the command line, never by a library object."""
 
 import ctypes
 import sys
 
 import pytest
 
-from fastgrpo.rollout import allocator
+from fastgrpo import malloc
 
 
 def _glibc() -> bool:
@@ -18,30 +18,30 @@ def _glibc() -> bool:
 @pytest.fixture
 def fresh(monkeypatch):
     """Forget this process's earlier outcome (the thresholds themselves stay as set)."""
-    monkeypatch.setattr(allocator, "_applied", None)
+    monkeypatch.setattr(malloc, "_applied", None)
 
 
 @pytest.mark.skipif(not _glibc(), reason="needs glibc")
 def test_thresholds_are_set_on_glibc(fresh, monkeypatch):
     monkeypatch.delenv("FASTGRPO_MALLOC", raising=False)
     calls = []
-    real = allocator._set_thresholds
-    monkeypatch.setattr(allocator, "_set_thresholds", lambda: calls.append(1) or real())
-    assert allocator.keep_freed_memory()
-    assert allocator.keep_freed_memory()
+    real = malloc._set_thresholds
+    monkeypatch.setattr(malloc, "_set_thresholds", lambda: calls.append(1) or real())
+    assert malloc.keep_freed_memory()
+    assert malloc.keep_freed_memory()
     assert calls == [1]  # once per process
 
 
 def test_system_leaves_glibc_alone(fresh, monkeypatch):
     monkeypatch.setenv("FASTGRPO_MALLOC", "system")
-    monkeypatch.setattr(allocator, "_set_thresholds", lambda: pytest.fail("mallopt must not run"))
-    assert not allocator.keep_freed_memory()
+    monkeypatch.setattr(malloc, "_set_thresholds", lambda: pytest.fail("mallopt must not run"))
+    assert not malloc.keep_freed_memory()
 
 
 def test_bad_value_names_the_variable(fresh, monkeypatch):
     monkeypatch.setenv("FASTGRPO_MALLOC", "jemalloc")
     with pytest.raises(ValueError, match="FASTGRPO_MALLOC"):
-        allocator.keep_freed_memory()
+        malloc.keep_freed_memory()
 
 
 def test_the_cli_sets_them_and_an_engine_does_not(monkeypatch, llama_model, tmp_path):
@@ -51,7 +51,7 @@ def test_the_cli_sets_them_and_an_engine_does_not(monkeypatch, llama_model, tmp_
     from fastgrpo.rollout.engine import RolloutEngine
 
     calls = []
-    monkeypatch.setattr(allocator, "keep_freed_memory", lambda: calls.append(1))
+    monkeypatch.setattr(malloc, "keep_freed_memory", lambda: calls.append(1))
     RolloutEngine(llama_model, eos_token_ids=[0])
     assert calls == []
     with pytest.raises(SystemExit):

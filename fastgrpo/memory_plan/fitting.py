@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from fastgrpo.config import GRPOConfig
 from fastgrpo.memory.items import GIB
-from fastgrpo.memory.plan import CUDA_CONTEXT_BYTES, MASTERS, MemoryPlan, estimate_memory
+from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, MASTERS, MemoryPlan, estimate_memory
 from fastgrpo.models import SUPPORTED_FAMILIES, check_model_source, resolve_model_path
 
 CARD_80GB_BYTES = 81559 * 2**20  # what an 80 GB A100/H100 reports in all

@@ -18,7 +18,7 @@ completion at ``max_completion_length``: the estimate bounds a run whose rows ar
 
 The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
 drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
-`MemoryPlan`; `fastgrpo.memory.fitting` checks it against the memory available.
+`MemoryPlan`; `fastgrpo.memory_plan.fitting` checks it against the memory available.
 """
 
 from __future__ import annotations
