@@ -36,6 +36,7 @@ from fastgrpo.speculative.controller import AdaptiveController, PaperController,
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.plugin import EaglePlugin
+from fastgrpo.speculative.plugin import cost_probes
 from fastgrpo.speculative.profiler import load_or_calibrate
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -179,15 +180,7 @@ def main() -> None:
     model, tokenizer = load_model("smollm2", dtype=args.dtype), load_tokenizer("smollm2")
     model.requires_grad_(False)
     draft = DraftHead.load(args.draft, model)
-    eagle = EaglePlugin()
-
-    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]):
-        return (
-            {}
-            if eagle.name in skip
-            else {eagle.name: eagle.cost_probe(model, tokens, context_length, None, Path(args.draft))}
-        )
-
+    probes = cost_probes([EaglePlugin()], model, None, Path(args.draft))
     profile = load_or_calibrate(model, "smollm2", probes)
     print(f"SmolLM2-135M-Instruct, {args.dtype}, {torch.get_num_threads()} threads; profile C_peak {profile.c_peak}")
     engines = make_engines(model, tokenizer, draft, eos_token_ids(model, tokenizer), profile.c_peak, profile)

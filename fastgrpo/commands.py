@@ -245,6 +245,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.report import plot_profile
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
+    from fastgrpo.speculative.plugin import cost_probes
     from fastgrpo.speculative.registry import PLUGINS, drafter_names
 
     names = drafter_names(opts.speculation.drafter)
@@ -257,11 +258,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     model = load_model(opts.model, dtype=opts.dtype, device=device)
     model.requires_grad_(False)
     saved = Path(opts.draft) if opts.draft else None
-
-    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, profiler.CostProbe]:
-        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, backend, saved) for n in names if n not in skip}
-        return {n: probe for n, probe in made.items() if probe is not None}
-
+    probes = cost_probes([PLUGINS[n] for n in names], model, backend, saved)
     profile = profiler.measure(
         model, opts.model, probes, tokens, opts.context_length, opts.repeats, progress=True, backend=backend
     )

@@ -18,8 +18,8 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import controller_from_config
-from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin
-from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
+from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin, cost_probes
+from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins
 
 DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integration's alike
@@ -107,27 +107,14 @@ class TrainingRollouts:
             rollout,
         )
 
-    def _probes(self, saved: Path | None):
-        """The latency profile's probes of the drafters that have one (`DrafterPlugin.cost_probe`)."""
-
-        def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
-            made = {}
-            for plugin in self.plugins:
-                if plugin.name not in skip:
-                    probe = plugin.cost_probe(self.model, tokens, context_length, self.backend, saved)
-                    if probe is not None:
-                        made[plugin.name] = probe
-            return made
-
-        return probes
-
     def _build(self, saved: Path | None = None, rollout: GenerationOutput | None = None) -> None:
         """Build the drafters that are not built yet and can be now (from ``saved`` where it holds their files), and a
         controller over all of them; the engine drafts with them from the next rollout on (drafters built before keep
         their state: a suffix memory is not lost when the EAGLE head joins)."""
         spec = self.speculation
         if self.profile is None and (spec.mode == "adaptive" or (spec.mode == "paper" and spec.c_peak == "auto")):
-            self.profile = load_or_calibrate(self.model, self.model_name, self._probes(saved), self.backend)
+            probes = cost_probes(self.plugins, self.model, self.backend, saved)
+            self.profile = load_or_calibrate(self.model, self.model_name, probes, self.backend)
         ctx = self._context(rollout)
         built = {d.name: d for d in self.drafters}
         for plugin in self.waiting:

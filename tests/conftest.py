@@ -27,7 +27,8 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import EagleCost
-from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
+from fastgrpo.speculative.plugin import cost_probes
+from fastgrpo.speculative.profiler import LatencyProfile, ProbeFactory
 from fastgrpo.speculative.registry import PLUGINS
 
 FAMILIES = ("llama", "qwen2", "qwen3")
@@ -159,11 +160,8 @@ def adaptive(profile: LatencyProfile, **options) -> AdaptiveController:
     return AdaptiveController(profile, drafters={"": ProfiledLevels(profile)}, **options)
 
 
-def plugin_probes(model: PreTrainedModel, names: tuple[str, ...] = ("eagle",), backend: str | None = None):
-    """A latency profile's probes (`fastgrpo.speculative.profiler.ProbeFactory`) of the named drafters' plugins."""
-
-    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
-        made = {n: PLUGINS[n].cost_probe(model, tokens, context_length, backend) for n in names if n not in skip}
-        return {n: p for n, p in made.items() if p is not None}
-
-    return probes
+def plugin_probes(
+    model: PreTrainedModel, names: tuple[str, ...] = ("eagle",), backend: str | None = None
+) -> ProbeFactory:
+    """A latency profile's probes of the named drafters' plugins."""
+    return cost_probes([PLUGINS[n] for n in names], model, backend)

@@ -29,7 +29,7 @@ from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import registry
 from fastgrpo.speculative.controller import AdaptiveController, priced
-from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin, PlannedRun
+from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin, PlannedRun, cost_probes
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
 
 NAME = "mlp"
@@ -217,12 +217,7 @@ def test_the_mlp_drafter_is_lossless_greedy_and_sampled() -> None:
 def test_the_adaptive_controller_prices_the_mlp_drafter_from_its_profiled_curve(tmp_path: Path, monkeypatch) -> None:
     model = tiny_model("llama")
     monkeypatch.setenv("FASTGRPO_CACHE", str(tmp_path))
-    plugin = MLPPlugin()
-
-    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
-        return {} if NAME in skip else {NAME: plugin.cost_probe(model, tokens, context_length, None)}
-
-    profile = load_or_calibrate(model, "tiny", probes)
+    profile = load_or_calibrate(model, "tiny", cost_probes([MLPPlugin()], model, None))
     assert list(profile.drafter_seconds) == [NAME] and min(profile.drafter_seconds[NAME]) > 0
     drafter = mlp_drafter(model, profile)
     controller = AdaptiveController(profile, drafters=priced([drafter]))

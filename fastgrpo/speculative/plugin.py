@@ -20,7 +20,7 @@ from fastgrpo.rollout.cache import cache_slots
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.profiler import CostProbe, LatencyProfile
+from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, ProbeFactory
 
 LEARNERS = "learners.pt"  # in a drafters' directory: the learners' states by drafter name (`DrafterPlugin`)
 
@@ -114,3 +114,18 @@ class DrafterPlugin:
     def checkpoint_bytes(self, run: PlannedRun) -> int:
         """About what its files and learner's state take in a checkpoint of ``run``."""
         return 0
+
+
+def cost_probes(
+    plugins: list[DrafterPlugin], model: PreTrainedModel, backend: str | None, saved: Path | None = None
+) -> ProbeFactory:
+    """The latency profile's probes (`fastgrpo.speculative.profiler.ProbeFactory`) of those of ``plugins`` that have
+    one, for the drafters they build from ``saved``."""
+
+    def probes(tokens: tuple[int, ...], context_length: int, skip: set[str]) -> dict[str, CostProbe]:
+        made = {
+            p.name: p.cost_probe(model, tokens, context_length, backend, saved) for p in plugins if p.name not in skip
+        }
+        return {name: probe for name, probe in made.items() if probe is not None}
+
+    return probes
