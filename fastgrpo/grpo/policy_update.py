@@ -18,12 +18,21 @@ from fastgrpo.precision import MasterWeights
 from fastgrpo.threads import ThreadGovernor
 
 
+def fused_adamw(device: torch.device) -> bool:
+    """Whether the policy's AdamW runs fused on ``device``: on CUDA, where one kernel updates every parameter in place
+    with no temporary (the default there, foreach, makes a temporary of a moment's size for all parameters at once);
+    elsewhere AdamW's default, a loop over the parameters whose temporary is one parameter's (on the CPU the fused
+    kernel would round bfloat16 results differently). `fastgrpo.memory_plan.plan` counts the temporary accordingly."""
+    return device.type == "cuda"
+
+
 class PolicyUpdate:
     """Updates ``model`` (its trainable parameters) by GRPO's loss; ``ref_model`` gives the KL penalty's reference
     (None: the policy with its LoRA adapters disabled); ``world_size`` processes share each batch.
 
     With ``master_weights`` and bfloat16 (or float16) trainable parameters, AdamW updates float32 master copies
-    (`fastgrpo.precision.MasterWeights`, saved with the optimizer state) and writes them back into the module."""
+    (`fastgrpo.precision.MasterWeights`, saved with the optimizer state) and writes them back into the module. AdamW
+    runs fused on CUDA (`fused_adamw`)."""
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, config: GRPOConfig, world_size: int):
         self.model = model
@@ -46,6 +55,7 @@ class PolicyUpdate:
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             weight_decay=config.weight_decay,
+            fused=fused_adamw(self.device),
         )
         self.scheduler = get_scheduler(
             config.lr_scheduler_type,

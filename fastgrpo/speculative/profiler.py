@@ -13,8 +13,10 @@ that. So the profile also times a grid of ``B`` rows (the powers of two among th
 row (`TREE_NODES`, up to the largest token count in all).
 
 With a compile ``backend`` (of ``torch.compile``, as the engine runs its steps with) the forwards are timed compiled
-(`fastgrpo.rollout.compiled`; on a GPU captured as CUDA graphs), their compilation in the warm-up, so that the
-controller prices the steps the engine runs.
+(`fastgrpo.rollout.compiled`; on a GPU captured as CUDA graphs), so that the controller prices the steps the engine
+runs. Only a function's steady calls are timed: a compiled function is slow on its first few calls (on a GPU the
+first compiles the graph, the second records it as a CUDA graph, and only the later ones replay it), so each is
+warmed up until two calls in a row take about the same time (`warm_up`).
 
 Profiles are saved as JSON under ``$FASTGRPO_CACHE/profiles`` keyed by model, device (`fastgrpo.machine.device_key`),
 dtype, whether the forwards were compiled and `PROFILE_VERSION`, and reused; a drafter a saved profile lacks is
@@ -50,7 +52,12 @@ CALIBRATION_TOKENS = (1, 4, 16, 64)
 TREE_NODES = (2, 4, 8, 16, 32, 64)
 # Part of every saved profile's name: raised when what a forward costs or what a profile holds changes, so that a
 # profile of another kind is not reused.
-PROFILE_VERSION = 4
+PROFILE_VERSION = 5
+# `warm_up`: a function is called at least MIN_WARM_CALLS and at most MAX_WARM_CALLS times before it is timed, until
+# two calls in a row are within STEADY_RATIO of each other.
+MIN_WARM_CALLS = 3
+MAX_WARM_CALLS = 10
+STEADY_RATIO = 1.25
 
 
 @dataclass
@@ -192,7 +199,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _seconds(fn, device: torch.device) -> float:
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of one call of ``fn``, its device work included."""
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -200,15 +208,32 @@ def _seconds(fn, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
+def warm_up(fn: Callable[[], object], device: torch.device) -> None:
+    """Call ``fn`` until its calls take a steady time: at least `MIN_WARM_CALLS` times, then until two calls in a row
+    are within `STEADY_RATIO` of each other, at most `MAX_WARM_CALLS` times.
+
+    A function that is slow on its first ``k`` calls (a compiled one: compiling, then on a GPU recording its CUDA
+    graph, before the calls that replay it) is past them once two calls in a row take about the same time, unless
+    two of its slow calls in a row happen to; with ``k`` up to `MIN_WARM_CALLS` it is past them in any case."""
+    calls, last = 1, _seconds(fn, device)
+    while calls < MAX_WARM_CALLS:
+        now = _seconds(fn, device)
+        calls += 1
+        if calls >= MIN_WARM_CALLS and max(now, last) <= STEADY_RATIO * min(now, last):
+            return
+        last = now
+
+
 def interleaved_medians(
-    fns: list[Callable[[], None]], repeats: int, device: torch.device, progress: bool
+    fns: list[Callable[[], object]], repeats: int, device: torch.device, progress: bool
 ) -> list[float]:
-    """Median seconds of every function, timed in ``repeats`` rounds that each run all of them once (after one
-    warm-up call each), so that a slow spell of a shared machine spreads over every point instead of bending one."""
+    """Median seconds of every function, timed in ``repeats`` rounds that each run all of them once (after each is
+    warmed up to its steady calls, `warm_up`), so that a slow spell of a shared machine spreads over every point
+    instead of bending one."""
     from tqdm.auto import tqdm
 
     for fn in fns:
-        fn()
+        warm_up(fn, device)
     times: list[list[float]] = [[] for _ in fns]
     for _ in tqdm(range(repeats), desc="profile", disable=not progress):
         for fn, seen in zip(fns, times, strict=True):
