@@ -9,15 +9,30 @@ import torch
 
 
 def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory since the last `reset_peak_memory`: allocated device memory on CUDA; on CPU the process's maximum
-    resident set size over its whole life (it cannot be reset)."""
+    """Peak memory since the last `reset_peak_memory`: allocated device memory on CUDA (what live tensors held); on
+    CPU the process's maximum resident set size over its whole life (it cannot be reset)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
+    return _max_rss_mb()
+
+
+def peak_reserved_mb(device: torch.device) -> float:
+    """Peak memory taken from the device since the last `reset_peak_memory`: on CUDA what the caching allocator
+    reserved (live tensors, its cached free blocks, and the private pools CUDA graphs replay in, which allocated
+    memory does not show between recordings; at least what it held when the peak was reset, since cached blocks stay
+    reserved until ``empty_cache``); on CPU the same as `peak_memory_mb`, the process's maximum resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 2**20
+    return _max_rss_mb()
+
+
+def _max_rss_mb() -> float:
+    """The process's maximum resident set size over its whole life, in MiB."""
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss / 2**20 if sys.platform == "darwin" else rss / 2**10
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak on CUDA (a no-op elsewhere)."""
+    """Start new peaks on CUDA, allocated and reserved (a no-op elsewhere)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -208,6 +208,8 @@ _COMBINE = {
     "memory/peak_mb": max,
     "memory/rollout_peak_mb": max,
     "memory/update_peak_mb": max,
+    "memory/rollout_peak_reserved_mb": max,
+    "memory/update_peak_reserved_mb": max,
     "rollout/tokens_per_second": sum,
     "train/rows_trained": sum,
 }

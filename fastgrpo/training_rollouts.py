@@ -13,6 +13,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
+from fastgrpo.rollout.cache import call_length
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
@@ -166,11 +167,17 @@ class TrainingRollouts:
         self.pending.clear()
         return metrics
 
+    def reserve(self, rows: int, max_prompt_length: int, max_completion_length: int) -> None:
+        """Size the rollout's KV caches, when the first rollout makes them, for the run's largest rollout: ``rows``
+        completions of prompts up to ``max_prompt_length`` tokens (`RolloutEngine.reserve`). They then stay where they
+        are for the whole run, through the policy updates (the memory plan counts them there), so that compiled
+        steps are recorded once per run."""
+        self.engine.reserve(rows, call_length(max_prompt_length, max_completion_length))
+
     def release(self) -> None:
-        """Free the engine's caches and any captured hidden states not learnt from yet (`learn` learns from them
-        first): what a rollout holds, given back before the policy update."""
+        """Free the hidden states captured and not learnt from yet (`learn` learns from them first): what a rollout
+        holds beyond its caches, given back before the policy update."""
         self.pending.clear()
-        self.engine.release()
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, checkpoint: str | Path, learners: bool = True) -> None:

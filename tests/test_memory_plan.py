@@ -15,8 +15,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
+from fastgrpo import device_memory
 from fastgrpo.cli import main
 from fastgrpo.config import DraftTrainConfig, GRPOConfig
+from fastgrpo.grpo import policy_update
+from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.memory.activations import (
     TrainingForward,
     autocast_copy_bytes,
@@ -329,11 +332,12 @@ def test_items_add_up_to_the_moments_and_phases() -> None:
     assert plan.rollout_bytes == max(plan.moments[:2])
     assert plan.update_bytes == max(plan.moments[2:])
     assert plan.peak_bytes == max(plan.moments) == max(plan.rollout_bytes, plan.update_bytes)
-    # resident in every moment; the caches and captured states in the rollout only; activations in the backward
-    for name in ("policy weights (bfloat16)", "float32 master weights", "reference model (bfloat16)", "draft head"):
+    # resident in every moment (the KV cache and the graph pool too); the captured states in the rollout only;
+    # activations in the backward
+    resident = ("policy weights (bfloat16)", "float32 master weights", "reference model (bfloat16)", "draft head")
+    for name in (*resident, "KV cache", "draft KV cache", "CUDA graph pool"):
         assert len(set(plan.item(name).bytes)) == 1 and plan.item(name).bytes[0] > 0
-    for name in ("KV cache", "captured hidden states"):
-        assert plan.item(name).bytes[2:] == (0, 0) and plan.item(name).bytes[0] > 0
+    assert plan.item("captured hidden states").bytes[2:] == (0, 0) and plan.item("captured hidden states").bytes[0] > 0
     assert plan.item("update activations (micro-batch)").bytes[:2] == (0, 0)
     table = plan.table()
     assert all(item.name in table for item in plan.items) and "total" in table
@@ -359,9 +363,55 @@ def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
         plan = estimate_memory(config, CONFIGS[name], "cuda")
         expected = shape.num_layers * 2 * 32 * shape.num_kv_heads * slots * shape.head_dim * 2  # 24 rows -> 32
         assert plan.kv_slots == slots and plan.rows == 32
-        assert plan.item("KV cache").bytes == (expected, expected, 0, 0)
-    cpu = estimate_memory(config, CONFIGS["qwen3-0.6b"], "cpu")  # eager, float32, and kept through the update
+        assert plan.item("KV cache").bytes == (expected,) * 4  # kept through the update
+    cpu = estimate_memory(config, CONFIGS["qwen3-0.6b"], "cpu")  # eager, float32
     assert cpu.rows == 24 and set(cpu.item("KV cache").bytes) == {2 * expected * 24 // 32}
+
+
+def test_a_gpu_rollout_compiled_keeps_the_pool_of_its_cuda_graphs_through_the_update() -> None:
+    """Compiled by inductor on a GPU (``compile`` auto or on) the plan holds the CUDA graphs' pool in every moment:
+    the decoding step's temporaries at the largest row bucket and tree, the widest forward's when short prompts make
+    the tree step wider than the prefill, less when the prefill is wider. Eager on a GPU, or on the CPU (compiled or
+    not: no graphs there), no pool."""
+    spec = dataclasses.replace(GRPOConfig().speculation, mode="static", nodes=32)
+    config = GRPOConfig(
+        speculation=spec,
+        max_prompt_length=16,
+        max_completion_length=200,
+        num_generations=8,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=6,
+    )
+    for choice in ("auto", "on"):
+        plan = estimate_memory(dataclasses.replace(config, compile=choice), CONFIGS["qwen2.5-1.5b"], "cuda")
+        pool = plan.item("CUDA graph pool").bytes
+        assert plan.rows == 32 and pool == (plan.item("rollout forward temporaries").bytes[0],) * 4
+    long_prompts = estimate_memory(dataclasses.replace(config, max_prompt_length=2000), CONFIGS["qwen2.5-1.5b"])
+    pool = long_prompts.item("CUDA graph pool").bytes[0]
+    assert 0 < pool < long_prompts.item("rollout forward temporaries").bytes[0]
+    bigger_trees = dataclasses.replace(config, speculation=dataclasses.replace(spec, nodes=64))
+    assert estimate_memory(bigger_trees, CONFIGS["qwen2.5-1.5b"]).item("CUDA graph pool").bytes[0] > pool
+    for choice, device in (("off", "cuda"), ("auto", "cpu"), ("on", "cpu")):
+        plan = estimate_memory(dataclasses.replace(config, compile=choice), CONFIGS["qwen2.5-1.5b"], device)
+        assert "CUDA graph pool" not in {item.name for item in plan.items}
+
+
+def test_adamw_is_fused_on_cuda_where_the_plan_counts_no_step_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The policy's AdamW is fused on CUDA (updating in place, without foreach's temporary of every moment), so a GPU
+    plan has no step buffer; on the CPU it loops over the parameters and the plan counts one parameter's buffer (the
+    largest: the embedding)."""
+    from conftest import tiny_model
+
+    assert policy_update.fused_adamw(torch.device("cuda", 0)) and not policy_update.fused_adamw(torch.device("cpu"))
+    model, config = tiny_model("llama"), GRPOConfig()
+    assert PolicyUpdate(model, None, config, 1).optimizer.defaults["fused"] is False
+    monkeypatch.setattr(policy_update, "fused_adamw", lambda device: device.type == "cpu")  # the CPU taken for CUDA
+    assert PolicyUpdate(model, None, config, 1).optimizer.defaults["fused"] is True
+    gpu = estimate_memory(config, CONFIGS["qwen2.5-1.5b"], "cuda")
+    assert "AdamW step buffer" not in {item.name for item in gpu.items}
+    cpu = estimate_memory(config, CONFIGS["qwen2.5-1.5b"], "cpu")
+    embedding = ModelShape.from_config(CONFIGS["qwen2.5-1.5b"]).embedding_params
+    assert cpu.item("AdamW step buffer").bytes == (0, 0, 0, embedding * 4)
 
 
 @pytest.mark.parametrize("mode", ["off", "static", "adaptive"])
@@ -421,8 +471,8 @@ def test_a_suffix_only_plan_holds_no_draft_head() -> None:
 
 
 def test_lora_and_fewer_generations_lower_the_peak() -> None:
-    """Both lower the peak where the rollout or the backward sets it; 7B's full fine-tune peaks at the optimizer
-    step, which fewer completions do not change (only its rollout and backward shrink)."""
+    """Both lower the peak, which the backward sets in these full fine-tunes (fewer completions shrink the rollout
+    and the backward)."""
     base = GRPOConfig()
     fewer = dataclasses.replace(base, num_generations=4, per_device_train_batch_size=4)
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"):
@@ -431,10 +481,8 @@ def test_lora_and_fewer_generations_lower_the_peak() -> None:
         assert lora.peak_bytes < full.peak_bytes and lora.trainable < full.trainable / 50
         smaller = estimate_memory(fewer, CONFIGS[name], "cuda")
         assert smaller.moments[0] < full.moments[0] and smaller.moments[2] < full.moments[2]
-        assert smaller.peak_bytes < full.peak_bytes or full.peak_moment == "update: optimizer step"
+        assert full.peak_moment == "update: backward" and smaller.peak_bytes < full.peak_bytes
         assert smaller.item("KV cache").bytes[0] == full.item("KV cache").bytes[0] // 2
-    small = estimate_memory(fewer, CONFIGS["qwen2.5-1.5b"], "cuda")
-    assert small.peak_bytes < estimate_memory(base, CONFIGS["qwen2.5-1.5b"], "cuda").peak_bytes
 
 
 def test_check_fits_accepts_a_large_device_and_names_what_fits_a_small_one() -> None:
@@ -459,7 +507,7 @@ def test_check_fits_says_how_many_fsdp_processes_and_when_nothing_alone_fits() -
     with pytest.raises(ValueError) as refusal:
         check_fits(plan, CARD_80GB_BYTES, config)
     assert "fsdp: true, master_weights: false on 3 processes (torchrun --nproc_per_node 3)" in str(refusal.value)
-    # its optimizer step sets the peak: checkpointing alone is not enough, nor asked for; with it, 2 processes do
+    # checkpointing alone is not enough (its optimizer step then sets the peak), nor asked for; with it, 2 processes do
     assert "gradient_checkpointing" not in str(refusal.value)
     checkpointed = dataclasses.replace(config, gradient_checkpointing=True)
     with pytest.raises(ValueError, match="on 2 processes") as refusal:
@@ -511,6 +559,17 @@ def test_plan_for_trainer_counts_free_reserved_and_the_context(monkeypatch: pyte
     assert cpu.device == "cpu" and cpu.dtype == "float32"
 
 
+def test_a_gpu_phase_reports_its_allocated_and_its_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the allocated peak and the reserved one (which also holds the allocator's cached blocks and the CUDA
+    graphs' pools the plan counts) are read apart, in MiB; on the CPU both are the process's largest resident set."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: 5 * 2**30)
+    cuda = torch.device("cuda", 0)
+    assert (device_memory.peak_memory_mb(cuda), device_memory.peak_reserved_mb(cuda)) == (3 * 1024, 5 * 1024)
+    cpu = torch.device("cpu")
+    assert device_memory.peak_reserved_mb(cpu) == device_memory.peak_memory_mb(cpu) > 0
+
+
 # ------------------------------------------------------------------------------------------ --dry-run
 def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_dir(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
@@ -532,7 +591,7 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     if not torch.cuda.is_available():  # planned for a GPU this machine lacks, in bfloat16
         planned = printed["--device cuda"]
         assert "bfloat16 on cuda" in planned and "80 GB card" in planned
-        assert "fits: no: the run needs about 161.9 GiB" in planned and "on 3 processes" in planned
+        assert "fits: no: the run needs about 162.7 GiB" in planned and "on 3 processes" in planned
         planned = printed[" ".join(checkpointed_lora)]
         assert "layers checkpointed" in planned and "recomputed layer activations" in planned
         assert "fits: yes, 79.6 GiB available on an 80 GB card" in planned

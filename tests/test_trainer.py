@@ -512,26 +512,30 @@ def test_gradient_checkpointing_trains_as_without_it(tiny_model_dir: Path, tmp_p
 def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_phase(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The CUDA branch of a step, run on CPU with the device's memory counters stood in for: the KV caches and the
-    captured states are freed after the draft's update and before the policy's, and each phase's peak is its own."""
+    """The CUDA branch of a step, run on CPU with the device's memory counters stood in for: the captured states are
+    freed after the draft's update and before the policy's, the KV caches stay where they are for the next rollout,
+    and each phase's peaks, allocated and reserved, are its own."""
     from fastgrpo.config import SpeculationConfig
     from fastgrpo.grpo import trainer as trainer_module
 
     spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=2)
     trainer = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec))
     events: list[str] = []
-    peaks = iter([300.0, 200.0])
+    peaks, reserved = iter([300.0, 200.0]), iter([400.0, 350.0])
     monkeypatch.setattr(trainer_module, "reset_peak_memory", lambda device: events.append("reset"))
     monkeypatch.setattr(trainer_module, "peak_memory_mb", lambda device: events.append("peak") or next(peaks))
+    monkeypatch.setattr(trainer_module, "peak_reserved_mb", lambda device: next(reserved))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
     release, optimize = trainer.rollouts.release, trainer.update.optimize
     monkeypatch.setattr(trainer.rollouts, "release", lambda: events.append("release") or release())
     monkeypatch.setattr(trainer.update, "optimize", lambda batch: events.append("update") or optimize(batch))
     trainer.device = torch.device("cuda", 0)
+    caches = (trainer.rollouts.engine, trainer.rollouts.engine.drafters["eagle"])
     metrics = trainer.train_step(0)
     assert events == ["reset", "peak", "release", "reset", "update", "sync", "peak"]
-    assert trainer.rollouts.engine.cache is None and trainer.rollouts.engine.drafters["eagle"].cache is None
+    assert all(owner.cache is not None for owner in caches)
     assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
+    assert metrics["memory/rollout_peak_reserved_mb"] == 400.0 and metrics["memory/update_peak_reserved_mb"] == 350.0
     assert metrics["memory/peak_mb"] == 300.0
 
 

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
-from fastgrpo.device_memory import peak_memory_mb, reset_peak_memory
+from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.checkpoint import prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.losses import (
@@ -141,6 +141,7 @@ class GRPOTrainer:
             compile_backend(config.compile, self.device),
             config.speculation.draft,
         )
+        self.rollouts.reserve(config.generation_batch_size, config.max_prompt_length, config.max_completion_length)
         self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.
         self.threads = None
@@ -237,9 +238,11 @@ class GRPOTrainer:
             advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
-        memory: dict[str, float] = {}
-        if self.device.type == "cuda":  # the KV caches and captured states go back to the allocator, for the update
+        memory: dict[str, float] = {}  # the allocated peak of each phase
+        reserved: dict[str, float] = {}  # beside it, the peak the allocator had reserved
+        if self.device.type == "cuda":  # captured states go back to the allocator for the update (the KV caches stay)
             memory["memory/rollout_peak_mb"] = peak_memory_mb(self.device)
+            reserved["memory/rollout_peak_reserved_mb"] = peak_reserved_mb(self.device)
             out.hidden_states = None
             self.rollouts.release()
             reset_peak_memory(self.device)
@@ -254,6 +257,7 @@ class GRPOTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the optimizer step's kernels count in time/train
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
+            reserved["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
         t3 = time.perf_counter()
         lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float, device="cpu")
         terminated = lengths[~truncated]
@@ -277,6 +281,7 @@ class GRPOTrainer:
             **out.stats.metrics(),
             "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
             **memory,
+            **reserved,
             **(self.threads.metrics() if self.threads is not None else {}),
         }
         metrics = distributed.reduce_metrics(metrics)

@@ -133,10 +133,8 @@ class SpeculativeRollout:
             accelerator.num_processes,
         )
         self._log(trainer, out)
-        # TRL's update gets the memory of the KV caches; the captured hidden states stay until the draft learns from
-        # them after the optimizer step (DraftCallback.on_step_end)
-        if rollouts.engine.device.type == "cuda":
-            rollouts.engine.release()
+        # the KV caches stay for the next rollout (`TrainingRollouts.reserve`); the captured hidden states stay until
+        # the draft learns from them after the optimizer step (DraftCallback.on_step_end)
         return {
             "prompt_ids": [p for p in prompt_ids for _ in range(n)],
             "completion_ids": out.completion_ids,
@@ -163,6 +161,10 @@ class SpeculativeRollout:
         )
         if self.resume_from is not None:
             self.rollouts.restore(self.resume_from)
+        args = trainer.args
+        rows = args.per_device_train_batch_size * args.steps_per_generation
+        prompt = self.max_prompt_length if self.max_prompt_length < sys.maxsize else 0  # 0: sized by the prompts met
+        self.rollouts.reserve(rows, prompt, args.max_completion_length)
         return self.rollouts
 
     @staticmethod

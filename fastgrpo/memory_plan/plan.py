@@ -4,17 +4,21 @@ the options that would make it fit.
 
 A GRPO step has two phases whose peaks are separate, each in two moments:
 
-- the rollout: *decode* (the KV caches, the hidden states captured for the draft, the logits of the widest forward),
-  then the *draft update* (the draft head's online training on those states); the KV caches and captured states are
-  given back before the policy update;
+- the rollout: *decode* (the hidden states captured for the draft, the logits of the widest forward), then the
+  *draft update* (the draft head's online training on those states); the captured states are given back before the
+  policy update;
 - the update: the *backward* of a micro-batch (every decoder layer's saved activations; with ``gradient_checkpointing``
   each layer's input instead, and during the backward one layer's activations recomputed at a time; the LM head runs
   in checkpointed chunks of ``logprob_chunk_tokens`` either way), then the *optimizer step* (AdamW's temporaries,
   float32 gradients of the master weights).
 
 The weights, the optimizer state, the reference model, the LoRA adapters and the drafters' networks are resident in
-all four moments. The peak is the largest moment. Every prompt is taken at ``max_prompt_length`` and every
-completion at ``max_completion_length``: the estimate bounds a run whose rows are shorter.
+all four moments, and so are the rollout's KV caches (the target's and the draft's): the first rollout allocates
+them for the run's largest rollout, and they stay through every policy update, so that compiled steps meet the same
+addresses in every rollout. A rollout compiled on a GPU also keeps, from its first step on, the memory pool of its
+CUDA graphs (`graph_pool_bytes`), which the allocator cannot give back. The peak is the largest moment. Every prompt
+is taken at ``max_prompt_length`` and every completion at ``max_completion_length``: the estimate bounds a run whose
+rows are shorter.
 
 The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
 drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
@@ -29,6 +33,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.policy_update import fused_adamw
 from fastgrpo.memory.activations import (
     TrainingForward,
     checkpointed_activation_bytes,
@@ -212,14 +217,17 @@ def estimate_memory(
     items.resident(f"AdamW moments ({_dtype_name(moment_bytes, dtype)}, x2)", 2 * trainable * moment_bytes / shards)
     if masters:
         items.resident(MASTERS, trainable * 4 / shards)
-    # AdamW's step on CUDA (foreach) makes one moment-sized buffer (the square root of the second moment) for all
-    # parameters at once; on the CPU (a loop) for one parameter at a time.
-    largest = trainable if device.type == "cuda" else _largest_trainable(shape, lora, config.lora_r)
-    items.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
+    # AdamW's step fused (on CUDA, `fused_adamw`) updates in place; the default loop (elsewhere) makes a buffer the
+    # size of one parameter's moment (the square root of the second moment) at a time.
+    if not fused_adamw(device):
+        largest = _largest_trainable(shape, lora, config.lora_r)
+        items.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
     if config.beta > 0 and not lora:
         items.resident(f"reference model ({dtype})", params * w)
 
     _rollout_items(items, run, lora)
+    if device.type == "cuda" and compile_backend(config.compile, device) == "inductor":
+        items.resident("CUDA graph pool", graph_pool_bytes(run))
     for plugin in plugins(config.speculation):
         items.items += plugin.memory(run)
     _update_items(items, config, shape, w, lora, grad_bytes, run.cuda)
@@ -263,14 +271,47 @@ def _dtype_name(size: int, policy_dtype: str) -> str:
     return policy_dtype if DTYPES[policy_dtype].itemsize == size else f"float{8 * size}"
 
 
+def _forward_temporaries(run: PlannedRun, tokens: int, score_elements: int) -> int:
+    """Bytes of a rollout forward's temporaries over ``tokens`` tokens whose attention scores hold ``score_elements``
+    elements (per head): one layer's at a time (inference mode), the scores of a masked SDPA in float32, and the
+    logits: the verified tree's raw logits ``[rows, nodes, V]`` and float32 sampling distributions ``[rows, V]``
+    (three of them) of the largest tree."""
+    shape, w, rows = run.shape, run.dtype_bytes, run.rows
+    h, v, q, kv = shape.hidden_size, shape.vocab_size, shape.q_width, shape.kv_width
+    per_token = h * (3 * w + 4) + (q + 2 * kv) * w + 2 * q * w + 3 * shape.intermediate_size * w
+    logits = rows * _tree_nodes(run) * v * w + 3 * rows * v * 4
+    return tokens * per_token + 4 * shape.num_heads * score_elements + logits
+
+
+def _tree_nodes(run: PlannedRun) -> int:
+    """Tokens per row of the rollout's widest decoding step: the largest tree's nodes (1 without speculation)."""
+    return run.bound.nodes if run.bound is not None else 1
+
+
+def graph_pool_bytes(run: PlannedRun) -> int:
+    """Bytes of the private memory pool of a rollout's CUDA graphs (inductor's ``reduce-overhead`` mode, on a GPU).
+
+    Every graph a rollout records (the target's steps and the draft's tree expansions, one per row bucket, tree shape
+    and extent) takes its intermediate buffers and outputs from one pool, which stays reserved for replays while the
+    run lasts: ``empty_cache`` cannot give it back, so it is counted from the first rollout on and through every
+    update. The graphs run one at a time (each call begins a new step of the graph trees, so the outputs of the last
+    one are dead) and reuse the pool's blocks, so the pool is about the largest graph's live memory: the target's
+    decoding step at the largest row bucket (the rows the plan takes) over the largest tree, reading every KV slot.
+    Its live memory is bounded by the same rule as the widest eager forward's (`_forward_temporaries`: one layer's
+    temporaries, the float32 attention scores and the logits; inductor's fused kernels keep fewer), which is the
+    estimate."""
+    tokens = run.rows * _tree_nodes(run)
+    return _forward_temporaries(run, tokens, tokens * run.kv_slots)
+
+
 def _rollout_items(items: MemoryItems, run: PlannedRun, lora: LoraShape | None) -> None:
-    """The rollout's KV cache, captured states and forward temporaries (decode; the cache and captured states stay
-    until after the draft update, and on the CPU the cache stays for the next rollout)."""
+    """The rollout's KV cache (kept for the whole run), captured states (decode; they stay until after the draft
+    update) and forward temporaries (decode)."""
     config, shape, w = run.config, run.shape, run.dtype_bytes
     rows, p_len, c_len = run.rows, config.max_prompt_length, config.max_completion_length
     prompts = config.generation_batch_size // config.num_generations
-    h, v, q, kv = shape.hidden_size, shape.vocab_size, shape.q_width, shape.kv_width
-    items.add("KV cache", *[cache_bytes(shape.kv_dims, rows, run.kv_slots, w)] * run.cache_moments)
+    h = shape.hidden_size
+    items.resident("KV cache", cache_bytes(shape.kv_dims, rows, run.kv_slots, w))
     if lora and w == 2:  # `merged_lora` keeps each adapted 16-bit weight to restore it exactly
         items.add("LoRA merge copies", lora.adapted * w)
     if config.draft_training.online and any(p.captures_hidden for p in plugins(config.speculation)):
@@ -279,15 +320,11 @@ def _rollout_items(items: MemoryItems, run: PlannedRun, lora: LoraShape | None) 
         kept = rows * (p_len + c_len - 1) * h * w
         pieces = (prompts * p_len + rows * c_len) * h * w
         items.add("captured hidden states", kept + pieces, kept)
-    # The widest forward: the prefill of the prompts or a tree per row; one layer's temporaries at a time (inference
-    # mode), the attention scores of a masked SDPA in float32, and the logits: the verified tree's raw logits and
-    # float32 sampling distributions per row.
-    width = run.bound.nodes if run.bound is not None else 1
+    # The widest forward: the prefill of the prompts or a tree per row (`_forward_temporaries`).
+    width = _tree_nodes(run)
     tokens = max(prompts * p_len, rows * width)
-    per_token = h * (3 * w + 4) + (q + 2 * kv) * w + 2 * q * w + 3 * shape.intermediate_size * w
-    scores = 4 * shape.num_heads * max(prompts * p_len * p_len, rows * width * run.kv_slots)
-    logits = rows * width * v * w + 3 * rows * v * 4
-    items.add("rollout forward temporaries", tokens * per_token + scores + logits)
+    scores = max(prompts * p_len * p_len, rows * width * run.kv_slots)
+    items.add("rollout forward temporaries", _forward_temporaries(run, tokens, scores))
 
 
 def _update_items(

@@ -1,8 +1,10 @@
 """The attention function the rollout engine runs the model with: PyTorch SDPA with grouped-query attention.
 
 transformers' ``sdpa`` repeats the key/value heads for every query head whenever an attention mask is given, a copy
-of the whole cache per layer and step; ragged rows and draft trees always need a mask. SDPA takes the grouped heads
-directly (``enable_gqa``) with the same result, so rollouts switch the model to this function while they run.
+of the whole cache per layer and step; ragged rows and draft trees always need a mask. Without a mask SDPA takes the
+grouped heads directly (``enable_gqa``); with one, each group's query heads are folded into the query length
+(`gqa_sdpa_attention`), so that the keys and values are read once per KV head, by a fused kernel where the device has
+one. Rollouts switch the model to this function while they run.
 
 The engine hands every layer a 4-D mask (ragged rows, draft trees), which only SDPA-style functions take: a model
 loaded with ``flash_attention_2``, ``eager`` or another implementation (a TRL user's model, say) is switched to this
@@ -34,20 +36,33 @@ def gqa_sdpa_attention(
     is_causal: bool | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, S, D]`` -> ``[B, T, H, D]``."""
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    causal = bool(causal and attention_mask is None and query.shape[2] > 1)
-    out = F.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=causal,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )
-    return out.transpose(1, 2).contiguous(), None
+    """``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, S, D]`` -> ``[B, T, H, D]``.
+
+    With a mask and grouped heads (``H = G * H_kv``), each group's ``G`` query heads are folded into the query length:
+    queries ``[B, H_kv, G * T, D]`` against the keys as they are, the ``[B, 1, T, S]`` mask repeated ``G`` times along
+    its queries. No kernel then needs both a mask and grouped heads (flash attention takes no mask, and the fused
+    kernels that take one do not group heads), so none falls back to repeating the keys and values per query head."""
+    b, heads, t, d = query.shape
+    kv_heads = key.shape[1]
+    if attention_mask is None or heads == kv_heads:
+        causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        causal = bool(causal and attention_mask is None and t > 1)
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=dropout,
+            scale=scaling,
+            is_causal=causal,
+            enable_gqa=heads != kv_heads,
+        )
+        return out.transpose(1, 2).contiguous(), None
+    group = heads // kv_heads
+    folded = query.reshape(b, kv_heads, group * t, d)  # head h = kv head h // G, query row (h % G) * T + t
+    mask = attention_mask.expand(b, 1, t, -1).repeat(1, 1, group, 1)  # [B, 1, G * T, S]
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
+    return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register(ROLLOUT_ATTENTION, gqa_sdpa_attention)

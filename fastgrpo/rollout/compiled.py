@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo.config.grpo import COMPILE_CHOICES
+from fastgrpo.rollout.host import host_to_device
 
 EXTENT_BLOCK = 256  # compiled steps read the keys in extents of this many slots
 # Graphs a compiled function may hold (torch's default is 8): one per sampling setting and tree depth (their loops are
@@ -50,12 +51,14 @@ class Compiled:
     """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True`` (a graph break is an error), or
     ``fn`` itself when ``backend`` is None. On CUDA, inductor captures each shape as a CUDA graph
     (``mode="reduce-overhead"``) and the outputs are copied out of the graph's memory, which its next replay
-    overwrites. ``seconds`` adds up the wall time of the calls that compiled a graph. A call that would compile more
-    than `RECOMPILE_LIMIT` graphs of one function runs eagerly, with a warning the first time."""
+    overwrites. ``graphs`` counts the graphs it compiled and ``seconds`` adds up the wall time of the calls that
+    compiled them. A call that would compile more than `RECOMPILE_LIMIT` graphs of one function runs eagerly, with a
+    warning the first time."""
 
     def __init__(self, fn: Callable, backend: str | None):
         self.fn = fn
         self.backend = backend
+        self.graphs = 0
         self.seconds = 0.0
         self._by_mode: dict[str | None, Callable] = {}
         self._warned = False
@@ -67,11 +70,11 @@ class Compiled:
     def __call__(self, device: torch.device, *args):
         if self.backend is None:
             return self.fn(*args)
-        graphs = device.type == "cuda" and self.backend == "inductor"
-        mode = "reduce-overhead" if graphs else None
+        captured = device.type == "cuda" and self.backend == "inductor"
+        mode = "reduce-overhead" if captured else None
         if mode not in self._by_mode:
             self._by_mode[mode] = torch.compile(self.fn, fullgraph=True, backend=self.backend, mode=mode)
-        if graphs:
+        if captured:
             torch.compiler.cudagraph_mark_step_begin()
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
@@ -84,17 +87,39 @@ class Compiled:
                 logger.warning("%s compiled %d graphs already; new shapes run eagerly", name, limit)
                 self._warned = True
             return self.fn(*args)
-        if torch._dynamo.utils.counters["stats"]["unique_graphs"] != before:
+        compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
+        if compiled:
+            self.graphs += compiled
             self.seconds += time.perf_counter() - t0
-        return _copied(out) if graphs else out
+        return map_tensors(torch.clone, out) if captured else out
 
 
-def _copied(out):
-    """``out`` (a tensor, or a tuple or dataclass of them) with every tensor copied out of a CUDA graph's memory."""
+class RowPadding:
+    """The rows of a compiled call padded up to their bucket (`row_bucket`): padded rows repeat the last live row, and
+    only the live rows of the outputs are kept. A padded row writes only into cache rows no live row uses (finished
+    rows are compacted away), so its results are simply dropped."""
+
+    def __init__(self, live: int, device: torch.device):
+        self.live = live
+        rows = row_bucket(live)
+        self.index = None if rows == live else host_to_device(list(range(live)) + [live - 1] * (rows - live), device)
+
+    def pad(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        """``t`` ``[live, ...]`` -> ``[row_bucket(live), ...]`` (None stays None)."""
+        return t if t is None or self.index is None else t[self.index]
+
+    def cut(self, out):
+        """The live rows of ``out`` (a tensor, or a tuple or dataclass of them, rows first)."""
+        return map_tensors(lambda t: t[: self.live], out)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], out):
+    """``out`` (a tensor, or a tuple or dataclass of them; other fields kept) with ``fn`` applied to every tensor."""
     if isinstance(out, torch.Tensor):
-        return out.clone()
+        return fn(out)
     if isinstance(out, tuple):
-        return tuple(_copied(t) for t in out)
+        return tuple(map_tensors(fn, t) for t in out)
     if dataclasses.is_dataclass(out):
-        return dataclasses.replace(out, **{f.name: _copied(getattr(out, f.name)) for f in dataclasses.fields(out)})
+        fields = {f.name: map_tensors(fn, getattr(out, f.name)) for f in dataclasses.fields(out)}
+        return dataclasses.replace(out, **fields)
     return out

@@ -103,6 +103,7 @@ class Drafter:
     learner: Learner | None = None  # None: it does not learn online
     modules: tuple[nn.Module, ...] = ()  # its networks: the engine runs them with its attention and linear routes
     compile_seconds: float = 0.0  # wall time its proposals spent compiling graphs so far
+    compile_graphs: int = 0  # graphs its proposals compiled so far
 
     # -- proposing ------------------------------------------------------------------------------------------------
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:

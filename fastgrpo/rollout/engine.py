@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -24,7 +23,7 @@ from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
-from fastgrpo.rollout.host import host_to_device, read_back
+from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import process_logits, sample
@@ -34,42 +33,6 @@ from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
-
-
-@dataclass
-class Verified:
-    """What a step's target forward accepted: ``tokens`` and ``logprobs`` ``[B, E]`` of which each row emits the first
-    ``count[b]``; ``hidden`` ``[B, E, H]`` the target's hidden state each was sampled from (the fed tokens' states);
-    for a tree, ``path_rank`` ``[B, E - 1]`` the score rank of each accepted draft node (`DraftTree.rank`, ``N``
-    past the row's accepted ones), from which the controller tells what smaller trees would have accepted, and
-    ``deepest`` ``[B]`` the deepest node of each row's tree."""
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor
-    count: torch.Tensor
-    hidden: torch.Tensor
-    path_rank: torch.Tensor | None = None
-    deepest: torch.Tensor | None = None
-
-
-@dataclass
-class HostStep:
-    """What the host reads of a step, in one copy (`read_back`): per row the emitted ``tokens``, their ``logprobs``,
-    which are ``eos`` and how many (``count``) the row emits; for a tree, ``path_rank`` and ``deepest`` (`Verified`)."""
-
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    eos: list[list[int]]
-    count: list[int]
-    path_rank: list[list[int]] | None = None
-    deepest: list[int] | None = None
-
-    @classmethod
-    def read(cls, verified: Verified, eos: torch.Tensor) -> HostStep:
-        tensors = [verified.tokens, verified.logprobs, torch.isin(verified.tokens, eos), verified.count]
-        if verified.path_rank is not None:
-            tensors += [verified.path_rank, verified.deepest]
-        return cls(*read_back(*tensors))
 
 
 class RolloutEngine:
@@ -113,6 +76,7 @@ class RolloutEngine:
         self.routes = LinearRoutes()  # the CPU routes of the model's and the drafters' products (measured on use)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
         self.cache: RowCache | None = None
+        self.reserved = (0, 0)  # rows and tokens every cache is made for at least (`reserve`)
         self.drafters: dict[str, Drafter] = {}
         self.controller: Controller | None = None
         self.speculate(drafter, tree, controller)
@@ -152,9 +116,16 @@ class RolloutEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def reserve(self, rows: int, length: int) -> None:
+        """Make the caches, when a call next makes them, large enough for any call of up to ``rows`` completions of
+        ``length`` tokens each (`call_length`), so that a run's calls all write the same buffers: compiled steps then
+        meet the same static addresses and extents in every call, and a GPU's captured graphs are recorded once per
+        run rather than again whenever a longer prompt comes."""
+        self.reserved = (rows, length)
+
     def release(self) -> None:
         """Free the KV caches kept for the next call (the target's and the drafters'), so that the memory serves
-        other work, such as a policy update, until the next call allocates them again."""
+        other work until the next call allocates them again (at new addresses, which compiled steps record anew)."""
         self.cache = None
         for drafter in self.drafters.values():
             drafter.release()
@@ -193,18 +164,23 @@ class RolloutEngine:
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
                 rows = self.prefill(prompt_ids, num_generations, call)
-                t0, compiling = time.perf_counter(), self._compile_seconds()
+                t0, seconds, graphs = time.perf_counter(), *self._compiled_so_far()
                 while rows.size:
                     rows = self.step(rows, call)
                 call.stats.decode_time = time.perf_counter() - t0
-                call.stats.compile_time = self._compile_seconds() - compiling
+                seconds_after, graphs_after = self._compiled_so_far()
+                call.stats.compiled = self.target.compiled
+                call.stats.compile_time, call.stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
                 return call.output()
         finally:
             self.model.train(was_training)
 
-    def _compile_seconds(self) -> float:
-        """Wall time spent so far in steps that compiled a graph (the target's and the drafters')."""
-        return self.target.compile_seconds + sum(d.compile_seconds for d in self.drafters.values())
+    def _compiled_so_far(self) -> tuple[float, int]:
+        """Wall time spent so far in steps that compiled a graph and the graphs they compiled (the target's and the
+        drafters')."""
+        drafters = self.drafters.values()
+        seconds = self.target.compile_seconds + sum(d.compile_seconds for d in drafters)
+        return seconds, self.target.compile_graphs + sum(d.compile_graphs for d in drafters)
 
     def _call(
         self,
@@ -227,9 +203,10 @@ class RolloutEngine:
         return Generation(params, seqs, self.eos.to(self.device), noise, self.tokenizer, capture)
 
     def _begin(self, call: Generation, length: int) -> None:
-        """Size the caches (reused when big enough; zeroed once at allocation, so always finite) and tell the
-        controller a call starts."""
-        rows = self.target.rows(len(call.seqs))
+        """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at
+        allocation, so always finite) and tell the controller a call starts."""
+        rows = self.target.rows(max(len(call.seqs), self.reserved[0]))
+        length = max(length, self.reserved[1])
         bound = self.controller.max_shape if self.controller is not None else None
         slots = cache_slots(length, bound.nodes if bound is not None else 1)
         if self.cache is None or not self.cache.holds(rows, slots):

@@ -4,10 +4,13 @@ A step on a GPU is fast only while the host runs ahead of the device, queueing k
 (``int(t)``, ``t.tolist()``, a boolean mask's compaction) waits until the device has finished everything queued. The
 engine therefore reads the device once per step, with `read_back` (the emitted tokens, how many per row, which ended),
 and keeps every length it needs on the host from then on. Index lists that the host decided go the other way with
-`host_to_device`, which does not wait for the device.
+`host_to_device`, which does not wait for the device. `Verified` is what a step computed on the device, `HostStep`
+what the host reads of it.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -33,3 +36,39 @@ def host_to_device(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type == "cpu":
         return host
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass
+class Verified:
+    """What a step's target forward accepted: ``tokens`` and ``logprobs`` ``[B, E]`` of which each row emits the first
+    ``count[b]``; ``hidden`` ``[B, E, H]`` the target's hidden state each was sampled from (the fed tokens' states);
+    for a tree, ``path_rank`` ``[B, E - 1]`` the score rank of each accepted draft node (`DraftTree.rank`, ``N``
+    past the row's accepted ones), from which the controller tells what smaller trees would have accepted, and
+    ``deepest`` ``[B]`` the deepest node of each row's tree."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    count: torch.Tensor
+    hidden: torch.Tensor
+    path_rank: torch.Tensor | None = None
+    deepest: torch.Tensor | None = None
+
+
+@dataclass
+class HostStep:
+    """What the host reads of a step, in one copy (`read_back`): per row the emitted ``tokens``, their ``logprobs``,
+    which are ``eos`` and how many (``count``) the row emits; for a tree, ``path_rank`` and ``deepest`` (`Verified`)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    eos: list[list[int]]
+    count: list[int]
+    path_rank: list[list[int]] | None = None
+    deepest: list[int] | None = None
+
+    @classmethod
+    def read(cls, verified: Verified, eos: torch.Tensor) -> HostStep:
+        tensors = [verified.tokens, verified.logprobs, torch.isin(verified.tokens, eos), verified.count]
+        if verified.path_rank is not None:
+            tensors += [verified.path_rank, verified.deepest]
+        return cls(*read_back(*tensors))

@@ -17,7 +17,9 @@ class GenerationStats:
     decode_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
-    compile_time: float = 0.0  # seconds of decoding steps that compiled a graph (`fastgrpo.rollout.target_step`)
+    compiled: bool = False  # the decoding steps ran compiled (`fastgrpo.rollout.compiled`)
+    compile_time: float = 0.0  # seconds of decoding steps that compiled a graph
+    compile_graphs: int = 0  # graphs compiled during the call
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
     step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
@@ -90,10 +92,11 @@ class GenerationStats:
         return metrics
 
     def metrics(self) -> dict[str, float]:
-        """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and ``time/compile`` for a
-        call that compiled)."""
-        compiled = {"time/compile": self.compile_time} if self.compile_time else {}
-        return compiled | {
+        """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and with compiled steps
+        ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took: zero once a
+        run has met its shapes)."""
+        compiled = {"compile/graphs": self.compile_graphs, "compile/seconds": self.compile_time}
+        return (compiled if self.compiled else {}) | {
             "rollout/tokens_per_second": self.tokens_per_second,
             "rollout/target_forwards": self.target_forwards,
             "spec/accept_length": self.accept_length,

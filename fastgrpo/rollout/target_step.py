@@ -4,9 +4,10 @@ accepted path's cache entries moved into place). Neither reads a value back from
 each is one graph for ``torch.compile(fullgraph=True)``; `TargetStep` runs them eagerly or compiled
 (`fastgrpo.rollout.compiled`).
 
-Compiled, a step's rows are padded up to a bucket (a power of two) and the keys' extent is rounded up (masked past
-each row's length), so that a whole rollout meets a handful of shapes. Padded rows repeat the last live row: they write
-only into cache rows no live row uses (finished rows are compacted away), and their results are dropped.
+Compiled, a step's rows are padded up to a bucket (a power of two, `RowPadding`) and the keys' extent is rounded up
+(masked past each row's length), so that a whole run meets a handful of shapes: with the caches sized once per run
+(`RolloutEngine.reserve`), the graphs a run can compile are one per row bucket, extent bucket, sampling setting and
+tree size.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.compiled import Compiled, extent_bucket, row_bucket
+from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, row_bucket
 from fastgrpo.rollout.forward import forward_block, forward_chain
-from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sampling import process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.rollout.verify import accept
@@ -103,6 +103,11 @@ class TargetStep:
         """Wall time of the calls that compiled a graph."""
         return self._plain.seconds + self._tree.seconds
 
+    @property
+    def compile_graphs(self) -> int:
+        """Graphs compiled so far."""
+        return self._plain.graphs + self._tree.graphs
+
     def rows(self, live: int) -> int:
         """The rows a step over ``live`` rows computes (and the caches must hold)."""
         return step_rows(live, self.compiled)
@@ -123,11 +128,10 @@ class TargetStep:
         if not self.compiled:
             equal = min(lengths) == longest
             return plain_step(decoder, head, cache, pending, row_len, uniforms, params, longest + 1, equal)
-        live, pad = len(lengths), _padding(len(lengths), pending.device)
-        args = [_pad(t, pad) for t in (pending, row_len, uniforms)]
+        rows = RowPadding(len(lengths), pending.device)
+        args = [rows.pad(t) for t in (pending, row_len, uniforms)]
         extent = extent_bucket(longest + 1, cache.max_len)
-        out = self._plain(pending.device, decoder, head, cache, *args, params, extent, False)
-        return tuple(t[:live] for t in out)
+        return rows.cut(self._plain(pending.device, decoder, head, cache, *args, params, extent, False))
 
     def tree(
         self,
@@ -144,22 +148,9 @@ class TargetStep:
         extent = max(lengths) + tree.tokens.shape[1]
         if not self.compiled:
             return tree_step(decoder, head, cache, tree, row_len, uniforms, params, extent)
-        live, pad = len(lengths), _padding(len(lengths), row_len.device)
+        rows = RowPadding(len(lengths), row_len.device)
         padded = DraftTree(
-            *(_pad(t, pad) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
+            *(rows.pad(t) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
-        args = (padded, _pad(row_len, pad), _pad(uniforms, pad), params, extent_bucket(extent, cache.max_len))
-        out = self._tree(row_len.device, decoder, head, cache, *args)
-        return tuple(t[:live] for t in out)
-
-
-def _padding(live: int, device: torch.device) -> torch.Tensor | None:
-    """``[row_bucket(live)]`` the row each padded row repeats (None when ``live`` is a bucket)."""
-    rows = row_bucket(live)
-    if rows == live:
-        return None
-    return host_to_device(list(range(live)) + [live - 1] * (rows - live), device)
-
-
-def _pad(t: torch.Tensor | None, index: torch.Tensor | None) -> torch.Tensor | None:
-    return t if t is None or index is None else t[index]
+        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent_bucket(extent, cache.max_len))
+        return rows.cut(self._tree(row_len.device, decoder, head, cache, *args))

@@ -65,12 +65,6 @@ class PlannedRun:
         """Slots per row of the target's KV cache (`fastgrpo.rollout.cache.cache_slots`)."""
         return cache_slots(self.length, self.bound.nodes if self.bound is not None else 1)
 
-    @property
-    def cache_moments(self) -> int:
-        """Moments a rollout's cache is held (`fastgrpo.memory.items.MOMENTS`): on a GPU the trainer gives the caches
-        back before the update; on the CPU they stay for the next rollout."""
-        return 2 if self.cuda else 4
-
 
 class DrafterPlugin:
     """One drafter kind. ``build`` is all a plugin must do; the rest is optional.

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
-from fastgrpo.rollout.compiled import Compiled, extent_bucket
+from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
@@ -97,8 +97,9 @@ class PendingPairs:
 class EagleDrafter(Drafter):
     """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with a
     compile ``backend`` (of ``torch.compile``) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
-    draft-cache extents rounded up to a bucket. ``profile`` (the latency profile of the draft's forwards) prices its
-    trees (`cost`); ``learner`` trains the draft online (`fastgrpo.speculative.eagle.training.EagleLearner`)."""
+    rows padded and draft-cache extents rounded up to buckets. ``profile`` (the latency profile of the draft's
+    forwards) prices its trees (`cost`); ``learner`` trains the draft online
+    (`fastgrpo.speculative.eagle.training.EagleLearner`)."""
 
     name = NAME
 
@@ -123,6 +124,11 @@ class EagleDrafter(Drafter):
     def compile_seconds(self) -> float:
         """Wall time of the expansions that compiled a graph."""
         return self._expand.seconds
+
+    @property
+    def compile_graphs(self) -> int:
+        """Graphs the expansion compiled."""
+        return self._expand.graphs
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -193,22 +199,16 @@ class EagleDrafter(Drafter):
         # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
         backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.max_levels + 1) / backlog)
         longest = max(state.host_len)
-        if self._expand.compiled:  # the extents the levels read, bucketed: a few graphs per rollout, not one a step
-            longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
-        tree = self._expand(
-            root_hidden.device,
-            self.draft,
-            embed,
-            head,
-            self.cache,
-            state.draft_len,
-            rows.pending,
-            root_hidden,
-            rows.row_len,
-            shape,
-            longest,
-        )
-        return Proposal(tree, shape.levels, backlog_seconds)
+        row_inputs = (state.draft_len, rows.pending, root_hidden, rows.row_len)
+        if not self._expand.compiled:
+            tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, longest)
+            return Proposal(tree, shape.levels, backlog_seconds)
+        # compiled: rows padded to their bucket and the extents the levels read bucketed, as the target's steps are
+        padding = RowPadding(rows.size, root_hidden.device)
+        longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
+        padded = (padding.pad(t) for t in row_inputs)
+        tree = self._expand(root_hidden.device, self.draft, embed, head, self.cache, *padded, shape, longest)
+        return Proposal(padding.cut(tree), shape.levels, backlog_seconds)
 
     def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
