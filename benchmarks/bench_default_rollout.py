@@ -2,13 +2,13 @@
 SmolLM2-135M-Instruct, 2 prompts x 8 generations, up to 128 tokens at T=1) with its default speculation (adaptive
 over ``eagle+suffix``, a fresh draft learnt online) against speculation off, in one process.
 
-Two `GRPOTrainer` instances of the same configuration, one with ``speculation.mode: off``, each roll out the same training
-steps' prompts with the same uniforms (`fastgrpo.training_rollouts.step_uniforms`), so that they sample the same
-completions but where a tree's forward rounds unlike a one-token one. The speculative trainer first rolls out
+Two `GRPOTrainer` instances of the same configuration, one with ``speculation.mode: off``, each roll out the same
+training steps' prompts with the same uniforms (`fastgrpo.training_rollouts.step_uniforms`), so that they sample the
+same completions but where a tree's forward rounds unlike a one-token one. The speculative trainer first rolls out
 ``--warmup`` steps and learns from them (its fresh draft is built after the first, as in training; its suffix memory
-fills); the policy is never updated. Then ``--rounds`` rounds alternate the two, each round on the next step's prompts,
-and each rollout's time per completion token is compared within its round. Only the rollouts are timed (the draft's
-learning after each speculative one is not).
+fills); the policy is never updated. Then ``--rounds`` rounds alternate the two, each round on the next step's
+prompts, and each rollout's time per completion token is compared within its round. Only the rollouts are timed (the
+draft's learning after each speculative one is not).
 
     python benchmarks/bench_default_rollout.py --rounds 10 [-- --max_completion_length=64 ...]
 """
