@@ -60,7 +60,7 @@ def gqa_sdpa_attention(
         return out.transpose(1, 2).contiguous(), None
     group = heads // kv_heads
     folded = query.reshape(b, kv_heads, group * t, d)  # head h = kv head h // G, query row (h % G) * T + t
-    mask = attention_mask.expand(b, 1, t, -1).repeat(1, 1, group, 1)  # [B, 1, G * T, S]
+    mask = attention_mask[:, :, None].expand(b, 1, group, t, -1).reshape(b, 1, group * t, -1)  # a view when T is 1
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
 
