@@ -177,5 +177,7 @@ cat <<EOF
 
 Copy the repository with $OUT/ to the GPU machine and run there, in its root:
 
-python3 -m pip install -q --no-index --no-deps --target /tmp/site $OUT/wheels/*.whl && PYTHONPATH=/tmp/site:. python3 benchmarks/gpu_check.py --tokenizer $OUT/tokenizer
+python3 -m pip install -q --no-index --no-deps --target /tmp/site $OUT/wheels/*.whl && PYTHONPATH=/tmp/site:. timeout 590 python3 benchmarks/gpu_check.py --tokenizer $OUT/tokenizer --budget 480
+
+(the JSON and markdown tables under runs/bench/ are rewritten after every section; --sections NAME,... runs the rest)
 EOF

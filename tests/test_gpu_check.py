@@ -1,61 +1,118 @@
-"""`benchmarks/gpu_check.py --device cpu --quick` runs every section to the end on a CPU, every section passes, and
-its JSON record holds each section's results; the script makes every tensor on the device it uses."""
+"""`benchmarks/gpu_check.py --device cpu --quick` runs every section to the end on a CPU, in order, and every one
+passes; its JSON record holds each section's results; a run killed after its first section keeps that section's
+results on disk; a spent time budget skips sections with a line each; the speed targets are judged as the GPU run will
+judge them; and the scripts make every tensor on the device they use."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import yaml
+from gpu_check import skip_reason
+from gpu_check_common import counted_captures
+from gpu_check_decode import TARGETS, target_values, verdict
+from gpu_check_training import save_model_dir, torchrun_command, torchrun_config
 from test_device_lint import deviceless_factories
 
+from fastgrpo.cli import build_parser
+from fastgrpo.config import load_config
+from fastgrpo.models import load_model, load_tokenizer
+
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
-SECTIONS = ("environment", "grpo", "greedy", "sampling", "sdpa", "decode")
+SECTIONS = (
+    "preflight",
+    "environment",
+    "decode",
+    "recordings",
+    "targets",
+    "host",
+    "calibration",
+    "greedy",
+    "sampling",
+    "sdpa",
+    "grpo",
+    "torchrun",
+)
+
+
+def quick_command(output: Path, *args: str) -> list[str]:
+    return [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--output", str(output), *args]
+
+
+# One torch thread per process, as the torchrun tests run theirs: the tiny shapes gain nothing from a second one, which
+# on a machine whose cores are busy with other work spends its time waiting for a core.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any]]:
-    """One quick CPU run of the whole check (tiny shapes) and its JSON record."""
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any], Path]:
+    """One quick CPU run of the whole check (tiny shapes), its JSON record and the record's path."""
     output = tmp_path_factory.mktemp("gpu-check") / "gpu_check.json"
-    cmd = [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--output", str(output)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(quick_command(output), capture_output=True, text=True, timeout=900, env=ENV)
     assert output.is_file(), f"no record written:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    return run, json.loads(output.read_text())
+    return run, json.loads(output.read_text()), output
 
 
-def test_every_section_passes(quick_run) -> None:
-    run, record = quick_run
+def test_every_section_runs_in_order_and_passes(quick_run) -> None:
+    run, record, output = quick_run
     sections = record["notes"]["sections"]
-    assert list(sections) == list(SECTIONS)
-    failed = {name: (s["failures"], s["error"]) for name, s in sections.items() if s["status"] != "passed"}
+    assert list(sections) == list(SECTIONS) == record["notes"]["planned"]
+    failed = {name: (s["failures"], s["error"]) for name, s in sections.items() if s["status"] == "failed"}
     assert not failed, f"{failed}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert run.returncode == 0
-    assert "all sections passed" in run.stdout
+    assert "all sections passed" in run.stdout and "skipped:" not in run.stdout.splitlines()[-1]
+    assert all(s["status"] == "passed" for s in sections.values())
     assert record["notes"]["device"] == "cpu" and record["notes"]["quick"] is True
-    assert [t["title"] for t in record["tables"]][-1] == "Sections"
+    titles = [t["title"] for t in record["tables"]]
+    assert titles[-1] == "Sections" and titles[0].startswith("Preflight")
+    markdown = output.with_suffix(".md").read_text()
+    assert all(f"**{title}**" in markdown for title in titles)
 
 
-def test_environment_and_sdpa(quick_run) -> None:
+def test_preflight_and_environment(quick_run) -> None:
     sections = quick_run[1]["notes"]["sections"]
+    items = sections["preflight"]["results"]["items"]
+    assert set(items) == {"C compiler", "Python headers", "compiled smoke test"}  # Triton: on a GPU only
+    assert items["compiled smoke test"] == {**items["compiled smoke test"], "ok": True, "required": True}
+    assert not items["C compiler"]["required"] and not items["Python headers"]["required"]  # aot_eager on a CPU
+    smoke = sections["preflight"]["results"]["smoke"]
+    assert smoke["equal"] is True and smoke["graphs"] >= 1 and smoke["recordings"] is None
     env = sections["environment"]["results"]
     assert env["device"] == "cpu" and env["torch"] and env["transformers"] and env["python"]
     assert set(env["sdpa_enabled"]) == {"flash", "mem_efficient", "cudnn", "math"}
-    steps = sections["sdpa"]["results"]
-    assert len(steps) == 6  # two dtypes x (unmasked step, masked step, tree)
-    for name, step in steps.items():
+
+
+def test_sdpa_kernels_and_attention_points(quick_run) -> None:
+    results = quick_run[1]["notes"]["sections"]["sdpa"]["results"]
+    forwards = results["forwards"]
+    assert len(forwards) == 6  # two dtypes x (unmasked step, masked step, tree)
+    for name, step in forwards.items():
         assert step["backend"] != "none found", name
         assert any("scaled_dot_product" in op for op in step["aten_ops"]), name
+    points = results["attention"]
+    assert {(p["rows"], p["context"], p["masked"]) for p in points} == {
+        (rows, context, masked) for rows in (2, 4) for context in (64, 256) for masked in (False, True)
+    }
+    for p in points:
+        assert p["backend"] != "none found" and p["seconds"] > 0 and p["kv_gb_s"] > 0, p
 
 
-def test_grpo_runs_every_mode_lora_and_dtype_for_two_steps(quick_run) -> None:
+def test_grpo_runs_every_mode_lora_and_dtype_for_two_steps_eagerly_on_a_cpu(quick_run) -> None:
     results = quick_run[1]["notes"]["sections"]["grpo"]["results"]
     runs = results["runs"]
     combos = {(r["mode"], r["lora"], r["dtype"]) for r in runs}
     modes, loras, dtypes = ("off", "static", "paper", "adaptive"), (False, True), ("float32", "bfloat16")
     assert combos == {(m, lo, d) for m in modes for lo in loras for d in dtypes}
+    assert not any(r["compiled"] for r in runs)  # the one compiled run compiles on a GPU only
     for run in runs:
         assert "error" not in run, run.get("error")
         steps = run["steps"]
@@ -94,13 +151,158 @@ def test_sampling_distribution_and_same_uniforms(quick_run) -> None:
 def test_decode_measures_every_point(quick_run) -> None:
     results = quick_run[1]["notes"]["sections"]["decode"]["results"]
     assert results["copy_bandwidth_gb_s"] > 0 and results["weight_bytes_read"] > 0
+    assert results["weight_read_seconds"] > 0
     assert [(p["rows"], p["context"]) for p in results["steps"]] == [(1, 48), (4, 48)]
     for point in results["steps"]:
-        assert point["engine"] > 0 and point["generate"] > 0 and point["engine_bandwidth_gb_s"] > 0
+        assert point["engine"] > 0 and point["compiled"] > 0 and point["generate"] > 0
+        assert point["engine_bandwidth_gb_s"] > 0
     for point in results["verification"]:
-        assert set(point["seconds"]) == {"1", "4", "8"}
-        assert all(s > 0 for s in point["seconds"].values())
+        assert set(point["seconds"]) == {"1", "4", "8"} and set(point["compiled"]) == {"1", "8"}
+        assert all(s > 0 for s in [*point["seconds"].values(), *point["compiled"].values()])
 
 
-def test_the_script_names_the_device_of_every_tensor_it_makes() -> None:
-    assert deviceless_factories(SCRIPT.read_text()) == []
+def test_recordings_compile_nothing_after_the_first_plain_rollout(quick_run) -> None:
+    results = quick_run[1]["notes"]["sections"]["recordings"]["results"]
+    for name in ("plain", "speculative"):
+        rollouts = results[name]["rollouts"]
+        assert [r["prompt_length"] for r in rollouts] == [6, 12, 3, 9], name
+        assert rollouts[0]["graphs"] >= 1, name  # compiled with aot_eager on a CPU
+        assert all(r["captures"] is None and "reserved_mb" not in r for r in rollouts), name  # CUDA only
+    assert [r["graphs"] for r in results["plain"]["rollouts"][1:]] == [0, 0, 0]
+
+
+def test_host_calibration_targets_and_torchrun_on_a_cpu(quick_run) -> None:
+    sections = quick_run[1]["notes"]["sections"]
+    steps = sections["host"]["results"]["steps"]
+    assert {(s["kind"], s["rows"]) for s in steps} == {(k, r) for k in ("plain", "eagle", "suffix") for r in (2, 4)}
+    assert all(s["wall"] > 0 and "device" not in s for s in steps)  # wall time only on a CPU
+    calibration = sections["calibration"]["results"]
+    assert len(calibration["target_ratio"]) == len(calibration["tokens"]) == len(calibration["drafter_ratio"]["eagle"])
+    assert all(r > 0 for r in calibration["target_ratio"] + calibration["grid_ratio"])
+    targets = sections["targets"]["results"]["targets"]
+    assert [t["target"] for t in targets] == list(TARGETS)
+    assert all(t["verdict"] == "n/a (cpu)" for t in targets)
+    torchrun = sections["torchrun"]  # compile: on is a GPU's; the CPU runs the same job with compile: off
+    assert len(torchrun["skipped"]) == 1 and torchrun["results"]["compile"] == "off"
+    assert torchrun["results"]["passed"] is True and [s["step"] for s in torchrun["results"]["steps"]] == [1, 2]
+
+
+def test_a_killed_run_keeps_the_sections_it_finished(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_check.json"
+    planned = ["preflight", "environment", "greedy", "sampling"]
+    cmd = quick_command(output, "--sections", ",".join(planned))
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
+    try:
+        deadline = time.monotonic() + 300
+        while not output.exists():
+            assert process.poll() is None, "the run ended before its first section's record appeared"
+            assert time.monotonic() < deadline, "no record within 300 s"
+            time.sleep(0.05)
+        process.kill()
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    record = json.loads(output.read_text())
+    sections = record["notes"]["sections"]
+    assert record["notes"]["planned"] == planned
+    assert list(sections)[0] == "preflight" and "sampling" not in sections
+    assert sections["preflight"]["status"] == "passed"
+    assert sections["preflight"]["results"]["items"]["compiled smoke test"]["ok"] is True
+    assert record["tables"][0]["title"].startswith("Preflight") and record["tables"][-1]["title"] == "Sections"
+
+
+def test_a_spent_budget_skips_every_section_with_a_line_each(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_check.json"
+    planned = ["preflight", "environment", "decode", "grpo"]
+    run = subprocess.run(
+        quick_command(output, "--budget", "0", "--sections", ",".join(planned)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("skipped: ")]
+    assert lines == ["skipped: the time budget of 0 s is spent"] * len(planned)
+    sections = json.loads(output.read_text())["notes"]["sections"]
+    assert list(sections) == planned
+    assert all(s["status"] == "skipped" and len(s["skipped"]) == 1 and not s["results"] for s in sections.values())
+
+
+def test_skip_reasons() -> None:
+    assert skip_reason("greedy", False, None, None) is None
+    assert skip_reason("decode", False, True, None) is None
+    assert skip_reason("greedy", False, False, None) is None  # does not compile
+    assert "preflight failed" in skip_reason("decode", False, False, None)
+    assert skip_reason("greedy", True, True, 30.0) == "the time budget of 30 s is spent"
+
+
+def test_speed_targets_are_judged_from_the_decode_and_recordings_results() -> None:
+    """In the JSON shape of the two sections' results: every target met, then each one missed in turn."""
+
+    def step(rows: int, context: int, compiled: float, generate: float) -> dict[str, Any]:
+        return {"rows": rows, "context": context, "engine": 2 * compiled, "compiled": compiled, "generate": generate}
+
+    def verification(rows: int, ratio: float) -> dict[str, Any]:
+        return {"rows": rows, "context": 512, "seconds": {}, "compiled": {"1": 0.01, "8": 0.01 * ratio}}
+
+    def rollouts(captures: list[int | None]) -> dict[str, Any]:
+        return {"plain": {"rollouts": [{"captures": c} for c in captures]}}
+
+    decode = {
+        "weight_read_seconds": 0.005,
+        "steps": [step(1, 512, 0.006, 0.03), step(16, 512, 0.0064, 0.05), step(64, 512, 0.02, 0.1)]
+        + [step(1, 4096, 0.007, 0.03)],
+        "verification": [verification(1, 1.1), verification(8, 1.2), verification(64, 3.0)],
+    }
+    values = target_values(decode, rollouts([5, 0, 0, 0]))
+    assert [name for name, _, _ in values] == list(TARGETS)
+    assert [round(v, 3) for _, v, _ in values] == [1.28, 1.2, round(0.03 / 0.007, 3), 0.0]  # 64 rows: outside
+    assert [met for _, _, met in values] == [True, True, True, True]
+    decode["steps"][1] = step(16, 512, 0.007, 0.05)
+    decode["verification"][1] = verification(8, 1.4)
+    decode["steps"][3] = step(1, 4096, 0.011, 0.03)
+    values = target_values(decode, rollouts([5, 0, 1, 0]))
+    assert [met for _, _, met in values] == [False, False, False, False]
+    values = target_values({}, rollouts([5, None, None, None]))
+    assert [met for _, _, met in values] == [None, None, None, None]
+    gpu = torch.device("cuda")
+    assert [verdict(m, gpu, False) for m in (True, False, None)] == ["met", "not met", "not measured"]
+    assert verdict(True, gpu, True) == "n/a (quick: tiny model)" and verdict(True, torch.device("cpu"), False) == (
+        "n/a (cpu)"
+    )
+
+
+def test_capture_counting_wraps_and_restores_the_cuda_graph_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    began = []
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", lambda graph, *a, **k: began.append(graph))
+    stand_in = torch.cuda.CUDAGraph.capture_begin
+    with counted_captures() as captures:
+        torch.cuda.CUDAGraph.capture_begin("graph 1")
+        torch.cuda.CUDAGraph.capture_begin("graph 2", pool=None)
+    assert captures.count == 2 and began == ["graph 1", "graph 2"]
+    assert torch.cuda.CUDAGraph.capture_begin is stand_in
+
+
+def test_the_torchrun_job_is_a_valid_fastgrpo_train_command(tmp_path: Path) -> None:
+    model_dir = save_model_dir(tmp_path / "model", load_tokenizer("smollm2"))
+    assert load_model(str(model_dir)).config.num_hidden_layers == 2
+    config_path = tmp_path / "config.yaml"
+    config_path.write_text(yaml.safe_dump(torchrun_config(model_dir, tmp_path / "run", "cpu", "on")))
+    config = load_config(config_path, [])
+    assert config.fsdp is True and config.compile == "on" and config.max_steps == 2
+    cmd = torchrun_command(config_path)
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
+    fastgrpo_args = cmd[cmd.index("fastgrpo") + 1 :]
+    args = build_parser().parse_args(fastgrpo_args)
+    assert args.command == "train" and args.config == str(config_path)
+
+
+def test_the_scripts_name_the_device_of_every_tensor_they_make() -> None:
+    scripts = sorted(SCRIPT.parent.glob("gpu_check*.py"))
+    assert len(scripts) >= 6
+    for script in scripts:
+        assert deviceless_factories(script.read_text()) == [], script.name
