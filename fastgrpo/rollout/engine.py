@@ -153,8 +153,9 @@ class RolloutEngine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
         extra = tuple(m for d in self.drafters.values() for m in d.modules)
-        was_training = self.model.training
-        self.model.eval()
+        modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
+        for module, _ in modes:
+            module.eval()
         try:
             with (
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
@@ -173,7 +174,8 @@ class RolloutEngine:
                 call.stats.compile_time, call.stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
                 return call.output()
         finally:
-            self.model.train(was_training)
+            for module, training in modes:
+                module.train(training)
 
     def _compiled_so_far(self) -> tuple[float, int]:
         """Wall time spent so far in steps that compiled a graph and the graphs they compiled (the target's and the
