@@ -80,3 +80,11 @@ def tf32_matmuls(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def fused_adamw(device: torch.device) -> bool:
+    """Whether the policy's AdamW runs fused on ``device``: on CUDA, where one kernel updates every parameter in place
+    with no temporary (the default there, foreach, makes a temporary of a moment's size for all parameters at once);
+    elsewhere AdamW's default, a loop over the parameters whose temporary is one parameter's (on the CPU the fused
+    kernel would round bfloat16 results differently). The memory plan counts the temporary accordingly."""
+    return device.type == "cuda"

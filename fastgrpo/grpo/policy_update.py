@@ -14,16 +14,8 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
 from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, grpo_loss, micro_batch_loss, micro_batch_rows
-from fastgrpo.precision import MasterWeights
+from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
-
-
-def fused_adamw(device: torch.device) -> bool:
-    """Whether the policy's AdamW runs fused on ``device``: on CUDA, where one kernel updates every parameter in place
-    with no temporary (the default there, foreach, makes a temporary of a moment's size for all parameters at once);
-    elsewhere AdamW's default, a loop over the parameters whose temporary is one parameter's (on the CPU the fused
-    kernel would round bfloat16 results differently). `fastgrpo.memory_plan.plan` counts the temporary accordingly."""
-    return device.type == "cuda"
 
 
 class PolicyUpdate:

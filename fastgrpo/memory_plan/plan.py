@@ -33,7 +33,6 @@ import torch
 from transformers import PretrainedConfig
 
 from fastgrpo.config import GRPOConfig
-from fastgrpo.grpo.policy_update import fused_adamw
 from fastgrpo.memory.activations import (
     TrainingForward,
     checkpointed_activation_bytes,
@@ -43,6 +42,7 @@ from fastgrpo.memory.activations import (
 from fastgrpo.memory.items import GIB, MOMENTS, PHASE_OF, MemoryItem, MemoryItems
 from fastgrpo.memory.shapes import LoraShape, ModelShape, lora_shape
 from fastgrpo.models import DTYPES, resolve_dtype
+from fastgrpo.precision import fused_adamw
 from fastgrpo.rollout.cache import cache_bytes, call_length
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.target_step import step_rows
