@@ -22,11 +22,21 @@ Reported: accepted tokens per row per verification (1 + draft tokens accepted, a
 sizes 4, 8 and 16 (``eagle``: the paper's tree of that many nodes, K = min(N - 1, 8), L from alpha = 0.75; ``suffix``:
 chains and branches up to N - 1 deep), per epoch; the suffix drafter's proposing time per step against a plain
 decoding step over the same rows (timed in this process, alone), and its memory.
+
+The suffix drafter's host time per row and step (`propose` + `accepted`, and `select` apart) at 16, 64 and 128 rows:
+each GSM8K epoch's completions replayed in calls of 2, 8 and 16 prompts, the second epoch's over the memory of the
+first. ``--suffix-baseline PATH`` times another implementation of it (its ``drafter.py``, e.g. one written out by
+``git show COMMIT:fastgrpo/speculative/suffix/drafter.py``) in the same replay, step by step, the two in turns (the
+first to propose alternates), and counts the steps whose trees differ and what each tree would have accepted.
+``--task suffix`` records the GSM8K completions (no hidden states) and times the suffix drafter only:
+
+    python benchmarks/bench_drafters.py --task suffix --suffix-baseline /tmp/suffix_before.py
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import time
@@ -47,7 +57,7 @@ from fastgrpo.rollout.host import read_back
 from fastgrpo.rollout.linear import rollout_linears
 from fastgrpo.rollout.sequence import ActiveRows, GenerationOutput, Sequence, fill_holes
 from fastgrpo.rollout.stats import GenerationStats
-from fastgrpo.rollout.tree import TreeShape, merge_trees
+from fastgrpo.rollout.tree import DraftTree, TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import shape_for
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
@@ -61,6 +71,7 @@ GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "tra
 DRAFTERS = ("eagle", "suffix", "eagle+suffix")
 SIZES = (4, 8, 16)
 DRAFT_VOCAB = 4096
+SUFFIX_ROWS = (16, 64, 128)  # rows of a call the suffix drafter is timed at (8 completions a prompt)
 
 
 @dataclass
@@ -75,15 +86,18 @@ class Step:
     epoch: int
 
 
-def record(model, tokenizer, eos, prompts: StepPrompts, steps: int, per_epoch: int, params, seed: int) -> list[Step]:
-    """Generate every step's completions once (plain decoding, the uniforms a training run would use)."""
+def record(
+    model, tokenizer, eos, prompts: StepPrompts, steps: int, per_epoch: int, params, seed: int, hidden: bool = True
+) -> list[Step]:
+    """Generate every step's completions once (plain decoding, the uniforms a training run would use), with the
+    target's hidden states when ``hidden``."""
     engine = RolloutEngine(model, eos, tokenizer)
     out_steps = []
     for step in range(steps):
         ids = prompts.encode(prompts.rows(step))
         rows = len(ids) * 8
         uniforms = None if params.greedy else step_uniforms(seed, step, rows, params.max_new_tokens)
-        out = engine.generate(ids, params, 8, capture_hidden=True, uniforms=uniforms)
+        out = engine.generate(ids, params, 8, capture_hidden=hidden, uniforms=uniforms)
         out_steps.append(Step(ids, out.completion_ids, out.hidden_states, 8, step // per_epoch))
         print(f"  recorded step {step + 1}/{steps}: {sum(map(len, out.completion_ids))} tokens", file=sys.stderr)
     return out_steps
@@ -160,21 +174,11 @@ def replay_call(model, drafters: list, shape: TreeShape, step: Step, out: Replay
         tree = proposals[0].tree
         for other in proposals[1:]:
             tree = merge_trees(tree, other.tree, shape.nodes)
-        tokens, parents = read_back(tree.tokens, tree.parent)
-        counts, emitted_tokens, emitted_hidden = [], [], []
-        for b, seq in enumerate(active.seqs):
-            completion = completions[seq.index]
+        counts = emitted_counts(tree, active.seqs, completions)
+        emitted_tokens, emitted_hidden = [], []
+        for seq, count in zip(active.seqs, counts, strict=True):
             e = len(seq.completion_ids)
-            children = {(p, t): j for j, (t, p) in enumerate(zip(tokens[b], parents[b], strict=True))}
-            node, accepted = 0, 0
-            while e + accepted < len(completion):
-                child = children.get((node, completion[e + accepted]))
-                if child is None:
-                    break
-                node, accepted = child, accepted + 1
-            count = min(accepted + 1, len(completion) - e)
-            counts.append(count)
-            emitted_tokens.append(completion[e : e + count])
+            emitted_tokens.append(completions[seq.index][e : e + count])
             plen = seq.prompt_len
             emitted_hidden.append(step.hidden[seq.index][plen + e - 1 : plen + e - 1 + count])
         out.verifications += active.size
@@ -195,15 +199,41 @@ def replay_call(model, drafters: list, shape: TreeShape, step: Step, out: Replay
         active = _drop_finished(active, drafters, completions)
 
 
-def _drop_finished(active: ActiveRows, drafters: list, completions: list[list[int]]) -> ActiveRows:
+def emitted_counts(tree: DraftTree, seqs: list[Sequence], completions: list[list[int]]) -> list[int]:
+    """Per row, the tokens a step with ``tree`` emits: the longest path of the tree that the recorded completion
+    follows, and the token after it (none past the completion's end)."""
+    tokens, parents = read_back(tree.tokens, tree.parent)
+    counts = []
+    for b, seq in enumerate(seqs):
+        completion = completions[seq.index]
+        e = len(seq.completion_ids)
+        children = {(p, t): j for j, (t, p) in enumerate(zip(tokens[b], parents[b], strict=True))}
+        node, accepted = 0, 0
+        while e + accepted < len(completion):
+            child = children.get((node, completion[e + accepted]))
+            if child is None:
+                break
+            node, accepted = child, accepted + 1
+        counts.append(min(accepted + 1, len(completion) - e))
+    return counts
+
+
+def _drop_finished(
+    active: ActiveRows, drafters: list, completions: list[list[int]], seconds: list[float] | None = None
+) -> ActiveRows:
+    """The rows still decoding (those whose recorded completion goes on), the drafters narrowed to them; with
+    ``seconds``, each drafter's `select` time is added to its entry."""
     keep = [i for i, s in enumerate(active.seqs) if len(s.completion_ids) < len(completions[s.index])]
     if len(keep) == active.size:
         return active
     order = fill_holes(keep)
     index = torch.tensor(order, dtype=torch.long)
     if keep:
-        for d in drafters:
+        for k, d in enumerate(drafters):
+            t0 = time.perf_counter()
             d.select(order, index)
+            if seconds is not None:
+                seconds[k] += time.perf_counter() - t0
     return active.select(order, index)
 
 
@@ -234,12 +264,132 @@ def replay(
 
 
 def memory_bytes(suffix: SuffixDrafter) -> int:
-    """The suffix memory's size: its token arrays, index dictionaries, place lists and the places themselves."""
-    total = 0
+    """The suffix memory's size: its token store (the buffer and the slots' columns) and each prompt's index (the
+    dictionary and its arrays of places)."""
+    store = suffix.learner.store
+    total = sum(sys.getsizeof(a) for a in (store.tokens, store.base, store.size, store.before, store.written))
     for mem in suffix.learner.prompts.values():
-        total += sum(sys.getsizeof(s) for s in mem.seqs) + sys.getsizeof(mem.index)
-        total += sum(sys.getsizeof(v) + 32 * len(v) for v in mem.index.values())
+        total += sys.getsizeof(mem.index) + sum(sys.getsizeof(v) for v in mem.index.values())
     return total
+
+
+def load_suffix_drafter(path: Path) -> type:
+    """The `SuffixDrafter` class of another implementation of the suffix drafter, from its ``drafter.py``."""
+    spec = importlib.util.spec_from_file_location("suffix_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.SuffixDrafter
+
+
+@dataclass
+class SuffixReplay:
+    """Suffix drafters replayed over the same calls: per drafter, host seconds of `propose` + `accepted` and of
+    `select`, and the tokens its trees would have emitted; the row steps and steps replayed, and the steps where a
+    drafter's trees differ from the first one's (in any field)."""
+
+    seconds: list[float]
+    select: list[float]
+    emitted: list[int]
+    row_steps: int = 0
+    steps: int = 0
+    differ: int = 0
+
+
+def replay_suffix_call(drafters: list, shape: TreeShape, prompts, completions, out: SuffixReplay) -> None:
+    """One call of ``prompts`` x 8 ``completions`` replayed through ``drafters`` together, every one proposing for
+    the same rows at every step (the first to propose alternates); the rows emit what the first drafter's trees
+    accept."""
+    rows = len(completions)
+    row_prompt = [i // 8 for i in range(rows)]
+    seqs = [Sequence(i, len(prompts[p]), [completions[i][0]]) for i, p in enumerate(row_prompt)]
+    empty = torch.zeros(0)  # the suffix drafter reads the prefill's host fields only
+    prefill = Prefill(empty, empty, empty, empty, empty, empty, prompts, row_prompt, seqs)
+    for d in drafters:
+        d.begin(rows, max(map(len, prompts)) + max(map(len, completions)) + 1, shape)
+        d.start(prefill)
+    zeros = torch.zeros(rows, dtype=torch.long)
+    active = ActiveRows(seqs, torch.arange(rows), zeros, [0] * rows, zeros, zeros)
+    active = _drop_finished(active, drafters, completions, out.select)
+    while active.size:
+        trees = [None] * len(drafters)
+        for k in range(len(drafters)) if out.steps % 2 == 0 else reversed(range(len(drafters))):
+            t0 = time.perf_counter()
+            trees[k] = drafters[k].propose(active, shape).tree
+            out.seconds[k] += time.perf_counter() - t0
+        counts = [emitted_counts(tree, active.seqs, completions) for tree in trees]
+        out.differ += any(not _same_tree(t, trees[0]) for t in trees[1:])
+        for k, c in enumerate(counts):
+            out.emitted[k] += sum(c)
+        out.steps += 1
+        out.row_steps += active.size
+        emitted_tokens = [
+            completions[seq.index][len(seq.completion_ids) :][:count]
+            for seq, count in zip(active.seqs, counts[0], strict=True)
+        ]
+        width = max(counts[0])
+        tokens = torch.tensor([t + [0] * (width - len(t)) for t in emitted_tokens])
+        emitted = Emitted(tokens, empty, torch.tensor(counts[0]), counts[0])
+        for k, d in enumerate(drafters):
+            t0 = time.perf_counter()
+            d.accepted(active, emitted)
+            out.seconds[k] += time.perf_counter() - t0
+        for seq, t in zip(active.seqs, emitted_tokens, strict=True):
+            seq.completion_ids.extend(t)
+        active.pending = torch.tensor([t[-1] for t in emitted_tokens])
+        active = _drop_finished(active, drafters, completions, out.select)
+
+
+def _same_tree(a: DraftTree, b: DraftTree) -> bool:
+    fields = ("tokens", "parent", "node_depth", "ancestors", "rank", "score")
+    return a.levels == b.levels and all(torch.equal(getattr(a, f), getattr(b, f)) for f in fields)
+
+
+def suffix_speed(rec: Record, title: str, recorded: list[Step], baseline: type | None, repeats: int) -> None:
+    """The suffix drafter's host time per row and step at each of `SUFFIX_ROWS` rows and each tree size (the median
+    of ``repeats`` replays); with a ``baseline`` implementation, its time in replays alternating with those (call by
+    call, each drafter alone), and one replay of the two together that compares their trees step by step."""
+    epochs = sorted({s.epoch for s in recorded})
+    kinds = [SuffixDrafter] + ([baseline] if baseline is not None else [])
+    table = []
+    for rows in SUFFIX_ROWS:
+        per_call = rows // 8
+        calls = []
+        for epoch in epochs:
+            steps = [s for s in recorded if s.epoch == epoch]
+            prompts = [p for s in steps for p in s.prompts]
+            completions = [c for s in steps for c in s.completions]
+            calls += [
+                (prompts[i : i + per_call], completions[8 * i : 8 * (i + per_call)])
+                for i in range(0, len(prompts), per_call)
+            ]
+        for nodes in SIZES:
+            shape = shape_for(SpeculationConfig().limits(), nodes)
+            timed = [[] for _ in kinds]
+            for _ in range(repeats):
+                drafters = [kind() for kind in kinds]
+                outs = [SuffixReplay([0.0], [0.0], [0]) for _ in kinds]
+                for n, (prompts, completions) in enumerate(calls):
+                    for k in range(len(kinds)) if n % 2 == 0 else reversed(range(len(kinds))):
+                        replay_suffix_call([drafters[k]], shape, prompts, [list(c) for c in completions], outs[k])
+                for k, o in enumerate(outs):
+                    timed[k].append(o)
+            us = [statistics.median(1e6 * (o.seconds[0]) / o.row_steps for o in runs) for runs in timed]
+            select = statistics.median(1e6 * o.select[0] / o.row_steps for o in timed[0])
+            accept = [f"{runs[0].emitted[0] / runs[0].row_steps:.3f}" for runs in timed]
+            line = [str(rows), str(nodes), f"{us[0]:.1f}", f"{select:.1f}", accept[0]]
+            if baseline is not None:
+                together = SuffixReplay([0.0, 0.0], [0.0, 0.0], [0, 0])
+                drafters = [kind() for kind in kinds]
+                for prompts, completions in calls:
+                    replay_suffix_call(drafters, shape, prompts, [list(c) for c in completions], together)
+                line += [f"{us[1]:.1f}", f"{us[1] / us[0]:.1f}x", accept[1], f"{together.differ} / {together.steps}"]
+            table.append(line)
+            print(f"  suffix speed {rows} rows, N={nodes}: {line[2:]}", file=sys.stderr)
+    columns = ["rows", "tree size", "propose + accepted us/row", "select us/row", "accepted/verification"]
+    if baseline is not None:
+        columns += ["baseline us/row", "speed-up", "baseline accepted/verification", "steps with other trees"]
+    rec.table(f"{title}: the suffix drafter's host time per row and step (median of {repeats})", columns, table)
 
 
 def plain_step_seconds(model, eos, steps: list[Step], params) -> dict[int, float]:
@@ -254,7 +404,11 @@ def plain_step_seconds(model, eos, steps: list[Step], params) -> dict[int, float
     return {r: statistics.median(s) for r, s in by_rows.items()}
 
 
-def run_task(rec: Record, title: str, model, tokenizer, eos, prompts, steps, per_epoch, params, seed) -> None:
+def run_task(
+    rec: Record, title: str, model, tokenizer, eos, prompts, steps, per_epoch, params, seed, speed=None
+) -> None:
+    """Record the task's steps and replay every drafter over them; with ``speed`` (a baseline suffix drafter or
+    None, and repeats), time the suffix drafter too (`suffix_speed`)."""
     print(f"{title}: recording {steps} steps", file=sys.stderr)
     recorded = record(model, tokenizer, eos, prompts, steps, per_epoch, params, seed)
     vocab = frequent_tokens(recorded[0].completions, DRAFT_VOCAB, eos)
@@ -294,17 +448,27 @@ def run_task(rec: Record, title: str, model, tokenizer, eos, prompts, steps, per
         ["tree size", "tokens kept", "MB"],
         [[str(n), str(t), f"{b / 2**20:.1f}"] for n, t, b in memory],
     )
+    if speed is not None:
+        suffix_speed(rec, title, recorded, *speed)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", choices=["default", "gsm8k", "both"], default="both")
+    parser.add_argument(
+        "--task",
+        choices=["default", "gsm8k", "both", "suffix"],
+        default="both",
+        help="suffix: its timing on GSM8K only",
+    )
     parser.add_argument("--default-steps", type=int, default=20)
     parser.add_argument("--gsm8k-prompts", type=int, default=16)
     parser.add_argument("--gsm8k-first", type=int, default=2048, help="first GSM8K train row used")
     parser.add_argument("--gsm8k-tokens", type=int, default=256)
     parser.add_argument("--temperatures", default="1.0,0.6")
+    parser.add_argument("--suffix-baseline", type=Path, help="another suffix drafter's drafter.py, timed alongside")
+    parser.add_argument("--suffix-repeats", type=int, default=3, help="replays per suffix timing (their median)")
     args = parser.parse_args()
+    baseline = load_suffix_drafter(args.suffix_baseline) if args.suffix_baseline is not None else None
     rec = Record("bench_drafters")
     model_name = "smollm2"
     tokenizer = load_tokenizer(model_name)
@@ -317,15 +481,22 @@ def main() -> None:
         params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature)
         per_epoch = max(len(data) // config.prompts_per_step, 1)
         run_task(rec, "default task", model, tokenizer, eos, prompts, args.default_steps, per_epoch, params, 0)
-    if args.task in ("gsm8k", "both"):
+    if args.task in ("gsm8k", "both", "suffix"):
         rows = load_dataset(DataConfig(name="gsm8k", path=str(GSM8K)))[
             args.gsm8k_first : args.gsm8k_first + args.gsm8k_prompts
         ]
         prompts = StepPrompts(rows, tokenizer, 4, 0, 1, 0, 512)
         per_epoch = len(rows) // 4
+        speed = (baseline, args.suffix_repeats)
         for t in (float(x) for x in args.temperatures.split(",")):
             params = SamplingParams(max_new_tokens=args.gsm8k_tokens, temperature=t)
-            run_task(rec, f"GSM8K T={t:g}", model, tokenizer, eos, prompts, 2 * per_epoch, per_epoch, params, 0)
+            title = f"GSM8K T={t:g}"
+            if args.task == "suffix":
+                print(f"{title}: recording {2 * per_epoch} steps", file=sys.stderr)
+                recorded = record(model, tokenizer, eos, prompts, 2 * per_epoch, per_epoch, params, 0, hidden=False)
+                suffix_speed(rec, title, recorded, *speed)
+            else:
+                run_task(rec, title, model, tokenizer, eos, prompts, 2 * per_epoch, per_epoch, params, 0, speed)
     rec.save()
 
 

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask, best_subtree, merge_trees
+from fastgrpo.rollout.tree import SCORE_FLOOR, DraftTree, TreeShape, ancestor_mask, merge_trees
 from fastgrpo.speculative.controller import AdaptiveController, priced
 from fastgrpo.speculative.profiler import LatencyProfile
-from fastgrpo.speculative.suffix.drafter import PromptMemory, SuffixMemory, _trie
+from fastgrpo.speculative.suffix.drafter import Price, PromptMemory, SuffixMemory
+from fastgrpo.speculative.suffix.search import Matches
+from fastgrpo.speculative.suffix.trees import draft_tree
 
 
 def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_it() -> None:
@@ -30,18 +33,29 @@ def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_i
 
 
 def test_a_trie_keeps_the_most_followed_nodes_as_a_tree() -> None:
-    found = [(4, [7, 8, 9]), (2, [7, 8, 1]), (2, [5])]
-    trie = _trie(6, found)
-    assert trie[:3] == ([6, 7, 8, 9, 1, 5], [-1, 0, 1, 2, 2, 0], [0, 1, 2, 3, 3, 1])
-    total = 1 + 4 + 2 + 2
-    assert trie[3] == pytest.approx([0.0] + [math.log(w / total) for w in (6, 6, 4, 2, 2)])
-    tokens, parent, depth = (torch.tensor([column]) for column in trie[:3])
-    tree = best_subtree(tokens, parent, depth, torch.tensor([trie[3]], dtype=torch.float64), nodes=4, levels=3)
+    """Continuations 7 8 9 (a match of 4 tokens), 7 8 1 and 5 (2 each) after the root 6: the trie 6 -> 7 -> 8 -> {9, 1}
+    and 6 -> 5, weighted 6, 6, 4, 2 and 2 of 9 (a match weighs its length, plus 1 for no match)."""
+    found = Matches(
+        last=np.array([6]),
+        rows=np.array([0]),
+        length=np.array([[4, 2, 2]]),
+        tokens=np.array([[[7, 8, 9], [7, 8, 1], [5, -1, -1]]]),
+        ahead=np.array([[3, 3, 1]]),
+    )
+    tree = draft_tree(found, nodes=4, depth=3).to(torch.device("cpu"))
     assert tree.tokens.tolist() == [[6, 7, 8, 9]] and tree.parent.tolist() == [[-1, 0, 1, 2]]
-    assert tree.rank.tolist() == [[0, 1, 2, 3]]
-    tree = best_subtree(tokens, parent, depth, torch.tensor([trie[3]], dtype=torch.float64), nodes=5, levels=3)
-    assert tree.tokens.tolist() == [[6, 7, 8, 9, 5]], "ties go to the shallower node"
-    assert _trie(6, []) == ([6], [-1], [0], [0.0]), "nothing matched: the root alone"
+    assert tree.rank.tolist() == [[0, 1, 2, 3]] and tree.levels == 3
+    assert tree.score.tolist() == [[0.0] + [math.log(w / 9) for w in (6, 6, 4)]]
+    assert torch.equal(tree.ancestors, ancestor_mask(tree.parent, 3))
+    tree = draft_tree(found, nodes=5, depth=3).to(torch.device("cpu"))
+    assert tree.tokens.tolist() == [[6, 7, 8, 9, 5]] and tree.parent.tolist() == [[-1, 0, 1, 2, 0]]
+    assert tree.rank.tolist() == [[0, 1, 2, 3, 4]], "ties go to the shallower node"
+    nothing = Matches(
+        np.array([6]), np.zeros(0, dtype=np.int64), *(np.zeros((0, 1, 3)[:k], dtype=np.int64) for k in (2, 3, 2))
+    )
+    tree = draft_tree(nothing, nodes=3, depth=2).to(torch.device("cpu"))
+    assert tree.tokens.tolist() == [[6, 0, 0]] and tree.parent.tolist() == [[-1, 0, 0]], "nothing matched: padding"
+    assert tree.score.tolist() == [[0.0, SCORE_FLOOR, SCORE_FLOOR]] and tree.levels == 1
 
 
 def test_the_memory_drops_the_prompts_used_most_recently_but_not_the_current_calls() -> None:
@@ -59,6 +73,21 @@ def test_the_memory_drops_the_prompts_used_most_recently_but_not_the_current_cal
     assert restored.state_dict() == memory.state_dict()
     for key, mem in memory.prompts.items():
         assert restored.prompts[key].continuations([10, 11], 4) == mem.continuations([10, 11], 4)
+
+
+def test_a_proposal_is_priced_as_a_part_per_step_and_a_part_per_row() -> None:
+    """The controller prices the suffix drafter by its measured proposals: a step's array operations cost the same
+    for any number of rows, each row's reading in Python adds to it."""
+    price = Price()
+    assert price.seconds(10) == 0.0, "nothing measured yet"
+    for rows in (64, 48, 32, 16, 8, 64, 40):
+        price.observe(rows, 3e-4 + 5e-6 * rows)
+    assert price.seconds(64) == pytest.approx(3e-4 + 5e-6 * 64)
+    assert price.seconds(1) == pytest.approx(3e-4 + 5e-6)
+    alone = Price()
+    for _ in range(3):
+        alone.observe(16, 1.6e-3)
+    assert alone.seconds(32) == pytest.approx(3.2e-3), "a single row count: the mean time per row"
 
 
 def tree(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:

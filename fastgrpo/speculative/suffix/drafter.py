@@ -2,11 +2,14 @@
 
 GRPO samples a group of completions per prompt, and a prompt comes back in every epoch; completions of one prompt
 share long stretches. The drafter keeps, per prompt, a `PromptMemory`: the prompt, the completions of the group
-being generated (read as they grow) and earlier completions of the same prompt. To draft for a row it finds the
-places in that memory whose preceding tokens match the row's last tokens longest (`PromptMemory.continuations`),
-merges what followed them into a trie, each path weighted by how many matches continue along it (longer matches
-weigh more), and proposes the best nodes by that weight. Verification is the engine's lossless tree acceptance: the
-tree is a function of the context and of earlier outputs only, so the output distribution stays the target's.
+being generated (read as they grow) and earlier completions of the same prompt, their tokens in a `TokenStore` shared
+by all prompts. To draft for a row it finds the places in that memory whose preceding tokens match the row's last
+tokens longest (`PromptMemory.continuations`), merges what followed them into a trie, each path weighted by how many
+matches continue along it (longer matches weigh more), and proposes the best nodes by that weight. A step reads each
+row's new tokens and its places in Python, then searches and builds the trees of all rows at once with array
+operations (`fastgrpo.speculative.suffix.search`, `fastgrpo.speculative.suffix.trees`). Verification is the
+engine's lossless tree acceptance: the tree is a function of the context and of earlier outputs only, so the output
+distribution stays the target's.
 
 Earlier completions are kept within a budget of tokens (`SuffixMemory`). A run visits its prompts epoch by epoch, so
 a prompt just used is the last to come back: over budget, the memory drops the prompts used most recently (those of
@@ -15,105 +18,112 @@ the current call excepted), keeping those that wait to return.
 
 from __future__ import annotations
 
-import math
 import time
 from array import array
+from collections import defaultdict
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import Any
 
 import torch
 
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal, Rollout
-from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows
-from fastgrpo.rollout.tree import TreeShape, best_subtree
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.speculative.suffix.search import KEY, POS, SHIFT, Queries, search
+from fastgrpo.speculative.suffix.store import TokenStore
+from fastgrpo.speculative.suffix.trees import draft_tree
 
-KEY = 2  # tokens a match must share at least (the index's key)
 PREFIX = 8  # prompt tokens kept before each completion, so that a completion's first tokens can be matched
-MAX_MATCH = 32  # a match is extended backwards this far at most
-SCAN = 64  # the most recent places of a key that are compared
-CANDIDATES = 16  # the longest matches whose continuations form the trie
+ROW_CELLS = 128  # completion tokens a row's sequence has room for at first (it moves to a larger run past them)
 DEFAULT_MEMORY_TOKENS = 2_000_000
-_SHIFT = 21  # key = first token << _SHIFT | second token (vocabularies below 2M tokens)
-_POS = 1 << 24  # place = sequence << 24 | position (sequences below 16M tokens)
+KEEP = 0.99  # how much a proposal's timing weighs in the price against the next one's
+
+
+def _places() -> array:
+    """An index entry: the places of a key, oldest first."""
+    return array("q")
 
 
 class PromptMemory:
-    """One prompt's token sequences (the prompt, then completions, each after the prompt's last `PREFIX` tokens) and
-    the index of the places each pair of tokens ends at, a place indexed once a token follows it (so that the
-    places of the group's rows, which grow together, are found only where they lead somewhere)."""
+    """One prompt's token sequences (the prompt, then completions, each after the prompt's last `PREFIX` tokens),
+    kept in slots of a `TokenStore`, and the index of the places each pair of tokens ends at (key -> places, oldest
+    first), a place indexed once a token follows it (so that the places of the group's rows, which grow together,
+    are found only where they lead somewhere)."""
 
-    def __init__(self, prompt: list[int]):
+    def __init__(self, prompt: list[int], store: TokenStore | None = None):
         self.prompt = prompt
-        self.seqs: list[array] = []
-        self.indexed: list[int] = []  # positions indexed so far, per sequence
-        self.index: dict[int, list[int]] = {}
+        self.store = store if store is not None else TokenStore()
+        self.slots: list[int] = []  # the store's slot of each sequence
+        self.indexed: list[int] = []  # per sequence, the first position not indexed yet
+        self.index: defaultdict[int, array] = defaultdict(_places)
         self.last_used = -1
         self.add(prompt, prefix=0)
 
     @property
     def tokens(self) -> int:
-        return sum(len(s) for s in self.seqs)
+        return sum(self.store.size[s] for s in self.slots)
 
-    def add(self, tokens: list[int], prefix: int = PREFIX) -> int:
-        """A new sequence: ``tokens`` after the prompt's last ``prefix`` tokens; returns its id."""
+    def add(self, tokens: list[int], prefix: int = PREFIX, room: int = 0) -> int:
+        """A new sequence: ``tokens`` after the prompt's last ``prefix`` tokens, with room for ``room`` more at
+        first; returns its id."""
         head = self.prompt[-prefix:] if prefix else []
-        self.seqs.append(array("l", head))
-        self.indexed.append(max(len(head) - 1, 0))  # a key ending at the prompt's last token leads into the sequence
-        sid = len(self.seqs) - 1
-        self.extend(sid, tokens)
+        self.slots.append(self.store.new(head, len(head) + len(tokens) + room))
+        self.indexed.append(max(len(head) - 1, KEY - 1))  # a key ending at the prompt's last token leads into it
+        sid = len(self.slots) - 1
+        if tokens:
+            self.extend(sid, tokens)
         return sid
 
     def extend(self, sid: int, tokens: list[int]) -> None:
         """Append ``tokens`` to sequence ``sid`` and index every place with a complete key and a next token."""
-        seq = self.seqs[sid]
-        seq.extend(tokens)
-        start = max(self.indexed[sid], KEY - 1)
-        base, index = sid * _POS, self.index
-        for pos in range(start, len(seq) - 1):
-            key = seq[pos - 1] << _SHIFT | seq[pos]
-            places = index.get(key)
-            if places is None:
-                index[key] = [base + pos]
-            else:
-                places.append(base + pos)
-        self.indexed[sid] = max(len(seq) - 1, start)
+        slot, store, start = self.slots[sid], self.store, self.indexed[sid]
+        store.append(slot, tokens)
+        run = store.read(slot, start - 1)  # the tokens ending the keys of positions start..size-2, and the last
+        place, index = slot * POS + start, self.index
+        for first, second in pairwise(run[:-1]):
+            index[first << SHIFT | second].append(place)
+            place += 1
+        self.indexed[sid] = max(start, len(run) + start - 2)
+
+    def completions(self) -> list[list[int]]:
+        """The completions' tokens, oldest first."""
+        head = min(PREFIX, len(self.prompt))
+        return [self.store.read(slot, head) for slot in self.slots[1:]]
+
+    def release(self) -> None:
+        """Give the sequences' slots back to the store (the memory is not used after)."""
+        for slot in self.slots:
+            self.store.release(slot)
 
     def trim(self, tokens: int) -> None:
         """Keep the prompt and the newest completions within ``tokens`` tokens (the index made anew)."""
         kept, total = [], len(self.prompt)
-        head = min(PREFIX, len(self.prompt))
-        for seq in reversed(self.seqs[1:]):
-            if total + len(seq) > tokens:
+        completions = self.completions()
+        for slot, completion in zip(reversed(self.slots[1:]), reversed(completions), strict=True):
+            if total + self.store.size[slot] > tokens:
                 break
-            kept.append(seq[head:].tolist())
-            total += len(seq)
-        self.seqs, self.indexed, self.index = [], [], {}
+            kept.append(completion)
+            total += self.store.size[slot]
+        self.release()
+        self.slots, self.indexed, self.index = [], [], defaultdict(_places)
         self.add(self.prompt, prefix=0)
         for completion in reversed(kept):
             self.add(completion)
 
     def continuations(self, context: list[int], depth: int) -> list[tuple[int, list[int]]]:
         """``(match length, next tokens)`` of the `CANDIDATES` places whose preceding tokens match the end of
-        ``context`` longest (the most recent first on ties), at most ``depth`` tokens each."""
-        if len(context) < KEY:
+        ``context`` longest (the most recent first on ties), at most ``depth`` tokens each: what a tree for a row
+        with that context is drawn from."""
+        if not context:
             return []
-        places = self.index.get(context[-2] << _SHIFT | context[-1])
-        if not places:
+        queries = Queries()
+        queries.add(self.index, [], context, self.store.clock)
+        found = search(self.store, queries, depth)
+        if not len(found.rows):
             return []
-        found = []
-        tail = context[-MAX_MATCH:][::-1]
-        for place in reversed(places[-SCAN:]):
-            sid, pos = divmod(place, _POS)
-            seq = self.seqs[sid]
-            nxt = seq[pos + 1 : pos + 1 + depth]  # never empty: a place is indexed once a token follows it
-            m = KEY
-            limit = min(len(tail), pos + 1)
-            while m < limit and seq[pos - m] == tail[m]:
-                m += 1
-            found.append((m, -len(found), nxt))
-        found.sort(reverse=True)
-        return [(m, list(nxt)) for m, _, nxt in found[:CANDIDATES]]
+        lengths, ahead = found.length[0].tolist(), found.ahead[0].tolist()
+        return [(m, found.tokens[0, i, :n].tolist()) for i, (m, n) in enumerate(zip(lengths, ahead, strict=True)) if m]
 
 
 @dataclass
@@ -127,10 +137,9 @@ class _Row:
     read: int = 0  # completion tokens read into the memory
 
     def catch_up(self) -> None:
-        new = self.completion[self.read :]
-        if new:
-            self.memory.extend(self.sid, new)
-            self.read += len(new)
+        if len(self.completion) > self.read:
+            self.memory.extend(self.sid, self.completion[self.read :])
+            self.read = len(self.completion)
 
 
 @dataclass
@@ -141,6 +150,7 @@ class SuffixMemory:
 
     budget: int = DEFAULT_MEMORY_TOKENS
     prompts: dict[tuple[int, ...], PromptMemory] = field(default_factory=dict)
+    store: TokenStore = field(default_factory=TokenStore)  # every prompt memory's sequences
     calls: int = 0  # generation calls so far (the clock of `PromptMemory.last_used`)
     rows: list[_Row] = field(default_factory=list)
 
@@ -156,7 +166,7 @@ class SuffixMemory:
         key = tuple(prompt)
         mem = self.prompts.get(key)
         if mem is None:
-            mem = self.prompts[key] = PromptMemory(list(prompt))
+            mem = self.prompts[key] = PromptMemory(list(prompt), self.store)
         mem.last_used = self.calls
         return mem
 
@@ -172,6 +182,7 @@ class SuffixMemory:
             if total <= self.budget:
                 break
             total -= mem.tokens
+            mem.release()
             del self.prompts[tuple(mem.prompt)]
 
     def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
@@ -191,14 +202,12 @@ class SuffixMemory:
 
     def state_dict(self) -> dict[str, Any]:
         self.read_rows()
-        prompts = []
-        for m in self.prompts.values():
-            head = min(PREFIX, len(m.prompt))
-            prompts.append((m.prompt, [s[head:].tolist() for s in m.seqs[1:]], m.last_used))
+        prompts = [(m.prompt, m.completions(), m.last_used) for m in self.prompts.values()]
         return {"calls": self.calls, "prompts": prompts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.prompts.clear()
+        self.store = TokenStore()
         self.rows = []
         self.calls = state["calls"]
         for prompt, completions, last_used in state["prompts"]:
@@ -218,8 +227,7 @@ class SuffixDrafter(Drafter):
         self.learner = SuffixMemory(memory_tokens)
         self.max_depth = max_depth
         self.rows: list[_Row] = []  # the live rows, in the engine's order
-        self.row_seconds = 0.0  # measured seconds to propose for one row (an average, see `cost`)
-        self._proposals = 0
+        self.price = Price()  # measured seconds per proposal (see `cost`)
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         self.learner.read_rows()
@@ -232,7 +240,7 @@ class SuffixDrafter(Drafter):
         self.rows = []
         for seq, p in zip(prefill.seqs, prefill.row_prompt, strict=True):
             mem = memories[p]
-            self.rows.append(_Row(seq.completion_ids, mem, mem.add([])))
+            self.rows.append(_Row(seq.completion_ids, mem, mem.add([], room=ROW_CELLS)))
         self.learner.rows = list(self.rows)
         self.learner.evict()
 
@@ -240,7 +248,7 @@ class SuffixDrafter(Drafter):
         return min(shape.nodes - 1, self.max_depth)
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-        return self.row_seconds * rows
+        return self.price.seconds(rows)
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         pass  # the rows' tokens are read from their completions when the next tree is drafted
@@ -253,58 +261,41 @@ class SuffixDrafter(Drafter):
         self.rows = [self.rows[i] for i in order]
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
-        """Per row, a trie of the continuations of its longest matches, cut to its best ``N - 1`` nodes by weight
-        (`best_subtree`)."""
+        """Per row, the trie of the continuations of its longest matches, cut to its best ``N - 1`` nodes
+        (`draft_tree`). Each row reads its new tokens, then searches: a row sees the tokens its siblings before it
+        read in this step, not those of the siblings after it."""
         t0 = time.perf_counter()
         n, depth = shape.nodes, self.deepest(shape)
-        tries = []
+        queries, store = Queries(), self.learner.store
         for row in self.rows:
             row.catch_up()
-            context = row.memory.prompt[-MAX_MATCH:] + row.completion[-MAX_MATCH:]
-            tries.append(_trie(row.completion[-1], row.memory.continuations(context, depth)))
-        width = max(n, *(len(tokens) for tokens, *_ in tries))
-        ints: list[int] = []
-        scores: list[float] = []
-        deepest = 1
-        for tokens, parents, depths, weights in tries:
-            pad = width - len(tokens)
-            ints += tokens + [0] * pad + parents + [0] * pad + depths + [1] * pad
-            scores += weights + [-math.inf] * pad
-            deepest = max(deepest, *depths)
-        dev = rows.pending.device
-        b = len(self.rows)
-        tokens, parent, node_depth = host_to_device(ints, dev).view(b, 3, width).unbind(1)
-        score = torch.tensor(scores, dtype=torch.float64, device="cpu").view(b, width)
-        score = score if dev.type == "cpu" else score.pin_memory().to(dev, non_blocking=True)
-        # The acceptance walk takes levels + 1 steps: as deep as the deepest trie, rounded up to a power of two (a
-        # compiled step meets a few depths only).
-        levels = min(depth, 1 << (deepest - 1).bit_length())
-        tree = best_subtree(tokens, parent, node_depth, score, n, levels)
-        seconds = time.perf_counter() - t0
-        self._proposals += 1
-        rate = max(0.1, 1.0 / self._proposals)
-        self.row_seconds += rate * (seconds / max(b, 1) - self.row_seconds)
+            queries.add(row.memory.index, row.memory.prompt, row.completion, store.clock)
+        tree = draft_tree(search(store, queries, depth, -(-(n - 1) // depth)), n, depth).to(rows.pending.device)
+        self.price.observe(len(self.rows), time.perf_counter() - t0)
         return Proposal(tree, 0)
 
 
-def _trie(root: int, found: list[tuple[int, list[int]]]) -> tuple[list[int], list[int], list[int], list[float]]:
-    """One row's trie from ``(match length, continuation)`` pairs, root first and every node after its parent: its
-    nodes' tokens, parents, depths and log-weights (the share of the matches' weight that continues along each node's
-    path, a match weighing its length)."""
-    children: dict[tuple[int, int], int] = {}
-    weight, token, parent, depth = [0.0], [root], [-1], [0]
-    total = 1.0  # a pseudo-match that continues nowhere: one match alone is not certain
-    for m, continuation in found:
-        total += m
-        node = 0
-        for t in continuation:
-            child = children.get((node, t))
-            if child is None:
-                child = children[(node, t)] = len(token)
-                token.append(t)
-                parent.append(node)
-                depth.append(depth[node] + 1)
-                weight.append(0.0)
-            weight[child] += m
-            node = child
-    return token, parent, depth, [0.0] + [math.log(w / total) for w in weight[1:]]
+@dataclass
+class Price:
+    """The seconds of a proposal as a part per step and a part per row (a step's search and trees are array
+    operations over all rows at once, each row's reading is Python): least squares over the proposals so far, each
+    weighing `KEEP` times the one after it. ``sums``: the weights, and their sums of rows, rows squared, seconds and
+    rows times seconds."""
+
+    sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def observe(self, rows: int, seconds: float) -> None:
+        n, r, rr, s, rs = (KEEP * x for x in self.sums)
+        self.sums = (n + 1.0, r + rows, rr + rows * rows, s + seconds, rs + rows * seconds)
+
+    def seconds(self, rows: int) -> float:
+        """Predicted seconds of a proposal for ``rows`` rows (0 before any): the fit when its parts are not negative,
+        else the mean time per row times ``rows``."""
+        n, r, rr, s, rs = self.sums
+        spread = n * rr - r * r
+        if spread > 1e-9 * n * rr:
+            per_row = (n * rs - r * s) / spread
+            per_step = (s - per_row * r) / n
+            if per_row >= 0.0 and per_step >= 0.0:
+                return per_step + per_row * rows
+        return s / r * rows if r else 0.0
