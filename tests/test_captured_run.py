@@ -13,14 +13,11 @@ from pathlib import Path
 
 import pytest
 from conftest import save_tiny_llama
+from test_trainer import length_reward, make_config
 
-from fastgrpo.config import GRPOConfig, SpeculationConfig
+from fastgrpo.config import SpeculationConfig
 from fastgrpo.data import DataConfig, make_arithmetic
 from fastgrpo.grpo.trainer import GRPOTrainer
-
-
-def length_reward(completions: list[str], **kwargs) -> list[float]:
-    return [float(len(c) % 7) for c in completions]
 
 
 def buffer_addresses(trainer: GRPOTrainer) -> tuple[int, ...]:
@@ -37,21 +34,14 @@ def test_a_compiled_run_compiles_in_its_first_steps_only_and_keeps_its_caches_in
     steps after the second compile no graph, and the KV buffers have the same addresses after every step."""
     monkeypatch.setattr("fastgrpo.grpo.trainer.compile_backend", lambda choice, device: "aot_eager")
     model_dir = save_tiny_llama(tmp_path / "model", seed=0, tie_word_embeddings=True)
-    config = GRPOConfig(
-        model=str(model_dir),
+    config = make_config(
+        model_dir,
+        tmp_path / "run",
         dataset=DataConfig(num_examples=40),
-        reward_funcs=["accuracy"],
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
         max_completion_length=10,
         temperature=1.0,
-        learning_rate=1e-3,
         max_steps=5,
         save_steps=100,
-        output_dir=str(tmp_path / "run"),
-        progress_bar=False,
-        log_completions=False,
         compile="on",
         speculation=SpeculationConfig(mode="static", drafter="eagle", nodes=4, k_max=2, depth=2),
     )
