@@ -130,6 +130,8 @@ def test_one_unlucky_step_does_not_rule_a_good_draft_out() -> None:
     """The prior acceptance weighs as much as a few rows: a first one-row step that accepted nothing leaves trees
     chosen (with the plain 1/n average it replaced the prior, and one row rejects a draft token often)."""
     controller = adaptive(flat_profile(draft=0.01))
+    assert controller.choose(1) == AUTOREGRESSIVE, "a plain step first"
+    controller.observe(1, AUTOREGRESSIVE, controller._profiled_seconds(1, AUTOREGRESSIVE), None)
     shape = controller.choose(1)
     assert shape.speculative
     controller.observe(1, shape, controller._profiled_seconds(1, shape), [0])
@@ -184,22 +186,47 @@ def test_adaptive_corrects_the_profile_from_observed_times() -> None:
 
 def test_one_slow_plain_step_does_not_keep_trees_chosen_where_they_lose() -> None:
     """At 64 rows past the knee a tree of 2 nodes costs twice a plain step and emits 1.7 tokens: plain steps win.
-    The first plain step ran twice as slow as usual (the machine was busy), which makes trees look better, and a
-    tree's steps say nothing of a plain step's time: the controller must run plain steps again to find out."""
+    After a tree step as fast as the profile says, a plain step ran twice as slow as usual (the machine was busy),
+    which makes trees look better, and a tree's steps say nothing of a plain step's time: the controller must run
+    plain steps again to find out."""
     rows, controller = 64, adaptive(flat_profile())
+
+    def accepted(step: int, shape: TreeShape) -> list[int]:
+        draws = torch.rand(rows, shape.levels, generator=torch.Generator().manual_seed(step)) < 0.7
+        return draws.long().cumprod(dim=1).sum(dim=1).tolist()
+
+    tree = controller.groups[""][0]
+    controller.observe(rows, tree, controller._profiled_seconds(rows, tree), accepted(-1, tree))
+    controller.observe(rows, AUTOREGRESSIVE, 2 * controller._profiled_seconds(rows, AUTOREGRESSIVE), None)
     chosen = []
     for step in range(100):
         shape = controller.choose(rows)
         chosen.append(shape)
-        seconds = controller._profiled_seconds(rows, shape) * (2 if step == 0 else 1)
-        accepted = None
-        if shape.speculative:
-            draws = torch.rand(rows, shape.levels, generator=torch.Generator().manual_seed(step)) < 0.7
-            accepted = draws.long().cumprod(dim=1).sum(dim=1).tolist()
-        controller.observe(rows, shape, seconds, accepted)
-    assert chosen[0] == AUTOREGRESSIVE and chosen[1].speculative, "the slow step made trees look better"
-    # Probes are due every 16, then 32 steps, a bigger tree first, then a plain step (at step 48).
-    assert not any(s.speculative for s in chosen[50:]), "one plain probe found plain steps faster"
+        seconds = controller._profiled_seconds(rows, shape)
+        controller.observe(rows, shape, seconds, accepted(step, shape) if shape.speculative else None)
+    assert chosen[0].speculative, "the slow step made trees look better"
+    # Probes are due every 16, then 32 steps: a bigger tree first (once the steps have earned its loss), then a
+    # plain step, which runs at once.
+    plain_probe = chosen.index(AUTOREGRESSIVE)
+    assert plain_probe < 80 and not any(s.speculative for s in chosen[plain_probe:]), "one plain probe found it"
+
+
+def test_a_plain_step_runs_first_at_every_band_of_rows() -> None:
+    """A latency profile calibrated while the machine was busy prices forwards of up to 32 tokens ten times too slow,
+    and as costing the same; the machine is compute-bound. Trees, never priced cheaper than a plain step, would win
+    against the plain step's unmeasured price for good once their own steps showed the machine fast (without the
+    rule below, each of these 60 steps ran a tree). A plain step runs first at each
+    power-of-two band of rows, and trees that have not run are priced at the machine's measured speed."""
+    rows, controller = 16, adaptive(flat_profile(knee=32, draft=0.0))
+    chosen = []
+    for _ in range(60):
+        shape = controller.choose(rows)
+        chosen.append(shape)
+        seconds = 0.005 * rows * shape.nodes / 16  # ten times the profile's speed, in proportion to the tokens
+        controller.observe(rows, shape, seconds, [0] * rows if shape.speculative else None)
+    assert chosen[0] == AUTOREGRESSIVE
+    assert sum(s.speculative for s in chosen) <= 2 and not any(s.speculative for s in chosen[20:])
+    assert controller.choose(8) == AUTOREGRESSIVE, "a band of rows not measured yet"
 
 
 def test_adaptive_prices_a_tree_by_the_plain_steps_seen_at_its_token_count() -> None:
@@ -413,7 +440,7 @@ def test_adaptive_does_not_probe_trees_that_cannot_win() -> None:
 def test_adaptive_does_not_probe_when_the_draft_catch_up_would_cost_more_than_it_could_win() -> None:
     """After many plain steps a tree first feeds the draft every row's backlog; with a long backlog over many rows
     that costs more than a fully accepted tree could save, so the probes due every few steps do not run."""
-    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2)
+    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2, explore_share=1.0)
     run_steps(controller, rows=8, steps=20, accept_fraction=0.0)  # plain steps win; probes keep running
     assert controller.best(8) == AUTOREGRESSIVE
     probes = [controller.choose(8, backlog=1) for _ in range(64)]
@@ -425,8 +452,8 @@ def test_adaptive_does_not_probe_when_the_draft_catch_up_would_cost_more_than_it
 def test_a_changed_draft_is_probed_once_whatever_its_catch_up_costs() -> None:
     """Online learning changes the draft between rollouts. A draft that was bad when last measured must still be
     measured again, or the controller would never notice it has learned: the first due probe after a change runs
-    despite the catch-up, and only until a tree has run."""
-    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2)
+    despite the catch-up, and only until a tree has run (the budget is unbounded here: see the next test)."""
+    controller = adaptive(flat_profile(knee=32, draft=0.01), probe_interval=2, explore_share=1.0)
     run_steps(controller, rows=8, steps=20, accept_fraction=0.0)
     controller.begin(draft_changed=False)
     assert not any(controller.choose(8, backlog=200).speculative for _ in range(64))
@@ -435,6 +462,32 @@ def test_a_changed_draft_is_probed_once_whatever_its_catch_up_costs() -> None:
     assert chosen[-1].speculative, "the first due probe after a change runs"
     controller.observe(8, chosen[-1], controller._profiled_seconds(8, chosen[-1]), [0] * 8)
     assert not any(controller.choose(8, backlog=200).speculative for _ in range(64)), "once measured, no more"
+
+
+def test_tree_probes_lose_at_most_their_share_of_the_time() -> None:
+    """Where no tree wins (nothing accepted, 24 rows, a tree of 2 nodes costs 1.5 plain steps),
+    the probes due every few steps run only as fast as the steps earn their loss: in all they lose at most
+    ``explore_share`` of the time observed, plus one probe. A changed draft is still probed, however long its
+    catch-up, once the steps have paid for it."""
+    for share in (0.01, 0.05):
+        profile = flat_profile(knee=32, draft=0.001)
+        controller = adaptive(profile, probe_interval=2, max_probe_interval=4, explore_share=share)
+        total = lost = 0.0
+        probes = 0
+        for step in range(2000):
+            if step % 100 == 0:
+                controller.begin(draft_changed=True)
+            shape = controller.choose(24, backlog=10)
+            seconds = controller._profiled_seconds(24, shape)
+            if shape.speculative:
+                probes += 1
+                seconds += controller.draft_seconds(24, shape, 10) - controller.draft_seconds(24, shape)
+                lost += seconds - controller.predicted_seconds(24, AUTOREGRESSIVE)
+            total += seconds
+            controller.observe(24, shape, seconds, [0] * 24 if shape.speculative else None)
+        assert controller.best(16) == AUTOREGRESSIVE
+        assert 0 < lost <= share * total + 2 * controller.predicted_seconds(24, controller.groups[""][0])
+        assert probes >= 2000 * share / 2, "the budget, not the interval, limits the probes"
 
 
 class RecordingController(StaticController):

@@ -152,7 +152,8 @@ class Cost(Drafter):
 
 def test_the_controller_runs_the_drafter_that_pays_and_probes_the_others() -> None:
     drafters = priced([Cost("eagle", 0.004), Cost("suffix", 0.0, deep=True)])
-    controller = AdaptiveController(flat(), probe_interval=2, max_probe_interval=2, drafters=drafters)
+    limits = {"probe_interval": 2, "max_probe_interval": 2, "explore_share": 1.0}  # probes not held back by cost
+    controller = AdaptiveController(flat(), drafters=drafters, **limits)
     assert {s.drafter for s in controller.shapes} == {"", "eagle", "suffix", "eagle+suffix"}
     assert controller.levels(controller.groups["suffix"][-1]) == controller.limits.n_max - 1
     chosen = []

@@ -100,23 +100,33 @@ class AdaptiveController:
       as much as ``prior_rows`` observed rows, so that the first step, often of one or two rows, does not replace
       it);
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
-      `Drafter.cost`), times a correction factor:
-      observed over profiled step time, averaged separately for autoregressive steps and each drafter's and for
-      each power-of-two band of tokens in the target forward
+      `Drafter.cost`), times a correction factor: observed over profiled step time, averaged separately for
+      autoregressive steps and each drafter's and for each power-of-two band of tokens in the target forward
       (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
-      tokens), else the kind's average. An average moves towards a step faster than it predicts at a weight of at
-      least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a plain probe
-      (below) faster than its estimate replaces it.
+      tokens), else the kind's average (the plain steps' average for a kind that has not run at all: how fast the
+      machine runs against its profile is the machine's). An average moves towards a step faster than it predicts
+      at a weight of at least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a
+      plain probe (below) faster than its estimate replaces it.
 
-    The highest ratio wins, autoregressive included. Every ``probe_interval`` steps another candidate runs instead
-    (the smaller ones learn from every step): the drafters take turns, the winning drafter probing its next bigger
-    tree, another one its tree of the winner's size, unless it would lose even with every draft token accepted
-    (counting the draft's catch-up on the plain steps before it). While a tree wins, every other probe is a plain
-    step instead: plain steps' time is learnt only from plain steps, so one slow plain step would otherwise keep
-    trees chosen for good at a concurrency where they lose. The interval doubles while probes lose (up to
-    ``max_probe_interval``) and resets when the winner changes and at the start of every generation call. After
-    the draft has changed (online learning), the first due probe runs whatever its catch-up costs: otherwise a
-    draft that was once bad would never be measured again, however much it learns.
+    The highest ratio wins, autoregressive included, except that a plain step runs first at each power-of-two band
+    of rows where none has run yet: no tree is chosen against a plain step's time that nothing has measured (a
+    latency profile calibrated while the machine was busy would otherwise have trees win at every step). Every
+    ``probe_interval`` steps another candidate runs instead (the smaller ones learn from every step): the drafters
+    take turns, the winning drafter probing its next bigger tree, another one its tree of the winner's size, unless
+    it would lose even with every draft token accepted (counting the draft's catch-up on the plain steps before
+    it). While a tree wins, every other probe is a plain step instead: plain steps' time is learnt only from plain
+    steps, so one slow plain step would otherwise keep trees chosen for good at a concurrency where they lose. The
+    interval doubles while probes lose (up to ``max_probe_interval``) and resets when the winner changes and at the
+    start of every generation call. After the draft has changed (online learning), each drafter's first probe runs
+    whatever its catch-up costs: otherwise a draft that was once bad would never be measured again, however much it
+    learns.
+
+    Tree probes are paid from a budget: every observed step earns ``explore_share`` of its seconds, and a due tree
+    probe waits until the credit covers its predicted loss (its predicted seconds, the draft's catch-up included,
+    less the time the winner would take for the tokens the probe is expected to emit). Tree probes thus cost at most
+    that share of the time the controller has observed, however bad the draft and whatever the concurrency: where no
+    tree can win, speculation costs little more than the controller's own arithmetic. (Plain probes are not charged:
+    they only run while a tree wins, and are the one measure of a plain step that was once slow.)
     """
 
     profile: LatencyProfile
@@ -128,6 +138,7 @@ class AdaptiveController:
     prior_rows: int = 2
     probe_interval: int = 16
     max_probe_interval: int = 256
+    explore_share: float = 0.01
     drafters: dict[str, Drafter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -144,6 +155,8 @@ class AdaptiveController:
         self.pooled = {name: [self.prior_accept ** (d + 1) for d in range(self.depth_cap)] for name in self.names}
         self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
         self._estimates: dict[TreeShape, list[float]] | None = None  # `_estimate`, until the next observation
+        self._expected: dict[TreeShape, float] = {}  # `expected_tokens`, until the next observation
+        self._forwards: dict[tuple[int, int], float] = {}  # the profile's forward times by (rows, nodes)
         self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0}
         self.correction |= {(self._kind(s), None): 1.0 for s in self.shapes}
         self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
@@ -152,6 +165,7 @@ class AdaptiveController:
         self._turn = 0  # whose turn the next probe is (see `choose`)
         self._last_best: TreeShape | None = None
         self._probed_up = False  # the last probe ran a bigger tree (while a tree wins, the next probe is a plain step)
+        self._credit = 0.0  # seconds of step time the next probes may lose (see the class)
         self._stale: set[str] = set()  # drafters not measured since a draft changed (see `begin`)
 
     def levels(self, shape: TreeShape) -> int:
@@ -198,10 +212,13 @@ class AdaptiveController:
         prior, which must not outweigh a measured zero at depth 1)."""
         if not shape.speculative:
             return 1.0
-        total, reached = 1.0, 1.0
-        for fraction in self._fractions(shape)[: self.levels(shape)]:
-            reached = min(reached, fraction)
-            total += reached
+        total = self._expected.get(shape)
+        if total is None:
+            total, reached = 1.0, 1.0
+            for fraction in self._fractions(shape)[: self.levels(shape)]:
+                reached = min(reached, fraction)
+                total += reached
+            self._expected[shape] = total
         return total
 
     @staticmethod
@@ -209,25 +226,36 @@ class AdaptiveController:
         """Whose step times a correction averages: plain steps', or those of a drafter's trees."""
         return "ar" if shape.nodes == 1 else f"spec:{shape.drafter}" if shape.drafter else "spec"
 
+    def _forward_seconds(self, rows: int, nodes: int) -> float:
+        """The profile's target forward over ``rows`` rows of ``nodes`` tokens (looked up once: every step prices
+        every candidate)."""
+        seconds = self._forwards.get((rows, nodes))
+        if seconds is None:
+            seconds = self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
+        return seconds
+
     def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
         """Step time the latency profile predicts: the target forward plus the drafter's cost."""
-        return self.profile.tree_time(rows, shape.nodes) + self.draft_seconds(rows, shape)
+        return self._forward_seconds(rows, shape.nodes) + self.draft_seconds(rows, shape)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
         A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
-        plain = self._correction("ar", rows) * self.profile.target_time(rows)
+        plain = self._correction("ar", rows) * self._forward_seconds(rows, 1)
         if not shape.speculative:
             return plain
         draft = self.draft_seconds(rows, shape)
-        corrected = self._correction(self._kind(shape), rows * shape.nodes) * self._profiled_seconds(rows, shape)
+        profiled = self._forward_seconds(rows, shape.nodes) + draft  # `_profiled_seconds`
+        corrected = self._correction(self._kind(shape), rows * shape.nodes) * profiled
         return max(corrected, plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
         """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward."""
         band = tokens.bit_length()
-        fallback = self.correction.get(("ar", band), self.correction[(kind, None)])
-        return self.correction.get((kind, band), fallback)
+        own = self.correction.get((kind, band), self.correction.get(("ar", band)))
+        if own is not None:
+            return own
+        return self.correction[(kind if (kind, None) in self._counts else "ar", None)]
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
@@ -237,40 +265,50 @@ class AdaptiveController:
         return max(self.shapes, key=lambda s: self.goodput(rows, s))
 
     def begin(self, draft_changed: bool = False) -> None:
-        """Probe often again: the draft may have been trained since the last call."""
+        """A call starts: probe often again (the concurrency starts high again, and the draft may have been trained
+        since the last call, `draft_changed`: then each drafter's next probe runs whatever its catch-up costs)."""
         self._interval, self._since_probe = self.probe_interval, 0
         if draft_changed:
             self._stale = set(self.names)
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         best = self.best(rows)
+        if best.speculative and ("ar", rows.bit_length()) not in self._counts:
+            return AUTOREGRESSIVE  # a plain step first at every band of rows: what a tree must beat is measured
         if best != self._last_best:
             self._last_best, self._interval, self._since_probe = best, self.probe_interval, 0
         self._since_probe += 1
         if self._since_probe < self._interval:
             return best
-        self._since_probe = 0
-        self._interval = min(2 * self._interval, self.max_probe_interval)
-        if best.speculative and self._probed_up:
-            self._probed_up = False
-            return AUTOREGRESSIVE
-        self._probed_up = True
         probe = self._probe(best)
         if probe is None:
+            self._probed(plain=False)
             return best
-        # A shape that would lose even if every draft token were accepted, after the draft has caught up with the
-        # plain steps since its last tree (at many rows a draft prefill of every row), is not worth a probe.
-        seconds = self.predicted_seconds(rows, probe)
-        if backlog > 1 and probe.drafter not in self._stale:
-            seconds += self.draft_seconds(rows, probe, backlog) - self.draft_seconds(rows, probe)
-        ceiling = (1 + self.levels(probe)) / seconds
-        return probe if ceiling > self.goodput(rows, best) else best
+        seconds, catch_up = self.predicted_seconds(rows, probe), 0.0
+        if probe.speculative and backlog > 1:
+            # the draft first catches up with the plain steps since its last tree (at many rows, a draft prefill)
+            catch_up = self.draft_seconds(rows, probe, backlog) - self.draft_seconds(rows, probe)
+        # A shape that would lose even if every draft token were accepted (after its catch-up, unless its draft has
+        # changed since it was last measured) is not worth a probe.
+        counted = seconds if probe.drafter in self._stale else seconds + catch_up
+        if probe.speculative and (1 + self.levels(probe)) / counted <= self.goodput(rows, best):
+            self._probed(plain=False)
+            return best
+        if probe.speculative:
+            loss = max(0.0, seconds + catch_up - self.expected_tokens(probe) / self.goodput(rows, best))
+            if loss > self._credit:
+                return best  # still due: it runs once the steps have earned its loss
+            self._credit -= loss
+        self._probed(plain=not probe.speculative)
+        return probe
 
     def _probe(self, best: TreeShape) -> TreeShape | None:
-        """The candidate this probe tries (None: none bigger): the drafters take turns; the winner's drafter tries
-        its next bigger tree, another drafter its smallest tree at least as big as the winner."""
+        """The candidate the due probe tries (None: none bigger): while a tree wins, every other probe is a plain
+        step; otherwise the drafters take turns, the winner's drafter trying its next bigger tree, another drafter
+        its smallest tree at least as big as the winner."""
+        if best.speculative and self._probed_up:
+            return AUTOREGRESSIVE
         name = self.names[self._turn % len(self.names)]
-        self._turn += 1
         group = self.groups[name]
         if not group:  # n_max 1: plain steps only
             return None
@@ -278,6 +316,15 @@ class AdaptiveController:
             i = group.index(best)
             return group[i + 1] if i + 1 < len(group) else None
         return next((s for s in group if s.nodes >= best.nodes), group[-1])
+
+    def _probed(self, plain: bool) -> None:
+        """The due probe ran (or was passed over): the next one is due after twice the interval, another drafter's
+        turn (after a plain probe, the same drafter's)."""
+        self._since_probe = 0
+        self._interval = min(2 * self._interval, self.max_probe_interval)
+        self._probed_up = not plain
+        if not plain:
+            self._turn += 1
 
     def _rate(self, key: object, rate: float) -> float:
         """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an exponential
@@ -300,6 +347,7 @@ class AdaptiveController:
         path_rank: list[list[int]] | None = None,
     ) -> None:
         kind = self._kind(shape)
+        self._credit += self.explore_share * seconds
         ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
         # A plain step while a tree wins is a probe, and nothing else measures plain steps: one that ran faster than
         # estimated replaces the estimate. Too low an estimate is safe: plain steps then win and every step
@@ -323,14 +371,14 @@ class AdaptiveController:
             chain = range(1, levels + 1)
             path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
         candidates, reached = self._nested_acceptance(shape, path_rank)
-        self._estimates = None
+        self._estimates, self._expected = None, {}
         first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
         for candidate, fractions in zip(candidates, reached, strict=True):
             own = self.shape_accept.setdefault(candidate, first.get(candidate))
             rate = self._accept_weight(candidate, rows)
             for d in range(self.levels(candidate)):
                 own[d] += rate * (fractions[d] - own[d])
-        self._estimates = None
+        self._estimates, self._expected = None, {}
 
     def _nested_acceptance(
         self, shape: TreeShape, path_rank: list[list[int]]

@@ -13,7 +13,7 @@ draft forward reads them all (the catch-up); plain steps therefore cost the draf
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -39,12 +39,15 @@ class EagleCost:
     reads."""
 
     profile: LatencyProfile
+    _trees: dict[tuple[int, TreeShape], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __call__(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         if not shape.speculative:
             return 0.0
         level = partial(self.profile.drafter_time, NAME)
-        seconds = shape.levels * level(rows * shape.top_k)
+        seconds = self._trees.get((rows, shape))
+        if seconds is None:  # looked up once: the controller prices every candidate at every step
+            seconds = self._trees[rows, shape] = shape.levels * level(rows * shape.top_k)
         if backlog > 1:
             seconds += level(rows * backlog) - level(rows)
         return seconds
