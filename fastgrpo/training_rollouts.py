@@ -6,6 +6,8 @@ resumes in either."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.rollout.cache import call_length
 from fastgrpo.rollout.drafter import Drafter, Rollout
-from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.engine import Decoding, RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import controller_from_config
@@ -139,6 +141,23 @@ class TrainingRollouts:
     ) -> GenerationOutput:
         """``num_generations`` completions of each prompt at training step ``step`` (sampled with `step_uniforms`),
         keeping what online learning needs for `learn`."""
+        with self.decoding(prompt_ids, params, num_generations, step, rank, world_size) as run:
+            while not run.done:
+                run.step()
+        return run.output()
+
+    @contextmanager
+    def decoding(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        num_generations: int,
+        step: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> Iterator[Decoding]:
+        """`generate` one step at a time (`RolloutEngine.decoding`): what online learning needs is kept when the
+        block ends with every row done."""
         uniforms = None
         if not params.greedy:
             rows = len(prompt_ids) * num_generations
@@ -147,12 +166,16 @@ class TrainingRollouts:
         learners = [d.learner for d in self.drafters if d.learner is not None]
         capture = any(learner.captures_hidden for learner in learners)
         capture |= self.draft_training.online and any(p.captures_hidden for p in waiting)
-        out = self.engine.generate(prompt_ids, params, num_generations, capture_hidden=capture, uniforms=uniforms)
+        engine = self.engine
+        with engine.decoding(prompt_ids, params, num_generations, capture_hidden=capture, uniforms=uniforms) as run:
+            yield run
+        if not run.done:
+            return
+        out = run.output()
         if waiting:
             self._build(rollout=out)
         if any(d.learner is not None for d in self.drafters):
             self.pending.append(Rollout(prompt_ids, out, num_generations))
-        return out
 
     def learn(self) -> dict[str, float]:
         """Every drafter's online learning on the rollouts since the last call (the EAGLE head trains on their

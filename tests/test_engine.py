@@ -353,6 +353,42 @@ def test_released_caches_are_freed_and_made_again(llama_model: PreTrainedModel) 
     assert first.completion_ids == again.completion_ids == ref
 
 
+def test_two_engines_decoding_step_by_step_in_turn_give_what_each_generates(llama_model: PreTrainedModel) -> None:
+    """`RolloutEngine.decoding` hands a call out step by step: a plain engine's steps and a speculative engine's,
+    alternating inside nested blocks (as a benchmark times them side by side), give each one's `generate` output,
+    greedy and sampled, with its decoding time the sum of its steps'; the output is refused while rows are live."""
+    from fastgrpo.rollout.tree import TreeShape
+    from fastgrpo.speculative.eagle.drafter import EagleDrafter
+
+    eos, ref = greedy_reference("llama")
+    drafter = EagleDrafter(DraftHead(llama_model.config).double(), llama_model)
+    engines = [
+        RolloutEngine(llama_model, [eos]),
+        RolloutEngine(llama_model, [eos], drafter=drafter, tree=TreeShape(4, 2, 3)),
+    ]
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0)
+    for params, seed in ((GREEDY, None), (sampled, 5)):
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        alone = [
+            e.generate(PROMPTS, params, 2, generator=None if seed is None else torch.Generator().manual_seed(seed))
+            for e in engines
+        ]
+        with engines[0].decoding(PROMPTS, params, 2, generator=generator) as plain:
+            generator = None if seed is None else torch.Generator().manual_seed(seed)
+            with engines[1].decoding(PROMPTS, params, 2, generator=generator) as speculative:
+                with pytest.raises(RuntimeError, match="still has live rows"):
+                    plain.output()
+                while not (plain.done and speculative.done):
+                    for call in (plain, speculative):
+                        if not call.done:
+                            call.step()
+        for call, out in zip((plain, speculative), alone, strict=True):
+            assert call.output().completion_ids == out.completion_ids
+            assert call.output().stats.decode_time == sum(call.output().stats.step_times)
+        if seed is None:
+            assert plain.output().completion_ids == [r for r in ref for _ in range(2)]
+
+
 # ---------------------------------------------------------------------------- sampling
 
 

@@ -14,7 +14,8 @@ a compile ``backend`` the verification runs as a compiled graph (`fastgrpo.rollo
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -130,7 +131,6 @@ class RolloutEngine:
         for drafter in self.drafters.values():
             drafter.release()
 
-    @torch.inference_mode()
     def generate(
         self,
         prompt_ids: list[list[int]],
@@ -145,6 +145,25 @@ class RolloutEngine:
         ``capture_hidden`` also returns the target's hidden states (for draft training). When sampling, the token at
         each (completion, position) is chosen by one uniform: ``uniforms`` ``[len(prompt_ids) * num_generations,
         max_new_tokens]`` gives them, otherwise they are drawn from ``generator``."""
+        with self.decoding(prompt_ids, params, num_generations, generator, capture_hidden, uniforms) as run:
+            while not run.done:
+                run.step()
+        return run.output()
+
+    @contextmanager
+    def decoding(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        num_generations: int = 1,
+        generator: torch.Generator | None = None,
+        capture_hidden: bool = False,
+        uniforms: torch.Tensor | None = None,
+    ) -> Iterator[Decoding]:
+        """`generate` one step at a time: the call, prefilled, to `Decoding.step` until `Decoding.done` inside the
+        block, then `Decoding.output`. Each step runs inside the block's setup (inference mode, the rollout's
+        attention, linear routes and merged LoRA), so that the steps of two engines' calls can alternate (their
+        blocks nested) and be timed side by side."""
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError("every prompt must have at least one token")
         expected = (len(prompt_ids) * num_generations, params.max_new_tokens)
@@ -158,21 +177,17 @@ class RolloutEngine:
             module.eval()
         try:
             with (
+                torch.inference_mode(),
                 merged_lora(self.model) if self.merge_lora else nullcontext(),
                 rollout_attention(self.model, *extra),
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
-                rows = self.prefill(prompt_ids, num_generations, call)
-                t0, seconds, graphs = time.perf_counter(), *self._compiled_so_far()
-                while rows.size:
-                    rows = self.step(rows, call)
-                call.stats.decode_time = time.perf_counter() - t0
-                seconds_after, graphs_after = self._compiled_so_far()
-                call.stats.compiled = self.target.compiled
-                call.stats.compile_time, call.stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
-                return call.output()
+                run = Decoding(self, call, self.prefill(prompt_ids, num_generations, call))
+                yield run
+                if run.done:
+                    run.output()  # made inside the block, as the steps' tensors were
         finally:
             for module, training in modes:
                 module.train(training)
@@ -371,3 +386,34 @@ class RolloutEngine:
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)
+
+
+class Decoding:
+    """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
+    `done`; `output` is its result (made once)."""
+
+    def __init__(self, engine: RolloutEngine, call: Generation, rows: ActiveRows):
+        self.engine, self.call, self.rows = engine, call, rows
+        self._compiled_before = engine._compiled_so_far()
+        self._output: GenerationOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.rows.size
+
+    def step(self) -> None:
+        self.rows = self.engine.step(self.rows, self.call)
+
+    def output(self) -> GenerationOutput:
+        """The completions (every row must be done), with the call's statistics: its decoding time is that of its
+        steps, and what the engine compiled during them."""
+        if not self.done:
+            raise RuntimeError("the generation call still has live rows: step it until done")
+        if self._output is None:
+            stats, (seconds, graphs) = self.call.stats, self._compiled_before
+            seconds_after, graphs_after = self.engine._compiled_so_far()
+            stats.decode_time = sum(stats.step_times)
+            stats.compiled = self.engine.target.compiled
+            stats.compile_time, stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
+            self._output = self.call.output()
+        return self._output

@@ -132,6 +132,7 @@ class LinearRoutes:
         `measure`), then restore the layers."""
         self.measure(*modules)
         layers = routed_layers(*modules)
+        outer = [m.__dict__.get("forward") for m in layers]  # an enclosing block's, for blocks nested on one model
         for m in layers:
             m.forward = partial(_forward, m)
         active = _active.set(self)
@@ -139,8 +140,11 @@ class LinearRoutes:
             yield
         finally:
             _active.reset(active)
-            for m in layers:
-                del m.forward
+            for m, forward in zip(layers, outer, strict=True):
+                if forward is None:
+                    del m.forward
+                else:
+                    m.forward = forward
 
 
 _DEFAULT_ROUTES = LinearRoutes("default")  # outside any `LinearRoutes.applied` block
