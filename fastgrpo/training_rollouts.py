@@ -16,8 +16,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.rollout.cache import call_length
+from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Rollout
-from fastgrpo.rollout.engine import Decoding, RolloutEngine
+from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import controller_from_config

@@ -27,15 +27,15 @@ def main(config: str, moment: str, step: int, signal_name: str = "KILL") -> None
     chosen[0] = SIGNAL[signal_name]
     calls = {"rollout": 0}
     if moment == "rollout":
-        real_generate = RolloutEngine.generate
+        real_decoding = RolloutEngine.decoding  # what every generation call runs in
 
-        def generate(self, *args, **kwargs):
+        def decoding(self, *args, **kwargs):
             calls["rollout"] += 1
             if calls["rollout"] == step:
                 self.step = lambda *a: die()  # after the prefill, at the first decoding step
-            return real_generate(self, *args, **kwargs)
+            return real_decoding(self, *args, **kwargs)
 
-        RolloutEngine.generate = generate
+        RolloutEngine.decoding = decoding
     elif moment == "save":
         real_save = torch.save
 

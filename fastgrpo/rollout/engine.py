@@ -22,6 +22,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
+from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
@@ -184,7 +185,8 @@ class RolloutEngine:
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
                 self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
-                run = Decoding(self, call, self.prefill(prompt_ids, num_generations, call))
+                rows = self.prefill(prompt_ids, num_generations, call)
+                run = Decoding(self.step, self.compiled_so_far, self.target.compiled, call, rows)
                 yield run
                 if run.done:
                     run.output()  # made inside the block, as the steps' tensors were
@@ -192,7 +194,7 @@ class RolloutEngine:
             for module, training in modes:
                 module.train(training)
 
-    def _compiled_so_far(self) -> tuple[float, int]:
+    def compiled_so_far(self) -> tuple[float, int]:
         """Wall time spent so far in steps that compiled a graph and the graphs they compiled (the target's and the
         drafters')."""
         drafters = self.drafters.values()
@@ -386,34 +388,3 @@ class RolloutEngine:
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)
-
-
-class Decoding:
-    """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
-    `done`; `output` is its result (made once)."""
-
-    def __init__(self, engine: RolloutEngine, call: Generation, rows: ActiveRows):
-        self.engine, self.call, self.rows = engine, call, rows
-        self._compiled_before = engine._compiled_so_far()
-        self._output: GenerationOutput | None = None
-
-    @property
-    def done(self) -> bool:
-        return not self.rows.size
-
-    def step(self) -> None:
-        self.rows = self.engine.step(self.rows, self.call)
-
-    def output(self) -> GenerationOutput:
-        """The completions (every row must be done), with the call's statistics: its decoding time is that of its
-        steps, and what the engine compiled during them."""
-        if not self.done:
-            raise RuntimeError("the generation call still has live rows: step it until done")
-        if self._output is None:
-            stats, (seconds, graphs) = self.call.stats, self._compiled_before
-            seconds_after, graphs_after = self.engine._compiled_so_far()
-            stats.decode_time = sum(stats.step_times)
-            stats.compiled = self.engine.target.compiled
-            stats.compile_time, stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
-            self._output = self.call.output()
-        return self._output

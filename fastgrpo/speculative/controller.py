@@ -1,8 +1,7 @@
 """The controllers that size each decoding step's draft tree from the live number of active rows (the interface,
 `Controller`, and the fixed `StaticController` are the engine's, in `fastgrpo.rollout.scheduling`).
 
-- `PaperController`: FastGRPO's rule from the verification capacity ``C_peak``: ``N = clamp(C_peak // B, 1, N_max)``,
-  ``K = min(N - 1, K_max)``, ``L = clamp(floor(log2(N / alpha)), L_min, L_max)``.
+- `PaperController` (`fastgrpo.speculative.paper`): FastGRPO's rule from the verification capacity ``C_peak``.
 - `AdaptiveController`: the shape (and the drafter) of the highest predicted goodput (expected tokens per row over
   predicted step time), from live acceptance statistics per drafter, the drafters' own costs and a latency profile it
   corrects online; autoregressive steps whenever no tree is predicted to beat them.
@@ -13,13 +12,13 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from fastgrpo.config import ControllerLimits, SpeculationConfig
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StatelessController, StaticController
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StaticController
 from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.speculative.paper import PaperController, largest_shape, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile
 
 
@@ -44,42 +43,6 @@ def priced(drafters: list[Drafter]) -> dict[str, Drafter]:
         merged = MergedDrafters(drafters)
         named[merged.name] = merged
     return named
-
-
-def shape_for(limits: ControllerLimits, n_verify: int, drafter: str = "") -> TreeShape:
-    """The paper's tree for ``n_verify`` verified tokens per row (autoregressive for 1), drafted by ``drafter``."""
-    n = max(1, min(n_verify, limits.n_max))
-    if n == 1:
-        return AUTOREGRESSIVE
-    k = min(n - 1, limits.k_max)
-    depth = min(max(math.floor(math.log2(n / limits.alpha)), limits.l_min), limits.l_max)
-    return TreeShape(n, k, depth, drafter)
-
-
-def largest_shape(limits: ControllerLimits) -> TreeShape:
-    """The bounds of every shape the limits allow."""
-    return TreeShape(limits.n_max, limits.k_max, limits.l_max)
-
-
-@dataclass
-class PaperController(StatelessController):
-    """FastGRPO's concurrency-aware rule: ``N_verify = C_peak // B`` tokens per row, recomputed every step."""
-
-    c_peak: int
-    limits: ControllerLimits = field(default_factory=ControllerLimits)
-    drafter: str = ""  # who drafts every tree (`TreeShape.drafter`)
-
-    def __post_init__(self) -> None:
-        if self.c_peak < 1:
-            raise ValueError(f"c_peak must be >= 1, got {self.c_peak}")
-        self.limits.validate()
-
-    @property
-    def max_shape(self) -> TreeShape:
-        return largest_shape(self.limits)
-
-    def choose(self, rows: int, backlog: int = 0) -> TreeShape:
-        return shape_for(self.limits, self.c_peak // max(rows, 1), self.drafter)
 
 
 @dataclass

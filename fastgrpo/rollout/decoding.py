@@ -1,0 +1,47 @@
+"""A generation call handed out step by step (`fastgrpo.rollout.engine.RolloutEngine.decoding`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput
+
+
+class Decoding:
+    """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
+    `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
+    active), ``compiled_so_far`` (compile seconds and graphs so far) and whether its steps run ``compiled``."""
+
+    def __init__(
+        self,
+        step: Callable[[ActiveRows, Generation], ActiveRows],
+        compiled_so_far: Callable[[], tuple[float, int]],
+        compiled: bool,
+        call: Generation,
+        rows: ActiveRows,
+    ):
+        self._step, self._compiled_so_far, self._compiled = step, compiled_so_far, compiled
+        self.call, self.rows = call, rows
+        self._compiled_before = compiled_so_far()
+        self._output: GenerationOutput | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self.rows.size
+
+    def step(self) -> None:
+        self.rows = self._step(self.rows, self.call)
+
+    def output(self) -> GenerationOutput:
+        """The completions (every row must be done), with the call's statistics: its decoding time is that of its
+        steps, and what the engine compiled during them."""
+        if not self.done:
+            raise RuntimeError("the generation call still has live rows: step it until done")
+        if self._output is None:
+            stats, (seconds, graphs) = self.call.stats, self._compiled_before
+            seconds_after, graphs_after = self._compiled_so_far()
+            stats.decode_time = sum(stats.step_times)
+            stats.compiled = self._compiled
+            stats.compile_time, stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
+            self._output = self.call.output()
+        return self._output
