@@ -143,8 +143,7 @@ class TrainingRollouts:
         """``num_generations`` completions of each prompt at training step ``step`` (sampled with `step_uniforms`),
         keeping what online learning needs for `learn`."""
         with self.decoding(prompt_ids, params, num_generations, step, rank, world_size) as run:
-            while not run.done:
-                run.step()
+            run.finish()
         return run.output()
 
     @contextmanager

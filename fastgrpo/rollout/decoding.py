@@ -32,6 +32,11 @@ class Decoding:
     def step(self) -> None:
         self.rows = self._step(self.rows, self.call)
 
+    def finish(self) -> None:
+        """Step until every row is done."""
+        while not self.done:
+            self.step()
+
     def output(self) -> GenerationOutput:
         """The completions (every row must be done), with the call's statistics: its decoding time is that of its
         steps, and what the engine compiled during them."""

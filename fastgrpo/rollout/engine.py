@@ -147,8 +147,7 @@ class RolloutEngine:
         each (completion, position) is chosen by one uniform: ``uniforms`` ``[len(prompt_ids) * num_generations,
         max_new_tokens]`` gives them, otherwise they are drawn from ``generator``."""
         with self.decoding(prompt_ids, params, num_generations, generator, capture_hidden, uniforms) as run:
-            while not run.done:
-                run.step()
+            run.finish()
         return run.output()
 
     @contextmanager

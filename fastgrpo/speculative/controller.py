@@ -197,9 +197,10 @@ class AdaptiveController:
             seconds = self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
         return seconds
 
-    def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
-        """Step time the latency profile predicts: the target forward plus the drafter's cost."""
-        return self._forward_seconds(rows, shape.nodes) + self.draft_seconds(rows, shape)
+    def _profiled_seconds(self, rows: int, shape: TreeShape, draft: float | None = None) -> float:
+        """Step time the latency profile predicts: the target forward plus the drafter's cost (``draft``, where the
+        caller has it already)."""
+        return self._forward_seconds(rows, shape.nodes) + (self.draft_seconds(rows, shape) if draft is None else draft)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
@@ -208,8 +209,7 @@ class AdaptiveController:
         if not shape.speculative:
             return plain
         draft = self.draft_seconds(rows, shape)
-        profiled = self._forward_seconds(rows, shape.nodes) + draft  # `_profiled_seconds`
-        corrected = self._correction(self._kind(shape), rows * shape.nodes) * profiled
+        corrected = self._correction(self._kind(shape), rows * shape.nodes) * self._profiled_seconds(rows, shape, draft)
         return max(corrected, plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
