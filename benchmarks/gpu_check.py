@@ -67,8 +67,9 @@ runs; the command exits non-zero at the end when any section failed):
   (``memory/rollout_peak_mb``, ``memory/update_peak_mb`` where the trainer reports them, ``memory/peak_mb``). On a GPU
   one run (adaptive, full weights, bfloat16) compiles its rollouts, the others run eagerly.
 - ``torchrun``: ``python -m torch.distributed.run --nproc_per_node 1 -m fastgrpo train`` with ``fsdp: true`` and
-  ``compile: on``, two steps of a tiny random Llama: passed or not, and the last line of its error output (on a CPU
-  with ``compile: off``: there ``on`` would generate C++ with inductor).
+  ``compile: on``, two steps of a tiny random Llama in bfloat16 behind FSDP2's float32 master shards: passed or not,
+  and the last line of its error output (on a CPU in float32 with ``compile: off``: there ``on`` would generate C++
+  with inductor).
 
 ``--quick`` builds tiny models everywhere and cuts the sweeps to one or two points.
 After every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and its markdown tables (the

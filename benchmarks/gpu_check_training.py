@@ -186,12 +186,12 @@ def save_model_dir(path: Path, tokenizer: PreTrainedTokenizerBase) -> Path:
 
 
 def torchrun_config(model_dir: Path, output_dir: Path, device: str, compile: str) -> dict[str, Any]:
-    """The options of two GRPO steps of ``model_dir`` with FSDP2 and the rollouts' ``compile`` option (float32
-    weights: FSDP2 keeps no float32 master copies, `GRPOConfig.validate`), a checkpoint at the second step."""
+    """The options of two GRPO steps of ``model_dir`` with FSDP2 and the rollouts' ``compile`` option, a checkpoint at
+    the second step: on a GPU in bfloat16 behind FSDP2's float32 master shards, as a 7B run trains."""
     return dict(
         model=str(model_dir),
         device=device,
-        dtype="float32",
+        dtype="bfloat16" if device == "cuda" else "float32",
         fsdp=True,
         compile=compile,
         dataset={"name": "arithmetic", "num_examples": 16},

@@ -86,7 +86,13 @@ def build_parser(options: str | None = None) -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="check the options, read the model's config (no weights), print the estimated device memory per "
-        "process and, on a GPU, whether it fits; then exit without training",
+        "process and, on a GPU, whether it fits (and what would); then exit without training",
+    )
+    train.add_argument(
+        "--processes",
+        type=int,
+        metavar="N",
+        help="with --dry-run: plan for N processes, one GPU each (default: torchrun's WORLD_SIZE, or 1)",
     )
     command("generate", "sample completions for prompts", commands.generate)
     command("eval", "mean reward of a model or checkpoint on a dataset, one sample per prompt", commands.eval_command)

@@ -26,11 +26,14 @@ def parse_command_options(command: str, args: argparse.Namespace, overrides: lis
 def train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.config import load_config
 
+    processes = getattr(args, "processes", None)
+    if processes is not None and (processes < 1 or not args.dry_run):
+        raise ValueError("--processes: a number of processes of at least 1, with --dry-run (torchrun sets a run's)")
     config = load_config(args.config, overrides)
     if getattr(args, "dry_run", False):
         from fastgrpo.memory_plan.fitting import dry_run
 
-        print(dry_run(config))
+        print(dry_run(config, processes))
         return
     from fastgrpo import distributed
     from fastgrpo.grpo.checkpoint import latest_checkpoint

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,19 +109,37 @@ def is_sharded(module: torch.nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def wrap_policy(policy: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
+def wrap_policy(policy: torch.nn.Module, fsdp: bool, float32_shards: bool = False) -> torch.nn.Module:
     """The training forward of several processes: replicated under DDP, or sharded with FSDP2 (``fsdp``: one unit per
     decoder layer, the root holding the embedding, final norm and LM head). ``policy`` holds the model as
-    ``policy.model``; in a single process it is returned as it is."""
+    ``policy.model``; in a single process it is returned as it is.
+
+    With ``float32_shards`` (a bfloat16 or float16 policy whose run keeps float32 master weights), the shards are
+    float32: they are the master weights AdamW updates, FSDP2 gathers them in the policy's dtype for every forward
+    and reduces gradients in float32 (its `MixedPrecisionPolicy`). Each unit is converted as it is sharded, so a
+    process never holds more than one unit's parameters in float32 unsharded."""
     if not dist.is_initialized():
         return policy
     if not fsdp:
         return wrap_ddp(policy)
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = MixedPrecisionPolicy()
+    if float32_shards:
+        compute = next(policy.parameters()).dtype
+        precision = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+
+    def shard(module: torch.nn.Module) -> None:
+        if float32_shards:
+            with torch.no_grad():
+                for param in module.parameters():  # a unit sharded before is float32 already
+                    if param.dtype != torch.float32:
+                        param.data = param.data.to(torch.float32)  # in place: tied weights stay tied
+        fully_shard(module, mp_policy=precision)
 
     for layer in policy.model.get_decoder().layers:
-        fully_shard(layer)
-    policy = fully_shard(policy)
+        shard(layer)
+    shard(policy)
     # FSDP sets itself up on the first forward through the root; rollouts call the decoder directly, so one
     # two-token forward (on every rank at once) runs through the root first.
     device = next(policy.parameters()).device
@@ -133,36 +152,39 @@ def wrap_policy(policy: torch.nn.Module, fsdp: bool) -> torch.nn.Module:
 @contextlib.contextmanager
 def gathered(policy: torch.nn.Module) -> Iterator[None]:
     """Full parameters on every rank inside the block (for rollouts and draft updates, whose forwards differ in
-    number between ranks and so must not run collectives); sharded again after it. A no-op without FSDP2."""
+    number between ranks and so must not run collectives); sharded again after it. A no-op without FSDP2.
+
+    Each unit is gathered once, on entry. Inside the block the sharded modules run without FSDP2's forward hooks,
+    which would only find their parameters gathered already: a compiled decoding step then traces the plain modules
+    (FSDP2 keeps its hooks out of ``torch.compile``'s graphs, which ``fullgraph`` refuses)."""
     if not is_sharded(policy):
         yield
         return
     from torch.distributed.fsdp import FSDPModule
 
     units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
-    policy.set_reshard_after_forward(False)
     for unit in units:
         unit.unshard()
+    hooks = [(unit, unit._forward_pre_hooks, unit._forward_hooks) for unit in units]
+    for unit in units:
+        unit._forward_pre_hooks, unit._forward_hooks = OrderedDict(), OrderedDict()
     try:
         yield
     finally:
+        for unit, pre, post in hooks:
+            unit._forward_pre_hooks, unit._forward_hooks = pre, post
         for unit in units:
             unit.reshard()
-        policy.set_reshard_after_forward(True)
 
 
 @contextlib.contextmanager
 def gradient_sync(policy: torch.nn.Module, sync: bool) -> Iterator[None]:
     """Backward passes inside the block synchronise gradients across ranks only if ``sync`` (off for all but the
-    last micro-batch of an accumulation: DDP's ``no_sync``, FSDP2's ``set_requires_gradient_sync``)."""
-    if sync or not dist.is_initialized():
+    last micro-batch of an accumulation: DDP's ``no_sync``). FSDP2 synchronises every micro-batch: it reduce-scatters
+    each one's gradients into the sharded ones (float32 with float32 shards), where skipping it would keep the
+    full gradients of every parameter on every rank until the last."""
+    if sync or not dist.is_initialized() or is_sharded(policy):
         yield
-    elif is_sharded(policy):
-        policy.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            policy.set_requires_gradient_sync(True)
     else:
         with policy.no_sync():
             yield
@@ -178,6 +200,15 @@ def full_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tup
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     weights, optim = get_state_dict(policy, optimizer, options=options)
     return {k.removeprefix("model."): v for k, v in weights.items()}, optim
+
+
+def load_full_weights(policy: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Set the sharded parameters of ``policy`` (FSDP2) from full ``weights`` (the model's parameter names), each
+    rank keeping its shard."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = {f"model.{name}": tensor for name, tensor in weights.items()}
+    set_model_state_dict(policy, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
 
 def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -21,8 +22,9 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 class MasterWeights:
     """Float32 copies of ``params`` (trainable parameters of a low-precision module) for the optimizer to update.
 
-    Use: build the optimizer on `copies`; after the backward passes call `take_grads` (the module's gradients,
-    in float32, become the masters' gradients), step the optimizer, then `write_back`.
+    Use: build the optimizer on `copies`; after each backward pass call `take_grads` (the module's gradients are
+    added to the masters', in float32), or once `take_grads_in_backward` and `take_grads` before each step; step the
+    optimizer, then `write_back`.
     """
 
     def __init__(self, params: list[torch.nn.Parameter]):
@@ -36,14 +38,22 @@ class MasterWeights:
 
     @torch.no_grad()
     def take_grads(self, zero_missing: bool = True) -> None:
-        """Move each parameter's gradient to its master, as float32; where a parameter has none, the master gets
-        zeros (``zero_missing``: Adam's moments still move) or none (the optimizer skips it)."""
+        """Add each parameter's gradient to its master's, in float32, and drop the parameter's: called after every
+        backward, the gradients accumulate in float32. A master that has no gradient then gets zeros
+        (``zero_missing``: Adam's moments still move) or stays without (the optimizer skips it)."""
         for p, m in zip(self.params, self.copies, strict=True):
-            if p.grad is None:
-                m.grad = torch.zeros_like(m) if zero_missing else None
-            else:
-                m.grad = p.grad.to(torch.float32)
-            p.grad = None
+            if p.grad is not None:
+                grad = p.grad.to(torch.float32)
+                m.grad = grad if m.grad is None else m.grad.add_(grad)
+                p.grad = None
+            elif m.grad is None and zero_missing:
+                m.grad = torch.zeros_like(m)
+
+    def take_grads_in_backward(self) -> None:
+        """From now on every backward pass adds each parameter's gradient to its master's (in float32) as soon as it
+        is computed, and drops the parameter's: the low-precision gradients never all exist at once."""
+        for p, m in zip(self.params, self.copies, strict=True):
+            p.register_post_accumulate_grad_hook(partial(_take_grad, m))
 
     @torch.no_grad()
     def write_back(self) -> None:
@@ -65,6 +75,13 @@ class MasterWeights:
         for m, s in zip(self.copies, saved, strict=True):
             m.copy_(s)
         self.write_back()
+
+
+@torch.no_grad()
+def _take_grad(master: torch.Tensor, param: torch.Tensor) -> None:
+    grad = param.grad.to(torch.float32)
+    master.grad = grad if master.grad is None else master.grad.add_(grad)
+    param.grad = None
 
 
 @contextmanager

@@ -506,7 +506,7 @@ def test_check_fits_says_how_many_fsdp_processes_and_when_nothing_alone_fits() -
     assert plan.peak_bytes > CARD_80GB_BYTES
     with pytest.raises(ValueError) as refusal:
         check_fits(plan, CARD_80GB_BYTES, config)
-    assert "fsdp: true, master_weights: false on 3 processes (torchrun --nproc_per_node 3)" in str(refusal.value)
+    assert "fsdp: true on 5 processes (torchrun --nproc_per_node 5)" in str(refusal.value)
     # checkpointing alone is not enough (its optimizer step then sets the peak), nor asked for; with it, 2 processes do
     assert "gradient_checkpointing" not in str(refusal.value)
     checkpointed = dataclasses.replace(config, gradient_checkpointing=True)
@@ -591,10 +591,56 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     if not torch.cuda.is_available():  # planned for a GPU this machine lacks, in bfloat16
         planned = printed["--device cuda"]
         assert "bfloat16 on cuda" in planned and "80 GB card" in planned
-        assert "fits: no: the run needs about 162.7 GiB" in planned and "on 3 processes" in planned
+        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 5 processes" in planned
+        assert "recommended on 1 process of 79.6 GiB: gradient_checkpointing: true, use_peft: true" in planned
         planned = printed[" ".join(checkpointed_lora)]
         assert "layers checkpointed" in planned and "recomputed layer activations" in planned
         assert "fits: yes, 79.6 GiB available on an 80 GB card" in planned
+
+
+@pytest.mark.parametrize(
+    ("processes", "recommended"),
+    [
+        (1, "gradient_checkpointing: true, use_peft: true"),
+        (2, "fsdp: true, gradient_checkpointing: true"),
+        (4, "fsdp: true, gradient_checkpointing: true"),
+        (8, "fsdp: true"),
+    ],
+)
+def test_dry_run_recommends_per_card_count_a_7b_run_that_fits_and_keeps_float32_masters(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, processes: int, recommended: str
+) -> None:
+    """Qwen2.5-7B (config only) with the default options on 1, 2, 4 and 8 cards of 80 GB: the dry run recommends
+    the nearest configuration that fits within 95 % of the card, float32 master weights kept (LoRA on one card, whose
+    adapters train in float32; FSDP2's float32 shards on several), and that configuration's own plan agrees."""
+    model = tmp_path / "qwen2.5-7b"
+    CONFIGS["qwen2.5-7b"].save_pretrained(model)
+    args = ["--model", str(model), "--output_dir", str(tmp_path / "run"), "--device", "cuda"]
+    main(["train", "--dry-run", "--processes", str(processes), *args])
+    text = capsys.readouterr().out
+    if torch.cuda.is_available():
+        pytest.skip("planned against this machine's GPU, not an 80 GB card")
+    assert f"{processes} process" in text and "fits: no" in text
+    line = next(ln for ln in text.splitlines() if ln.startswith("recommended"))
+    assert line.startswith(f"recommended on {processes} process") and line.split(": ", 1)[1].startswith(recommended)
+    flags = [f"--{part.replace(': ', ' ')}" for part in recommended.split(", ")]
+    main(["train", "--dry-run", "--processes", str(processes), *args, *[a for f in flags for a in f.split()]])
+    fitted = capsys.readouterr().out
+    assert "fits: yes" in fitted
+    masters = "float32 master weights (FSDP2's shards)" if processes > 1 else "LoRA adapters (float32)"
+    assert masters in fitted
+    peak = float(fitted.split("GiB at ")[0].rsplit("; ", 1)[1])
+    recommended_peak = float(line.rsplit("(peak ", 1)[1].split(" GiB")[0])
+    assert peak <= 0.95 * 79.6 and abs(peak - recommended_peak) < 0.06
+
+
+def test_processes_is_refused_without_a_dry_run(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """torchrun sets a run's processes: ``--processes`` plans only, and is refused before anything else."""
+    for extra in (["--processes", "2"], ["--dry-run", "--processes", "0"]):
+        with pytest.raises(SystemExit) as ended:
+            main(["train", *extra, "--output_dir", str(tmp_path / "run")])
+        assert ended.value.code == 2 and "--processes:" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_dry_run_of_the_embedded_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -10,13 +10,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
 from fastgrpo.fields import Range, check_ranges, option
-from fastgrpo.models import DTYPE_CHOICES, check_model_source, resolve_dtype
+from fastgrpo.models import DTYPE_CHOICES, check_model_source
 from fastgrpo.sampling_params import SamplingParams
 
 COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.compiled.compile_backend`
@@ -44,9 +42,10 @@ class GRPOConfig:
     )
     master_weights: bool = option(
         True,
-        help="with bfloat16 or float16 weights, AdamW updates float32 master copies (optimizer state) and writes "
-        "them back rounded (gradients accumulate over micro-batches in the weights' dtype; float16 gets no loss "
-        "scaling); false: it updates the low-precision weights directly",
+        help="with bfloat16 or float16 weights, AdamW updates float32 master weights (optimizer state; with fsdp, "
+        "FSDP2's float32 shards) and the module computes with them rounded; gradients accumulate and reduce in "
+        "float32 (under DDP in the weights' dtype); float16 gets no loss scaling; false: AdamW updates the "
+        "low-precision weights directly",
     )
     device: str = option("auto", help="`auto`: each process's GPU if there is one, else the CPU", choices=DEVICES)
     compile: str = option(
@@ -172,15 +171,6 @@ class GRPOConfig:
     def prompts_per_step(self) -> int:
         return self.generation_batch_size // self.num_generations
 
-    @property
-    def low_precision(self) -> bool:
-        """Whether the policy's weights will be bfloat16 or float16: named so, or ``auto`` where a GPU will run."""
-        if self.dtype == "auto" and self.device != "cpu" and torch.cuda.is_available():
-            return resolve_dtype("auto", torch.device("cuda")) != "float32"
-        if self.dtype == "auto":  # a GPU asked for where there is none (a dry run plans for one): bfloat16
-            return self.device == "cuda"
-        return self.dtype in ("bfloat16", "float16")
-
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_completion_length,
@@ -205,11 +195,6 @@ class GRPOConfig:
             raise ValueError(
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
-            )
-        if self.fsdp and self.master_weights and self.low_precision:
-            raise ValueError(
-                "master_weights: FSDP2 runs keep no float32 master weights; with fsdp set dtype: float32 (with bf16: "
-                "true for bfloat16 products) or master_weights: false"
             )
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")

@@ -138,7 +138,8 @@ class CompletionLogprobs(nn.Module):
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, temperature: float, chunk_tokens: int
     ) -> Tensor:
-        return completion_logprobs(self.model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
+        logps = completion_logprobs(self.model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
+        return logps.clone()  # FSDP2 warns of a view returned by the module it wraps: [B, C], a trifle to copy
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:

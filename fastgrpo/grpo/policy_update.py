@@ -22,9 +22,12 @@ class PolicyUpdate:
     """Updates ``model`` (its trainable parameters) by GRPO's loss; ``ref_model`` gives the KL penalty's reference
     (None: the policy with its LoRA adapters disabled); ``world_size`` processes share each batch.
 
-    With ``master_weights`` and bfloat16 (or float16) trainable parameters, AdamW updates float32 master copies
-    (`fastgrpo.precision.MasterWeights`, saved with the optimizer state) and writes them back into the module. AdamW
-    runs fused on CUDA (`fused_adamw`)."""
+    With ``master_weights`` and bfloat16 (or float16) trainable parameters, AdamW updates float32 master weights:
+    FSDP2's shards when the policy is sharded (`distributed.wrap_policy`), otherwise copies
+    (`fastgrpo.precision.MasterWeights`) written back into the module after every step. In a single process the
+    gradients accumulate over micro-batches in float32 on the masters; under DDP they accumulate and are all-reduced
+    in the weights' dtype (DDP reduces the module's own gradients), and under FSDP2 they are reduce-scattered in
+    float32 every micro-batch. AdamW runs fused on CUDA (`fused_adamw`)."""
 
     def __init__(self, model: PreTrainedModel, ref_model: PreTrainedModel | None, config: GRPOConfig, world_size: int):
         self.model = model
@@ -37,11 +40,16 @@ class PolicyUpdate:
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
         if config.gradient_checkpointing:  # active in training mode only: rollouts run the model in eval mode
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        self.masters = MasterWeights(trainable) if config.master_weights and MasterWeights.needed(trainable) else None
-        if self.masters is not None and distributed.is_sharded(self.policy):  # GRPOConfig.validate refuses it first
-            raise ValueError("master_weights: FSDP2 runs keep no float32 master weights")
+        self.compute_dtype = trainable[0].dtype
+        keep_masters = config.master_weights and MasterWeights.needed(trainable)
+        self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp, float32_shards=keep_masters)
+        # FSDP2's float32 shards are the master weights; otherwise `MasterWeights` keeps them.
+        self.float32_shards = keep_masters and distributed.is_sharded(self.policy)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2 registers its shards in their place
+        self.masters = MasterWeights(trainable) if keep_masters and not self.float32_shards else None
+        if self.masters is not None and world_size == 1:  # DDP reduces the module's own gradients
+            self.masters.take_grads_in_backward()
         self.optimizer = torch.optim.AdamW(
             self.masters.copies if self.masters is not None else trainable,
             lr=config.learning_rate,
@@ -55,6 +63,38 @@ class PolicyUpdate:
             num_warmup_steps=int(config.warmup_ratio * config.max_steps * config.num_iterations),
             num_training_steps=config.max_steps * config.num_iterations,
         )
+
+    @property
+    def keeps_masters(self) -> bool:
+        """Whether AdamW updates float32 master weights (FSDP2's shards or `MasterWeights`' copies)."""
+        return self.masters is not None or self.float32_shards
+
+    def full_state(self) -> tuple[dict | None, dict, dict | None]:
+        """What a checkpoint keeps of the update (under FSDP2 every rank must call this): the model's weights to
+        save (None: the module's own; gathered in the policy's dtype under FSDP2), the optimizer state, and the
+        float32 master weights in the order of the trainable parameters (None: none kept). Under FSDP2 the weights
+        and masters are gathered on rank 0 only."""
+        weights, optimizer = distributed.full_state(self.policy, self.optimizer)
+        if self.masters is not None:
+            return weights, optimizer, self.masters.state_dict()
+        if not self.float32_shards:
+            return weights, optimizer, None
+        if not weights:  # FSDP2 gathers the full state on rank 0 only
+            return weights, optimizer, None
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        masters = {"masters": [weights[n] for n in names]}
+        return {k: v.to(self.compute_dtype) for k, v in weights.items()}, optimizer, masters
+
+    def load_masters(self, state: dict) -> None:
+        """Restore the float32 master weights `full_state` saved (into FSDP2's shards, or the copies)."""
+        if self.masters is not None:
+            self.masters.load_state_dict(state)
+            return
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        saved = state["masters"]
+        if [tuple(s.shape) for s in saved] != [tuple(p.shape) for _, p in named]:
+            raise ValueError("master weights saved for other trainable parameters than this run's")
+        distributed.load_full_weights(self.policy, {n: s for (n, _), s in zip(named, saved, strict=True)})
 
     def logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
@@ -149,7 +189,7 @@ class PolicyUpdate:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
             if self.masters is not None:
-                self.masters.take_grads()  # a parameter without a gradient gets zeros, as below
+                self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
             else:
                 for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
                     if p.grad is None:

@@ -165,14 +165,14 @@ class GRPOTrainer:
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
         self.update.scheduler.load_state_dict(state["scheduler"])
-        if self.update.masters is not None:
+        if self.update.keeps_masters:
             if "master_weights" not in state:
                 raise ValueError(
                     f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run of another dtype, "
                     "or without them): resume with the dtype it was saved with, or with master_weights: false to go "
                     "on in low precision"
                 )
-            self.update.masters.load_state_dict(state["master_weights"])
+            self.update.load_masters(state["master_weights"])
         elif "master_weights" in state:
             self._restore_without_masters(state["master_weights"])
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
@@ -188,6 +188,10 @@ class GRPOTrainer:
         if all(p.dtype == torch.float32 for p in trainable) and [tuple(c.shape) for c in copies] == [
             tuple(p.shape) for p in trainable
         ]:
+            if distributed.is_sharded(self.update.policy):
+                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+                distributed.load_full_weights(self.update.policy, dict(zip(names, copies, strict=True)))
+                return
             with torch.no_grad():
                 for p, c in zip(trainable, copies, strict=True):
                     p.copy_(c)
@@ -296,9 +300,7 @@ class GRPOTrainer:
     def save(self, step: int) -> Path:
         """Write ``checkpoint-{step}`` (rank 0 writes it; every rank waits until it is complete)."""
         path = self.output_dir / f"checkpoint-{step}"
-        weights, optimizer_state = distributed.full_state(
-            self.update.policy, self.update.optimizer
-        )  # all ranks take part
+        weights, optimizer_state, masters = self.update.full_state()  # all ranks take part
         if self.dist.is_main:
 
             def write_model(path: Path) -> None:
@@ -309,8 +311,8 @@ class GRPOTrainer:
             state = {}
             if not self.config.save_only_model:
                 state = {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
-                if self.update.masters is not None:
-                    state["master_weights"] = self.update.masters.state_dict()
+                if masters is not None:
+                    state["master_weights"] = masters
             path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)
         distributed.barrier()
         return path

@@ -13,10 +13,11 @@ from transformers import PretrainedConfig
 
 from fastgrpo.config import GRPOConfig
 from fastgrpo.memory.items import GIB
-from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, MASTERS, MemoryPlan, estimate_memory
+from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, MemoryPlan, estimate_memory
 from fastgrpo.models import SUPPORTED_FAMILIES, check_model_source, resolve_model_path
 
 CARD_80GB_BYTES = 81559 * 2**20  # what an 80 GB A100/H100 reports in all
+RECIPE_SHARE = 0.95  # a recommended configuration plans at most this share of the memory (the rest: fragmentation)
 
 
 def _fits(config: GRPOConfig, plan: MemoryPlan, free_bytes: int, world_size: int | None = None) -> MemoryPlan | None:
@@ -91,8 +92,7 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     """The single changes of ``config`` whose re-estimated peak fits ``free_bytes``, each as ``(options, plan)``:
     LoRA, the reference model dropped (``beta: 0``), gradient checkpointing, the same completions in smaller
     micro-batches, fewer completions per step (smaller groups if need be), shorter completions, FSDP over the fewest
-    processes that fit (without master weights, which FSDP runs do not keep), and no speculation. Changes that fit
-    only together are not searched."""
+    processes that fit, and no speculation. Changes that fit only together are not searched."""
     found: list[tuple[str, MemoryPlan]] = []
 
     def attempt(make: Callable[[], tuple[GRPOConfig, MemoryPlan]]) -> None:
@@ -116,18 +116,36 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     if config.max_completion_length > 1:
         attempt(lambda: _shorter_completions(config, plan, free_bytes))
     if not config.use_peft:
-        sharded = dataclasses.replace(config, fsdp=True, master_weights=False)
-        masters = any(item.name == MASTERS for item in plan.items)
-        what = "fsdp: true" + (", master_weights: false" if masters else "")
+        sharded = dataclasses.replace(config, fsdp=True)
         for n in range(max(2, plan.world_size), 257):
             fitted = _fits(sharded, plan, free_bytes, world_size=n)
             if fitted is not None:
-                found.append((f"{what} on {n} processes (torchrun --nproc_per_node {n})", fitted))
+                found.append((f"fsdp: true on {n} processes (torchrun --nproc_per_node {n})", fitted))
                 break
     if config.speculation.mode != "off":
         off = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="off"))
         attempt(single(off))
     return found
+
+
+def recipe(config: GRPOConfig, plan: MemoryPlan, free_bytes: int) -> tuple[str, MemoryPlan] | None:
+    """The configuration nearest ``config`` that fits `RECIPE_SHARE` of ``free_bytes`` on each of
+    ``plan.world_size`` processes, with the same completions per step and float32 master weights kept: a full
+    fine-tune sharded with FSDP2 over several processes, then in this order of preference no reference model
+    (``beta: 0``) before LoRA (replicated), and within each the largest micro-batches, gradient checkpointing before
+    smaller ones (under FSDP2 every micro-batch gathers every layer again). Returns the changed options and the
+    plan, or None when none fits (fewer or shorter completions, or more processes, remain)."""
+    for lora in dict.fromkeys((config.use_peft, True)):
+        for beta in dict.fromkeys((config.beta, 0.0)):
+            sharded = (config.fsdp or plan.world_size > 1) and not lora
+            base = dataclasses.replace(config, use_peft=lora, beta=beta, fsdp=sharded)
+            for sized in (base, *_smaller_micro_batches(base)):
+                for checkpointing in dict.fromkeys((config.gradient_checkpointing, True)):
+                    candidate = dataclasses.replace(sized, gradient_checkpointing=checkpointing)
+                    fitted = _fits(candidate, plan, int(RECIPE_SHARE * free_bytes))
+                    if fitted is not None:
+                        return _changed(config, candidate), fitted
+    return None
 
 
 def check_fits(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> None:
@@ -210,11 +228,12 @@ def read_model_config(name: str) -> PretrainedConfig:
     return model_config
 
 
-def dry_run(config: GRPOConfig) -> str:
+def dry_run(config: GRPOConfig, processes: int | None = None) -> str:
     """``fastgrpo train --dry-run``: the memory plan of ``config`` (validated already) on the device the run would
-    use, from the model's config alone, and on a GPU whether it fits the memory available there (`available_bytes`).
-    ``device: cuda`` on a machine without a GPU plans for one (bfloat16 for ``dtype: auto``) without that check.
-    Nothing is written."""
+    use, for ``processes`` processes (None: this job's, `world_size`), from the model's config alone, and on a GPU
+    whether it fits the memory available there (`available_bytes`), with the nearest configuration that does
+    (`recipe`) when it does not. ``device: cuda`` on a machine without a GPU plans for one (bfloat16 for ``dtype:
+    auto``), checked against an 80 GB card. Nothing is written."""
     from fastgrpo.distributed import resolve_device
 
     model_config = read_model_config(config.model)
@@ -223,15 +242,15 @@ def dry_run(config: GRPOConfig) -> str:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     else:
         device = resolve_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
-    plan = estimate_memory(config, model_config, device, world_size())
+    plan = estimate_memory(config, model_config, device, processes or world_size())
     lines = [f"memory plan of {config.model}: {plan.summary()}", "", plan.table(), ""]
     if plan.shape.model_type not in SUPPORTED_FAMILIES:
         lines.append(f"note: {plan.shape.model_type} is outside the families the estimate models exactly")
     if planned_only:
         lines.append("no GPU here: the plan is for a CUDA device, checked against an 80 GB card's memory")
-        lines.append(_fits_line(plan, CARD_80GB_BYTES, config, "an 80 GB card"))
+        lines += _fits_lines(plan, CARD_80GB_BYTES, config, "an 80 GB card")
     elif device.type == "cuda":
-        lines.append(_fits_line(plan, available_bytes(device), config, str(device)))
+        lines += _fits_lines(plan, available_bytes(device), config, str(device))
     else:
         lines.append(
             f"no GPU: the plan is for the CPU (dtype {plan.dtype}), whose memory is the host's; add --device cuda to "
@@ -240,10 +259,18 @@ def dry_run(config: GRPOConfig) -> str:
     return "\n".join(lines)
 
 
-def _fits_line(plan: MemoryPlan, available: int, config: GRPOConfig, where: str) -> str:
-    """``fits: yes`` with the memory available on ``where``, or ``fits: no`` with `check_fits`'s advice."""
+def _fits_lines(plan: MemoryPlan, available: int, config: GRPOConfig, where: str) -> list[str]:
+    """``fits: yes`` with the memory available on ``where``; or ``fits: no`` with `check_fits`'s advice and the
+    `recipe` that fits on the plan's processes."""
     try:
         check_fits(plan, available, config)
     except ValueError as e:
-        return f"fits: no: {e}"
-    return f"fits: yes, {available / GIB:.1f} GiB available on {where}"
+        n = plan.world_size
+        on = f"on {n} process{'es' if n > 1 else ''} of {available / GIB:.1f} GiB"
+        found = recipe(config, plan, available)
+        if found is None:
+            advice = f"recommended {on}: none of fsdp, smaller micro-batches, checkpointing, beta 0 or LoRA fits"
+        else:
+            advice = f"recommended {on}: {found[0]} (peak {found[1].peak_bytes / GIB:.1f} GiB)"
+        return [f"fits: no: {e}", advice]
+    return [f"fits: yes, {available / GIB:.1f} GiB available on {where}"]

@@ -53,7 +53,6 @@ from fastgrpo.speculative.registry import plugins
 CUDA_CONTEXT_BYTES = 2**29  # the CUDA context with torch's kernels loaded (lazily): about 0.5 GiB on recent GPUs
 CUDA_WORKSPACE_BYTES = 2**29  # cuBLAS/cuDNN workspaces and the allocator's rounding
 HOST_RUNTIME_BYTES = 2**30  # on CPU: Python with torch and transformers imported
-MASTERS = "float32 master weights"
 
 
 @dataclass(frozen=True)
@@ -198,25 +197,37 @@ def estimate_memory(
 
     # Policy weights. FSDP2 gathers them in full for the rollout and the draft update (each rank keeps its shard
     # too); during the update one layer (and the next, prefetched) is gathered besides the root's embedding and head.
+    # With master weights the shards are float32 (the masters) and are gathered in the policy's dtype.
+    sharded_masters = masters and shards > 1
     if shards == 1:
         items.resident(f"policy weights ({dtype})", params * w)
     else:
         root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h
         gathered = (root + 2 * shape.layer_params()) * w
-        full = params * w + params * w / shards
-        items.add(f"policy weights ({dtype}, sharded)", full, full, params * w / shards + gathered, params * w / shards)
+        own = 0 if sharded_masters else params * w / shards
+        what = "gathered from float32 shards" if sharded_masters else "sharded"
+        items.add(f"policy weights ({dtype}, {what})", params * w + own, params * w + own, own + gathered, own)
     if lora:
         items.resident(f"LoRA adapters ({_dtype_name(grad_bytes, dtype)})", lora.params * grad_bytes)
 
-    # Gradients live from the first backward to the optimizer step (zeroed to None after it); with master weights
-    # they become float32 on the masters for the step. DDP keeps a bucketed copy for its all-reduce.
-    step_grads = trainable * (4 if masters else grad_bytes) / shards
-    items.add("policy gradients", 0, 0, trainable * grad_bytes / shards, step_grads)
+    # Gradients live from the first backward to the optimizer step (zeroed to None after it). With master weights
+    # they accumulate in float32: on the masters in one process (each taken from the module as soon as the backward
+    # computes it), in FSDP2's float32 shards (beside one layer's gathered ones); DDP accumulates and reduces them in
+    # the weights' dtype, in its buckets, and they become float32 on the masters for the step.
+    if sharded_masters:
+        backward = trainable * 4 / shards + shape.layer_params() * w
+    elif masters and world_size == 1:
+        backward = trainable * 4 + _largest_trainable(shape, lora, config.lora_r) * grad_bytes
+    else:
+        backward = trainable * grad_bytes / shards
+    items.add("policy gradients", 0, 0, backward, trainable * (4 if masters else grad_bytes) / shards)
     if world_size > 1 and shards == 1:
         items.add("DDP gradient buckets", 0, 0, trainable * grad_bytes, trainable * grad_bytes)
     items.resident(f"AdamW moments ({_dtype_name(moment_bytes, dtype)}, x2)", 2 * trainable * moment_bytes / shards)
     if masters:
-        items.resident(MASTERS, trainable * 4 / shards)
+        items.resident(
+            "float32 master weights" + (" (FSDP2's shards)" if sharded_masters else ""), trainable * 4 / shards
+        )
     # AdamW's step fused (on CUDA, `fused_adamw`) updates in place; the default loop (elsewhere) makes a buffer the
     # size of one parameter's moment (the square root of the second moment) at a time.
     if not fused_adamw(device):
