@@ -68,8 +68,9 @@ runs; the command exits non-zero at the end when any section failed):
   one run (adaptive, full weights, bfloat16) compiles its rollouts, the others run eagerly.
 - ``torchrun``: ``python -m torch.distributed.run --nproc_per_node 1 -m fastgrpo train`` with ``fsdp: true`` and
   ``compile: on``, two steps of a tiny random Llama in bfloat16 behind FSDP2's float32 master shards: passed or not,
-  and the last line of its error output (on a CPU in float32 with ``compile: off``: there ``on`` would generate C++
-  with inductor).
+  the last line of its error output, the CUDA graphs each rollout recorded and whether the parameters FSDP2 gathers
+  anew for each rollout land where they were (else every rollout records its graphs again); on a CPU in float32 with
+  ``compile: off`` (there ``on`` would generate C++ with inductor).
 
 ``--quick`` builds tiny models everywhere and cuts the sweeps to one or two points.
 After every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and its markdown tables (the

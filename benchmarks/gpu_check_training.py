@@ -209,17 +209,24 @@ def torchrun_config(model_dir: Path, output_dir: Path, device: str, compile: str
     )
 
 
-def torchrun_command(config: Path) -> list[str]:
-    """``torchrun --nproc_per_node 1 -m fastgrpo train --config CONFIG`` as this interpreter runs it."""
+JOB = Path(__file__).with_name("gpu_check_fsdp_job.py")
+
+
+def torchrun_command(config: Path, record: Path) -> list[str]:
+    """``torchrun --nproc_per_node 1 gpu_check_fsdp_job.py RECORD --config CONFIG`` as this interpreter runs it:
+    ``fastgrpo train --config CONFIG``, each rollout's CUDA graph recordings and parameter addresses written to
+    ``record``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port"]
-    return [*launcher, str(free_port()), "-m", "fastgrpo", "train", "--config", str(config)]
+    return [*launcher, str(free_port()), str(JOB), str(record), "--config", str(config)]
 
 
 def section_torchrun(check: Check, section: Section) -> None:
-    """Two steps of ``fastgrpo train`` in one process under ``torchrun`` with ``fsdp: true`` and ``compile: on``, of a
-    tiny random Llama saved to a scratch directory: whether it ends cleanly with two logged steps (else the last line
-    of its error output). ``compile: on`` is a GPU's: on a CPU it means inductor's C++ code generation, which the CPU
-    runs of this check leave out, so there the job runs with ``compile: off`` (FSDP2 over gloo), and says so."""
+    """Two steps of ``fastgrpo train`` in one process under ``torchrun`` with ``fsdp: true`` and ``compile: on``, of
+    a tiny random Llama saved to a scratch directory: whether it ends cleanly with two logged steps (else the last
+    line of its error output), the CUDA graphs recorded in each rollout, and whether the second rollout's gathered
+    parameters have the first's addresses (on a GPU both are expected: none recorded again, in place). ``compile:
+    on`` is a GPU's: on a CPU it means inductor's C++ code generation, which the CPU runs of this check leave out,
+    so there the job runs with ``compile: off`` (FSDP2 over gloo), and says so."""
     cuda = check.device.type == "cuda"
     if not cuda:
         section.skipped.append("compile: on under torchrun is checked on a GPU (on a CPU inductor generates C++)")
@@ -235,7 +242,8 @@ def section_torchrun(check: Check, section: Section) -> None:
     config.write_text(yaml.safe_dump(torchrun_config(model_dir, root / "run", check.device.type, compile)))
     env = {**os.environ, "FASTGRPO_CACHE": str(root / "cache"), "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
-    cmd = torchrun_command(config)
+    record = root / "job.json"
+    cmd = torchrun_command(config, record)
     t0 = time.perf_counter()
     limit = TORCHRUN_SECONDS if check.deadline is None else min(TORCHRUN_SECONDS, max(check.deadline - t0, 60.0))
     try:
@@ -248,6 +256,11 @@ def section_torchrun(check: Check, section: Section) -> None:
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
     passed = code == 0 and len(steps) == 2
+    rollouts = json.loads(record.read_text())["rollouts"] if record.is_file() else []
+    recordings = [r["recordings"] for r in rollouts]
+    # FSDP2 gathers the parameters anew for every rollout: CUDA graphs follow them without recording again only
+    # where they land at the addresses of the rollout before.
+    in_place = [a["addresses"] == b["addresses"] for a, b in zip(rollouts, rollouts[1:], strict=False)]
     section.results.update(
         command=" ".join(cmd[1:]),
         compile=compile,
@@ -255,19 +268,37 @@ def section_torchrun(check: Check, section: Section) -> None:
         seconds=time.perf_counter() - t0,
         steps=steps,
         passed=passed,
+        recordings=recordings,
+        parameters_in_place=in_place,
         last_error_line=None if passed or not lines else lines[-1],
     )
     error = lines[-1] if lines else ""
     section.expect(passed, f"torchrun fsdp, compile {compile}: exit {code}, {len(steps)} steps: {error}")
+    if cuda and passed:
+        section.expect(
+            all(in_place) and not any(recordings[1:]),
+            f"torchrun fsdp: CUDA graph recordings per rollout {recordings}, gathered parameters at the previous "
+            f"rollout's addresses {in_place}",
+        )
     check.record.table(
         f"fastgrpo train under torchrun, one process, fsdp: true, compile: {compile}, tiny Llama, {check.device}",
-        ["result", "exit code", "steps", "seconds", "last line of stderr"],
+        [
+            "result",
+            "exit code",
+            "steps",
+            "seconds",
+            "recordings per rollout",
+            "parameters in place",
+            "last line of stderr",
+        ],
         [
             [
                 "passed" if passed else "FAILED",
                 code,
                 len(steps),
                 f"{section.results['seconds']:.0f}",
+                " / ".join("-" if r is None else str(r) for r in recordings),
+                " / ".join("yes" if same else "no" for same in in_place),
                 "-" if passed else error[:150].replace("|", "/"),
             ]
         ],

@@ -20,7 +20,7 @@ import yaml
 from gpu_check import skip_reason
 from gpu_check_common import counted_captures
 from gpu_check_decode import TARGETS, target_values, verdict
-from gpu_check_training import save_model_dir, torchrun_command, torchrun_config
+from gpu_check_training import JOB, save_model_dir, torchrun_command, torchrun_config
 from test_device_lint import deviceless_factories
 
 from fastgrpo.cli import build_parser
@@ -185,6 +185,7 @@ def test_host_calibration_targets_and_torchrun_on_a_cpu(quick_run) -> None:
     torchrun = sections["torchrun"]  # compile: on is a GPU's; the CPU runs the same job with compile: off
     assert len(torchrun["skipped"]) == 1 and torchrun["results"]["compile"] == "off"
     assert torchrun["results"]["passed"] is True and [s["step"] for s in torchrun["results"]["steps"]] == [1, 2]
+    assert torchrun["results"]["recordings"] == [0, 0] and len(torchrun["results"]["parameters_in_place"]) == 1
 
 
 def test_a_killed_run_keeps_the_sections_it_finished(tmp_path: Path) -> None:
@@ -294,10 +295,10 @@ def test_the_torchrun_job_is_a_valid_fastgrpo_train_command(tmp_path: Path) -> N
     config_path.write_text(yaml.safe_dump(torchrun_config(model_dir, tmp_path / "run", "cpu", "on")))
     config = load_config(config_path, [])
     assert config.fsdp is True and config.compile == "on" and config.max_steps == 2
-    cmd = torchrun_command(config_path)
+    cmd = torchrun_command(config_path, tmp_path / "job.json")
     assert cmd[1:5] == ["-m", "torch.distributed.run", "--nproc_per_node", "1"]
-    fastgrpo_args = cmd[cmd.index("fastgrpo") + 1 :]
-    args = build_parser().parse_args(fastgrpo_args)
+    assert cmd[7:9] == [str(JOB), str(tmp_path / "job.json")]
+    args = build_parser().parse_args(["train", *cmd[9:]])
     assert args.command == "train" and args.config == str(config_path)
 
 
