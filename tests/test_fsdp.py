@@ -66,23 +66,20 @@ def fixed_batch() -> RolloutBatch:
     return build_batch([r[:5] for r in ids], [r[5:] for r in ids], 0, advantages)
 
 
-def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str, masters: bool) -> None:
+def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> None:
     _join(rank, world, port)
     try:
         model = load_model(model_dir, "bfloat16", torch.device("cpu"))
-        update = PolicyUpdate(
-            model, None, update_config(Path(model_dir), world, fsdp=True, master_weights=masters), world
-        )
+        update = PolicyUpdate(model, None, update_config(Path(model_dir), world, fsdp=True), world)
         part = select_rows(fixed_batch(), torch.arange(rank * ROWS // world, (rank + 1) * ROWS // world))
         for _ in range(STEPS):
             update.optimize(part)
         weights, _, saved = update.full_state()
-        restored = None
-        if masters:  # a resumed run: a fresh policy from the bfloat16 file, its shards set from the saved masters
-            fresh = load_model(model_dir, "bfloat16", torch.device("cpu"))
-            resumed = PolicyUpdate(fresh, None, update_config(Path(model_dir), world, fsdp=True), world)
-            resumed.load_masters(distributed.gather(saved)[0])  # rank 0's, as every rank reads the checkpoint
-            restored = resumed.full_state()[2]
+        # A resumed run: a fresh policy from the bfloat16 file, its shards set from the saved masters.
+        fresh = load_model(model_dir, "bfloat16", torch.device("cpu"))
+        resumed = PolicyUpdate(fresh, None, update_config(Path(model_dir), world, fsdp=True), world)
+        resumed.load_masters(distributed.gather(saved)[0])  # rank 0's, as every rank reads the checkpoint
+        restored = resumed.full_state()[2]
         if rank == 0:
             result = {"masters": saved, "weights": weights, "float32_shards": update.float32_shards}
             torch.save({**result, "restored": restored}, out)
@@ -90,8 +87,8 @@ def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str, m
         distributed.shutdown()
 
 
-def fsdp_update(model_dir: Path, out: Path, masters: bool) -> dict:
-    mp.spawn(_update_worker, args=(2, free_port(), str(model_dir), str(out), masters), nprocs=2, join=True)
+def fsdp_update(model_dir: Path, out: Path) -> dict:
+    mp.spawn(_update_worker, args=(2, free_port(), str(model_dir), str(out)), nprocs=2, join=True)
     return torch.load(out)
 
 
@@ -111,7 +108,7 @@ def test_fsdp_float32_shards_learn_what_one_process_with_master_weights_learns(m
     finally:
         torch.set_num_threads(threads)
     assert single.masters is not None
-    sharded = fsdp_update(model_dir, tmp_path / "masters.pt", masters=True)
+    sharded = fsdp_update(model_dir, tmp_path / "masters.pt")
     assert sharded["float32_shards"]
     moved, total = 0, 0
     for name, start, one, two in zip(names, initial, single.masters.copies, sharded["masters"]["masters"], strict=True):
@@ -126,24 +123,36 @@ def test_fsdp_float32_shards_learn_what_one_process_with_master_weights_learns(m
     for saved, restored in zip(sharded["masters"]["masters"], sharded["restored"]["masters"], strict=True):
         assert torch.equal(saved, restored)
 
-    plain = fsdp_update(model_dir, tmp_path / "plain.pt", masters=False)
-    assert plain["masters"] is None and not plain["float32_shards"]
-    kept = sum(int((plain["weights"][n].float() != s).sum()) for n, s in zip(names, initial, strict=True))
+    # Without master weights AdamW updates the bfloat16 weights themselves (sharded or not: the same rounding).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = load_model(str(model_dir), "bfloat16", torch.device("cpu"))
+        plain = PolicyUpdate(model, None, update_config(model_dir, 1, master_weights=False), 1)
+        for _ in range(STEPS):
+            plain.optimize(fixed_batch())
+    finally:
+        torch.set_num_threads(threads)
+    assert plain.masters is None
+    trained = [p.detach().float() for p in model.parameters() if p.requires_grad]
+    kept = sum(int((after != start).sum()) for after, start in zip(trained, initial, strict=True))
     assert kept / total < 0.5, f"{kept / total:.1%} of the bfloat16 weights moved"
 
 
 # -- rollouts under FSDP2 -----------------------------------------------------------------------------------------
-def _rollout_worker(rank: int, world: int, port: int, config: str, out: str, compiled: bool) -> None:
-    """Two GRPO steps of a sharded bfloat16 policy; writes each step's completions, the all-gathers counted when
-    each rollout began and at each of its decoding steps, and how many calls ran compiled."""
+RUNS = (("bfloat16", True), ("float32", True), ("float32", False))  # (dtype, compiled) of the sharded runs
+
+
+def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
+    """Two GRPO steps of a sharded policy for each of `RUNS`, in turn; writes each run's completions per step, the
+    all-gathers counted when each rollout began and at each of its decoding steps, and how many calls ran
+    compiled."""
     import fastgrpo.grpo.trainer as trainer_module
     from fastgrpo.rollout import compiled as compiled_module
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.training_rollouts import TrainingRollouts
 
     _join(rank, world, port)
-    if compiled:
-        trainer_module.compile_backend = lambda choice, device: "aot_eager"
     gathers = [0]
     for name in ("all_gather_single", "all_gather_into_tensor"):  # FSDP2's all-gather, by torch version
         if hasattr(dist, name):
@@ -176,33 +185,44 @@ def _rollout_worker(rank: int, world: int, port: int, config: str, out: str, com
         return step(self, *args, **kwargs)
 
     TrainingRollouts.generate, RolloutEngine.step = recorded_generate, recorded_step
+    compile_backend = trainer_module.compile_backend
     try:
-        trainer = trainer_module.GRPOTrainer(load_config(config))
-        history = trainer.train()
-        graphs = [m.get("compile/graphs", 0.0) for m in history]
-        Path(out, f"rank{rank}.json").write_text(
-            json.dumps({"rollouts": rollouts, "calls": calls[0], "graphs": graphs})
-        )
+        for dtype, compiled in RUNS:
+            name = f"{dtype}-{'compiled' if compiled else 'eager'}"
+            trainer_module.compile_backend = (lambda choice, device: "aot_eager") if compiled else compile_backend
+            calls[0] = 0
+            rollouts.clear()
+            history = trainer_module.GRPOTrainer(load_config(Path(root, f"{name}.yaml"))).train()
+            graphs = [m.get("compile/graphs", 0.0) for m in history]
+            result = {"rollouts": rollouts, "calls": calls[0], "graphs": graphs}
+            Path(root, f"{name}-rank{rank}.json").write_text(json.dumps(result))
     finally:
         distributed.shutdown()
 
 
-def sharded_run(model_dir: Path, root: Path, compiled: bool, dtype: str) -> list[dict]:
-    name = f"{dtype}-{'compiled' if compiled else 'eager'}"
-    run_config(
-        model_dir,
-        root / name,
-        per_device=4,
-        dtype=dtype,
-        fsdp=True,
-        compile="on" if compiled else "off",
-        temperature=1.0,
-        speculation={"mode": "static", "drafter": "eagle", "nodes": 4, "k_max": 2, "depth": 2},
-    )
-    (root / f"{name}-out").mkdir()
-    args = (2, free_port(), str(root / f"{name}.yaml"), str(root / f"{name}-out"), compiled)
-    mp.spawn(_rollout_worker, args=args, nprocs=2, join=True)
-    return [json.loads((root / f"{name}-out" / f"rank{r}.json").read_text()) for r in range(2)]
+@pytest.fixture(scope="module")
+def sharded_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], list[dict]]:
+    """What each of `RUNS` recorded on each rank: one two-process job runs them in turn."""
+    root = tmp_path_factory.mktemp("sharded")
+    for dtype, compiled in RUNS:
+        run_config(
+            model_dir,
+            root / f"{dtype}-{'compiled' if compiled else 'eager'}",
+            per_device=4,
+            dtype=dtype,
+            fsdp=True,
+            compile="on" if compiled else "off",
+            temperature=1.0,
+            speculation={"mode": "static", "drafter": "eagle", "nodes": 4, "k_max": 2, "depth": 2},
+        )
+    mp.spawn(_rollout_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
+    return {
+        (dtype, compiled): [
+            json.loads((root / f"{dtype}-{'compiled' if compiled else 'eager'}-rank{r}.json").read_text())
+            for r in range(2)
+        ]
+        for dtype, compiled in RUNS
+    }
 
 
 def assert_compiled_and_gathered_once(ranks: list[dict]) -> None:
@@ -216,18 +236,17 @@ def assert_compiled_and_gathered_once(ranks: list[dict]) -> None:
             assert set(rollout["steps"]) == {rollout["start"]}, "no all-gather while decoding"
 
 
-def test_sharded_bfloat16_rollouts_gather_once_and_run_compiled(model_dir: Path, tmp_path: Path) -> None:
+def test_sharded_bfloat16_rollouts_gather_once_and_run_compiled(sharded_runs) -> None:
     """Two GRPO steps of a bfloat16 policy under FSDP2 (float32 shards), the decoding steps compiled (plain and
     EAGLE-tree): every decoding step runs compiled, and the parameters are gathered before a rollout, never in it."""
-    assert_compiled_and_gathered_once(sharded_run(model_dir, tmp_path, compiled=True, dtype="bfloat16"))
+    assert_compiled_and_gathered_once(sharded_runs["bfloat16", True])
 
 
-def test_sharded_rollouts_compiled_emit_what_they_emit_eagerly(model_dir: Path, tmp_path: Path) -> None:
+def test_sharded_rollouts_compiled_emit_what_they_emit_eagerly(sharded_runs) -> None:
     """Under FSDP2 the compiled decoding steps emit the eager steps' completions, step for step. In float32: in
     bfloat16 a compiled graph rounds otherwise than the eager kernels, with or without FSDP2, and a sampled token
     may differ where two are nearly tied."""
-    compiled = sharded_run(model_dir, tmp_path, compiled=True, dtype="float32")
-    eager = sharded_run(model_dir, tmp_path, compiled=False, dtype="float32")
+    compiled, eager = sharded_runs["float32", True], sharded_runs["float32", False]
     assert_compiled_and_gathered_once(compiled)
     for mine, theirs in zip(compiled, eager, strict=True):
         assert theirs["calls"] == 0
