@@ -45,7 +45,10 @@ def test_parse_overrides_nests_dotted_keys() -> None:
     [
         (["--learnig_rate", "1e-5"], "unknown option learnig_rate (did you mean learning_rate?)"),
         (["--dataset.digitz", "2"], "unknown option dataset.digitz (did you mean dataset.digits?)"),
-        (["--loss_type", "ppo"], "loss_type must be one of ['grpo', 'bnpo', 'dr_grpo', 'dapo'], got 'ppo'"),
+        (
+            ["--loss_type", "ppo"],
+            "loss_type must be one of ['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'], got 'ppo'",
+        ),
         (["--scale_rewards", "rank"], "scale_rewards must be one of"),
         (["--max_steps", "ten"], "max_steps must be of type int, got 'ten'"),
         (["--temperature", "-1"], "temperature must be >= 0"),

@@ -159,6 +159,78 @@ def test_dapo_micro_batches_sum_to_global_token_mean() -> None:
     torch.testing.assert_close(whole, grpo_loss(logps, old, adv, mask, loss_type="bnpo")[0])
 
 
+def test_sequence_level_ratio_is_the_mean_of_the_rows_log_ratios() -> None:
+    """GSPO: each row's tokens share exp(mean of its log-ratios), not exp of their sum; grpo aggregation.
+    Row 0 (A=+1): exp((ln 1.5 + ln 1 + ln 0.5) / 3) = 0.75^(1/3), inside [0.8, 1.2] -> per-token loss -0.75^(1/3).
+    Row 1 (A=-2, 2 real tokens): exp((ln 0.7 + ln 1.1) / 2) = 0.77^(1/2) -> per-token loss 2 * 0.77^(1/2)."""
+    logps, old, adv, mask = _inputs()
+    loss, metrics = grpo_loss(logps, old, adv, mask, loss_type="grpo", importance_sampling_level="sequence")
+    _assert_scalar(loss, (-(0.75 ** (1 / 3)) + 2 * 0.77**0.5) / 2)
+    # Three tokens of log-ratio ln 1.1 each weigh 1.1, not 1.1^3 (a band wide enough for both).
+    old_row = torch.tensor([[-1.0, -2.0, -3.0]], dtype=F64)
+    row, _ = grpo_loss(
+        old_row + math.log(1.1),
+        old_row,
+        torch.ones(1, dtype=F64),
+        torch.ones(1, 3),
+        loss_type="grpo",
+        epsilon_high=1.0,
+        importance_sampling_level="sequence",
+    )
+    _assert_scalar(row, -1.1)
+    # As shares of sequences: with epsilon 0.05 row 1's 0.877 < 0.95 and A < 0 is clipped low, row 0 (A > 0) is not.
+    _, metrics = grpo_loss(logps, old, adv, mask, loss_type="grpo", epsilon=0.05, importance_sampling_level="sequence")
+    _assert_scalar(metrics["clip_ratio/low_mean"], 1 / 2)
+    _assert_scalar(metrics["clip_ratio/high_mean"], 0.0)
+
+
+def test_cispo_weights_the_log_prob_gradient_by_the_capped_ratio() -> None:
+    """cispo: per token -min(r, epsilon_high).detach() * A * logp, summed over num_items_in_batch (dapo's). Weights
+    row 0: 1.2 (capped), 1.0, 0.5; row 1: 0.7, 1.1; the gradient is -w A / 5, never cut by the cap."""
+    logps, old, adv, mask = _inputs()
+    loss, metrics = grpo_loss(logps, old, adv, mask, loss_type="cispo", epsilon_high=1.2, num_items_in_batch=5)
+    lp = logps.detach()
+    expected = -(1.2 * lp[0, 0] + 1.0 * lp[0, 1] + 0.5 * lp[0, 2]) + 2 * (0.7 * lp[1, 0] + 1.1 * lp[1, 1])
+    _assert_scalar(loss, float(expected) / 5)
+    loss.backward()
+    weights = torch.tensor([[1.2 * 1, 1.0 * 1, 0.5 * 1], [0.7 * -2, 1.1 * -2, 0.0]], dtype=F64)
+    torch.testing.assert_close(logps.grad, -weights / 5)
+    _assert_scalar(metrics["cispo_clip_ratio"], 1 / 5)  # ratio > 1.2 with A > 0: row 0 token 0
+    assert set(metrics) == {"cispo_clip_ratio"}
+
+
+def test_sapo_gates_the_ratio_softly() -> None:
+    """sapo: per token -sigmoid(tau (r - 1)) * 4 / tau * A with tau 1.0 where A > 0 and 1.05 elsewhere; grpo
+    aggregation; no clip metrics."""
+    logps, old, adv, mask = _inputs()
+    loss, metrics = grpo_loss(logps, old, adv, mask, loss_type="sapo")
+
+    def gate(r: float, tau: float) -> float:
+        return 1 / (1 + math.exp(-tau * (r - 1))) * 4 / tau
+
+    row0 = -sum(gate(r, 1.0) for r in (1.5, 1.0, 0.5)) / 3
+    row1 = 2 * sum(gate(r, 1.05) for r in (0.7, 1.1)) / 2
+    _assert_scalar(loss, (row0 + row1) / 2)
+    assert metrics == {}
+    # At r = 1 the gate's slope is 1: the gradient of a token is the clipped loss's, -A / (tokens * B).
+    loss.backward()
+    assert logps.grad[0, 1].item() == pytest.approx(-1 / 6, abs=1e-12)
+
+
+def test_delta_caps_the_ratio_where_the_advantage_is_negative() -> None:
+    """Two-sided clipping: a token of ratio 2 and A = -1 costs min(2 * -1, 1.2 * -1) = -2 -> 2 unclipped; with delta
+    1.5 it costs 1.5 and passes no gradient. A token of ratio 1 costs 1 either way (bnpo: the mean)."""
+    old = torch.tensor([[-1.0, -2.0]], dtype=F64)
+    logps = (old + torch.tensor([[2.0, 1.0]], dtype=F64).log()).requires_grad_()
+    adv, mask = torch.tensor([-1.0], dtype=F64), torch.ones(1, 2)
+    plain, _ = grpo_loss(logps, old, adv, mask, loss_type="bnpo")
+    _assert_scalar(plain, (2.0 + 1.0) / 2)
+    capped, _ = grpo_loss(logps, old, adv, mask, loss_type="bnpo", delta=1.5)
+    _assert_scalar(capped, (1.5 + 1.0) / 2)
+    capped.backward()
+    torch.testing.assert_close(logps.grad, torch.tensor([[0.0, 0.5]], dtype=F64))
+
+
 def test_grpo_loss_errors() -> None:
     logps, old, adv, mask = _inputs()
     with pytest.raises(ValueError, match="loss_type") as info:
@@ -168,6 +240,8 @@ def test_grpo_loss_errors() -> None:
         grpo_loss(logps, old, adv, mask, loss_type="dr_grpo")
     with pytest.raises(ValueError, match="ref_logps"):
         grpo_loss(logps, old, adv, mask, beta=0.1)
+    with pytest.raises(ValueError, match="importance_sampling_level"):
+        grpo_loss(logps, old, adv, mask, importance_sampling_level="row")
 
 
 # ---------------------------------------------------------------------------- completion_logprobs

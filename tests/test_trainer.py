@@ -198,7 +198,7 @@ def test_a_checkpoint_of_another_layout_is_refused_before_any_weight_is_read(
     )
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "cispo", "sapo"])
 def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
     tiny_model_dir: Path, tmp_path: Path, loss_type: str
 ) -> None:

@@ -16,7 +16,7 @@ from fastgrpo.config.files import (
     parse_overrides,
     yaml_value,
 )
-from fastgrpo.config.grpo import LOSS_TYPES, SCALE_REWARDS, GRPOConfig
+from fastgrpo.config.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, GRPOConfig
 from fastgrpo.config.speculation import (
     LR_SCHEDULERS,
     ControllerLimits,
@@ -26,6 +26,7 @@ from fastgrpo.config.speculation import (
 
 __all__ = [
     "COMMANDS",
+    "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_TYPES",
     "LR_SCHEDULERS",
     "SCALE_REWARDS",

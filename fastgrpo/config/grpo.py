@@ -21,7 +21,8 @@ COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.compiled.compil
 
 REPORT_TO = ("jsonl", "tensorboard")
 SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
 @dataclass
@@ -120,14 +121,37 @@ class GRPOConfig:
         1024, help="completion tokens per chunk of the LM head in the policy update", valid=Range(1)
     )
     # GRPO
-    loss_type: str = option("dapo", help="how token losses are averaged, as in TRL", choices=LOSS_TYPES)
+    loss_type: str = option(
+        "dapo",
+        help="the policy loss and how its token losses are averaged, as in TRL: the clipped grpo, bnpo, dr_grpo, dapo; "
+        "cispo (the ratio capped at epsilon_high as a weight; ScaleRL suggests epsilon_high 5.0); sapo (a soft gate)",
+        choices=LOSS_TYPES,
+    )
+    importance_sampling_level: str = option(
+        "token",
+        help="the importance ratio per token, or per sequence (GSPO: exp of the mean of its tokens' log-ratios; "
+        "best with loss_type grpo)",
+        choices=IMPORTANCE_SAMPLING_LEVELS,
+    )
     scale_rewards: str = option(
         "group", help="divide advantages by the group's or the batch's reward std, or not", choices=SCALE_REWARDS
     )
     beta: float = option(0.0, help="KL coefficient (k3 estimator); > 0 loads a reference model", valid=Range(0))
     epsilon: float = option(0.2, help="lower clipping range of the ratio", valid=Range(0, low_open=True))
     epsilon_high: float | None = option(
-        None, help="upper clipping range (None: epsilon)", valid=Range(0, low_open=True)
+        None, help="upper clipping range (None: epsilon); cispo's cap of the ratio", valid=Range(0, low_open=True)
+    )
+    delta: float | None = option(
+        None,
+        help="two-sided clipping: the ratio capped at delta also where the advantage is negative (None: off; "
+        "above 1 + epsilon_high)",
+        valid=Range(1, low_open=True),
+    )
+    sapo_temperature_pos: float = option(
+        1.0, help="sapo's gate temperature for positive advantages", valid=Range(0, low_open=True)
+    )
+    sapo_temperature_neg: float = option(
+        1.05, help="sapo's gate temperature for other advantages", valid=Range(0, low_open=True)
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from fastgrpo.config import LOSS_TYPES, SCALE_REWARDS
+from fastgrpo.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
 
 STD_EPS = 1e-4
 
@@ -156,7 +156,7 @@ def _aggregate(
 ) -> Tensor:
     """Reduce a ``[B, C]`` per-token loss to a scalar following ``loss_type``."""
     masked = per_token_loss * mask
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0)
@@ -169,17 +169,27 @@ def _aggregate(
     return masked.sum() / num_items_in_batch
 
 
+def _share(flags: Tensor, mask: Tensor) -> Tensor:
+    """The share of completion tokens (``flags`` ``[B, C]``) or of completions (``[B, 1]``, the rows with a token)
+    that are flagged; 0 when there are none (``mask`` ``[B, C]``)."""
+    if flags.shape[-1] == 1 and mask.shape[-1] != 1:
+        rows = (mask.sum(dim=-1, keepdim=True) > 0).to(mask.dtype)
+        return _masked_mean(flags.to(mask.dtype), rows)
+    return _masked_mean(flags.to(mask.dtype), mask)
+
+
 def _clip_metrics(
     ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
 ) -> dict[str, Tensor]:
-    """Fractions of completion tokens whose ratio was clipped: ratio/mask ``[B, C]``, A ``[B]``."""
+    """Shares of completion tokens (of completions, for sequence-level ratios) whose ratio was clipped: ratio
+    ``[B, C]`` or ``[B, 1]``, A ``[B]``, mask ``[B, C]``."""
     adv = advantages.unsqueeze(1)
     low = (ratio < 1 - eps_low) & (adv < 0)
     high = (ratio > 1 + eps_high) & (adv > 0)
     return {
-        "clip_ratio/low_mean": _masked_mean(low.to(mask.dtype), mask),
-        "clip_ratio/high_mean": _masked_mean(high.to(mask.dtype), mask),
-        "clip_ratio/region_mean": _masked_mean((low | high).to(mask.dtype), mask),
+        "clip_ratio/low_mean": _share(low, mask),
+        "clip_ratio/high_mean": _share(high, mask),
+        "clip_ratio/region_mean": _share(low | high, mask),
     }
 
 
@@ -202,8 +212,21 @@ def grpo_loss(
     ref_logps: Tensor | None = None,
     max_completion_length: int | None = None,
     num_items_in_batch: int | float | Tensor | None = None,
+    importance_sampling_level: str = "token",
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped GRPO surrogate loss (TRL ``GRPOTrainer`` semantics).
+    """GRPO's policy loss (TRL ``GRPOTrainer`` semantics).
+
+    The importance weight of a token is ``r = exp(logps - old_logps)``; with ``importance_sampling_level:
+    "sequence"`` (GSPO) a row's tokens share ``exp`` of the mean of its tokens' log-ratios. Per token:
+
+    - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``: ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, ``r``
+      first capped at ``delta`` when it is set (two-sided clipping);
+    - ``cispo``: ``-min(r, epsilon_high).detach() A logps`` (the weight capped, never the gradient cut);
+    - ``sapo``: ``-sigmoid(tau (r - 1)) 4 / tau A``, ``tau`` being ``sapo_temperature_pos`` where ``A > 0`` and
+      ``sapo_temperature_neg`` elsewhere (a soft gate in place of the clip).
 
     Args:
         logps: ``[B, C]`` current policy log-probs (differentiable).
@@ -211,37 +234,58 @@ def grpo_loss(
             (pass ``logps.detach()`` when fully on-policy).
         advantages: ``[B]`` per-completion advantages.
         mask: ``[B, C]`` completion mask (1 on real tokens).
-        loss_type: one of ``LOSS_TYPES``: ``"grpo"`` per-sequence token mean then batch mean;
-            ``"bnpo"`` token mean over this batch; ``"dr_grpo"`` sum / ``(B *
-            max_completion_length)``; ``"dapo"`` sum / ``num_items_in_batch`` (completion tokens
-            of the whole generation batch, so micro-batch losses add up to the global token mean;
-            defaults to this batch's token count).
-        epsilon: lower clip range, ratio is clamped to ``[1 - epsilon, 1 + epsilon_high]``.
-        epsilon_high: upper clip range, defaults to ``epsilon``.
+        loss_type: one of ``LOSS_TYPES``, which also fixes the reduction: ``"grpo"`` and ``"sapo"`` per-sequence
+            token mean then batch mean; ``"bnpo"`` token mean over this batch; ``"dr_grpo"`` sum / ``(B *
+            max_completion_length)``; ``"dapo"`` and ``"cispo"`` sum / ``num_items_in_batch`` (completion tokens
+            of the whole generation batch, so micro-batch losses add up to the global token mean; defaults to
+            this batch's token count).
+        epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to
+            ``epsilon``); ``cispo`` caps the weight at ``epsilon_high`` itself.
         beta: weight of the k3 KL penalty to ``ref_logps`` (``[B, C]``, required when > 0).
         max_completion_length: required by ``"dr_grpo"``.
-        num_items_in_batch: normaliser of ``"dapo"``.
+        num_items_in_batch: normaliser of ``"dapo"`` and ``"cispo"``.
+        importance_sampling_level: ``"token"`` or ``"sequence"``.
+        delta: upper cap of the ratio in the clipped losses (None: none).
+        sapo_temperature_pos, sapo_temperature_neg: ``sapo``'s gate temperatures.
 
     Returns:
-        ``(loss, metrics)``: scalar loss and detached scalar metrics ``clip_ratio/low_mean``,
-        ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` and, when ``beta > 0``, ``kl``.
+        ``(loss, metrics)``: scalar loss and detached scalar metrics: ``clip_ratio/low_mean``,
+        ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` for the clipped losses, ``cispo_clip_ratio`` for
+        ``cispo``; ``kl`` when ``beta > 0``. At sequence level they are shares of sequences.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {importance_sampling_level!r}"
+        )
     if beta > 0 and ref_logps is None:
         raise ValueError("beta > 0 requires ref_logps")
     eps_high = epsilon if epsilon_high is None else epsilon_high
     mask = mask.to(logps.dtype)
     adv = advantages.unsqueeze(1)
-    ratio = torch.exp(logps - old_logps)
-    clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
-    per_token_loss = -torch.min(ratio * adv, clipped * adv)
-    metrics = _clip_metrics(ratio.detach(), advantages, mask, epsilon, eps_high)
+    log_ratio = logps - old_logps
+    if importance_sampling_level == "sequence":  # [B, 1]: the mean of each row's log-ratios (not their sum)
+        log_ratio = ((log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(ratio, max=eps_high).detach() * adv * logps
+        metrics = {"cispo_clip_ratio": _share((ratio.detach() > eps_high) & (adv > 0), mask)}
+    elif loss_type == "sapo":
+        temperature = torch.full_like(adv, sapo_temperature_neg).masked_fill_(adv > 0, sapo_temperature_pos)
+        per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
+        metrics = {}
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
+        if delta is not None:
+            ratio = torch.clamp(ratio, max=delta)
+        per_token_loss = -torch.min(ratio * adv, clipped * adv)
+        metrics = _clip_metrics(ratio.detach(), advantages, mask, epsilon, eps_high)
     if beta > 0:
         kl = k3_kl(logps, ref_logps)
         per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
-    loss = _aggregate(per_token_loss, mask, loss_type, max_completion_length, num_items_in_batch)
+    loss = _aggregate(per_token_loss.expand_as(mask), mask, loss_type, max_completion_length, num_items_in_batch)
     return loss, {name: value.detach() for name, value in metrics.items()}
 
 
@@ -250,7 +294,7 @@ def micro_batch_rows(
 ) -> list[Tensor]:
     """Row indices of each micro-batch of ``micro_batch_size`` rows (``advantages`` and ``lengths`` ``[N]``).
 
-    For ``grpo``, ``dr_grpo`` and ``dapo`` the loss is a sum of per-row terms over a normaliser fixed by the whole
+    For every loss type but ``bnpo`` the loss is a sum of per-row terms over a normaliser fixed by the whole
     batch, so rows can be regrouped freely: they are sorted by length (less padding), and rows whose advantage is 0
     are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo`` normalises by each
     micro-batch's token count, so its micro-batches keep TRL's consecutive order.
@@ -269,7 +313,7 @@ def micro_batch_loss(
     """Scale a micro-batch's `grpo_loss` (over ``rows`` of the process's ``batch_rows`` rows, one of
     ``micro_batches``) to its share of the whole batch's loss, so that the accumulated gradient, averaged over the
     ``world`` processes as DDP does, is the gradient of the whole job's batch."""
-    if loss_type in ("grpo", "dr_grpo"):
+    if loss_type in ("grpo", "sapo", "dr_grpo"):
         return loss * rows / batch_rows
     if loss_type == "bnpo":
         return loss / micro_batches

@@ -177,6 +177,10 @@ class PolicyUpdate:
                         ref_logps=ref,
                         max_completion_length=cfg.max_completion_length,
                         num_items_in_batch=total_tokens,
+                        importance_sampling_level=cfg.importance_sampling_level,
+                        delta=cfg.delta,
+                        sapo_temperature_pos=cfg.sapo_temperature_pos,
+                        sapo_temperature_neg=cfg.sapo_temperature_neg,
                     )
                     loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
                     if padding:
