@@ -394,6 +394,8 @@ def test_two_engines_decoding_step_by_step_in_turn_give_what_each_generates(llam
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_sampled_logprobs_match_fresh_forward(family: str) -> None:
+    """Sampled with top-k and top-p filters, each token is scored under the policy's distribution at the sampling
+    temperature before the filters, as a training forward scores it."""
     model = tiny_model(family)
     eos, _ = greedy_reference(family)
     g = torch.Generator().manual_seed(5)
@@ -402,8 +404,9 @@ def test_sampled_logprobs_match_fresh_forward(family: str) -> None:
     for row, (ids, lps) in enumerate(zip(out.completion_ids, out.logprobs, strict=True)):
         prompt = PROMPTS[row // 2]  # prompt-major layout
         logits = full_logits(model, prompt + ids)[len(prompt) - 1 : -1]
-        expected = process_logits(logits, SAMPLED).gather(-1, torch.tensor(ids)[:, None]).squeeze(-1)
-        assert torch.isfinite(expected).all()  # every sampled token survives the filters
+        tokens = torch.tensor(ids)[:, None]
+        assert torch.isfinite(process_logits(logits, SAMPLED).gather(-1, tokens)).all()  # they survive the filters
+        expected = torch.log_softmax(logits / SAMPLED.temperature, dim=-1).gather(-1, tokens).squeeze(-1)
         torch.testing.assert_close(torch.tensor(lps, dtype=F64), expected, rtol=0, atol=1e-8)
 
 

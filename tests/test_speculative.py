@@ -296,8 +296,9 @@ def test_emitted_logprobs_equal_a_fresh_forward(model_and_drafts) -> None:
         prompt = PROMPTS[i // 2]
         with torch.no_grad():
             logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
-        expected = process_logits(logits, params).gather(1, torch.tensor(completion)[:, None]).squeeze(1)
-        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected, atol=1e-8, rtol=0)
+        # under the distribution at the sampling temperature, before top-k and top-p, as the trainer scores them
+        expected = torch.log_softmax(logits / params.temperature, -1).gather(1, torch.tensor(completion)[:, None])
+        torch.testing.assert_close(torch.tensor(logprobs, dtype=torch.float64), expected.squeeze(1), atol=1e-8, rtol=0)
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)

@@ -28,7 +28,7 @@ from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.rollout.lora import merged_lora
-from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
 from fastgrpo.rollout.target_step import TargetStep
@@ -259,14 +259,15 @@ class RolloutEngine:
         zeros = torch.zeros_like(rows)
         lengths = [prompt_len[p] for p in row_prompt]
         active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], lengths, zeros, zeros)
-        logprobs = process_logits(head(last)[rows], call.params)
+        logits = head(last)[rows]
+        logprobs = process_logits(logits, call.params)
         first = sample(logprobs, call.params, None if call.noise is None else call.noise[:, 0])
         if self.drafters:
             prefill = Prefill(ids, lens, hidden, rows, first, last[rows], prompt_ids, row_prompt, call.seqs)
             for drafter in self.drafters.values():
                 drafter.start(prefill)
         ones = torch.ones_like(first)
-        verified = Verified(first[:, None], logprobs.gather(1, first[:, None]), ones, last)
+        verified = Verified(first[:, None], policy_logprobs(logits, logprobs, first, call.params)[:, None], ones, last)
         active = self._append(active, verified, HostStep.read(verified, call.eos), call)
         call.stats.prefill_time = time.perf_counter() - t0
         return active

@@ -38,6 +38,25 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return torch.log_softmax(logits, dim=-1)
 
 
+def policy_logprobs(
+    logits: torch.Tensor, logprobs: torch.Tensor, tokens: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """``[N]`` the log-probabilities of ``tokens`` ``[N]`` under the policy's distribution at the sampling
+    temperature, before top-k, top-p and min-p: what a training forward computes for them
+    (`fastgrpo.grpo.losses.completion_logprobs`), so that the sampler's and the trainer's differ by rounding alone.
+    ``logprobs`` is `process_logits` of ``logits`` (both ``[N, V]``), which is that distribution unless a filter
+    applies; greedy decoding scores with the plain softmax."""
+    if params.greedy or not filters(params, logits.shape[-1]):
+        return logprobs.gather(1, tokens[:, None]).squeeze(1)
+    scaled = logits.to(logprobs.dtype) / params.temperature
+    return scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(dim=-1)
+
+
+def filters(params: SamplingParams, vocab: int) -> bool:
+    """Whether `process_logits` drops tokens (top-k, top-p or min-p) from a ``vocab``-token distribution."""
+    return bool(params.top_k and params.top_k < vocab) or params.top_p < 1.0 or params.min_p > 0.0
+
+
 def _top_p_drop(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """``[..., V]`` bool: tokens outside the nucleus. A token is dropped when the tokens ranked above it already hold
     ``top_p`` of the mass (the first always stays).

@@ -18,7 +18,7 @@ from torch import nn
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, row_bucket
 from fastgrpo.rollout.forward import forward_block, forward_chain
-from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.rollout.verify import accept
 from fastgrpo.sampling_params import SamplingParams
@@ -38,13 +38,15 @@ def plain_step(
     """Feed each row its ``pending`` ``[B]`` token after its ``row_len`` ``[B]`` cached ones and draw the next token
     with ``uniforms`` ``[B]`` (None when greedy); ``extent`` and ``equal_lengths`` as in `forward_block`.
 
-    Returns ``[B]`` tokens, ``[B]`` their log-probabilities and ``[B, 1, H]`` the hidden states they were drawn from."""
+    Returns ``[B]`` tokens, ``[B]`` their log-probabilities (`policy_logprobs`) and ``[B, 1, H]`` the hidden states
+    they were drawn from."""
     hidden = forward_chain(
         decoder, cache, row_len, input_ids=pending[:, None], extent=extent, equal_lengths=equal_lengths
     )
-    logprobs = process_logits(head(hidden[:, -1]), params)
+    logits = head(hidden[:, -1])
+    logprobs = process_logits(logits, params)
     tokens = sample(logprobs, params, uniforms)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1), hidden
+    return tokens, policy_logprobs(logits, logprobs, tokens, params), hidden
 
 
 def tree_step(

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.rollout import sampling
-from fastgrpo.rollout.sampling import process_logits, sample
+from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.sampling_params import SamplingParams
 
@@ -22,7 +22,8 @@ from fastgrpo.sampling_params import SamplingParams
 @dataclass
 class Acceptance:
     """Per row: ``path`` ``[B, D]`` accepted nodes (root first, -1 after the end); ``tokens`` and
-    ``logprobs`` ``[B, D]`` the emitted tokens (the one drawn at each path node); ``length`` ``[B]`` how many."""
+    ``logprobs`` ``[B, D]`` the emitted tokens (the one drawn at each path node) and their log-probabilities
+    (`sampling.policy_logprobs`); ``length`` ``[B]`` how many."""
 
     path: torch.Tensor
     tokens: torch.Tensor
@@ -50,11 +51,12 @@ def accept(
     walking = torch.ones(b, dtype=torch.bool, device=dev)
     path, tokens, lps = [], [], []
     for step in range(steps):
-        here = process_logits(logits[rows, node], params)  # [B, V]
+        raw = logits[rows, node]  # [B, V]
+        here = process_logits(raw, params)
         y = sample(here, params, None if uniforms is None else uniforms[:, step])
         path.append(torch.where(walking, node, -1))
         tokens.append(torch.where(walking, y, 0))
-        lps.append(torch.where(walking, here.gather(1, y[:, None]).squeeze(1), 0.0))
+        lps.append(torch.where(walking, policy_logprobs(raw, here, y, params), 0.0))
         is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])  # [B, N]
         walking = walking & is_child.any(dim=1)
         node = torch.where(walking, is_child.int().argmax(dim=1), node)
