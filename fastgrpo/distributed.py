@@ -248,15 +248,17 @@ _COMBINE = {
 
 def reduce_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """One metrics dict for the job: times are the slowest rank's (the step waits for it), throughput is summed,
-    extremes are extremes, everything else is the mean over the ranks that measured it (not NaN, and present: a
-    drafter that ran on one rank only has its ``spec/drafter/*`` figures there)."""
+    extremes (``*/max``, ``*/min`` among them) are extremes, everything else is the mean over the ranks that
+    measured it (not NaN, and present: a drafter that ran on one rank only has its ``spec/drafter/*`` figures
+    there)."""
     parts = gather(metrics)
     if len(parts) == 1:
         return metrics
     out = {}
     for key in dict.fromkeys(k for p in parts for k in p):
         values = [p[key] for p in parts if key in p]
-        combine = _COMBINE.get(key, max if key.startswith("time/") else None)
+        combine = _COMBINE.get(key, max if key.startswith("time/") or key.endswith("/max") else None)
+        combine = min if combine is None and key.endswith("/min") else combine
         if combine is None:
             measured = [v for v in values if not math.isnan(v)]
             out[key] = sum(measured) / len(measured) if measured else float("nan")

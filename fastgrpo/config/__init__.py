@@ -16,7 +16,13 @@ from fastgrpo.config.files import (
     parse_overrides,
     yaml_value,
 )
-from fastgrpo.config.grpo import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS, GRPOConfig
+from fastgrpo.config.grpo import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    IMPORTANCE_SAMPLING_MODES,
+    LOSS_TYPES,
+    SCALE_REWARDS,
+    GRPOConfig,
+)
 from fastgrpo.config.speculation import (
     LR_SCHEDULERS,
     ControllerLimits,
@@ -27,6 +33,7 @@ from fastgrpo.config.speculation import (
 __all__ = [
     "COMMANDS",
     "IMPORTANCE_SAMPLING_LEVELS",
+    "IMPORTANCE_SAMPLING_MODES",
     "LOSS_TYPES",
     "LR_SCHEDULERS",
     "SCALE_REWARDS",

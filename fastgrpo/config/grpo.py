@@ -23,6 +23,7 @@ REPORT_TO = ("jsonl", "tensorboard")
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 @dataclass
@@ -147,6 +148,25 @@ class GRPOConfig:
         "above 1 + epsilon_high)",
         valid=Range(1, low_open=True),
     )
+    importance_sampling_correction: bool = option(
+        False,
+        help="weigh each completion's loss by how the policy the update starts from scores its tokens against how "
+        "the sampler scored them (TRL's vllm_importance_sampling_correction; off: the two share the weights and "
+        "differ by rounding, logged as sampling/*, and the weights would make the update depend on which trees "
+        "verified each token)",
+    )
+    importance_sampling_mode: str = option(
+        "sequence_mask",
+        help="the correction's ratio per token or per completion (its tokens' product), clamped into the clip range "
+        "(truncate) or zeroed outside it (mask)",
+        choices=IMPORTANCE_SAMPLING_MODES,
+    )
+    importance_sampling_clip_min: float | None = option(
+        None, help="the correction's lowest ratio (None: none)", valid=Range(0)
+    )
+    importance_sampling_clip_max: float | None = option(
+        3.0, help="the correction's highest ratio (None: none)", valid=Range(0, low_open=True)
+    )
     sapo_temperature_pos: float = option(
         1.0, help="sapo's gate temperature for positive advantages", valid=Range(0, low_open=True)
     )
@@ -219,6 +239,16 @@ class GRPOConfig:
             raise ValueError(
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
+            )
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"importance_sampling_clip_min ({low}) must be below importance_sampling_clip_max ({high})"
+            )
+        if self.importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"importance_sampling_mode {self.importance_sampling_mode} clamps the ratio: set "
+                "importance_sampling_clip_min or importance_sampling_clip_max"
             )
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")

@@ -12,7 +12,8 @@ class RolloutBatch:
     """One step's completions as training tensors (``N = prompts * num_generations`` rows).
 
     ``input_ids`` is ``[N, P + C]``: the prompt left-padded to ``P``, the completion right-padded to ``C``;
-    ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained.
+    ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained;
+    ``sampling_logps`` ``[N, C]`` (float64) the log-probs the sampler scored the completion tokens with.
     """
 
     input_ids: torch.Tensor
@@ -21,12 +22,18 @@ class RolloutBatch:
     advantages: torch.Tensor
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    sampling_logps: torch.Tensor | None = None
 
 
 def build_batch(
-    prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int, advantages: torch.Tensor
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    pad_id: int,
+    advantages: torch.Tensor,
+    sampling_logps: list[list[float]] | None = None,
 ) -> RolloutBatch:
-    """Pack prompts (one per completion) and completions into left/right padded tensors."""
+    """Pack prompts (one per completion) and completions into left/right padded tensors, with the sampler's log-prob
+    of each completion token when given (0 on padding)."""
     n = len(completion_ids)
     p_len = max(map(len, prompt_ids))
     c_len = max(max(map(len, completion_ids)), 1)
@@ -36,7 +43,12 @@ def build_batch(
         ids[i, p_len - len(p) : p_len] = torch.tensor(p, dtype=torch.long, device="cpu")
         ids[i, p_len : p_len + len(c)] = torch.tensor(c, dtype=torch.long, device="cpu")
         attn[i, p_len - len(p) : p_len + len(c)] = 1
-    return RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
+    batch = RolloutBatch(ids, attn, attn[:, p_len:].clone(), advantages)
+    if sampling_logps is not None:
+        batch.sampling_logps = torch.zeros(n, c_len, dtype=torch.float64, device="cpu")
+        for i, lps in enumerate(sampling_logps):
+            batch.sampling_logps[i, : len(lps)] = torch.tensor(lps, dtype=torch.float64, device="cpu")
+    return batch
 
 
 def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
@@ -58,4 +70,5 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         advantages=batch.advantages[rows],
         old_logps=cut(batch.old_logps),
         ref_logps=cut(batch.ref_logps),
+        sampling_logps=cut(batch.sampling_logps),
     )

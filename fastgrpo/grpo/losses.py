@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from fastgrpo.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, SCALE_REWARDS
+from fastgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, LOSS_TYPES, SCALE_REWARDS
 
 STD_EPS = 1e-4
 
@@ -216,6 +216,7 @@ def grpo_loss(
     delta: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    sampling_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GRPO's policy loss (TRL ``GRPOTrainer`` semantics).
 
@@ -247,6 +248,8 @@ def grpo_loss(
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         delta: upper cap of the ratio in the clipped losses (None: none).
         sapo_temperature_pos, sapo_temperature_neg: ``sapo``'s gate temperatures.
+        sampling_weights: ``[B, C]`` or ``[B, 1]`` the sampler correction's weights (`sampling_correction`), which
+            multiply the policy loss of each token (not the KL term).
 
     Returns:
         ``(loss, metrics)``: scalar loss and detached scalar metrics: ``clip_ratio/low_mean``,
@@ -281,12 +284,57 @@ def grpo_loss(
             ratio = torch.clamp(ratio, max=delta)
         per_token_loss = -torch.min(ratio * adv, clipped * adv)
         metrics = _clip_metrics(ratio.detach(), advantages, mask, epsilon, eps_high)
+    if sampling_weights is not None:
+        per_token_loss = per_token_loss * sampling_weights
     if beta > 0:
         kl = k3_kl(logps, ref_logps)
         per_token_loss = per_token_loss + beta * kl
         metrics["kl"] = _masked_mean(kl.detach(), mask)
     loss = _aggregate(per_token_loss.expand_as(mask), mask, loss_type, max_completion_length, num_items_in_batch)
     return loss, {name: value.detach() for name, value in metrics.items()}
+
+
+def sampling_correction(
+    old_logps: Tensor,
+    sampling_logps: Tensor,
+    mask: Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """TRL's importance-sampling correction of the sampler's mismatch: the weight of the loss of tokens the sampler
+    scored ``sampling_logps`` where the policy that the update starts from scores ``old_logps`` (both ``[B, C]``,
+    ``mask`` ``[B, C]``).
+
+    The ratio is ``exp(old - sampling)`` per token (``token_*`` modes) or ``exp`` of its sum over a completion's
+    tokens (``sequence_*``: the completion's probability ratio, ``[B, 1]``); ``*_truncate`` clamps it into
+    ``[clip_min, clip_max]``, ``*_mask`` sets it to 0 outside. Returns the weights (detached, in ``old_logps``'
+    dtype) and the metrics TRL logs: ``sampling/sampling_logp_difference/{mean,max}`` (the absolute per-token gap)
+    and ``sampling/importance_sampling_ratio/{min,mean,max}`` (after clamping or masking; per completion at sequence
+    level)."""
+    if mode not in IMPORTANCE_SAMPLING_MODES:
+        raise ValueError(f"importance_sampling_mode must be one of {IMPORTANCE_SAMPLING_MODES}, got {mode!r}")
+    real = mask.bool()
+    diff = (old_logps.detach().double() - sampling_logps.double()).masked_fill(~real, 0.0)
+    log_ratio = diff.sum(dim=-1, keepdim=True) if mode.startswith("sequence") else diff
+    ratio = torch.exp(log_ratio)
+    low = float("-inf") if clip_min is None else clip_min
+    high = float("inf") if clip_max is None else clip_max
+    if mode.endswith("truncate"):
+        ratio = ratio.clamp(min=low, max=high)
+    else:
+        ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    gap = diff.abs()[real]
+    seen = ratio.flatten() if mode.startswith("sequence") else ratio[real]
+    zero = diff.new_zeros(())
+    metrics = {
+        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
+        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
+        "sampling/importance_sampling_ratio/min": seen.min() if seen.numel() else zero,
+        "sampling/importance_sampling_ratio/mean": seen.mean() if seen.numel() else zero,
+        "sampling/importance_sampling_ratio/max": seen.max() if seen.numel() else zero,
+    }
+    return ratio.to(old_logps.dtype), metrics
 
 
 def micro_batch_rows(

@@ -13,7 +13,14 @@ from transformers import PreTrainedModel, get_scheduler
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
-from fastgrpo.grpo.losses import CompletionLogprobs, completion_logprobs, grpo_loss, micro_batch_loss, micro_batch_rows
+from fastgrpo.grpo.losses import (
+    CompletionLogprobs,
+    completion_logprobs,
+    grpo_loss,
+    micro_batch_loss,
+    micro_batch_rows,
+    sampling_correction,
+)
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
 
@@ -150,6 +157,7 @@ class PolicyUpdate:
         n_micro = distributed.max_over_ranks(len(groups))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         sums: dict[str, float] = {"loss": 0.0}
+        extremes: dict[str, float] = {}
         grad_norms: list[float] = []
         count = 0
         self.model.train()
@@ -165,6 +173,16 @@ class PolicyUpdate:
                     logps = self.logps(self.policy, part)
                     old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
                     ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
+                    weights, sampled = None, {}
+                    if part.sampling_logps is not None:
+                        weights, sampled = sampling_correction(
+                            old,
+                            part.sampling_logps.to(self.device),
+                            mask,
+                            cfg.importance_sampling_mode,
+                            cfg.importance_sampling_clip_min,
+                            cfg.importance_sampling_clip_max,
+                        )
                     loss, metrics = grpo_loss(
                         logps,
                         old,
@@ -181,6 +199,7 @@ class PolicyUpdate:
                         delta=cfg.delta,
                         sapo_temperature_pos=cfg.sapo_temperature_pos,
                         sapo_temperature_neg=cfg.sapo_temperature_neg,
+                        sampling_weights=weights if cfg.importance_sampling_correction else None,
                     )
                     loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
                     if padding:
@@ -191,6 +210,11 @@ class PolicyUpdate:
                 sums["loss"] += float(loss.detach())
                 for k, v in metrics.items():
                     sums[k] = sums.get(k, 0.0) + float(v)
+                for k, v in sampled.items():  # extremes over the micro-batches, means of their means
+                    combine = max if k.endswith("/max") else min if k.endswith("/min") else None
+                    extremes[k] = float(v) if combine is None or k not in extremes else combine(extremes[k], float(v))
+                    if combine is None:
+                        sums[k] = sums.get(k, 0.0) + float(v)
                 count += 1
             if self.masters is not None:
                 self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
@@ -204,7 +228,7 @@ class PolicyUpdate:
                 self.masters.write_back()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {k: v / max(count, 1) for k, v in sums.items() if k != "loss"}
+        out = {**extremes, **{k: v / max(count, 1) for k, v in sums.items() if k != "loss"}}
         out["loss"] = sums["loss"] / cfg.num_iterations
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["learning_rate"] = self.scheduler.get_last_lr()[0]

@@ -252,7 +252,7 @@ class GRPOTrainer:
             reset_peak_memory(self.device)
         t_policy = time.perf_counter()
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
-        batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages)
+        batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages, out.logprobs)
         truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
         if cfg.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
