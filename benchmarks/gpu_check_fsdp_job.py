@@ -36,7 +36,8 @@ def run(record: Path, args: list[str]) -> None:
                 yield
             finally:
                 recorded = None if before is None else captures.count - before
-                rollouts.append({"recordings": recorded, "addresses": addresses})
+                sharded = distributed.is_sharded(policy)
+                rollouts.append({"recordings": recorded, "addresses": addresses, "sharded": sharded})
 
     distributed.gathered = noted  # the trainer gathers through the module's attribute
     try:

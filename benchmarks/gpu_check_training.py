@@ -255,8 +255,9 @@ def section_torchrun(check: Check, section: Section) -> None:
     metrics = root / "run" / "metrics.jsonl"
     steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    passed = code == 0 and len(steps) == 2
     rollouts = json.loads(record.read_text())["rollouts"] if record.is_file() else []
+    sharded = bool(rollouts) and all(r["sharded"] for r in rollouts)  # FSDP2 wrapped the policy
+    passed = code == 0 and len(steps) == 2 and sharded
     recordings = [r["recordings"] for r in rollouts]
     # FSDP2 gathers the parameters anew for every rollout: CUDA graphs follow them without recording again only
     # where they land at the addresses of the rollout before.
@@ -268,12 +269,15 @@ def section_torchrun(check: Check, section: Section) -> None:
         seconds=time.perf_counter() - t0,
         steps=steps,
         passed=passed,
+        sharded=sharded,
         recordings=recordings,
         parameters_in_place=in_place,
         last_error_line=None if passed or not lines else lines[-1],
     )
     error = lines[-1] if lines else ""
-    section.expect(passed, f"torchrun fsdp, compile {compile}: exit {code}, {len(steps)} steps: {error}")
+    section.expect(
+        passed, f"torchrun fsdp, compile {compile}: exit {code}, {len(steps)} steps, sharded {sharded}: {error}"
+    )
     if cuda and passed:
         section.expect(
             all(in_place) and not any(recordings[1:]),

@@ -1,10 +1,11 @@
-"""Data-parallel runs on torch.distributed: the process group, the few collectives the trainer needs, and the
-device of each process.
+"""Data-parallel runs on torch.distributed: the process group, the few collectives the trainer needs, and the device of
+each process.
 
-``torchrun --nproc_per_node N -m fastgrpo train ...`` starts one process per device and sets ``RANK``,
-``WORLD_SIZE`` and ``LOCAL_RANK``. Without them a run is a single process and every collective here returns its
-input. The backend is NCCL when the processes use GPUs and gloo on CPU; every collective gives up after the
-configured timeout, so a rank that died cannot leave the others waiting for ever.
+``torchrun --nproc_per_node N -m fastgrpo train ...`` starts one process per device and sets ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK``; the processes join a group, also when N is 1 (DDP or FSDP2 over one process). Without them a run
+is a single process and every collective here returns its input. The backend is NCCL when the processes use GPUs and
+gloo on CPU; every collective gives up after the configured timeout, so a rank that died cannot leave the others
+waiting for ever.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -50,10 +50,10 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
 
 def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistInfo:
     """Join the job torchrun started (once per process; later calls return the same answer)."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_option, local_rank)
-    if world_size > 1 and not dist.is_initialized():
+    if launched and not dist.is_initialized():
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(
@@ -160,19 +160,27 @@ def gathered(policy: torch.nn.Module) -> Iterator[None]:
     if not is_sharded(policy):
         yield
         return
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule, fully_shard
 
     units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.unshard()
-    hooks = [(unit, unit._forward_pre_hooks, unit._forward_hooks) for unit in units]
-    for unit in units:
-        unit._forward_pre_hooks, unit._forward_hooks = OrderedDict(), OrderedDict()
+    set_aside: list[tuple[dict, list]] = []  # each hook dict touched, with its entries as they were
     try:
+        for unit in units:
+            unit.unshard()
+        for unit in units:  # FSDP2's own hooks: methods of the unit's FSDP state
+            state = fully_shard.state(unit)
+            for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+                entries = list(hooks.items())
+                for key, hook in entries:
+                    if getattr(hook, "__self__", None) is state:
+                        del hooks[key]
+                set_aside.append((hooks, entries))
         yield
     finally:
-        for unit, pre, post in hooks:
-            unit._forward_pre_hooks, unit._forward_hooks = pre, post
+        for hooks, entries in set_aside:  # in their order, after them any hook added meanwhile
+            added = [(k, v) for k, v in hooks.items() if k not in dict(entries)]
+            hooks.clear()
+            hooks.update(entries + added)
         for unit in units:
             unit.reshard()
 

@@ -50,10 +50,19 @@ class MasterWeights:
                 m.grad = torch.zeros_like(m)
 
     def take_grads_in_backward(self) -> None:
-        """From now on every backward pass adds each parameter's gradient to its master's (in float32) as soon as it
-        is computed, and drops the parameter's: the low-precision gradients never all exist at once."""
-        for p, m in zip(self.params, self.copies, strict=True):
+        """Until `close`, every backward pass adds each parameter's gradient to its master's (in float32) as soon as
+        it is computed, and drops the parameter's: the low-precision gradients never all exist at once."""
+        self.close()
+        self._hooks = [
             p.register_post_accumulate_grad_hook(partial(_take_grad, m))
+            for p, m in zip(self.params, self.copies, strict=True)
+        ]
+
+    def close(self) -> None:
+        """Remove the hooks of `take_grads_in_backward` (the module's gradients stay its own again)."""
+        for hook in getattr(self, "_hooks", []):
+            hook.remove()
+        self._hooks = []
 
     @torch.no_grad()
     def write_back(self) -> None:

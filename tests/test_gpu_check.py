@@ -186,6 +186,7 @@ def test_host_calibration_targets_and_torchrun_on_a_cpu(quick_run) -> None:
     assert len(torchrun["skipped"]) == 1 and torchrun["results"]["compile"] == "off"
     assert torchrun["results"]["passed"] is True and [s["step"] for s in torchrun["results"]["steps"]] == [1, 2]
     assert torchrun["results"]["recordings"] == [0, 0] and len(torchrun["results"]["parameters_in_place"]) == 1
+    assert torchrun["results"]["sharded"] is True  # one process under torchrun still shards with FSDP2
 
 
 def test_a_killed_run_keeps_the_sections_it_finished(tmp_path: Path) -> None:

@@ -506,11 +506,11 @@ def test_check_fits_says_how_many_fsdp_processes_and_when_nothing_alone_fits() -
     assert plan.peak_bytes > CARD_80GB_BYTES
     with pytest.raises(ValueError) as refusal:
         check_fits(plan, CARD_80GB_BYTES, config)
-    assert "fsdp: true on 5 processes (torchrun --nproc_per_node 5)" in str(refusal.value)
-    # checkpointing alone is not enough (its optimizer step then sets the peak), nor asked for; with it, 2 processes do
+    assert "fsdp: true on 6 processes (torchrun --nproc_per_node 6)" in str(refusal.value)
+    # checkpointing alone is not enough (its optimizer step then sets the peak), nor asked for; with it, 3 processes do
     assert "gradient_checkpointing" not in str(refusal.value)
     checkpointed = dataclasses.replace(config, gradient_checkpointing=True)
-    with pytest.raises(ValueError, match="on 2 processes") as refusal:
+    with pytest.raises(ValueError, match="on 3 processes") as refusal:
         check_fits(estimate_memory(checkpointed, CONFIGS["qwen2.5-7b"], "cuda"), CARD_80GB_BYTES, checkpointed)
     assert "gradient_checkpointing" not in str(refusal.value)
     with pytest.raises(ValueError, match="no single change"):
@@ -591,7 +591,7 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     if not torch.cuda.is_available():  # planned for a GPU this machine lacks, in bfloat16
         planned = printed["--device cuda"]
         assert "bfloat16 on cuda" in planned and "80 GB card" in planned
-        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 5 processes" in planned
+        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 6 processes" in planned
         assert "recommended on 1 process of 79.6 GiB: gradient_checkpointing: true, use_peft: true" in planned
         planned = printed[" ".join(checkpointed_lora)]
         assert "layers checkpointed" in planned and "recomputed layer activations" in planned
@@ -602,7 +602,10 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     ("processes", "recommended"),
     [
         (1, "gradient_checkpointing: true, use_peft: true"),
-        (2, "fsdp: true, gradient_checkpointing: true"),
+        (
+            2,
+            "fsdp: true, per_device_train_batch_size: 1, gradient_accumulation_steps: 16, gradient_checkpointing: true",
+        ),
         (4, "fsdp: true, gradient_checkpointing: true"),
         (8, "fsdp: true"),
     ],

@@ -209,7 +209,8 @@ def test_skipping_zero_advantage_rows_leaves_the_update_unchanged(
     advantages = torch.tensor([0.5, 0.0, -1.0, 0.0, 0.0, 2.0, -0.3, 0.0])
     results = []
     for regroup in (True, False):
-        trainer = make_trainer(make_config(tiny_model_dir, tmp_path / str(regroup), loss_type=loss_type))
+        high = {"epsilon_high": 5.0} if loss_type == "cispo" else {}
+        trainer = make_trainer(make_config(tiny_model_dir, tmp_path / str(regroup), loss_type=loss_type, **high))
         if not regroup:
             size = trainer.config.per_device_train_batch_size
             trainer.update.micro_batches = lambda b, size=size: list(torch.arange(b.input_ids.shape[0]).split(size))

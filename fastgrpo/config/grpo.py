@@ -240,6 +240,14 @@ class GRPOConfig:
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
             )
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "epsilon_high: loss_type cispo caps each token's weight at epsilon_high, which would default to "
+                f"epsilon ({self.epsilon}); set it (ScaleRL uses 5.0)"
+            )
+        high_clip = 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
+        if self.delta is not None and self.delta <= high_clip:
+            raise ValueError(f"delta ({self.delta}) must be above 1 + epsilon_high ({high_clip:g}), or None")
         low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
         if low is not None and high is not None and low >= high:
             raise ValueError(

@@ -324,15 +324,16 @@ def sampling_correction(
         ratio = ratio.clamp(min=low, max=high)
     else:
         ratio = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
-    gap = diff.abs()[real]
-    seen = ratio.flatten() if mode.startswith("sequence") else ratio[real]
-    zero = diff.new_zeros(())
-    metrics = {
-        "sampling/sampling_logp_difference/mean": gap.mean() if gap.numel() else zero,
-        "sampling/sampling_logp_difference/max": gap.max() if gap.numel() else zero,
-        "sampling/importance_sampling_ratio/min": seen.min() if seen.numel() else zero,
-        "sampling/importance_sampling_ratio/mean": seen.mean() if seen.numel() else zero,
-        "sampling/importance_sampling_ratio/max": seen.max() if seen.numel() else zero,
+    counted = torch.ones_like(ratio, dtype=torch.bool) if mode.startswith("sequence") else real
+    n = counted.sum().clamp(min=1)
+    metrics = {  # masked, not indexed: nothing is read back from the device
+        "sampling/sampling_logp_difference/mean": diff.abs().sum() / real.sum().clamp(min=1),
+        "sampling/sampling_logp_difference/max": diff.abs().max() if diff.numel() else diff.new_zeros(()),
+        "sampling/importance_sampling_ratio/min": ratio.masked_fill(~counted, float("inf"))
+        .min()
+        .nan_to_num(posinf=0.0),
+        "sampling/importance_sampling_ratio/mean": ratio.masked_fill(~counted, 0.0).sum() / n,
+        "sampling/importance_sampling_ratio/max": ratio.masked_fill(~counted, 0.0).max(),
     }
     return ratio.to(old_logps.dtype), metrics
 

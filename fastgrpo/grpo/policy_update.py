@@ -55,7 +55,8 @@ class PolicyUpdate:
         self.float32_shards = keep_masters and distributed.is_sharded(self.policy)
         trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2 registers its shards in their place
         self.masters = MasterWeights(trainable) if keep_masters and not self.float32_shards else None
-        if self.masters is not None and world_size == 1:  # DDP reduces the module's own gradients
+        replicated = isinstance(self.policy, torch.nn.parallel.DistributedDataParallel)
+        if self.masters is not None and not replicated:  # DDP reduces the module's own gradients
             self.masters.take_grads_in_backward()
         self.optimizer = torch.optim.AdamW(
             self.masters.copies if self.masters is not None else trainable,
@@ -90,7 +91,8 @@ class PolicyUpdate:
             return weights, optimizer, None
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
         masters = {"masters": [weights[n] for n in names]}
-        return {k: v.to(self.compute_dtype) for k, v in weights.items()}, optimizer, masters
+        cast = {k: v.to(self.compute_dtype) if v.dtype == torch.float32 else v for k, v in weights.items()}
+        return cast, optimizer, masters
 
     def load_masters(self, state: dict) -> None:
         """Restore the float32 master weights `full_state` saved (into FSDP2's shards, or the copies)."""
@@ -146,9 +148,9 @@ class PolicyUpdate:
     def optimize(self, batch: RolloutBatch) -> dict[str, float]:
         """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
 
-        With several processes, DDP averages the gradients at the last micro-batch; every rank runs as many
-        micro-batches as the busiest one (the extra ones with a zero loss), and the losses are scaled so that the
-        averaged gradient is the one of the whole job's batch."""
+        With several processes, DDP averages the gradients at the last micro-batch (FSDP2 at every micro-batch);
+        every rank runs as many micro-batches as the busiest one (the extra ones with a zero loss), and the losses are
+        scaled so that the averaged gradient is the one of the whole job's batch."""
         cfg = self.config
         n = batch.input_ids.shape[0]
         world = self.world_size
@@ -212,9 +214,10 @@ class PolicyUpdate:
                     sums[k] = sums.get(k, 0.0) + float(v)
                 for k, v in sampled.items():  # extremes over the micro-batches, means of their means
                     combine = max if k.endswith("/max") else min if k.endswith("/min") else None
-                    extremes[k] = float(v) if combine is None or k not in extremes else combine(extremes[k], float(v))
                     if combine is None:
                         sums[k] = sums.get(k, 0.0) + float(v)
+                    else:
+                        extremes[k] = combine(extremes.get(k, float(v)), float(v))
                 count += 1
             if self.masters is not None:
                 self.masters.take_grads()  # a parameter without any gradient gets zeros, as below

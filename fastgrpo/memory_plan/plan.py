@@ -212,14 +212,19 @@ def estimate_memory(
 
     # Gradients live from the first backward to the optimizer step (zeroed to None after it). With master weights
     # they accumulate in float32: on the masters in one process (each taken from the module as soon as the backward
-    # computes it), in FSDP2's float32 shards (beside one layer's gathered ones); DDP accumulates and reduces them in
-    # the weights' dtype, in its buckets, and they become float32 on the masters for the step.
-    if sharded_masters:
-        backward = trainable * 4 / shards + shape.layer_params() * w
+    # computes it), in FSDP2's float32 shards; DDP accumulates and reduces them in the weights' dtype, in its buckets,
+    # and they become float32 on the masters for the step. Under FSDP2 the root's gradients (embedding, head) stay
+    # whole in the weights' dtype until the backward ends, and each unit's are reduce-scattered from a copy in the
+    # reduction's dtype (float32 with master weights).
+    if shards > 1:
+        root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h
+        reduced = 4 if sharded_masters else w
+        unit = max(root, shape.layer_params()) * reduced
+        backward = trainable * (4 if sharded_masters else grad_bytes) / shards + root * w + unit
     elif masters and world_size == 1:
         backward = trainable * 4 + _largest_trainable(shape, lora, config.lora_r) * grad_bytes
     else:
-        backward = trainable * grad_bytes / shards
+        backward = trainable * grad_bytes
     items.add("policy gradients", 0, 0, backward, trainable * (4 if masters else grad_bytes) / shards)
     if world_size > 1 and shards == 1:
         items.add("DDP gradient buckets", 0, 0, trainable * grad_bytes, trainable * grad_bytes)

@@ -152,6 +152,7 @@ class EagleDrafter(Drafter):
             param = next(self.model.parameters())
             compiled = self._expand.compiled
             self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device, compiled)
+        self.draft.forget_head_rows()  # the target's head may have changed since the last call
         weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
         changed, self._weights = weights != self._weights, weights
         return changed

@@ -101,9 +101,14 @@ class DraftHead(nn.Module):
             return rollout_linear(hidden, lm_head.weight.detach(), None if bias is None else bias.detach())
         return rollout_linear(hidden, self._head_rows(lm_head.weight))
 
+    def forget_head_rows(self) -> None:
+        """Gather the LM-head rows again at the next draft: the target's weights may have been written in a way its
+        version counter does not show (FSDP2 gathers a rollout's parameters into the same tensors)."""
+        self._rows_key = None
+
     def _head_rows(self, weight: torch.Tensor) -> torch.Tensor:
         """``[V_d, H]`` LM-head rows of the draft vocabulary. While drafting (no autograd) the gathered rows are kept
-        until the head's weights change, instead of being gathered again at every tree level."""
+        until the head's weights change or `forget_head_rows`, instead of being gathered again at every tree level."""
         if torch.is_grad_enabled() or torch.compiler.is_compiling():  # a compiled graph gathers them in place
             return weight.detach()[self.draft_vocab]
         key = (weight.data_ptr(), weight._version)
