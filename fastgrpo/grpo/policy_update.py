@@ -95,7 +95,8 @@ class PolicyUpdate:
         return cast, optimizer, masters
 
     def load_masters(self, state: dict) -> None:
-        """Restore the float32 master weights `full_state` saved (into FSDP2's shards, or the copies)."""
+        """Restore the float32 master weights `full_state` saved: into the copies, or into the trainable parameters
+        themselves (FSDP2's shards, or float32 parameters of a run that keeps no copies)."""
         if self.masters is not None:
             self.masters.load_state_dict(state)
             return
@@ -103,7 +104,12 @@ class PolicyUpdate:
         saved = state["masters"]
         if [tuple(s.shape) for s in saved] != [tuple(p.shape) for _, p in named]:
             raise ValueError("master weights saved for other trainable parameters than this run's")
-        distributed.load_full_weights(self.policy, {n: s for (n, _), s in zip(named, saved, strict=True)})
+        if distributed.is_sharded(self.policy):
+            distributed.load_full_weights(self.policy, {n: s for (n, _), s in zip(named, saved, strict=True)})
+            return
+        with torch.no_grad():
+            for (_, p), s in zip(named, saved, strict=True):
+                p.copy_(s)
 
     def logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
         """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped

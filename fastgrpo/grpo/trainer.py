@@ -188,13 +188,7 @@ class GRPOTrainer:
         if all(p.dtype == torch.float32 for p in trainable) and [tuple(c.shape) for c in copies] == [
             tuple(p.shape) for p in trainable
         ]:
-            if distributed.is_sharded(self.update.policy):
-                names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-                distributed.load_full_weights(self.update.policy, dict(zip(names, copies, strict=True)))
-                return
-            with torch.no_grad():
-                for p, c in zip(trainable, copies, strict=True):
-                    p.copy_(c)
+            self.update.load_masters(saved)
         else:
             logger.warning("--resume: the checkpoint's float32 master weights are not used (master_weights: false)")
 

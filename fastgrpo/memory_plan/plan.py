@@ -199,10 +199,10 @@ def estimate_memory(
     # too); during the update one layer (and the next, prefetched) is gathered besides the root's embedding and head.
     # With master weights the shards are float32 (the masters) and are gathered in the policy's dtype.
     sharded_masters = masters and shards > 1
+    root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h  # FSDP2's root unit
     if shards == 1:
         items.resident(f"policy weights ({dtype})", params * w)
     else:
-        root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h
         gathered = (root + 2 * shape.layer_params()) * w
         own = 0 if sharded_masters else params * w / shards
         what = "gathered from float32 shards" if sharded_masters else "sharded"
@@ -217,7 +217,6 @@ def estimate_memory(
     # whole in the weights' dtype until the backward ends, and each unit's are reduce-scattered from a copy in the
     # reduction's dtype (float32 with master weights).
     if shards > 1:
-        root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h
         reduced = 4 if sharded_masters else w
         unit = max(root, shape.layer_params()) * reduced
         backward = trainable * (4 if sharded_masters else grad_bytes) / shards + root * w + unit
