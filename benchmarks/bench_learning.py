@@ -5,7 +5,7 @@ test on each run's mean reward over the last five steps, and a plot.
 Speculation is lossless, but a tree's forward rounds unlike a one-token one, so in float32 a speculative run and a
 plain one part at the first sampled near-tie and then go their own ways: what must not change is how well the runs
 learn, which the seeds' spread measures. ``--task default`` is `configs/default.yaml` (SmolLM2 on one-digit sums);
-``--task gsm8k`` trains it on a slice of GSM8K's training rows from ``../shared/data/gsm8k`` (`gsm8k_strict` and
+``--task gsm8k`` trains it on GSM8K's training rows from ``../shared/data/gsm8k`` (`gsm8k_strict` and
 `format` rewards, 256 tokens).
 
     python benchmarks/bench_learning.py --seeds 0,1,2 [--task gsm8k] [-- --max_steps=12 ...]
@@ -38,7 +38,6 @@ TASKS = {
     "gsm8k": [
         "--dataset.name=gsm8k",
         f"--dataset.path={GSM8K}",
-        "--dataset.num_examples=256",
         "--reward_funcs=[gsm8k_strict, format]",
         "--reward_weights=[1.0, 0.2]",
         "--max_completion_length=256",

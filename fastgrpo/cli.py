@@ -52,6 +52,16 @@ def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
         group.add_argument(f"--{name}", metavar="V", help=f"{help_.replace('%', '%%')} (default: {value})")
 
 
+def _version() -> str:
+    """The installed fastgrpo's version (read from its package metadata, without importing anything heavy)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("fastgrpo")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(version unknown: not installed)"
+
+
 def build_parser(options: str | None = None) -> argparse.ArgumentParser:
     """The command-line parser; ``options``: the command (``draft train`` for the subcommand) whose help lists every
     option it takes (that imports the option dataclasses, so only a help request asks for it)."""
@@ -60,6 +70,7 @@ def build_parser(options: str | None = None) -> argparse.ArgumentParser:
         description="GRPO fine-tuning of language models with lossless speculative rollouts. "
         "`fastgrpo COMMAND --help` lists a command's options.",
     )
+    parser.add_argument("--version", action="version", version=f"fastgrpo {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     parsers: dict[str, argparse.ArgumentParser] = {}
@@ -147,11 +158,11 @@ def main(argv: list[str] | None = None) -> None:
     if rest and args.command == "report":
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if args.command != "report":
-        from fastgrpo.malloc import keep_freed_memory
-
-        keep_freed_memory()
     try:
+        if args.command != "report":
+            from fastgrpo.malloc import keep_freed_memory
+
+            keep_freed_memory()  # a FASTGRPO_MALLOC it does not know is refused as an option is
         with sigterm_as_interrupt():
             args.func(args, rest)
     except (ValueError, OSError, RewardFunctionError) as e:

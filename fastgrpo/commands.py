@@ -107,6 +107,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     import torch
 
     from fastgrpo.distributed import resolve_device
+    from fastgrpo.memory_plan.fitting import check_sequence_length, read_model_config
     from fastgrpo.models import (
         check_cache_dir,
         check_model_source,
@@ -125,6 +126,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     if opts.output:
         check_writable_file(opts.output, "--output")
     check_cache_dir()
+    check_sequence_length(read_model_config(opts.model), opts.max_prompt_length, opts.max_completion_length)
     tokenizer = load_tokenizer(opts.model)
     model = load_model(opts.model, dtype=opts.dtype, device=device)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
@@ -132,7 +134,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     generator = torch.Generator(device="cpu").manual_seed(opts.seed)
     out = engine.generate(ids, params, num_generations=opts.num_generations, generator=generator)
     texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-    output = Path(opts.output).expanduser() if opts.output else None
+    output = Path(opts.output) if opts.output else None
     if output:
         output.parent.mkdir(parents=True, exist_ok=True)
     sink = open(output, "w", encoding="utf-8") if output else None  # noqa: SIM115
@@ -160,10 +162,18 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
 
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import check_cache_dir, encode_prompts, eos_token_ids, load_model, load_tokenizer
+    from fastgrpo.models import (
+        check_cache_dir,
+        check_tokenizer_files,
+        encode_prompts,
+        eos_token_ids,
+        load_model,
+        load_tokenizer,
+    )
     from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
 
+    check_tokenizer_files(config.model)
     check_cache_dir()
     rows = load_dataset(config.dataset)
     funcs = resolve_reward_funcs(config.reward_funcs)
@@ -197,6 +207,11 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
     held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
     defaults = {"dataset": {"split": "test"}} if held_out else None
     opts, config = build_options(COMMANDS["eval"], values, defaults)
+    from fastgrpo.memory_plan.fitting import check_sequence_length, read_model_config
+    from fastgrpo.models import check_cache_dir
+
+    check_cache_dir()  # before the embedded model is converted to read its config
+    check_sequence_length(read_model_config(config.model), config.max_prompt_length, config.max_completion_length)
     if held_out:
         print(
             "eval: arithmetic questions of the test split, which training never draws (--dataset.split train for "
@@ -211,16 +226,33 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     opts, config = parse_command_options("draft train", args, overrides)
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
-    from fastgrpo.models import check_cache_dir, eos_token_ids, load_model, load_tokenizer
-    from fastgrpo.paths import check_writable_dir
+    from fastgrpo.memory_plan.fitting import check_sequence_length, read_model_config
+    from fastgrpo.models import (
+        DTYPES,
+        check_cache_dir,
+        check_tokenizer_files,
+        eos_token_ids,
+        load_model,
+        load_tokenizer,
+        resolve_dtype,
+    )
+    from fastgrpo.paths import check_free_space, check_writable_dir
     from fastgrpo.rollout.engine import RolloutEngine
+    from fastgrpo.speculative.eagle.memory import draft_file_bytes
     from fastgrpo.speculative.eagle.offline import train_offline
 
     check_writable_dir(opts.output, "--output")
+    check_tokenizer_files(config.model)
     check_cache_dir()
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    model_config = read_model_config(config.model)
+    check_sequence_length(model_config, config.max_prompt_length, config.max_completion_length)
+    needed = draft_file_bytes(model_config, DTYPES[dtype].itemsize, config.speculation.draft_vocab_size)
+    check_free_space(opts.output, needed, "--output")  # before the fit: the draft is saved after it
     rows = load_dataset(config.dataset)
     tokenizer = load_tokenizer(config.model)
-    model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    model = load_model(config.model, dtype=config.dtype, device=device)
     model.requires_grad_(False)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     draft, report = train_offline(
@@ -249,9 +281,11 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
     from fastgrpo.speculative.plugin import cost_probes
-    from fastgrpo.speculative.registry import PLUGINS, drafter_names
+    from fastgrpo.speculative.registry import PLUGINS, check_saved_drafts, drafter_names
 
     names = drafter_names(opts.speculation.drafter)
+    if opts.draft:
+        check_saved_drafts(Path(opts.draft), names)
     check_model_source(opts.model, "--model")
     check_cache_dir()
     if opts.output:

@@ -1,6 +1,7 @@
 """Config fields that carry their own help text and allowed values, as TRL's and transformers' argument dataclasses
 do: `fastgrpo train --help` and ``docs/options.md`` are made from this metadata, and validation reads ``choices`` and
-``valid`` (`check_ranges`)."""
+``valid`` (`check_ranges`); an option marked ``path`` has ``~`` expanded where options are read
+(`fastgrpo.config.files`), so that the config holds, and ``config.yaml`` records, the path a command uses."""
 
 from __future__ import annotations
 
@@ -39,10 +40,13 @@ def option(
     choices: tuple[Any, ...] = (),
     valid: Range | None = None,
     default_factory: Callable[[], Any] | None = None,
+    path: bool = False,
 ) -> Any:
     """A dataclass field with ``help`` (one or two sentences) and, for a closed set of values, ``choices``, or for a
-    numeric option its ``valid`` range."""
+    numeric option its ``valid`` range; ``path``: the option names a file or directory (``~`` is expanded)."""
     metadata: dict[str, Any] = {"help": help}
+    if path:
+        metadata["path"] = True
     if choices:
         metadata["choices"] = tuple(choices)
     if valid is not None:

@@ -44,8 +44,10 @@ def _set_thresholds() -> bool:
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds to `THRESHOLD` (once per process). Returns whether they are set."""
+    """Raise glibc's mmap and trim thresholds to `THRESHOLD` (once per process). Returns whether they are set.
+    ``ValueError`` naming ``FASTGRPO_MALLOC`` at every call while it holds a value other than keep or system."""
     global _applied
+    wanted = _wanted()
     if _applied is None:
-        _applied = _wanted() and _set_thresholds()
+        _applied = wanted and _set_thresholds()
     return _applied

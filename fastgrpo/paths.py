@@ -4,6 +4,7 @@ line, and a place a command will write is checked writable before any model load
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,3 +65,26 @@ def check_writable_file(path: str | Path, what: str) -> None:
     if path.exists() and not os.access(path, os.W_OK):
         raise ValueError(f"{what}: {path} cannot be written: the file is not writable by this user")
     check_writable_dir(path.parent, what)
+
+
+def size_text(nbytes: float) -> str:
+    """A number of bytes as a message shows it, in the largest of GiB, MiB and KiB it holds at least one of."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
+
+
+def free_bytes(path: str | Path) -> int:
+    """The bytes free on the disk ``path`` is on (its nearest existing parent's, before it is created)."""
+    return shutil.disk_usage(_nearest_existing(Path(path).expanduser().absolute())).free
+
+
+def check_free_space(path: str | Path, needed: int, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when the disk ``path`` is on has fewer than ``needed`` bytes free."""
+    free = free_bytes(path)
+    if needed > free:
+        raise ValueError(
+            f"{what}: {path} needs about {size_text(needed)}, more than the {size_text(free)} free on its disk; "
+            f"make room there or choose another {what}"
+        )

@@ -227,23 +227,31 @@ def _excerpt(prompt: Any) -> str:
 
 
 def _call_reward(func: RewardFunc, batch: dict[str, Any], size: int) -> Any:
-    """Call ``func`` on the batch; if it raises, raise a `RewardFunctionError` naming the first failing row."""
+    """Call ``func`` on the batch; if it raises (or calls ``sys.exit``, which would end the run without a word),
+    raise a `RewardFunctionError` naming the first failing row."""
     try:
         return func(**batch)
-    except Exception as batch_error:
+    except (Exception, SystemExit) as batch_error:
         name = reward_name(func)
         for index in range(size):
             try:
                 func(**_row_slice(batch, index))
-            except Exception as row_error:
+            except (Exception, SystemExit) as row_error:
                 raise RewardFunctionError(
-                    f"reward function {name!r} failed on {_row(batch['prompts'], index)}: "
-                    f"{type(row_error).__name__}: {row_error}"
+                    f"reward function {name!r} failed on {_row(batch['prompts'], index)}: {_failure(row_error)}"
                 ) from row_error
         raise RewardFunctionError(
             f"reward function {name!r} failed on a batch of {size} completions (no single row fails alone): "
-            f"{type(batch_error).__name__}: {batch_error}"
+            f"{_failure(batch_error)}"
         ) from batch_error
+
+
+def _failure(error: BaseException) -> str:
+    """What a reward function did wrong, in words: the exception, or the ``sys.exit`` it called."""
+    if isinstance(error, SystemExit):
+        code = "" if error.code is None else repr(error.code)
+        return f"it called sys.exit({code}); a reward function must return its rewards, not end the process"
+    return f"{type(error).__name__}: {error}"
 
 
 def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None) -> torch.Tensor:

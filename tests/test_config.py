@@ -9,7 +9,18 @@ from pathlib import Path
 import pytest
 
 from fastgrpo.cli import main
-from fastgrpo.config import GRPOConfig, load_config, option_rows, options_markdown, parse_overrides
+from fastgrpo.config import (
+    COMMANDS,
+    GRPOConfig,
+    build_options,
+    config_to_dict,
+    load_config,
+    option_rows,
+    options_markdown,
+    parse_options,
+    parse_overrides,
+)
+from fastgrpo.config.files import build_config, read_options
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -158,3 +169,143 @@ def test_profile_help_shows_the_profilers_default_token_counts() -> None:
     from fastgrpo.speculative import profiler
 
     assert ",".join(map(str, profiler.DEFAULT_TOKENS)) == PROFILE_TOKENS == ProfileOptions().tokens
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("learning_rate: 1.0e-5\nmax_steps: 3\nlearning_rate: 1e-4\n", "learning_rate appears twice, on lines 1 and 3"),
+        ("speculation:\n  mode: off\n  nodes: 4\n  mode: static\n", "speculation.mode appears twice, on lines 2 and 4"),
+        ("speculation:\n  mode: off\nmax_steps: 3\nspeculation:\n  mode: static\n", "speculation appears twice, on "
+         "lines 1 and 4"),
+        ("stop:\n  - {a: 1, a: 2}\n", "stop[0].a appears twice, on line 2"),
+    ],
+)  # fmt: skip
+def test_a_key_given_twice_in_a_config_file_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    """YAML forbids a key twice in a mapping; PyYAML would keep the last value without a word."""
+    path = write(tmp_path, text)
+    for command in ("train", "eval", "draft train"):
+        with pytest.raises(ValueError) as excinfo:
+            parse_options(COMMANDS[command], path, ["--output", "d"] if command == "draft train" else [])
+        assert str(excinfo.value) == f"{path}: {message}"
+
+
+def test_the_same_key_in_different_mappings_is_no_duplicate(tmp_path: Path) -> None:
+    text = "seed: 3\ndataset:\n  seed: 4\nbase: &b {mode: off}\n"
+    assert load_config(write(tmp_path, text.replace("base: &b {mode: off}\n", "")), []).dataset.seed == 4
+    assert read_options(write(tmp_path, text + "speculation:\n  <<: *b\n  mode: static\n"))["speculation"] == {
+        "mode": "static"
+    }
+
+
+def test_tilde_is_expanded_in_every_path_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every option naming a file or directory, of every command, holds the expanded path (config.yaml records it),
+    and so does --config."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (tmp_path / "data.jsonl").write_text('{"prompt": "2 + 2?", "answer": "4"}\n')
+    (tmp_path / "c.yaml").write_text("model: ~/m\noutput_dir: ~/run\ndataset: {name: ~/data.jsonl}\n")
+    config = load_config("~/c.yaml", ["--speculation.draft", "~/draft"])
+    assert (config.model, config.output_dir) == (str(model), str(tmp_path / "run"))
+    assert (config.dataset.name, config.speculation.draft) == (str(tmp_path / "data.jsonl"), str(tmp_path / "draft"))
+    assert config_to_dict(config)["output_dir"] == str(tmp_path / "run")
+    preset = load_config(None, ["--dataset.name", "gsm8k", "--dataset.path", "~/data.jsonl"]).dataset
+    assert preset.path == str(tmp_path / "data.jsonl")
+    (generate,) = parse_options(
+        COMMANDS["generate"], None, ["--model", "~/m", "--prompts_file", "~/p", "--output", "~/o"]
+    )
+    assert (generate.model, generate.prompts_file, generate.output) == tuple(str(tmp_path / n) for n in "mpo")
+    (profile,) = parse_options(COMMANDS["profile"], None, ["--output", "~/p.json", "--draft", "~"])
+    assert (profile.output, profile.draft) == (str(tmp_path / "p.json"), None)  # a bare ~ is YAML's null
+    draft, _ = parse_options(COMMANDS["draft train"], None, ["--output", "~/d"])
+    assert draft.output == str(tmp_path / "d")
+    assert load_config(None, ["--dataset.name", "someone/data", "--model", "org/model"]).dataset.name == "someone/data"
+
+
+def test_options_that_do_not_apply_are_refused_only_where_given(tmp_path: Path) -> None:
+    """dataset.split for a local file, the arithmetic generator's options for another dataset: refused when the user
+    sets them (on the command line or in the file), not for their defaults, nor for eval's default test split."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "2 + 2?", "answer": "4"}\n')
+    with pytest.raises(ValueError, match=f"dataset.split applies to .*not to the local file {data}, whose rows"):
+        parse_options(COMMANDS["eval"], None, ["--dataset.name", str(data), "--dataset.split", "test"])
+    with pytest.raises(ValueError, match="dataset.num_examples applies to the arithmetic generator only, not to the "):
+        load_config(write(tmp_path, "dataset:\n  num_examples: 256\n"), ["--dataset.name", str(data)])
+    with pytest.raises(ValueError, match="dataset.operators applies"):
+        load_config(None, ["--dataset.name", "gsm8k", "--dataset.operators", "+-"])
+    assert load_config(None, ["--dataset.name", str(data)]).dataset.split == "train"
+    assert load_config(None, ["--dataset.name", "gsm8k", "--dataset.split", "test"]).dataset.split == "test"
+    built = build_config({"dataset": {"name": str(data)}}, defaults={"dataset": {"split": "test", "digits": 2}})
+    assert built.dataset.name == str(data)
+    _, config = build_options(COMMANDS["eval"], {"dataset": {"digits": 2}}, {"dataset": {"split": "test"}})
+    assert (config.dataset.split, config.dataset.digits) == ("test", 2)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama of a 2048-token context, saved with its tokenizer."""
+    from conftest import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0, tie_word_embeddings=True)
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
+    """The one-line error of ``fastgrpo ARGV``, which must exit 2 before a model loads."""
+    import fastgrpo.models
+
+    def load_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a model loaded")
+
+    monkeypatch.setattr(fastgrpo.models, "load_model", load_model)
+    with pytest.raises(SystemExit) as excinfo:
+        main(argv)
+    err = capsys.readouterr().err
+    assert excinfo.value.code == 2 and "Traceback" not in err, err
+    return err
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--temperature", "0"], "temperature: 0 samples greedily"),
+        (["--max_completion_length", "2000"], "max_completion_length: prompts of up to max_prompt_length (512) tokens"),
+        (["--speculation.mode", "off", "--speculation.drafter", "medusa"], "speculation.drafter must be one of ["),
+    ],
+)
+def test_the_dry_run_refuses_what_training_refuses(
+    options: list[str],
+    message: str,
+    tiny_model_dir: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert message in refused(["train", "--dry-run", "--model", str(tiny_model_dir), *options], capsys, monkeypatch)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["generate", "--prompt", "hi", "--max_completion_length", "100000000"],
+        ["generate", "--prompt", "hi", "--max_prompt_length", "2000", "--max-new-tokens", "100"],
+        ["eval", "--max_completion_length", "1537"],
+    ],
+)
+def test_generate_and_eval_refuse_sequences_beyond_the_context(
+    argv: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    err = refused([*argv, "--model", str(tiny_model_dir)], capsys, monkeypatch)
+    assert "max_completion_length: prompts of up to max_prompt_length" in err
+    assert "exceed the model's context of 2048 tokens (max_position_embeddings)" in err
+
+
+def test_the_context_of_a_lora_checkpoint_is_its_base_models(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A LoRA run's checkpoint holds the adapter alone; its context is the base model's."""
+    from fastgrpo.memory_plan.fitting import read_model_config
+
+    (tmp_path / "adapter_config.json").write_text(f'{{"base_model_name_or_path": "{tiny_model_dir}"}}')
+    assert read_model_config(str(tmp_path)).max_position_embeddings == 2048
+    (tmp_path / "adapter_config.json").write_text("{}")
+    with pytest.raises(ValueError, match="adapter_config.json names no base model"):
+        read_model_config(str(tmp_path))

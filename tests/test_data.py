@@ -417,3 +417,97 @@ def test_the_one_digit_sums_split_and_a_split_that_cannot_be() -> None:
     assert (len(questions(train)), len(test)) == (67, 14) and not questions(train) & questions(test)
     with pytest.raises(ValueError, match=r"dataset.split of the arithmetic generator must be one of train, test"):
         make_arithmetic(DataConfig(split="validation"))
+
+
+def test_a_local_file_is_named_as_such_and_a_hub_id_is_not(tmp_path: Path) -> None:
+    data = _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2 + 2?", "answer": "4"}])
+    assert DataConfig(name=str(data)).local_file() == data
+    assert DataConfig(name=str(tmp_path / "missing.parquet")).local_file() == tmp_path / "missing.parquet"
+    assert DataConfig(name="gsm8k", path=str(data)).local_file() == data
+    assert DataConfig(name="gsm8k").local_file() is None
+    assert DataConfig(name="someone/some-dataset").local_file() is None
+    assert DataConfig().local_file() is None
+
+
+@pytest.mark.parametrize(
+    ("changes", "given", "message"),
+    [
+        ({"name": "{file}"}, {"split": "test"}, "dataset.split applies to hub datasets and the arithmetic generator"),
+        ({"name": "gsm8k", "path": "{file}"}, {"split": "train"}, "not to the local file {file}, whose rows are all"),
+        ({"name": "{file}"}, {"num_examples": 5}, "dataset.num_examples applies to the arithmetic generator only"),
+        ({"name": "gsm8k"}, {"digits": 2}, "dataset.digits applies to the arithmetic generator only, not to the "),
+        ({"name": "math"}, {"seed": 1}, "dataset.seed applies"),
+        ({"name": "someone/some-dataset"}, {"word_problems": True}, "dataset.word_problems applies"),
+    ],
+)
+def test_an_option_given_that_does_not_apply_is_refused(
+    tmp_path: Path, changes: dict, given: dict, message: str
+) -> None:
+    file = str(_write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2 + 2?", "answer": "4"}]))
+    cfg = DataConfig(**{k: v.replace("{file}", file) for k, v in changes.items()})
+    with pytest.raises(ValueError, match=message.replace("{file}", file).replace(".", r"\.")):
+        cfg.check_given(given)
+
+
+def test_options_that_apply_or_are_not_given_are_accepted(tmp_path: Path) -> None:
+    file = str(_write_jsonl(tmp_path / "d.jsonl", [{"prompt": "2 + 2?", "answer": "4"}]))
+    DataConfig(name=file, split="test", digits=3).check_given({"name": file, "limit": 1})  # values, not given
+    DataConfig(name="gsm8k").check_given({"name": "gsm8k", "split": "test"})  # the hub's split
+    DataConfig(split="test", digits=2).check_given({"split": "test", "digits": 2, "num_examples": 5})
+
+
+def test_arithmetic_rows_beyond_a_quarter_of_the_memory_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fastgrpo.data import config
+
+    with pytest.raises(
+        ValueError, match=r"dataset\.num_examples: 1000000000 arithmetic rows \(operands: 2, digits: 1\)"
+    ):
+        DataConfig(num_examples=10**9).validate()
+    with pytest.raises(ValueError, match="rows, operands or digits"):  # each question holds every operand
+        DataConfig(num_examples=100, operands=10**8).validate()
+    monkeypatch.setattr(config, "physical_memory_bytes", lambda: 4 * 2**20)
+    DataConfig(num_examples=1000).validate()  # 0.6 MB of a quarter of 4 MiB
+    with pytest.raises(ValueError, match=r"\(610 bytes each\), more than 25% of this machine's 0\.0 GiB"):
+        DataConfig(num_examples=2000).validate()
+    with pytest.raises(ValueError, match="1610 bytes each"):  # each row holds its copy of the instruction
+        DataConfig(num_examples=1000, instruction="x" * 1000).validate()
+    DataConfig(name="gsm8k", num_examples=10**9).validate()  # the generator's option only bounds the generator
+
+
+@pytest.mark.parametrize(("changes", "longest"), [({"digits": 4300}, 4301), ({"digits": 1500, "operands": 3}, 4500)])
+def test_arithmetic_answers_longer_than_python_writes_are_refused(changes: dict, longest: int) -> None:
+    """Python converts integers of at most 4300 digits to text (``sys.get_int_max_str_digits``)."""
+    cfg = DataConfig(operators="+" if longest == 4301 else "+*", **changes)
+    with pytest.raises(ValueError, match=f"dataset.digits: answers of .* have up to {longest} digits, more than the"):
+        cfg.validate()
+
+
+def test_the_estimate_of_a_row_is_at_least_what_a_row_takes() -> None:
+    import tracemalloc
+
+    from fastgrpo.data.arithmetic import rows_bytes
+
+    for cfg in (DataConfig(num_examples=2000), DataConfig(num_examples=2000, word_problems=True, system_prompt="S")):
+        tracemalloc.start()
+        rows = make_arithmetic(cfg)
+        held = tracemalloc.get_traced_memory()[0]
+        tracemalloc.stop()
+        assert len(rows) == 2000 and held <= rows_bytes(cfg) <= 2 * held
+
+
+def test_more_training_rows_than_distinct_questions_say_that_they_repeat(caplog: pytest.LogCaptureFixture) -> None:
+    from fastgrpo.data.arithmetic import split_size
+
+    assert (split_size(DataConfig()), split_size(DataConfig(split="test"))) == (67, 14)  # 81 one-digit sums
+    with caplog.at_level("INFO", logger="fastgrpo.data.arithmetic"):
+        rows = make_arithmetic(DataConfig(num_examples=100))
+    assert len(rows) == 100 and len({_user_text(r) for r in rows}) <= 67
+    assert "the arithmetic train split has 67 distinct questions, fewer than num_examples (100): they repeat" in (
+        caplog.text
+    )
+    caplog.clear()
+    with caplog.at_level("INFO", logger="fastgrpo.data.arithmetic"):
+        assert len(make_arithmetic(DataConfig(num_examples=100, split="test"))) == 14
+        make_arithmetic(DataConfig(num_examples=60))
+    assert "test split has 14 distinct questions, fewer than num_examples (100): all of them" in caplog.text
+    assert "train split" not in caplog.text

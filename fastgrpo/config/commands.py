@@ -59,8 +59,10 @@ class GenerateOptions:
     prompt: list[str] = option(
         default_factory=list, help="user messages (on the command line one per --prompt, which can be repeated)"
     )
-    prompts_file: str | None = option(None, help="a .txt file (one prompt per line) or a .jsonl with a 'prompt' column")
-    output: str | None = option(None, help="a JSONL file to write (None: print to the terminal)")
+    prompts_file: str | None = option(
+        None, help="a .txt file (one prompt per line) or a .jsonl with a 'prompt' column", path=True
+    )
+    output: str | None = option(None, help="a JSONL file to write (None: print to the terminal)", path=True)
     model: str = shared(GRPOConfig, "model")
     dtype: str = shared(GRPOConfig, "dtype")
     device: str = shared(GRPOConfig, "device")
@@ -111,7 +113,9 @@ class ProfileOptions:
     context_length: int = option(256, help="cached tokens each row attends to", valid=Range(2))
     repeats: int = option(9, help="rounds timing every token count once (each count keeps its median)", valid=Range(1))
     output: str | None = option(
-        None, help="a JSON file to write, a plot beside it (None: the profile cache, where training finds it)"
+        None,
+        help="a JSON file to write, a plot beside it (None: the profile cache, where training finds it)",
+        path=True,
     )
 
     @property
@@ -153,7 +157,7 @@ class DraftTrainOptions:
 
     ALIASES: ClassVar[dict[str, str]] = {"draft_vocab_size": "speculation.draft_vocab_size"}
 
-    output: str = option(help="the directory to save the draft in")
+    output: str = option(help="the directory to save the draft in", path=True)
     batch_size: int = shared(EvalOptions, "batch_size")
     greedy_fraction: float = option(
         0.0,

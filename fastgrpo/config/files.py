@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 import re
 import types
 import typing
@@ -19,9 +20,46 @@ from fastgrpo.config.grpo import GRPOConfig
 from fastgrpo.paths import read_text
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping of a YAML document holds the same key twice (YAML forbids it; PyYAML would keep the last value)."""
+
+    def __init__(self, key: str, first: int, second: int):
+        lines = f"line {first}" if first == second else f"lines {first} and {second}"
+        self.problem = f"{key} appears twice, on {lines}"
+        super().__init__(self.problem)
+
+
+def _check_unique_keys(node: yaml.Node, prefix: str = "", visited: set[int] | None = None) -> None:
+    """Raise `DuplicateKeyError` at the first key that a mapping of ``node`` (or of its children) holds twice, named
+    dotted from the document's top (``speculation.mode``; in an item of a list ``stop[1].key``)."""
+    visited = set() if visited is None else visited
+    if id(node) in visited:  # an alias of a node already checked (a recursive one included)
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            _check_unique_keys(item, f"{prefix.removesuffix('.')}[{index}].", visited)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[tuple[str, str], int] = {}
+    for key, value in node.value:
+        if not isinstance(key, yaml.ScalarNode):  # a mapping or list as a key: no option has one
+            continue
+        line = key.start_mark.line + 1
+        if (key.tag, key.value) in seen:
+            raise DuplicateKeyError(f"{prefix}{key.value}", seen[key.tag, key.value], line)
+        seen[key.tag, key.value] = line
+        _check_unique_keys(value, f"{prefix}{key.value}.", visited)
+
+
 class YAMLLoader(yaml.SafeLoader):
     """YAML with the booleans of YAML 1.2: only true and false (any case). YAML 1.1 also reads on, off, yes and no
-    as booleans, which would turn ``speculation.mode: off`` into False."""
+    as booleans, which would turn ``speculation.mode: off`` into False. A mapping that holds a key twice is refused
+    (`DuplicateKeyError`), as YAML says, rather than read with the last value."""
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        _check_unique_keys(node)
+        return super().construct_document(node)
 
 
 YAML11_BOOLEANS = {"yes": True, "on": True, "no": False, "off": False}  # still read so for boolean options
@@ -75,7 +113,8 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
-    """Build dataclass ``cls`` from a dict, refusing unknown keys, ill-typed values and missing required options."""
+    """Build dataclass ``cls`` from a dict, refusing unknown keys, ill-typed values and missing required options;
+    ``~`` is expanded in the options that name a path (``option(..., path=True)``)."""
     hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -90,6 +129,8 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
             kwargs[key] = _build(hints[key], value, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(prefix + key, value, hints[key])
+            if fields[key].metadata.get("path") and isinstance(kwargs[key], str):
+                kwargs[key] = os.path.expanduser(kwargs[key])
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{prefix}{name} is required: {f.metadata.get('help', 'an option without default')}")
@@ -221,7 +262,8 @@ def build_options(
 ) -> tuple[Any, ...]:
     """`parse_options` of ``values`` (nested plain data, as `read_options` gives); ``defaults`` (nested the same way)
     replace the options' own defaults where ``values`` does not set them. Each option belongs to one of the
-    classes; an unknown one is refused with the closest known name, a bad value with its option's name."""
+    classes; an unknown one is refused with the closest known name, a bad value with its option's name, one set in
+    ``values`` that does not apply (a class's ``check_given``) with its name."""
     owner = {f.name: cls for cls in reversed(classes) for f in dataclasses.fields(cls)}
     parts: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
     for key, value in _merge(defaults or {}, values).items():
@@ -232,23 +274,39 @@ def build_options(
     built = tuple(_build(cls, parts[cls]) for cls in classes)
     for options in built:
         options.validate()
+        _check_given(options, values)
     return built
+
+
+def _check_given(options: Any, given: dict[str, Any]) -> None:
+    """Call ``check_given`` of ``options`` and of its nested option dataclasses that have one, each with the options
+    ``given`` (nested plain data, without the defaults) sets for it: an option that does not apply to the others'
+    values is refused only where the user set it."""
+    if hasattr(options, "check_given"):
+        options.check_given(given)
+    for f in dataclasses.fields(options):
+        value, nested = getattr(options, f.name), given.get(f.name)
+        if dataclasses.is_dataclass(value) and isinstance(nested, dict):
+            _check_given(value, nested)
 
 
 def read_options(
     path: str | Path | None = None, overrides: list[str] | None = None, classes: tuple[type, ...] | None = None
 ) -> dict[str, Any]:
-    """The options a YAML config (optional) and ``--option value`` overrides set, as nested plain data; ``classes``:
-    the dataclasses they are for (see `parse_overrides`)."""
+    """The options a YAML config (optional; ``~`` is expanded in its path) and ``--option value`` overrides set, as
+    nested plain data; ``classes``: the dataclasses they are for (see `parse_overrides`). A mapping of the file that
+    holds a key twice is refused, naming the file, the key and both lines."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path)
+        path = Path(path).expanduser()
         if not path.is_file():
             raise FileNotFoundError(
                 f"config file {path} " + ("is a directory, not a file" if path.is_dir() else "does not exist")
             )
         try:
             values = yaml.load(read_text(path), Loader=YAMLLoader) or {}
+        except DuplicateKeyError as e:
+            raise ValueError(f"{path}: {e.problem}") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f", line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -35,7 +35,9 @@ class GRPOConfig:
     """
 
     # model
-    model: str = option("smollm2", help="a local Hugging Face directory, a hub id, or `smollm2` (the embedded default)")
+    model: str = option(
+        "smollm2", help="a local Hugging Face directory, a hub id, or `smollm2` (the embedded default)", path=True
+    )
     dtype: str = option(
         "auto",
         help="the policy's weights, which rollouts and the update compute with; `auto`: bfloat16 on a GPU, float32 "
@@ -182,7 +184,7 @@ class GRPOConfig:
     lora_dropout: float = option(0.05, help="LoRA dropout", valid=Range(0, 1, high_open=True))
     lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
     # outputs
-    output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run")
+    output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run", path=True)
     overwrite_output_dir: bool = option(
         False,
         help="start a new run in an output_dir that holds another one, deleting that run's metrics and checkpoints",

@@ -75,6 +75,7 @@ class SpeculationConfig:
         None,
         help="a directory saved by `fastgrpo draft train`, or a checkpoint's `draft` directory (the drafters' state, "
         "of fastgrpo's trainer or the TRL integration); None: a fresh draft",
+        path=True,
     )
     draft_vocab_size: int | None = option(
         None,

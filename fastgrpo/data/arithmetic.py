@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
+import os
 import random
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastgrpo.data.config import DataConfig
 from fastgrpo.data.prompts import build_prompt
+
+if TYPE_CHECKING:  # the config validates with this module's estimate (`rows_bytes`)
+    from fastgrpo.data.config import DataConfig
 
 _ADDITION_TEMPLATES = (
     "{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
@@ -25,6 +29,13 @@ _MULTIPLICATION_TEMPLATES = (
 )
 logger = logging.getLogger(__name__)
 MAX_DRAWS = 10_000  # draws for one question of the split before the split is taken to be empty
+COUNTED = 100_000  # questions in all up to which a split's distinct questions are counted (above: estimated)
+# What a row holds in memory (measured with tracemalloc: 550 bytes for a one-digit sum) besides the characters of its
+# question and answer, its copy of the instruction, a word problem's words and, with a system prompt, its message.
+ROW_BYTES = 600
+WORD_PROBLEM_BYTES = 100
+SYSTEM_MESSAGE_BYTES = 250
+DRAW_BYTES = 150  # per operand, while a question is drawn (its numbers, operators and their text)
 _NAMES = ("Sam", "Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lena")
 _ITEMS = ("apples", "marbles", "stickers", "pencils", "cookies", "shells")
 
@@ -87,15 +98,49 @@ def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None
     return None
 
 
+def answer_digits(cfg: DataConfig) -> int:
+    """The most digits an answer can have (a product of every operand where ``*`` is drawn)."""
+    return cfg.digits * cfg.operands if "*" in cfg.operators else cfg.digits + len(str(cfg.operands))
+
+
+def rows_bytes(cfg: DataConfig) -> int:
+    """About the memory the generator takes for ``cfg.num_examples`` rows: `ROW_BYTES` each with the characters of
+    their question and answer, their copies of the instruction and system message, and what drawing a question
+    holds for a while."""
+    question = cfg.operands * (cfg.digits + 3) + (WORD_PROBLEM_BYTES if cfg.word_problems else 0)
+    extras = len((cfg.instruction or "").encode()) + (SYSTEM_MESSAGE_BYTES if cfg.system_prompt is not None else 0)
+    return cfg.num_examples * (ROW_BYTES + question + answer_digits(cfg) + extras) + cfg.operands * DRAW_BYTES
+
+
+def physical_memory_bytes() -> int:
+    """This machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def split_size(cfg: DataConfig) -> int:
+    """The distinct questions of ``cfg.split``: counted where the questions number at most `COUNTED` in all, else the
+    split's expected share of them (a fifth for ``test``)."""
+    operators = sorted(set(cfg.operators))
+    high = 10**cfg.digits - 1
+    operands = min(cfg.operands, 20)  # beyond 9**20 questions the count outnumbers any num_examples memory allows
+    total = high**operands * len(operators) ** (operands - 1)
+    if total > COUNTED:
+        return total // 5 if cfg.split == "test" else total - total // 5
+    numbers = itertools.product(range(1, high + 1), repeat=cfg.operands)
+    questions = itertools.product(numbers, itertools.product(operators, repeat=cfg.operands - 1))
+    return sum(held_out(_plain_question(list(n), list(o))) == (cfg.split == "test") for n, o in questions)
+
+
 def make_arithmetic(cfg: DataConfig) -> list[dict[str, Any]]:
     """Synthetic arithmetic prompts, deterministic in ``cfg.seed``.
 
     Each example has ``cfg.operands`` numbers of 1 to ``cfg.digits`` digits joined by operators drawn from
     ``cfg.operators`` (usual precedence). ``cfg.split`` is ``train`` or ``test``: a fixed fifth of the possible
     questions (`held_out`) is only ever drawn for ``test``, so an evaluation on it measures questions training never
-    saw. ``train`` draws ``cfg.num_examples`` questions with repeats; ``test`` draws distinct ones, as many as the
-    split has when that is fewer (one-digit sums have 14). Rows hold ``prompt`` (chat messages with the bare
-    question, plus ``cfg.instruction`` only if set) and ``answer`` (the exact integer result as a string).
+    saw. ``train`` draws ``cfg.num_examples`` questions with repeats (and says so when there are fewer distinct ones);
+    ``test`` draws distinct ones, as many as the split has when that is fewer (one-digit sums have 14). Rows hold
+    ``prompt`` (chat messages with the bare question, plus ``cfg.instruction`` only if set) and ``answer`` (the exact
+    integer result as a string).
     """
     cfg.validate()
     rng = random.Random(cfg.seed)
@@ -122,6 +167,12 @@ def make_arithmetic(cfg: DataConfig) -> list[dict[str, Any]]:
             "dataset: the arithmetic %s split has %d distinct questions, fewer than num_examples (%d): all of them",
             cfg.split,
             len(rows),
+            cfg.num_examples,
+        )
+    elif cfg.split == "train" and (distinct := split_size(cfg)) < cfg.num_examples:
+        logger.info(
+            "dataset: the arithmetic train split has %d distinct questions, fewer than num_examples (%d): they repeat",
+            distinct,
             cfg.num_examples,
         )
     return rows

@@ -4,11 +4,10 @@ chat ``prompt``, the gold ``answer`` and every other column for the reward funct
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 from fastgrpo.data.config import DataConfig
-from fastgrpo.data.files import FILE_SUFFIXES, Record, read_file, read_hub
+from fastgrpo.data.files import Record, read_file, read_hub
 from fastgrpo.data.presets import PRESETS, Preset
 from fastgrpo.data.prompts import build_prompt, prompt_problem
 
@@ -109,13 +108,12 @@ def _read_source(cfg: DataConfig, preset: Preset | None) -> tuple[str, list[Reco
         if preset.hub_id is None:
             raise ValueError(f"dataset preset {cfg.name!r} has no default hub dataset; set dataset.path to a file")
         return preset.hub_id, read_hub(preset.hub_id, preset.hub_config, cfg.split)
-    target = cfg.path if preset is not None else cfg.name
-    path = Path(target).expanduser()
-    if path.is_file():
-        return str(path), read_file(path)
-    if preset is not None or path.suffix.lower() in FILE_SUFFIXES:
+    path = cfg.local_file()
+    if path is None:
+        return cfg.name, read_hub(cfg.name, None, cfg.split)
+    if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
-    return target, read_hub(target, None, cfg.split)
+    return str(path), read_file(path)
 
 
 def load_external(cfg: DataConfig) -> list[Row]:

@@ -5,8 +5,10 @@ the options that would fit (each re-estimated, `fitting_options`); `plan_for_tra
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 from transformers import PretrainedConfig
@@ -209,15 +211,32 @@ def plan_for_trainer(config: GRPOConfig, model_config: PretrainedConfig, device:
     return plan
 
 
+def _config_source(name: str) -> str:
+    """Where the transformers config of model ``name`` is: the base model's for a directory holding a peft adapter
+    alone (as a LoRA run's checkpoint does), else the model's own."""
+    directory = Path(name).expanduser()
+    adapter = directory / "adapter_config.json"
+    if not adapter.is_file() or (directory / "config.json").is_file():
+        return resolve_model_path(name)
+    try:
+        base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError) as e:
+        raise ValueError(f"model: cannot read {adapter}: {e}") from None
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"model: {adapter} names no base model (base_model_name_or_path)")
+    return resolve_model_path(base)
+
+
 def read_model_config(name: str) -> PretrainedConfig:
-    """The transformers config of ``config.model`` (a directory, a hub id, or ``smollm2``), without its weights or
-    tokenizer; ``ValueError`` when it is not the config of a causal language model."""
+    """The transformers config of ``config.model`` (a directory, a hub id, or ``smollm2``; for a peft adapter's
+    directory its base model's), without its weights or tokenizer; ``ValueError`` when it is not the config of a
+    causal language model."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     check_model_source(name)
     try:
-        model_config = AutoConfig.from_pretrained(resolve_model_path(name))
+        model_config = AutoConfig.from_pretrained(_config_source(name))
     except (OSError, ValueError) as e:
         raise ValueError(f"model: cannot read the config of {name}: {e}") from None
     if model_config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not getattr(model_config, "auto_map", None):
@@ -228,15 +247,44 @@ def read_model_config(name: str) -> PretrainedConfig:
     return model_config
 
 
+def check_sequence_length(model_config: PretrainedConfig, max_prompt_length: int, max_completion_length: int) -> None:
+    """Raise ``ValueError`` naming max_completion_length when prompts of ``max_prompt_length`` tokens and completions
+    of ``max_completion_length`` exceed the model's context (``max_position_embeddings``, where its config has one)."""
+    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
+    if context is not None and max_prompt_length + max_completion_length > context:
+        raise ValueError(
+            f"max_completion_length: prompts of up to max_prompt_length ({max_prompt_length}) tokens and "
+            f"completions of up to {max_completion_length} exceed the model's context of {context} tokens "
+            "(max_position_embeddings); shorten either"
+        )
+
+
+def check_before_training(config: GRPOConfig) -> PretrainedConfig:
+    """What `GRPOTrainer` refuses before it loads a model, besides the dataset and the output directory, checked the
+    same way (the trainer's own functions): the drafters and a saved draft, the reward functions, and the model's
+    config against the options (`check_training_options`: greedy sampling, sequences beyond the context). Returns the
+    model's config."""
+    from fastgrpo.grpo.trainer import check_training_options
+    from fastgrpo.rewards import resolve_reward_funcs
+    from fastgrpo.speculative.registry import check_speculation
+
+    check_speculation(config.speculation)
+    resolve_reward_funcs(config.reward_funcs)
+    model_config = read_model_config(config.model)
+    check_training_options(config, model_config)
+    return model_config
+
+
 def dry_run(config: GRPOConfig, processes: int | None = None) -> str:
-    """``fastgrpo train --dry-run``: the memory plan of ``config`` (validated already) on the device the run would
+    """``fastgrpo train --dry-run``: the options checked as training checks them before it loads a model
+    (`check_before_training`), then the memory plan of ``config`` (validated already) on the device the run would
     use, for ``processes`` processes (None: this job's, `world_size`), from the model's config alone, and on a GPU
     whether it fits the memory available there (`available_bytes`), with the nearest configuration that does
     (`recipe`) when it does not. ``device: cuda`` on a machine without a GPU plans for one (bfloat16 for ``dtype:
     auto``), checked against an 80 GB card. Nothing is written."""
     from fastgrpo.distributed import resolve_device
 
-    model_config = read_model_config(config.model)
+    model_config = check_before_training(config)
     planned_only = config.device == "cuda" and not torch.cuda.is_available()
     if planned_only:  # planning a GPU run on a machine without one: the plan is arithmetic
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))

@@ -84,6 +84,10 @@ class DrafterPlugin:
         """Whether ``directory`` holds what `save` writes (the drafter is then rebuilt from it on a restore)."""
         return False
 
+    def check_saved(self, directory: Path) -> None:
+        """Raise ``ValueError`` naming the file when what `save` wrote in ``directory`` cannot be read; called before
+        a model loads (`build` reads the files later)."""
+
     def save(self, drafter: Drafter, directory: Path) -> None:
         """Write the drafter's own files (a network's weights, say) into ``directory``; its learner's state is saved
         beside them by the caller."""

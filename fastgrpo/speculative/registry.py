@@ -43,7 +43,8 @@ def plugins(speculation: SpeculationConfig) -> list[DrafterPlugin]:
 
 def check_speculation(speculation: SpeculationConfig) -> None:
     """Refuse, before any model loads, drafters that are not registered and a ``speculation.draft`` directory that
-    holds neither a saved drafter of the drafters named nor a checkpoint's drafters (their learners' states)."""
+    holds neither a saved drafter of the drafters named nor a checkpoint's drafters (their learners' states), or
+    whose saved files cannot be read (`check_saved_drafts`)."""
     names = drafter_names(speculation.drafter)
     if speculation.draft is None:
         return
@@ -54,3 +55,14 @@ def check_speculation(speculation: SpeculationConfig) -> None:
             f"({speculation.drafter}; `fastgrpo draft train` saves the eagle head's) nor a checkpoint's drafters "
             f"(no {LEARNERS})"
         )
+    check_saved_drafts(directory, names)
+
+
+def check_saved_drafts(directory: Path, names: list[str]) -> None:
+    """Refuse, before any model loads, files the drafters ``names`` saved in ``directory`` that cannot be read (a
+    config cut short or edited by hand), naming the file."""
+    try:
+        for name in names:
+            PLUGINS[name].check_saved(directory)
+    except ValueError as e:
+        raise ValueError(f"speculation.draft: {e}") from None

@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
+import uuid
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
+from fastgrpo.paths import free_bytes, read_text, size_text
 from fastgrpo.rollout.linear import rollout_linear
 
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"  # the file that makes a directory a saved draft
+REMAKE = "make the draft again with `fastgrpo draft train`, or start from a fresh draft without it"
 # Architecture fields a draft must share with its target.
 TARGET_FIELDS = ("model_type", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
 
@@ -121,12 +128,18 @@ class DraftHead(nn.Module):
         return ids if self.draft_vocab is None else self.draft_vocab[ids]
 
     # -- persistence ---------------------------------------------------------------------------------------
-    def save(self, directory: str | Path) -> Path:
-        """Write ``draft.safetensors`` and ``draft_config.json`` (naming the target) into ``directory``."""
+    def write(self, directory: str | Path) -> Path:
+        """Write ``draft.safetensors`` and ``draft_config.json`` (naming the target) into ``directory``, made when
+        missing; what the disk refuses is an ``OSError`` naming the file. A checkpoint writes its draft so, inside
+        its own temporary directory; `save` writes a draft directory of its own."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(tensors, str(directory / DRAFT_WEIGHTS))
+        weights = directory / DRAFT_WEIGHTS
+        try:
+            save_file(tensors, str(weights))
+        except SafetensorError as e:  # how safetensors reports a full disk
+            raise OSError(f"{weights}: {e}") from e
         meta = {
             "target": self.signature,
             "target_name": self.target_name,
@@ -136,14 +149,31 @@ class DraftHead(nn.Module):
         (directory / DRAFT_CONFIG).write_text(json.dumps(meta, indent=2))
         return directory
 
+    def save(self, directory: str | Path) -> Path:
+        """Write the draft (`write`) into a temporary directory beside ``directory`` and move it into place, so that
+        a failure leaves no half-written draft; ``ValueError`` naming ``directory`` and the space free on its disk
+        when the disk refuses it. Other files in an existing ``directory`` are kept."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            self.write(tmp)
+            _move_into(tmp, directory)
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            reason = e.strerror or str(e.__cause__ or e)  # not the temporary file's name
+            free = size_text(free_bytes(directory))
+            raise ValueError(f"could not write the draft to {directory}: {reason} ({free} free on its disk)") from e
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
     @classmethod
     def load(cls, directory: str | Path, target: PreTrainedModel) -> DraftHead:
         """Load a draft saved by `save` for ``target``; a draft made for another architecture is refused."""
         directory = Path(directory)
-        config_path = directory / DRAFT_CONFIG
-        if not config_path.is_file():
-            raise FileNotFoundError(f"{config_path} not found: {directory} is not a saved draft")
-        meta = json.loads(config_path.read_text())
+        meta = read_draft_config(directory)
         expected = target_signature(target.config)
         if meta["target"] != expected:
             diff = {k: (meta["target"].get(k), v) for k, v in expected.items() if meta["target"].get(k) != v}
@@ -151,9 +181,47 @@ class DraftHead(nn.Module):
                 f"draft in {directory} was made for target {meta.get('target_name') or meta['target']}, not for "
                 f"this model; mismatching fields (draft, target): {diff}"
             )
-        tensors = load_file(str(directory / DRAFT_WEIGHTS))
+        tensors = _read_weights(directory / DRAFT_WEIGHTS)
         param = next(target.parameters())
         draft = cls(target.config, meta.get("target_name", ""), tensors.get("draft_vocab"))
         draft = draft.to(device=param.device, dtype=param.dtype)  # before loading, so no precision is lost
         draft.load_state_dict(tensors)
         return draft
+
+
+def _move_into(tmp: Path, directory: Path) -> None:
+    """Move the draft written in ``tmp`` to ``directory``: the whole directory where there is none yet, else file by
+    file (each replaced at once, files of others kept), the config that makes a directory a draft last."""
+    if not directory.exists():
+        os.replace(tmp, directory)
+        return
+    for name in (DRAFT_WEIGHTS, DRAFT_CONFIG):
+        os.replace(tmp / name, directory / name)
+    tmp.rmdir()
+
+
+def read_draft_config(directory: Path) -> dict[str, Any]:
+    """The ``draft_config.json`` of the draft saved in ``directory``; ``ValueError`` naming the file when it is not a
+    JSON object holding the draft's ``target`` (a file cut short, edited by hand or written by another tool)."""
+    path = directory / DRAFT_CONFIG
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {directory} is not a saved draft")
+    try:
+        meta = json.loads(read_text(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg}: line {e.lineno}, column {e.colno}); {REMAKE}") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("target"), dict):
+        found = f"keys {sorted(meta)}" if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(
+            f"{path}: expected a JSON object whose 'target' names the architecture the draft was made for, got "
+            f"{found}; {REMAKE}"
+        )
+    return meta
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a draft's weights file; ``ValueError`` naming it when it is not a readable safetensors file."""
+    try:
+        return load_file(str(path))
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e}); {REMAKE}") from None

@@ -4,6 +4,8 @@ adds to the rollout's widest forward; and what it adds to a checkpoint."""
 
 from __future__ import annotations
 
+from transformers import PretrainedConfig
+
 from fastgrpo.memory.activations import TrainingForward, layer_activation_bytes
 from fastgrpo.memory.items import MemoryItem, MemoryItems
 from fastgrpo.memory.shapes import ModelShape
@@ -19,6 +21,13 @@ def draft_parameters(shape: ModelShape) -> tuple[int, int]:
     h = shape.hidden_size
     trainable = 2 * h * h + h + shape.layer_params() + h
     return trainable + h, trainable
+
+
+def draft_file_bytes(target_config: PretrainedConfig, dtype_bytes: int, draft_vocab_size: int | None) -> int:
+    """About what `DraftHead.save` writes for the target of ``target_config`` whose weights take ``dtype_bytes``
+    each: the head's parameters and a reduced vocabulary's int64 token ids."""
+    total, _ = draft_parameters(ModelShape.from_config(target_config))
+    return total * dtype_bytes + 8 * (draft_vocab_size or 0)
 
 
 def eagle_memory(run: PlannedRun) -> list[MemoryItem]:

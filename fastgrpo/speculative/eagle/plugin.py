@@ -18,7 +18,7 @@ from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.forward import forward_block
 from fastgrpo.speculative.eagle.drafter import NAME, EagleDrafter
-from fastgrpo.speculative.eagle.head import DRAFT_CONFIG, DraftHead
+from fastgrpo.speculative.eagle.head import DRAFT_CONFIG, DraftHead, read_draft_config
 from fastgrpo.speculative.eagle.memory import eagle_checkpoint_bytes, eagle_memory
 from fastgrpo.speculative.eagle.offline import frequent_tokens_on_all_ranks
 from fastgrpo.speculative.eagle.training import DraftTrainer, EagleLearner
@@ -45,6 +45,10 @@ class EaglePlugin(DrafterPlugin):
     def saved_in(self, directory: Path) -> bool:
         return (directory / DRAFT_CONFIG).is_file()
 
+    def check_saved(self, directory: Path) -> None:
+        if self.saved_in(directory):
+            read_draft_config(directory)
+
     def _head(self, ctx: DrafterContext, saved: Path | None) -> DraftHead | None:
         if saved is not None and self.saved_in(saved):
             return DraftHead.load(saved, ctx.model)
@@ -68,7 +72,7 @@ class EaglePlugin(DrafterPlugin):
 
     def save(self, drafter: Drafter, directory: Path) -> None:
         assert isinstance(drafter, EagleDrafter)
-        drafter.draft.save(directory)
+        drafter.draft.write(directory)  # a checkpoint's temporary directory: the checkpoint is moved into place whole
 
     def cost_probe(
         self,
