@@ -6,6 +6,8 @@ resumes in either."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +28,11 @@ from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin,
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins
 
+logger = logging.getLogger(__name__)
+
 DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integration's alike
+# in DRAFT_DIR: what the controller has learnt (`Controller.state_dict`) and the drafters measured of their costs
+SCHEDULE = "schedule.json"
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -206,7 +212,8 @@ class TrainingRollouts:
     def save(self, checkpoint: str | Path, learners: bool = True) -> None:
         """Write the drafters' state into ``checkpoint/draft``: each drafter's own files (`DrafterPlugin.save`: the
         EAGLE head as a saved draft, which ``speculation.draft`` reads) and, with ``learners``, every learner's state
-        (`LEARNERS`: the draft's optimizer, the suffix drafter's memory)."""
+        (`LEARNERS`: the draft's optimizer, the suffix drafter's memory) and what the controller has learnt
+        and the drafters of their costs (`SCHEDULE`), so that a resumed run drafts what the uninterrupted one would."""
         directory = Path(checkpoint) / DRAFT_DIR
         for plugin in self.plugins:
             drafter = self.drafter(plugin.name)
@@ -216,6 +223,13 @@ class TrainingRollouts:
         if states:
             directory.mkdir(parents=True, exist_ok=True)
             torch.save(states, directory / LEARNERS)
+        if self.engine.controller is not None and learners:
+            schedule = {
+                "controller": self.engine.controller.state_dict(),
+                "drafters": {d.name: d.cost_state() for d in self.drafters},
+            }
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / SCHEDULE).write_text(json.dumps(schedule))
 
     def restore(self, checkpoint: str | Path) -> None:
         """Restore what `save` wrote into ``checkpoint`` (nothing when it holds no drafters' directory): a drafter
@@ -228,6 +242,22 @@ class TrainingRollouts:
             self.drafters = [d for d in self.drafters if d.name not in saved]
             self._build(saved=directory)
         self._load_learners(directory)
+        self._load_schedule(directory)
+
+    def _load_schedule(self, directory: Path) -> None:
+        """What the controller had learnt and the drafters had measured of their costs (`SCHEDULE`), where saved for
+        this run's candidate trees; otherwise they start afresh, and say so."""
+        path = directory / SCHEDULE
+        if not path.is_file() or self.engine.controller is None:
+            return
+        try:
+            schedule = json.loads(path.read_text())
+            self.engine.controller.load_state_dict(schedule["controller"])
+            for drafter in self.drafters:
+                if schedule["drafters"].get(drafter.name):
+                    drafter.load_cost_state(schedule["drafters"][drafter.name])
+        except (ValueError, KeyError, TypeError) as e:
+            logger.warning("%s: not used, the controller learns afresh (%s)", path, e)
 
     def _load_learners(self, directory: Path) -> None:
         """The learners' states saved in ``directory``, into the drafters of the same names (those this run does not

@@ -1,13 +1,19 @@
-"""``python interrupted_run.py CONFIG MOMENT STEP [SIGNAL]``: ``fastgrpo train --config CONFIG`` in this process,
-stopped by SIGNAL (``KILL``, the default, or ``TERM``) at ``MOMENT`` of step ``STEP`` (1-based): ``rollout`` (inside
-the rollout's decoding), ``save`` (the trainer state half written to its temporary directory) or ``prune`` (one file
-of the checkpoint being pruned deleted)."""
+"""``python interrupted_run.py CONFIG MOMENT STEP [SIGNAL] [ARG ...]``: ``fastgrpo train --config CONFIG ARG ...`` in
+this process, stopped by SIGNAL (``KILL``, the default, or ``TERM``) at ``MOMENT`` of step ``STEP`` (1-based):
+``rollout`` (inside the rollout's decoding), ``save`` (the trainer state half written to its temporary directory) or
+``prune`` (one file of the checkpoint being pruned deleted); ``never`` runs to the end.
+
+With ``FAKE_CLOCK=1`` in the environment, ``time.perf_counter`` advances by 2**-10 s at every call (a binary
+fraction, so that the difference of two readings is exact wherever the clock stands): what the
+adaptive controller measures (and the latency profile it calibrates) is then the same in every run, so that its
+choices, and the draft's online learning that follows them, are too."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -23,8 +29,21 @@ def die() -> None:
     os.kill(os.getpid(), chosen[0])
 
 
-def main(config: str, moment: str, step: int, signal_name: str = "KILL") -> None:
+def fake_clock() -> None:
+    """``time.perf_counter`` as a counter of its calls, 2**-10 s each."""
+    calls = [0]
+
+    def perf_counter() -> float:
+        calls[0] += 1
+        return calls[0] * 2.0**-10
+
+    time.perf_counter = perf_counter
+
+
+def main(config: str, moment: str, step: int, signal_name: str = "KILL", *args: str) -> None:
     chosen[0] = SIGNAL[signal_name]
+    if os.environ.get("FAKE_CLOCK") == "1":
+        fake_clock()
     calls = {"rollout": 0}
     if moment == "rollout":
         real_decoding = RolloutEngine.decoding  # what every generation call runs in
@@ -55,9 +74,11 @@ def main(config: str, moment: str, step: int, signal_name: str = "KILL") -> None
             die()
 
         checkpoint.shutil.rmtree = rmtree
-    else:
+    elif moment != "never":
         raise SystemExit(f"unknown moment {moment!r}")
-    cli.main(["train", "--config", config, "--progress_bar", "false"])
+    cli.main(["train", "--config", config, "--progress_bar", "false", *args])
+    if moment == "never":
+        return
     raise SystemExit(f"the run ended without being killed at {moment} of step {step}")
 
 

@@ -344,32 +344,54 @@ def test_ctrl_c_says_which_checkpoint_to_resume_from(capsys, monkeypatch, model_
     )
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    return {f"draft.{k}": v for k, v in load_file(checkpoint / "draft" / "draft.safetensors").items()} | load_file(
-        checkpoint / "model.safetensors"
-    )
+def same_state(a: object, b: object) -> bool:
+    """Whether two saved states (nested dicts, lists and tensors) are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return isinstance(b, list | tuple) and len(a) == len(b) and all(map(same_state, a, b))
+    return a == b
 
 
-def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path, tmp_path: Path) -> None:
-    """SIGKILL mid-rollout, mid-save and mid-prune, and SIGTERM mid-rollout and mid-save, then --resume: the final
-    policy and draft equal an uninterrupted run's bit for bit, and no temporary or incomplete checkpoint is left.
-    SIGTERM ends the run as Ctrl-C does: one line naming the checkpoint to resume from, its temporary removed at
-    once, exit code 143."""
-    options = {
-        "max_steps": 4,
-        "save_total_limit": 2,
-        "speculation": {"mode": "static", "nodes": 4, "top_k": 2, "depth": 2},
-    }
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS)}
+def checkpoint_state(checkpoint: Path) -> dict[str, object]:
+    """What a checkpoint holds that a resumed run must reproduce, by file: every tensor file (the policy, the draft),
+    every state file (optimizer, scheduler, RNG, the draft's optimizer, the suffix memory; not the options, which name
+    the run's directory) and what the controller learnt."""
+    state: dict[str, object] = {}
+    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
+        name = str(path.relative_to(checkpoint))
+        if path.suffix == ".safetensors":
+            state[name] = load_file(path)
+        elif path.suffix == ".pt":
+            loaded = torch.load(path, weights_only=False)
+            state[name] = {k: v for k, v in loaded.items() if k != "config"}
+        elif path.name == "schedule.json":
+            state[name] = json.loads(path.read_text())
+    return state
 
-    def train(config: Path, *extra: str) -> None:
-        cmd = [sys.executable, "-m", "fastgrpo", "train", "--config", str(config), "--progress_bar", "false", *extra]
-        result = subprocess.run([*cmd], env=env, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
 
-    reference = write_config(tmp_path / "whole.yaml", model_dir, **options)
-    train(reference)
-    expected = weights(tmp_path / "whole-run" / "checkpoint-4")
+def test_a_run_killed_at_any_moment_resumes_to_the_same_state(model_dir: Path, tmp_path: Path) -> None:
+    """Adaptive speculation (the EAGLE head and the suffix memory learning online). SIGKILL mid-rollout, mid-save and
+    mid-prune, and SIGTERM mid-rollout and mid-save, then --resume: the final checkpoint (policy, draft, the draft's
+    optimizer, the suffix memory, what the controller learnt) equals an uninterrupted run's bit for bit, and no
+    temporary or incomplete checkpoint is left. SIGTERM ends the run as Ctrl-C does: one line naming the checkpoint
+    to resume from, its temporary removed at once, exit code 143. The clock is fake (`interrupted_run.fake_clock`), so
+    that the controller's choices, which the draft's learning follows, do not depend on the machine's timing noise."""
+    options = {"max_steps": 4, "save_total_limit": 2, "speculation": {"mode": "adaptive"}}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS), "FAKE_CLOCK": "1"}
+    env["FASTGRPO_CACHE"] = str(tmp_path / "cache")  # the profile is calibrated on the fake clock, then read back
+
+    def run(config: Path, moment: str, step: int = 0, how: str = "KILL", *extra: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, str(TESTS / "interrupted_run.py"), str(config), moment, str(step), how, *extra]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+
+    whole = run(write_config(tmp_path / "whole.yaml", model_dir, **options), "never")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    expected = checkpoint_state(tmp_path / "whole-run" / "checkpoint-4")
+    assert {"draft/draft.safetensors", "draft/learners.pt", "draft/schedule.json"} <= expected.keys()
+    assert expected["draft/learners.pt"]["suffix"]["prompts"], "the suffix memory holds completions"
     cases = (
         ("rollout", 3, "KILL"),
         ("save", 2, "KILL"),
@@ -380,13 +402,7 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
     for moment, step, how in cases:
         name = f"{moment}-{how}"
         config = write_config(tmp_path / f"{name}.yaml", model_dir, **options)
-        killed = subprocess.run(
-            [sys.executable, str(TESTS / "interrupted_run.py"), str(config), moment, str(step), how],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        killed = run(config, moment, step, how)
         out = tmp_path / f"{name}-run"
         if how == "KILL":
             assert killed.returncode == -9, killed.stderr[-3000:]
@@ -396,11 +412,15 @@ def test_a_run_killed_at_any_moment_resumes_to_the_same_weights(model_dir: Path,
             kept = "checkpoint-2; add --resume" if moment == "rollout" else "checkpoint-1; add --resume"
             assert last.startswith("fastgrpo train: terminated (SIGTERM); ") and kept in last, last
             assert not [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")], "a temporary was left"
-        train(config, "--resume")
+        resumed = run(config, "never", 0, "KILL", "--resume")
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
         assert sorted(p.name for p in out.iterdir() if "checkpoint" in p.name) == ["checkpoint-3", "checkpoint-4"]
-        got = weights(out / "checkpoint-4")
-        assert got.keys() == expected.keys()
-        assert all(torch.equal(got[k], expected[k]) for k in expected), moment
+        got = checkpoint_state(out / "checkpoint-4")
+        assert got.keys() == expected.keys(), name
+        assert all(same_state(got[k], expected[k]) for k in expected), (
+            name,
+            [k for k in expected if not same_state(got[k], expected[k])],
+        )
 
 
 def test_a_batch_size_below_one_is_refused_before_a_model_loads(capsys, model_dir: Path, tmp_path: Path) -> None:
@@ -497,7 +517,7 @@ def test_writes_are_checked_before_the_work_and_a_full_disk_mid_save_loses_nothi
     config = write_config(tmp_path / "d.yaml", model_dir, max_steps=3)
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
-    assert "more than the 0.0 GiB free on its disk" in refused(capsys, "train", "--config", str(config))
+    assert "more than the 1.0 KiB free on its disk" in refused(capsys, "train", "--config", str(config))
     monkeypatch.setattr(shutil, "disk_usage", real_usage)
 
     from fastgrpo.grpo import checkpoint

@@ -157,7 +157,7 @@ def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_di
     make_trainer(config).train()
     checkpoint = tmp_path / "checkpoint-2"
     AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng", "layout"}
+    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng", "layout", "config"}
     assert "test_trainer:length_reward" in (tmp_path / "config.yaml").read_text()
     with pytest.raises(ValueError, match="save_only_model"):
         make_trainer(config, resume=True)

@@ -6,6 +6,7 @@ dies mid-write leaves either the previous checkpoints or a complete new one, nev
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -17,7 +18,15 @@ from typing import Any
 
 import torch
 
-from fastgrpo.grpo.run_dir import CHECKPOINT_RE, claim_output_dir, mark, marked_by, read_run_id
+from fastgrpo.grpo.run_dir import (
+    CHECKPOINT_RE,
+    MARK_FILE,
+    RUN_FILE,
+    claim_output_dir,
+    mark,
+    marked_by,
+    read_run_id,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -130,16 +139,23 @@ def load_state(checkpoint: Path) -> dict[str, Any]:
 
 
 def damage(checkpoint: Path) -> str | None:
-    """Why a checkpoint cannot be resumed from (an unreadable weights file), or None. The trainer state is checked
-    by loading it (`load_state`)."""
+    """Why a checkpoint cannot be resumed from, or None: a weights file whose header is unreadable (truncated or
+    corrupt), a JSON file that does not parse (the model's and draft's configs, the controller's state), or another
+    state file (the drafters' learners) whose archive is unreadable. The trainer state is checked by loading it
+    (`load_state`)."""
     from safetensors import safe_open
 
-    for weights in sorted(checkpoint.rglob("*.safetensors")):
+    for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
         try:
-            with safe_open(str(weights), framework="pt"):
-                pass
-        except Exception as e:  # safetensors raises its own error type for a truncated or corrupt file
-            return f"{weights.relative_to(checkpoint)} is unreadable ({e})"
+            if path.suffix == ".safetensors":
+                with safe_open(str(path), framework="pt"):
+                    pass
+            elif path.suffix == ".json":
+                json.loads(path.read_text())
+            elif path.suffix == ".pt" and path.name != STATE_FILE:
+                torch.load(path, map_location="cpu", mmap=True)  # its archive is read, not its tensors' data
+        except Exception as e:  # safetensors and torch.load raise their own types for a truncated or corrupt file
+            return f"{path.relative_to(checkpoint)} is unreadable ({type(e).__name__}: {e})"
     return None
 
 
@@ -177,8 +193,17 @@ def prepare_output_dir(
     for reason in passed:
         logger.warning("--resume: passing over %s", reason)
     if checkpoint is None:
-        detail = f" intact ({'; '.join(passed)})" if passed else ""
-        raise FileNotFoundError(f"--resume: no{detail} checkpoint under {out}")
+        intact, detail = (" intact", f" ({'; '.join(passed)})") if passed else ("", "")
+        others = sorted(
+            (p.name for p in out.iterdir() if CHECKPOINT_RE.match(p.name) and not marked_by(p, run_id)),
+            key=lambda name: int(name.split("-")[1]),
+        )
+        if others:
+            detail += (
+                f" of the run whose {RUN_FILE} is there ({', '.join(others)} {'was' if len(others) == 1 else 'were'} "
+                f"written by another run: its id is in their {MARK_FILE}; a run resumes with its own {RUN_FILE})"
+            )
+        raise FileNotFoundError(f"--resume: no{intact} checkpoint under {out}{detail}")
     layout = state.get("layout", 1)
     if layout != LAYOUT:
         age = "a newer" if isinstance(layout, int) and layout > LAYOUT else "an older"

@@ -4,6 +4,7 @@ itself, micro-batch by micro-batch."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -23,6 +24,19 @@ from fastgrpo.grpo.losses import (
 )
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
+
+
+class NonFiniteUpdate(ValueError):
+    """An update that would make the policy's weights inf or nan (a non-finite loss or gradient norm, or an optimizer
+    step too large): the trainer stops before anything of it is saved."""
+
+
+def all_finite(params: list[torch.Tensor]) -> bool:
+    """Whether every element of ``params`` (this process's shards under FSDP2) is finite, on every process: one
+    reduction per parameter and one read."""
+    local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
+    bad = torch.stack([(~torch.isfinite(p)).any() for p in local if p.numel()]).any() if local else False
+    return distributed.max_over_ranks(int(bad)) == 0
 
 
 class PolicyUpdate:
@@ -232,7 +246,15 @@ class PolicyUpdate:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
+            if not math.isfinite(grad_norms[-1]):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteUpdate(
+                    f"the gradient norm is {grad_norms[-1]} (the loss is {sums['loss']}): lower learning_rate, or "
+                    "check the rewards"
+                )
             self.optimizer.step()
+            if not all_finite(params):
+                raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
             if self.masters is not None:
                 self.masters.write_back()
             self.scheduler.step()

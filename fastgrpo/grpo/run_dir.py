@@ -24,6 +24,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
+from fastgrpo.paths import free_bytes, size_text
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -44,11 +46,16 @@ class DirectoryLock:
     def __init__(self, directory: Path):
         import fcntl
 
+        path = directory / LOCK_FILE
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            self.file: IO[str] | None = (directory / LOCK_FILE).open("a+")
+            if path.is_symlink():
+                raise ValueError(f"{path} is a symbolic link: a run writes no file through a link; remove it")
+            # O_NOFOLLOW: a link made after the check is refused too, never followed to truncate its target
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+            self.file: IO[str] | None = os.fdopen(fd, "a+")
         except OSError as e:
-            raise ValueError(f"output_dir {directory} cannot be written: {e.strerror or e}") from None
+            raise ValueError(f"output_dir {directory} cannot be written: {path}: {e.strerror or e}") from None
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -72,22 +79,29 @@ class DirectoryLock:
             self.file = None
 
 
-def check_disk_space(out: Path, checkpoint_bytes: int, kept: int | None) -> None:
-    """Refuse a run whose checkpoints cannot fit on ``out``'s disk: ``kept`` of ``checkpoint_bytes`` each (all the
-    run's when None, taken as 2), plus the one being written before the oldest is removed; warn when they leave less
-    than a tenth of the free space."""
-    free = shutil.disk_usage(out).free
-    needed = checkpoint_bytes * ((kept or 2) + 1)
-    gib = 2**30
+def checkpoints_written(start_step: int, max_steps: int, save_steps: int, save_total_limit: int | None) -> int:
+    """How many checkpoints a run from ``start_step`` to ``max_steps`` holds on disk at once at most: those it saves
+    (every ``save_steps`` and at the end), at most ``save_total_limit`` of them plus the one being written before
+    the oldest is removed."""
+    steps = range(start_step + 1, max_steps + 1)
+    saves = sum(1 for step in steps if step % save_steps == 0 or step == max_steps)
+    return saves if save_total_limit is None or saves <= save_total_limit else save_total_limit + 1
+
+
+def check_disk_space(out: Path, checkpoint_bytes: int, checkpoints: int) -> None:
+    """Refuse a run whose ``checkpoints`` (`checkpoints_written`) of ``checkpoint_bytes`` each cannot fit on
+    ``out``'s disk (``out`` need not exist yet); warn when they leave less than a tenth of the free space."""
+    free = free_bytes(out)
+    needed = checkpoint_bytes * checkpoints
     if needed > free:
         raise ValueError(
-            f"output_dir {out}: its checkpoints need about {needed / gib:.1f} GiB ({(kept or 2) + 1} of "
-            f"{checkpoint_bytes / gib:.2f} GiB while one is written), more than the {free / gib:.1f} GiB free on its "
-            "disk; free space, lower save_total_limit, set save_only_model: true, or choose another output_dir"
+            f"output_dir {out}: its checkpoints need about {size_text(needed)} ({checkpoints} of "
+            f"{size_text(checkpoint_bytes)} on disk at once), more than the {size_text(free)} free on its disk; free "
+            "space, lower save_total_limit, set save_only_model: true, or choose another output_dir"
         )
     if needed > 0.9 * free:
         logger.warning(
-            "output_dir %s: its checkpoints will take %.1f of the %.1f GiB free", out, needed / gib, free / gib
+            "output_dir %s: its checkpoints will take %s of the %s free", out, size_text(needed), size_text(free)
         )
 
 
@@ -124,13 +138,36 @@ def _owned(out: Path, run_id: str | None) -> list[Path]:
     return [p for p in out.iterdir() if p.name in (RUN_FILE, *RUN_OUTPUTS) or (p.is_dir() and marked_by(p, run_id))]
 
 
+def _written_by_runs(name: str) -> bool:
+    """Whether a fastgrpo run writes (or deletes) a path of this name in its output_dir."""
+    return (
+        name in (RUN_FILE, LOCK_FILE, *RUN_OUTPUTS)
+        or bool(CHECKPOINT_RE.match(name))
+        or name.startswith(".checkpoint-")
+    )
+
+
+def _refuse_links(out: Path) -> None:
+    """Refuse an output_dir where a path the run writes is a symbolic link: a run never writes or deletes through
+    one (it would write into, truncate or delete what the link points to)."""
+    links = sorted(p.name for p in out.iterdir() if p.is_symlink() and _written_by_runs(p.name))
+    if links:
+        raise ValueError(
+            f"output_dir {out}: {', '.join(links)} {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}"
+            ", where the run writes its own files; a run writes and deletes nothing through a link: remove "
+            f"{'it' if len(links) == 1 else 'them'} or choose another output_dir"
+        )
+
+
 def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
     """Make ``out`` this run's and return the run's id (the caller holds the directory's `DirectoryLock`).
 
     A new run needs an empty directory; with ``overwrite`` it deletes the earlier fastgrpo run's files there and keeps
-    everything else. ``resume`` continues the run found there. Temporaries the run left behind when it was killed
-    are removed."""
+    everything else, and refuses (before deleting anything) a directory where something no fastgrpo run wrote has
+    the name of a file the run writes. ``resume`` continues the run found there. Temporaries the run left behind
+    when it was killed are removed."""
     out.mkdir(parents=True, exist_ok=True)
+    _refuse_links(out)
     run_id = read_run_id(out)
     # a run file alone is a run that wrote nothing yet (a trainer built and not trained): the directory is free
     entries = [p for p in out.iterdir() if p.name not in (LOCK_FILE, RUN_FILE)]
@@ -153,12 +190,14 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
                 + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
                 "deletes an earlier fastgrpo run's files and keeps everything else)"
             )
-        clashing = [name for name in foreign if CHECKPOINT_RE.match(name)]
+        clashing = [name for name in foreign if _written_by_runs(name)]
+        if (out / RUN_FILE).exists() and run_id is None:
+            clashing.insert(0, RUN_FILE)
         if clashing:
             raise ValueError(
-                f"output_dir {out} holds {', '.join(clashing)}, which no fastgrpo run wrote and which this run's "
-                "checkpoints would be named like; overwrite_output_dir keeps what it did not write, so choose "
-                "another output_dir"
+                f"output_dir {out} holds {', '.join(clashing)}, which no fastgrpo run wrote and which this run would "
+                "write over; overwrite_output_dir keeps what it did not write, so move "
+                f"{'it' if len(clashing) == 1 else 'them'} away or choose another output_dir"
             )
         for path in owned:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -207,17 +246,35 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def resumed_options(out: Path, given: dict[str, Any]) -> list[str]:
+def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | None = None) -> list[str]:
     """Check the options of a resumed run (``given``, as `fastgrpo.config.config_to_dict` makes them) against those
-    the run saved in ``out/config.yaml``: raise ``ValueError`` listing every option that differs and may not change
-    (with its saved and given value); return a line for each that may (`SAFE_TO_CHANGE`). Options the saved file
-    does not hold (added to fastgrpo since) are taken as they are given."""
+    the run was started with: ``saved``, those its checkpoint was written with, else (a checkpoint of an older
+    fastgrpo) its ``out/config.yaml``. Raise ``ValueError`` listing every option that differs and may not change
+    (with its saved and given value); return a line for each that may (`SAFE_TO_CHANGE`), and one where
+    ``config.yaml`` is missing, empty or unreadable (the run rewrites it). Options the saved ones do not hold (added
+    to fastgrpo since) are taken as they are given; ``output_dir`` is not compared: the run is the one whose run file
+    the directory holds, however it is spelt and wherever it moved."""
     path = out / "config.yaml"
-    if not path.is_file():
-        return []
-    saved = _flatten(yaml.safe_load(path.read_text()) or {})
-    now = _flatten(given)
-    changed = {k: (saved[k], now[k]) for k in sorted(saved.keys() & now.keys()) if saved[k] != now[k]}
+    notes = []
+    try:
+        on_disk = yaml.safe_load(path.read_text()) if path.is_file() else None
+        problem = None if isinstance(on_disk, dict) else "missing" if not path.is_file() else "empty or not options"
+    except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8 text
+        on_disk, problem = None, f"unreadable ({type(e).__name__})"
+    if saved is None:
+        if problem == "missing":
+            return []
+        if problem is not None:
+            raise ValueError(
+                f"--resume: {path} is {problem} and the run's checkpoint, written by an older fastgrpo, holds no copy "
+                "of the options the run was started with; restore config.yaml, or start a new run"
+            )
+        saved = on_disk
+    elif problem is not None:
+        notes.append(f"{path} is {problem}: it is written again from the options the checkpoint was saved with")
+    saved, now = _flatten(saved or {}), _flatten(given)
+    compared = sorted(saved.keys() & now.keys() - {"output_dir"})
+    changed = {k: (saved[k], now[k]) for k in compared if saved[k] != now[k]}
     refused = {k: v for k, v in changed.items() if k not in SAFE_TO_CHANGE and not k.startswith(SAFE_PREFIXES)}
     if refused:
         listed = "; ".join(f"{k}: {old!r} when started, {new!r} now" for k, (old, new) in refused.items())
@@ -225,7 +282,7 @@ def resumed_options(out: Path, given: dict[str, Any]) -> list[str]:
             f"--resume: the run in {out} was started with other options, and a resumed run keeps them: {listed}. "
             "Give the values it was started with (its config.yaml), or start a new run"
         )
-    return [f"{k} changes from {old!r} to {new!r}" for k, (old, new) in changed.items()]
+    return notes + [f"{k} changes from {old!r} to {new!r}" for k, (old, new) in changed.items()]
 
 
 def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device: Any) -> int:

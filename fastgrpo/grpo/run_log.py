@@ -4,6 +4,7 @@ and a few sample completions printed beside the progress bar."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,28 @@ import yaml
 from tqdm.auto import tqdm
 
 from fastgrpo.config import GRPOConfig, config_to_dict
+from fastgrpo.paths import read_text
+
+logger = logging.getLogger(__name__)
+
+
+def logged_lines(path: Path, warn: bool = True) -> list[str]:
+    """The lines of a run's ``metrics.jsonl``, each a JSON object with its ``step``. A last line cut short (what a
+    run killed while writing it leaves) is dropped, with a warning (``warn``); any other unreadable line is a
+    ``ValueError`` naming the file and line."""
+    lines = read_text(path).splitlines()
+    for number, line in enumerate(lines, start=1):
+        try:
+            row = json.loads(line)
+            if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+                raise ValueError("not an object with an integer step")
+        except ValueError as e:
+            if number == len(lines):
+                if warn:
+                    logger.warning("%s, line %d: dropped, cut short when its run stopped (%s)", path, number, e)
+                return lines[:-1]
+            raise ValueError(f"{path}, line {number}: not a line of metrics ({e}); remove or repair it") from None
+    return lines
 
 
 class RunLog:
@@ -24,7 +47,7 @@ class RunLog:
         metrics_path = out / "metrics.jsonl"
         if metrics_path.exists():
             # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
-            kept = [line for line in metrics_path.read_text().splitlines() if json.loads(line)["step"] <= start_step]
+            kept = [line for line in logged_lines(metrics_path, warn=False) if json.loads(line)["step"] <= start_step]
             metrics_path.write_text("".join(line + "\n" for line in kept))
         self.tensorboard = self._tensorboard(out) if "tensorboard" in config.report_to else None
         self.file = metrics_path.open("a")

@@ -18,18 +18,25 @@ from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from fastgrpo.grpo.batch import build_batch
-from fastgrpo.grpo.checkpoint import prepare_output_dir, save_checkpoint, set_rng_state
+from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.losses import (
     group_advantages,
 )
 from fastgrpo.grpo.policy import reference_model, wrap_lora
-from fastgrpo.grpo.policy_update import PolicyUpdate
+from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
-from fastgrpo.grpo.run_dir import DirectoryLock, check_disk_space, checkpoint_bytes, resumed_options
-from fastgrpo.grpo.run_log import RunLog
-from fastgrpo.memory_plan.fitting import plan_for_trainer, read_model_config
+from fastgrpo.grpo.run_dir import (
+    DirectoryLock,
+    check_disk_space,
+    checkpoint_bytes,
+    checkpoints_written,
+    resumed_options,
+)
+from fastgrpo.grpo.run_log import RunLog, logged_lines
+from fastgrpo.memory_plan.fitting import check_sequence_length, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
+    check_tokenizer_files,
     eos_token_ids,
     load_model,
     load_tokenizer,
@@ -55,14 +62,7 @@ def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -
             "temperature: 0 samples greedily, so every completion of a group is the same, every advantage is 0 and "
             "nothing is learnt; GRPO needs temperature > 0 (1.0 is TRL's default)"
         )
-    context = getattr(model_config.get_text_config(), "max_position_embeddings", None)
-    longest = config.max_prompt_length + config.max_completion_length
-    if context is not None and longest > context:
-        raise ValueError(
-            f"max_completion_length: prompts of up to max_prompt_length ({config.max_prompt_length}) tokens and "
-            f"completions of up to {config.max_completion_length} exceed the model's context of {context} tokens "
-            "(max_position_embeddings); shorten either"
-        )
+    check_sequence_length(model_config, config.max_prompt_length, config.max_completion_length)
 
 
 class GRPOTrainer:
@@ -84,6 +84,8 @@ class GRPOTrainer:
     ):
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
+        if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
+            check_tokenizer_files(config.model)
         self.config = config
         self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)
@@ -97,29 +99,31 @@ class GRPOTrainer:
                 f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
         self.start_step = 0
+        random.seed(config.seed)
+        torch.manual_seed(config.seed)
+        # Everything that can refuse the run does before the output directory is touched (overwrite_output_dir
+        # deletes an earlier run's files there).
+        check_cache_dir()
+        with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
+            resolve_model_path(config.model)
+        model_config = model.config if model is not None else read_model_config(config.model)
+        check_training_options(config, model_config)
+        disk = checkpoint_bytes(config, model_config, self.dist.device) if self.dist.is_main else 0
+        if self.dist.is_main and not resume:
+            check_disk_space(self.output_dir, disk, self._checkpoints(0))
+        if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
+            plan_for_trainer(config, model_config, self.dist.device)
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
         self.lock = DirectoryLock(self.output_dir) if self.dist.is_main else None
         with distributed.main_first(self.dist):
             checkpoint, resume_state, self.run_id = prepare_output_dir(
                 self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
             )
-        if resume:
-            for change in resumed_options(self.output_dir, config_to_dict(config)):
-                logger.warning("--resume: %s", change)
-        random.seed(config.seed)
-        torch.manual_seed(config.seed)
+        if checkpoint is not None:
+            self._check_resumed(checkpoint, resume_state)
+            if self.dist.is_main:
+                check_disk_space(self.output_dir, disk, self._checkpoints(resume_state["step"]))
         source = str(checkpoint) if checkpoint else config.model
-        check_cache_dir()
-        with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
-            resolve_model_path(config.model)
-        model_config = model.config if model is not None else read_model_config(config.model)
-        check_training_options(config, model_config)
-        if self.dist.is_main:
-            check_disk_space(
-                self.output_dir, checkpoint_bytes(config, model_config, self.dist.device), config.save_total_limit
-            )
-        if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
-            plan_for_trainer(config, model_config, self.dist.device)
         self.tokenizer = tokenizer or load_tokenizer(source)
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
@@ -162,6 +166,26 @@ class GRPOTrainer:
         )
 
     # -- set-up -------------------------------------------------------------------------------------------
+    def _checkpoints(self, start_step: int) -> int:
+        cfg = self.config
+        return checkpoints_written(start_step, cfg.max_steps, cfg.save_steps, cfg.save_total_limit)
+
+    def _check_resumed(self, checkpoint: Path, state: dict[str, Any]) -> None:
+        """Refuse a resumed run that would not continue the run in ``checkpoint``: options it may not change
+        (`resumed_options`, against the options the checkpoint was saved with), or ``max_steps`` not beyond the
+        checkpoint's step."""
+        for change in resumed_options(self.output_dir, config_to_dict(self.config), state.get("config")):
+            logger.warning("--resume: %s", change)
+        done = state["step"]
+        if self.config.max_steps <= done:
+            raise ValueError(
+                f"--resume: max_steps {self.config.max_steps} is not beyond the {done} steps the run in "
+                f"{self.output_dir} has done ({checkpoint.name}); give a larger max_steps to train on"
+            )
+        metrics = self.output_dir / "metrics.jsonl"
+        if self.dist.is_main and metrics.is_file():
+            logged_lines(metrics)  # refused here, before the model loads, when it cannot be continued
+
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
         self.update.scheduler.load_state_dict(state["scheduler"])
@@ -219,6 +243,13 @@ class GRPOTrainer:
         )
         all_rewards = torch.cat([torch.as_tensor(r, device="cpu") for r in distributed.gather(rewards.tolist())])
         all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
+        if not torch.isfinite(all_advantages).all():
+            largest = float(all_rewards.abs().max())
+            raise NonFiniteUpdate(
+                f"the rewards give advantages that are inf or nan (the largest reward's magnitude is {largest:.3g}; "
+                "float32 holds up to 3.4e38, and group means and spreads overflow well below that): scale the "
+                "rewards down"
+            )
         mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
         samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
         return all_advantages[mine].to(rewards.dtype), all_rewards, all_std, reward_metrics, samples
@@ -302,9 +333,9 @@ class GRPOTrainer:
                 self.tokenizer.save_pretrained(path)
                 self.rollouts.save(path, learners=not self.config.save_only_model)
 
-            state = {}
+            state: dict[str, Any] = {"config": config_to_dict(self.config)}
             if not self.config.save_only_model:
-                state = {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
+                state |= {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
                 if masters is not None:
                     state["master_weights"] = masters
             path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)
@@ -327,7 +358,14 @@ class GRPOTrainer:
         try:
             with self.threads or nullcontext(), tf32_matmuls(self.device):
                 for step in bar:
-                    metrics = self.train_step(step)
+                    try:
+                        metrics = self.train_step(step)
+                    except NonFiniteUpdate as e:
+                        latest = latest_checkpoint(self.output_dir)
+                        raise ValueError(
+                            f"step {step + 1}: {e}; the run stops before saving anything of it (the latest "
+                            f"checkpoint is {latest or 'none yet'})"
+                        ) from None
                     history.append(metrics)
                     if log is not None:
                         log.write(step + 1, metrics)

@@ -145,3 +145,11 @@ class Drafter:
     def backlog(self) -> int:
         """The most tokens a row has emitted that the drafter has not read yet (a tree would read them first)."""
         return 0
+
+    def cost_state(self) -> dict[str, Any]:
+        """What it measured of its own cost as it ran, as JSON-able data (saved with a checkpoint, so that a resumed
+        run prices its trees as the uninterrupted one would); ``{}``: nothing."""
+        return {}
+
+    def load_cost_state(self, state: dict[str, Any]) -> None:
+        """Take up what `cost_state` saved."""

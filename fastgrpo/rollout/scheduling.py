@@ -7,7 +7,7 @@ adapt to the hardware and the draft live in `fastgrpo.speculative.controller`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastgrpo.rollout.tree import TreeShape
 
@@ -45,6 +45,15 @@ class Controller(Protocol):
         accepted ones), which tells what a smaller tree drafted from the same candidates would have accepted."""
         ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What it learnt from earlier steps, as JSON-able data (saved with a checkpoint, so that a resumed run
+        chooses what the uninterrupted one would)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take up what `state_dict` saved."""
+        ...
+
 
 class StatelessController:
     """A controller whose choice does not depend on what earlier steps did: ``begin`` and ``observe`` do nothing."""
@@ -60,6 +69,12 @@ class StatelessController:
         accepted: list[int] | None,
         path_rank: list[list[int]] | None = None,
     ) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         pass
 
 

@@ -13,6 +13,7 @@ import bisect
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastgrpo.config import ControllerLimits, SpeculationConfig
 from fastgrpo.rollout.drafter import Drafter
@@ -280,6 +281,26 @@ class AdaptiveController:
             return group[i + 1] if i + 1 < len(group) else None
         return next((s for s in group if s.nodes >= best.nodes), group[-1])
 
+    # What the controller learns as it runs (`state_dict`); the rest is its configuration or caches of it.
+    LEARNT = (
+        "pooled", "shape_accept", "correction", "_counts", "_interval", "_since_probe", "_turn", "_last_best",
+        "_probed_up", "_credit", "_stale",
+    )  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """Its acceptance statistics, time corrections and probe schedule as JSON-able data, with the candidate
+        shapes they are of (`load_state_dict` takes them up only for the same candidates)."""
+        return {"shapes": _encode(self.shapes), **{name: _encode(getattr(self, name)) for name in self.LEARNT}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take up what `state_dict` saved; ``ValueError`` when it was saved for other candidate shapes (other
+        ``speculation`` options or drafters)."""
+        if _decode(state["shapes"]) != self.shapes:
+            raise ValueError("the saved controller state is of other candidate tree shapes")
+        for name in self.LEARNT:
+            setattr(self, name, _decode(state[name]))
+        self._estimates, self._expected = None, {}
+
     def _probed(self, plain: bool) -> None:
         """The due probe ran (or was passed over): the next one is due after twice the interval, another drafter's
         turn (after a plain probe, the same drafter's)."""
@@ -369,6 +390,35 @@ class AdaptiveController:
         token at that depth."""
         rows = max(len(accepted), 1)
         return [sum(a > d for a in accepted) / rows for d in range(self.depth_cap)]
+
+
+def _encode(value: Any) -> Any:
+    """``value`` (of shapes, tuples, sets, dicts of any keys, lists and scalars) as JSON-able data."""
+    if isinstance(value, TreeShape):
+        return {"shape": [value.nodes, value.top_k, value.max_levels, value.drafter]}
+    if isinstance(value, set):
+        return {"set": [_encode(v) for v in sorted(value)]}
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v) for v in value]}
+    if isinstance(value, dict):
+        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
+    if isinstance(value, list):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value: Any) -> Any:
+    """What `_encode` made, back."""
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    ((kind, items),) = value.items()
+    if kind == "shape":
+        return TreeShape(*items)
+    if kind == "dict":
+        return {_decode(k): _decode(v) for k, v in items}
+    return {"tuple": tuple, "set": set}[kind](_decode(v) for v in items)
 
 
 def tree_bound(spec: SpeculationConfig) -> TreeShape | None:

@@ -250,6 +250,12 @@ class SuffixDrafter(Drafter):
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         return self.price.seconds(rows)
 
+    def cost_state(self) -> dict[str, Any]:
+        return {"price": list(self.price.sums)}
+
+    def load_cost_state(self, state: dict[str, Any]) -> None:
+        self.price = Price(tuple(state["price"]))
+
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         pass  # the rows' tokens are read from their completions when the next tree is drafted
 
