@@ -18,10 +18,13 @@ import json
 import logging
 import math
 import os
+import shutil
+import sys
 import traceback
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,18 @@ def scalar_reward(completions: list, **kwargs: Any) -> float:
     return 1.0
 
 
+def exit_reward(completions: list, **kwargs: Any) -> list[float]:
+    sys.exit(3)
+
+
+def exit_zero_reward(completions: list, **kwargs: Any) -> list[float]:
+    sys.exit(0)
+
+
+def huge_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [1e308 * (-1) ** i for i in range(len(completions))]
+
+
 def tiny_run(**options: Any) -> dict[str, Any]:
     """The options of a one-step run of 1 prompt x 4 completions of 4 tokens, with ``options`` on top."""
     return {
@@ -83,8 +98,9 @@ def tiny_run(**options: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Case:
-    """``fastgrpo ARGV`` (``{tmp}`` and ``{model}`` filled in), after ``files`` are written under ``{tmp}``, ``env``
-    set and ``setup`` run; with ``config``, its options are written to ``{tmp}/c.yaml`` and given as ``--config``."""
+    """``fastgrpo ARGV`` (``{tmp}`` and ``{model}`` filled in), after ``files`` are written under ``{tmp}``, the
+    command ``first`` has run (a run to resume, overwrite or damage), ``setup`` has run and ``env`` is set; with
+    ``config``, its options are written to ``{tmp}/c.yaml`` and given as ``--config`` (to ``first`` too)."""
 
     name: str
     argv: tuple[str, ...]
@@ -95,6 +111,7 @@ class Case:
     env: dict[str, str] = field(default_factory=dict)
     setup: Callable[[Path], None] | None = None
     needs_model: bool = False  # the fact can only be known once the model has loaded
+    first: tuple[str, ...] = ()  # a command run (with the same config) before the case, after ``files``
 
 
 def train(name: str, expect: str, says: str, needs_model: bool = False, **options: Any) -> Case:
@@ -142,8 +159,110 @@ def save_qwen_draft(tmp: Path) -> None:
     DraftHead(config, "qwen2").save(tmp / "draft")
 
 
+def foreign_lock_link(tmp: Path) -> None:
+    """A lock file that is a link to a file of the user's."""
+    (tmp / "run").mkdir()
+    (tmp / "precious.txt").write_text("keep me\n")
+    (tmp / "run" / ".fastgrpo.lock").symlink_to(tmp / "precious.txt")
+
+
+def link_in_run(name: str) -> Callable[[Path], None]:
+    """Replace ``name`` in the run's directory by a link to a directory (or file) of the user's."""
+
+    def setup(tmp: Path) -> None:
+        target = tmp / "precious"
+        target.mkdir()
+        (target / "keep.txt").write_text("keep me\n")
+        path = tmp / "run" / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        path.symlink_to(target)
+
+    return setup
+
+
+def move_run(tmp: Path) -> None:
+    (tmp / "run").rename(tmp / "moved")
+
+
+def damage_file(name: str, content: bytes = b"") -> Callable[[Path], None]:
+    """Overwrite ``run/NAME`` with ``content`` (a truncated or emptied file)."""
+
+    def setup(tmp: Path) -> None:
+        (tmp / "run" / name).write_bytes(content)
+
+    return setup
+
+
+def remove_file(name: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        (tmp / "run" / name).unlink()
+
+    return setup
+
+
+def tear_metrics(tmp: Path) -> None:
+    """The last line of metrics.jsonl cut short, as a kill during its write leaves it."""
+    path = tmp / "run" / "metrics.jsonl"
+    text = path.read_text()
+    path.write_text(text + text.splitlines()[-1][:20])
+
+
+def another_runs_checkpoint(tmp: Path) -> None:
+    """The run's only checkpoint replaced by one of another run (its mark names another id)."""
+    (tmp / "run" / "checkpoint-1" / "fastgrpo_run_id").write_text("0" * 32 + "\n")
+
+
+def save_model_without_tokenizer(tmp: Path) -> None:
+    """A model directory with its weights and config.json but none of its tokenizer's files."""
+    save_tiny_llama(tmp / "bare", seed=0, tie_word_embeddings=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        (tmp / "bare" / name).unlink(missing_ok=True)
+
+
+def _under(path: str | os.PathLike[str], tmp: Path) -> bool:
+    return Path(path).absolute().is_relative_to(tmp)
+
+
+def fill_disk(tmp: Path) -> None:
+    """A disk with 1000 bytes free, as ``shutil.disk_usage`` reports it for the paths under ``tmp`` (those only: the
+    patch stays for the rest of the process, and no other case writes there)."""
+    real = shutil.disk_usage
+    shutil.disk_usage = lambda path: real(path)._replace(free=1000) if _under(path, tmp) else real(path)
+
+
+def fail_draft_writes(tmp: Path) -> None:
+    """The disk fills while a draft's weights are written under ``tmp`` (as `fill_disk`, for those paths only)."""
+    from safetensors import SafetensorError
+
+    from fastgrpo.speculative.eagle import head
+
+    real = head.save_file
+
+    def save_file(tensors: dict, filename: str, *args: Any, **kwargs: Any) -> None:
+        if not _under(filename, tmp):
+            return real(tensors, filename, *args, **kwargs)
+        Path(filename).write_bytes(b"part")
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull })")
+
+    head.save_file = save_file
+
+
+def room_for_two_checkpoints(tmp: Path) -> None:
+    """A disk with room for two of the tiny run's checkpoints (as `fill_disk`, for the paths under ``tmp`` only)."""
+    real, free = shutil.disk_usage, 50 * 2**20  # a tiny run's checkpoint is about 20 MiB
+    shutil.disk_usage = lambda path: real(path)._replace(free=free) if _under(path, tmp) else real(path)
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
+CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
+UNTARGETED_DRAFT = {"draft/draft_config.json": '{"target_name": "tiny"}', "draft/draft.safetensors": b""}
+GSM8K_ROW = '{"question": "Sam has 2 apples and buys 2 more. How many?", "answer": "2 + 2 = 4\\n#### 4"}\n'
+DUPLICATE_KEY = "max_steps: 1\nmax_steps: 2\n"
+HOME = {"HOME": "{tmp}"}
 TRAIN_ROW = '{"prompt": "What is 2 + 2?", "answer": "4"}\n'
 
 # fmt: off
@@ -274,6 +393,85 @@ CASES: list[Case] = [
          "holds checkpoint-2, which no fastgrpo run wrote", config=tiny_run(), files=FOREIGN_CHECKPOINT),
     Case("--resume with no checkpoint", ("train", "--resume"), REFUSED, "--resume: no checkpoint under",
          config=tiny_run(), files=FOREIGN_CHECKPOINT),
+    # -- a run writes only what it owns, through no link, and refuses before it deletes -----------------------------
+    Case("overwriting a directory with the user's config.yaml", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "holds config.yaml, which no fastgrpo run wrote", config=tiny_run(), files={"run/config.yaml": "mine: 1\n"}),
+    Case("overwriting a directory with the user's metrics.jsonl", ("train", "--overwrite_output_dir", "true"),
+         REFUSED, "holds metrics.jsonl, which no fastgrpo run wrote", config=tiny_run(),
+         files={"run/metrics.jsonl": "{}\n", "run/notes.txt": "mine\n"}),
+    Case("overwriting a directory with the user's report/", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "holds report, which no fastgrpo run wrote", config=tiny_run(), files={"run/report/a.png": b"png"}),
+    Case("overwriting a directory with the user's tensorboard/", ("train", "--overwrite_output_dir", "true"),
+         REFUSED, "holds tensorboard, which no fastgrpo run wrote", config=tiny_run(),
+         files={"run/tensorboard/events": b"ev"}),
+    Case("overwriting a directory with a temporary of another run", ("train", "--overwrite_output_dir", "true"),
+         REFUSED, "holds .checkpoint-3.abc, which no fastgrpo run wrote", config=tiny_run(),
+         files={"run/.checkpoint-3.abc/fastgrpo_run_id": "f" * 32}),
+    Case("overwriting with a run file that is not JSON", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "holds fastgrpo_run.json", config=tiny_run(), files={"run/fastgrpo_run.json": "{", "run/x.txt": "x"}),
+    Case("overwriting, then refused for temperature 0", ("train", "--overwrite_output_dir", "true", "--temperature",
+         "0"), REFUSED, "temperature: 0 samples greedily", config=tiny_run(), first=("train",)),
+    Case("overwriting, then refused for a context overflow", ("train", "--overwrite_output_dir", "true",
+         "--max_completion_length", "100000"), REFUSED, "exceed the model's context", config=tiny_run(),
+         first=("train",)),
+    Case("a lock file that is a link", ("train",), REFUSED, ".fastgrpo.lock is a symbolic link", config=tiny_run(),
+         setup=foreign_lock_link),
+    Case("a lock file that is a directory", ("train",), REFUSED, ".fastgrpo.lock: Is a directory", config=tiny_run(),
+         files={"run/.fastgrpo.lock/x": ""}),
+    Case("overwriting a run whose report/ is a link", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "report is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("report")),
+    Case("resuming a run whose config.yaml is a link", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "config.yaml is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("config.yaml")),
+    Case("resuming a run whose checkpoint is a link", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "checkpoint-1 is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("checkpoint-1")),
+    Case("overwriting a run whose metrics.jsonl is a link", ("train", "--overwrite_output_dir", "true"), REFUSED,
+         "metrics.jsonl is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("metrics.jsonl")),
+    # -- no checkpoint with a non-finite weight ---------------------------------------------------------------------
+    train("a learning rate of 1000", REFUSED, "the run stops before saving anything of it", needs_model=True,
+          learning_rate=1000.0, max_steps=3, save_steps=3),
+    train("rewards of +-1e308", REFUSED, "give advantages that are inf or nan", needs_model=True,
+          reward_funcs=["bad_input_matrix:huge_reward"]),
+    # -- resumed by the run's identity --------------------------------------------------------------------------------
+    Case("resuming with a trailing slash", ("train", "--resume", "--max_steps", "2", "--output_dir", "{tmp}/run/"),
+         RUNS, "resumed from", config=tiny_run(), first=("train",)),
+    Case("resuming a moved run", ("train", "--resume", "--max_steps", "2", "--output_dir", "{tmp}/moved"), RUNS,
+         "resumed from", config=tiny_run(), first=("train",), setup=move_run),
+    Case("resuming with config.yaml deleted and another learning rate", ("train", "--resume", "--max_steps", "2",
+         "--learning_rate", "0.5"), REFUSED, "learning_rate: 1e-06 when started, 0.5 now", config=tiny_run(),
+         first=("train",), setup=remove_file("config.yaml")),
+    Case("resuming with config.yaml empty and another seed", ("train", "--resume", "--max_steps", "2", "--seed", "7"),
+         REFUSED, "seed: 42 when started, 7 now", config=tiny_run(), first=("train",),
+         setup=damage_file("config.yaml")),
+    Case("resuming with config.yaml deleted", ("train", "--resume", "--max_steps", "2"), WARNS,
+         "config.yaml is missing: it is written again", config=tiny_run(), first=("train",),
+         setup=remove_file("config.yaml")),
+    Case("resuming with config.yaml not YAML", ("train", "--resume", "--max_steps", "2"), WARNS,
+         "config.yaml is unreadable", config=tiny_run(), first=("train",),
+         setup=damage_file("config.yaml", b"a: [\n")),
+    Case("resuming with a damaged learners' state", ("train", "--resume", "--max_steps", "3"), WARNS,
+         "passing over checkpoint-2: draft/learners.pt is unreadable", first=("train",),
+         config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+         setup=damage_file("checkpoint-2/draft/learners.pt", b"PK")),
+    Case("resuming with a damaged draft config", ("train", "--resume", "--max_steps", "3"), WARNS,
+         "passing over checkpoint-2: draft/draft_config.json is unreadable", first=("train",),
+         config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+         setup=damage_file("checkpoint-2/draft/draft_config.json", b"{")),
+    Case("resuming with a damaged controller state", ("train", "--resume", "--max_steps", "3"), WARNS,
+         "passing over checkpoint-2: draft/schedule.json is unreadable", first=("train",),
+         config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+         setup=damage_file("checkpoint-2/draft/schedule.json", b"{")),
+    Case("resuming with a torn last metrics line", ("train", "--resume", "--max_steps", "2"), WARNS,
+         "line 2: dropped, cut short", config=tiny_run(), first=("train",), setup=tear_metrics),
+    Case("resuming with a broken metrics line", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "metrics.jsonl, line 1: not a line of metrics", config=tiny_run(), first=("train",),
+         setup=damage_file("metrics.jsonl", b"oops\n{\"step\": 1}\n")),
+    Case("resuming from another run's checkpoint", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "checkpoint-1 was written by another run", config=tiny_run(), first=("train",),
+         setup=another_runs_checkpoint),
+    Case("resuming with fewer steps than done", ("train", "--resume", "--max_steps", "1"), REFUSED,
+         "max_steps 1 is not beyond the 2 steps", config=tiny_run(max_steps=2), first=("train",)),
+    Case("resuming with as many steps as done", ("train", "--resume"), REFUSED, "max_steps 1 is not beyond the 1 steps",
+         config=tiny_run(), first=("train",)),
     # -- generate -----------------------------------------------------------------------------------------------------
     Case("generate 0 completions", ("generate", "--prompt", "hi", "--num_generations", "0"), REFUSED,
          "num_generations must be >= 1"),
@@ -352,6 +550,118 @@ CASES: list[Case] = [
     Case("profile into a path under a file", ("profile", "--model", "{model}", "--output", "{tmp}/f/p.json"),
          REFUSED, "--output: {tmp}/f is a file", files={"f": ""}),
     Case("profile a missing model", ("profile", "--model", "/no/such/model"), REFUSED, "does not exist"),
+    # -- the process, rewards that exit, models without a tokenizer, drafts that cannot be read or written -------
+    Case("FASTGRPO_MALLOC unknown (train)", ("train",), REFUSED, "FASTGRPO_MALLOC must be 'keep' or 'system'",
+         config=tiny_run(), env={"FASTGRPO_MALLOC": "bogus"}),
+    Case("FASTGRPO_MALLOC unknown (generate)", ("generate", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_MALLOC must be 'keep' or 'system', got 'jemalloc'", env={"FASTGRPO_MALLOC": "jemalloc"}),
+    Case("--version", ("--version",), RUNS, f"fastgrpo {version('fastgrpo')}"),
+    train("a reward that calls sys.exit(3)", REFUSED, "'exit_reward' failed on row 0", needs_model=True,
+          reward_funcs=["bad_input_matrix:exit_reward"]),
+    train("a reward that calls sys.exit(0)", REFUSED, "it called sys.exit(0)", needs_model=True,
+          reward_funcs=["bad_input_matrix:exit_zero_reward"]),
+    Case("eval a reward that calls sys.exit(3)", ("eval",), REFUSED, "it called sys.exit(3)", needs_model=True,
+         config=tiny_run(reward_funcs=["bad_input_matrix:exit_reward"])),
+    Case("train a model without a tokenizer", ("train",), REFUSED, "model: {tmp}/bare holds no tokenizer files",
+         config=tiny_run(model="{tmp}/bare"), setup=save_model_without_tokenizer),
+    Case("eval a model without a tokenizer", ("eval",), REFUSED, "model: {tmp}/bare holds no tokenizer files",
+         config=tiny_run(model="{tmp}/bare"), setup=save_model_without_tokenizer),
+    Case("generate with a model without a tokenizer", ("generate", "--model", "{tmp}/bare", "--prompt", "hi"),
+         REFUSED, "{tmp}/bare holds no tokenizer files (tokenizer.json", setup=save_model_without_tokenizer),
+    Case("draft train a model without a tokenizer", ("draft", "train", "--output", "{tmp}/d"), REFUSED,
+         "model: {tmp}/bare holds no tokenizer files", config=tiny_run(model="{tmp}/bare"),
+         setup=save_model_without_tokenizer),
+    Case("a draft_config.json cut short", ("train",), REFUSED,
+         "speculation.draft: {tmp}/draft/draft_config.json: not valid JSON", files=CUT_DRAFT,
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "{tmp}/draft"})),
+    Case("a draft_config.json without its target", ("train",), REFUSED,
+         "{tmp}/draft/draft_config.json: expected a JSON object whose 'target'", files=UNTARGETED_DRAFT,
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "{tmp}/draft"})),
+    Case("profile a draft_config.json cut short", ("profile", "--model", "{model}", "--draft", "{tmp}/draft",
+         "--tokens", "1,2", "--repeats", "1", "--context_length", "8", "--output", "{tmp}/p.json"), REFUSED,
+         "{tmp}/draft/draft_config.json: not valid JSON", files=CUT_DRAFT),
+    Case("draft train onto a full disk", ("draft", "train", "--output", "{tmp}/d"), REFUSED,
+         "--output: {tmp}/d needs about", config=tiny_run(), setup=fill_disk),
+    Case("draft train when the disk fills as the draft is saved", ("draft", "train", "--output", "{tmp}/d"),
+         REFUSED, "could not write the draft to {tmp}/d", config=tiny_run(), setup=fail_draft_writes,
+         needs_model=True),
+    Case("a 1-step run keeping up to 100 checkpoints on a disk with room for 2", ("train", "--save_total_limit",
+         "100"), RUNS, "done: 1 steps", config=tiny_run(), setup=room_for_two_checkpoints),
+    # -- a key twice in a config file -----------------------------------------------------------------------------
+    Case("a key twice in a config file", ("train", "--config", "{tmp}/dup.yaml"), REFUSED,
+         "{tmp}/dup.yaml: max_steps appears twice, on lines 1 and 2", files={"dup.yaml": DUPLICATE_KEY}),
+    Case("a nested key twice in a config file", ("train", "--config", "{tmp}/dup.yaml"), REFUSED,
+         "dup.yaml: speculation.mode appears twice, on lines 2 and 3",
+         files={"dup.yaml": "speculation:\n  mode: off\n  mode: static\n"}),
+    Case("a whole section twice in a config file", ("train", "--config", "{tmp}/dup.yaml"), REFUSED,
+         "dup.yaml: speculation appears twice, on lines 1 and 4",
+         files={"dup.yaml": "speculation:\n  mode: off\nmax_steps: 1\nspeculation:\n  nodes: 4\n"}),
+    Case("a key twice in eval's config file", ("eval", "--config", "{tmp}/dup.yaml"), REFUSED,
+         "dup.yaml: max_steps appears twice, on lines 1 and 2", files={"dup.yaml": DUPLICATE_KEY}),
+    Case("a key twice in draft train's config file", ("draft", "train", "--output", "{tmp}/d", "--config",
+         "{tmp}/dup.yaml"), REFUSED, "dup.yaml: dataset.digits appears twice, on lines 2 and 3",
+         files={"dup.yaml": "dataset:\n  digits: 1\n  digits: 2\n"}),
+    Case("a key twice in generate's config file", ("generate", "--config", "{tmp}/dup.yaml"), REFUSED,
+         "dup.yaml: prompt appears twice, on lines 1 and 2", files={"dup.yaml": "prompt: hi\nprompt: ho\n"}),
+    # -- ~ in paths -------------------------------------------------------------------------------------------------
+    Case("~ in the --config path", ("train", "--config", "~/dup.yaml"), REFUSED,
+         "{tmp}/dup.yaml: max_steps appears twice", files={"dup.yaml": DUPLICATE_KEY}, env=HOME),
+    Case("~ in output_dir", ("train",), RUNS, "run in {tmp}/run", config=tiny_run(output_dir="~/run"), env=HOME),
+    Case("~ in a model that does not exist", ("train",), REFUSED, "model: {tmp}/none does not exist",
+         config=tiny_run(model="~/none"), env=HOME),
+    Case("~ in generate's model", ("generate", "--model", "~/model", "--prompt", "hi", "--max_completion_length",
+         "2"), RUNS, "tokens in", env={"HOME": "{model}/.."}),
+    Case("~ in dataset.name", ("eval",), RUNS, '"dataset": "{tmp}/d.jsonl"', env=HOME,
+         config=tiny_run(dataset={"name": "~/d.jsonl"}), files={"d.jsonl": TRAIN_ROW}),
+    Case("~ in speculation.draft", ("train",), REFUSED, "speculation.draft: {tmp}/x is neither a directory",
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "~/x"}), files={"x/.keep": ""}, env=HOME),
+    Case("~ in generate's --output", ("generate", "--model", "{model}", "--prompt", "hi", "--output",
+         "~/f/out.jsonl"), REFUSED, "--output: {tmp}/f is a file", files={"f": ""}, env=HOME),
+    Case("~ in draft train's --output", ("draft", "train", "--output", "~/f/d"), REFUSED,
+         "--output: {tmp}/f/d cannot be created", config=tiny_run(), files={"f": ""}, env=HOME),
+    # -- options that do not apply ----------------------------------------------------------------------------------
+    Case("eval a local file's test split", ("eval", "--dataset.split", "test"), REFUSED,
+         "dataset.split applies to hub datasets and the arithmetic generator, not to the local file {tmp}/d.jsonl",
+         config=tiny_run(dataset={"name": "{tmp}/d.jsonl"}), files={"d.jsonl": TRAIN_ROW}),
+    Case("train on a local file's test split", ("train",), REFUSED, "dataset.split applies to hub datasets",
+         config=tiny_run(dataset={"name": "gsm8k", "path": "{tmp}/g.jsonl", "split": "test"}),
+         files={"g.jsonl": GSM8K_ROW}),
+    Case("arithmetic rows of a GSM8K file", ("train",), REFUSED,
+         "dataset.num_examples applies to the arithmetic generator only, not to the dataset gsm8k",
+         config=tiny_run(dataset={"name": "gsm8k", "path": "{tmp}/g.jsonl", "num_examples": 256}),
+         files={"g.jsonl": GSM8K_ROW}),
+    Case("eval a GSM8K file with arithmetic digits", ("eval", "--dataset.digits", "2"), REFUSED,
+         "dataset.digits applies to the arithmetic generator only", files={"g.jsonl": GSM8K_ROW},
+         config=tiny_run(dataset={"name": "gsm8k", "path": "{tmp}/g.jsonl"})),
+    # -- the dry run checks what training checks ----------------------------------------------------------------
+    Case("dry run at temperature 0", ("train", "--dry-run"), REFUSED, "temperature: 0 samples greedily",
+         config=tiny_run(temperature=0.0)),
+    Case("dry run beyond the context", ("train", "--dry-run"), REFUSED,
+         "exceed the model's context of 2048 tokens", config=tiny_run(max_completion_length=4000)),
+    Case("dry run with an unknown drafter", ("train", "--dry-run"), REFUSED,
+         "speculation.drafter must be one of ['eagle', 'suffix']",
+         config=tiny_run(speculation={"mode": "off", "drafter": "medusa"})),
+    # -- sizes bounded ------------------------------------------------------------------------------------------------
+    Case("generate beyond the context", ("generate", "--model", "{model}", "--prompt", "hi",
+         "--max_completion_length", "100000000"), REFUSED, "exceed the model's context of 2048 tokens"),
+    Case("eval beyond the context", ("eval", "--max_completion_length", "3000"), REFUSED,
+         "exceed the model's context of 2048 tokens", config=tiny_run()),
+    Case("draft train beyond the context", ("draft", "train", "--output", "{tmp}/d", "--max_prompt_length", "2048"),
+         REFUSED, "exceed the model's context of 2048 tokens", config=tiny_run()),
+    train("a billion arithmetic rows", REFUSED, "dataset.num_examples: 1000000000 arithmetic rows (operands: 2, "
+          "digits: 1) would take about", dataset={"num_examples": 10**9}),
+    train("arithmetic questions of 10**8 operands", REFUSED, "arithmetic rows (operands: 100000000, digits: 1)",
+          dataset={"operands": 10**8}),
+    train("arithmetic answers of 5000 digits", REFUSED, "dataset.digits: answers of 5000-digit numbers",
+          dataset={"digits": 5000}),
+    Case("dry run of a billion arithmetic rows", ("train", "--dry-run"), REFUSED,
+         "dataset.num_examples: 1000000000 arithmetic rows", config=tiny_run(dataset={"num_examples": 10**9})),
+    train("more arithmetic rows than questions", WARNS,
+          "has 67 distinct questions, fewer than num_examples (100): they repeat", dataset={"num_examples": 100}),
+    Case("eval a batch of a billion", ("eval", "--batch_size", "1000000000"), RUNS, '"examples": 8',
+         config=tiny_run()),
+    Case("draft train a batch of a billion", ("draft", "train", "--output", "{tmp}/d", "--batch_size",
+         "1000000000"), RUNS, '"draft": "{tmp}/d"', config=tiny_run()),
 ]
 # fmt: on
 
@@ -391,13 +701,16 @@ def run_case(case: Case, tmp: Path, model: Path) -> Result:
         path = tmp / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
-    if case.setup is not None:
-        case.setup(tmp)
-    argv = list(_fill(case.argv, tmp, model))
+    argv, first = list(_fill(case.argv, tmp, model)), list(_fill(case.first, tmp, model))
     if case.config is not None:
         config = tmp / "c.yaml"
         config.write_text(yaml.safe_dump(_fill(case.config, tmp, model)))
         argv += ["--config", str(config)]
+        first += ["--config", str(config)] if first else []
+    if first:
+        _run_first(first)
+    if case.setup is not None:
+        case.setup(tmp)
     loaded = []
     real_load = fastgrpo.models.load_model
 
@@ -445,6 +758,18 @@ def run_case(case: Case, tmp: Path, model: Path) -> Result:
     else:
         outcome = GOOD[case.expect] if says in text else "silent"
     return Result(outcome, code, text)
+
+
+def _run_first(argv: list[str]) -> None:
+    """Run ``fastgrpo ARGV``, which must succeed, quietly."""
+    from fastgrpo.cli import main
+
+    quiet = io.StringIO()
+    with contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
+        try:
+            main(argv)
+        except SystemExit as e:
+            raise RuntimeError(f"the case's first command failed: {quiet.getvalue()[-2000:]}") from e
 
 
 def _patch(load_model: Callable[..., Any]) -> list[tuple[Any, str, Any]]:
