@@ -88,3 +88,11 @@ def check_free_space(path: str | Path, needed: int, what: str) -> None:
             f"{what}: {path} needs about {size_text(needed)}, more than the {size_text(free)} free on its disk; "
             f"make room there or choose another {what}"
         )
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it renamed into place, so that a process killed
+    while writing leaves the old file or the new one, never part of either."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -256,7 +256,7 @@ class TrainingRollouts:
             for drafter in self.drafters:
                 if schedule["drafters"].get(drafter.name):
                     drafter.load_cost_state(schedule["drafters"][drafter.name])
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             logger.warning("%s: not used, the controller learns afresh (%s)", path, e)
 
     def _load_learners(self, directory: Path) -> None:

@@ -28,7 +28,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_foreign_config_and_a_refused_overwrite_lose_nothing(capsys, model_dir: Path, tmp_path: Path) -> None:
     """The user's config.yaml in output_dir is refused by name with --overwrite_output_dir, and kept; an earlier run
-    overwritten by a run then refused for its options (temperature 0) is still whole; a lock file that is a link
+    overwritten by a run then refused for its options (temperature 0, before the model loads; LoRA layers the model
+    lacks, after) is still whole; a lock file that is a link
     leaves its target as it was."""
     config = write_config(tmp_path / "c.yaml", model_dir)
     out = tmp_path / "c-run"
@@ -45,6 +46,10 @@ def test_a_foreign_config_and_a_refused_overwrite_lose_nothing(capsys, model_dir
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
     err = refused(capsys, "train", "--config", str(config), "--overwrite_output_dir", "true", "--temperature", "0")
     assert "temperature: 0 samples greedily" in err
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+    lora = ("--use_peft", "true", "--lora_target_modules", "[no_such_layer]")  # refused once the model has loaded
+    err = refused(capsys, "train", "--config", str(config), "--overwrite_output_dir", "true", *lora)
+    assert "lora_target_modules ['no_such_layer']" in err
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
     (out / ".fastgrpo.lock").unlink()
     (tmp_path / "precious.txt").write_text("keep me\n")
@@ -134,12 +139,14 @@ def test_the_disk_check_counts_the_checkpoints_the_run_writes(monkeypatch, tmp_p
     assert checkpoints_written(0, 100, 10, 2) == 3
     assert checkpoints_written(10, 20, 10, 2) == 1  # resumed at step 10
     assert checkpoints_written(0, 25, 10, None) == 3  # steps 10, 20 and the last
+    assert checkpoints_written(10, 40, 10, 2, existing=2) == 1  # resumed beside its 2: only the one being written
+    assert checkpoints_written(10, 40, 10, None, existing=1) == 3
 
     class Usage:
         free = 10 * 2**30
 
     monkeypatch.setattr(paths.shutil, "disk_usage", lambda path: Usage)
     check_disk_space(tmp_path / "not" / "yet", 9 * 2**30, checkpoints_written(0, 1, 500, 100))
-    with pytest.raises(ValueError, match=r"need about 18.0 GiB \(2 of 9.0 GiB on disk at once\)"):
+    with pytest.raises(ValueError, match=r"need about 18.0 GiB \(2 more of 9.0 GiB on disk at once\)"):
         check_disk_space(tmp_path, 9 * 2**30, checkpoints_written(0, 20, 10, 100))
     assert math.isclose(Usage.free / 2**30, 10.0)

@@ -129,7 +129,7 @@ class DataConfig:
 def _check_arithmetic_size(cfg: DataConfig) -> None:
     """Refuse answers longer than Python writes as text (``sys.get_int_max_str_digits``), and rows that would take
     more than `MEMORY_SHARE` of the machine's memory (they are all held at once)."""
-    digits, limit = answer_digits(cfg), sys.get_int_max_str_digits()
+    digits, limit = answer_digits(cfg), getattr(sys, "get_int_max_str_digits", lambda: 0)()  # 3.10.7+
     if limit and digits > limit:
         raise ValueError(
             f"dataset.digits: answers of {cfg.digits}-digit numbers with {cfg.operands} operands and operators "

@@ -151,7 +151,7 @@ def damage(checkpoint: Path) -> str | None:
                 with safe_open(str(path), framework="pt"):
                     pass
             elif path.suffix == ".json":
-                json.loads(path.read_text())
+                json.loads(path.read_bytes())
             elif path.suffix == ".pt" and path.name != STATE_FILE:
                 torch.load(path, map_location="cpu", mmap=True)  # its archive is read, not its tensors' data
         except Exception as e:  # safetensors and torch.load raise their own types for a truncated or corrupt file

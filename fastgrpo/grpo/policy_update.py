@@ -35,7 +35,8 @@ def all_finite(params: list[torch.Tensor]) -> bool:
     """Whether every element of ``params`` (this process's shards under FSDP2) is finite, on every process: one
     reduction per parameter and one read."""
     local = [p.detach().to_local() if hasattr(p, "to_local") else p.detach() for p in params]
-    bad = torch.stack([(~torch.isfinite(p)).any() for p in local if p.numel()]).any() if local else False
+    flags = [(~torch.isfinite(p)).any() for p in local if p.numel()]
+    bad = bool(torch.stack(flags).any()) if flags else False
     return distributed.max_over_ranks(int(bad)) == 0
 
 
@@ -253,10 +254,10 @@ class PolicyUpdate:
                     "check the rewards"
                 )
             self.optimizer.step()
-            if not all_finite(params):
-                raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
             if self.masters is not None:
                 self.masters.write_back()
+            if not all_finite([p for p in self.model.parameters() if p.requires_grad]):  # as the module holds them
+                raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {**extremes, **{k: v / max(count, 1) for k, v in sums.items() if k != "loss"}}

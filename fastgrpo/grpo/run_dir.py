@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import yaml
 
-from fastgrpo.paths import free_bytes, size_text
+from fastgrpo.paths import free_bytes, size_text, write_atomically
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -38,6 +38,8 @@ MARK_FILE = "fastgrpo_run_id"
 LOCK_FILE = ".fastgrpo.lock"
 RUN_OUTPUTS = ("config.yaml", "metrics.jsonl", "report", "tensorboard")  # what a run writes besides checkpoints
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")  # a checkpoint's directory
+# what `fastgrpo.paths.write_atomically` leaves of the run's own files when killed while writing them
+TEMPORARIES = tuple(f".{name}.tmp" for name in (RUN_FILE, "config.yaml", "metrics.jsonl"))
 
 
 class DirectoryLock:
@@ -79,23 +81,27 @@ class DirectoryLock:
             self.file = None
 
 
-def checkpoints_written(start_step: int, max_steps: int, save_steps: int, save_total_limit: int | None) -> int:
-    """How many checkpoints a run from ``start_step`` to ``max_steps`` holds on disk at once at most: those it saves
-    (every ``save_steps`` and at the end), at most ``save_total_limit`` of them plus the one being written before
-    the oldest is removed."""
+def checkpoints_written(
+    start_step: int, max_steps: int, save_steps: int, save_total_limit: int | None, existing: int = 0
+) -> int:
+    """How many more checkpoints than the ``existing`` ones a run from ``start_step`` to ``max_steps`` holds on disk
+    at once at most: it saves every ``save_steps`` and at the end, keeping at most ``save_total_limit`` (its
+    existing ones included) plus the one being written before the oldest is removed."""
     steps = range(start_step + 1, max_steps + 1)
     saves = sum(1 for step in steps if step % save_steps == 0 or step == max_steps)
-    return saves if save_total_limit is None or saves <= save_total_limit else save_total_limit + 1
+    peak = existing + saves if save_total_limit is None else min(existing + saves, max(existing, save_total_limit) + 1)
+    return max(peak - existing, 0)
 
 
-def check_disk_space(out: Path, checkpoint_bytes: int, checkpoints: int) -> None:
-    """Refuse a run whose ``checkpoints`` (`checkpoints_written`) of ``checkpoint_bytes`` each cannot fit on
-    ``out``'s disk (``out`` need not exist yet); warn when they leave less than a tenth of the free space."""
-    free = free_bytes(out)
+def check_disk_space(out: Path, checkpoint_bytes: int, checkpoints: int, freed: int = 0) -> None:
+    """Refuse a run whose ``checkpoints`` more checkpoints (`checkpoints_written`) of ``checkpoint_bytes`` each cannot
+    fit on ``out``'s disk (``out`` need not exist yet), ``freed`` bytes there being deleted first (an overwritten
+    run's); warn when they leave less than a tenth of the free space."""
+    free = free_bytes(out) + freed
     needed = checkpoint_bytes * checkpoints
     if needed > free:
         raise ValueError(
-            f"output_dir {out}: its checkpoints need about {size_text(needed)} ({checkpoints} of "
+            f"output_dir {out}: its checkpoints need about {size_text(needed)} ({checkpoints} more of "
             f"{size_text(checkpoint_bytes)} on disk at once), more than the {size_text(free)} free on its disk; free "
             "space, lower save_total_limit, set save_only_model: true, or choose another output_dir"
         )
@@ -127,7 +133,7 @@ def marked_by(directory: Path, run_id: str | None) -> bool:
 
 def _new_run(out: Path) -> str:
     run_id = uuid.uuid4().hex
-    (out / RUN_FILE).write_text(json.dumps({"id": run_id, "created": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    write_atomically(out / RUN_FILE, json.dumps({"id": run_id, "created": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     return run_id
 
 
@@ -135,13 +141,14 @@ def _owned(out: Path, run_id: str | None) -> list[Path]:
     """What in ``out`` belongs to the fastgrpo run ``run_id``: its own files and whatever carries its mark."""
     if run_id is None:
         return []
-    return [p for p in out.iterdir() if p.name in (RUN_FILE, *RUN_OUTPUTS) or (p.is_dir() and marked_by(p, run_id))]
+    own = (RUN_FILE, *RUN_OUTPUTS, *TEMPORARIES)
+    return [p for p in out.iterdir() if p.name in own or (p.is_dir() and marked_by(p, run_id))]
 
 
 def _written_by_runs(name: str) -> bool:
     """Whether a fastgrpo run writes (or deletes) a path of this name in its output_dir."""
     return (
-        name in (RUN_FILE, LOCK_FILE, *RUN_OUTPUTS)
+        name in (RUN_FILE, LOCK_FILE, *RUN_OUTPUTS, *TEMPORARIES)
         or bool(CHECKPOINT_RE.match(name))
         or name.startswith(".checkpoint-")
     )
@@ -159,14 +166,9 @@ def _refuse_links(out: Path) -> None:
         )
 
 
-def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
-    """Make ``out`` this run's and return the run's id (the caller holds the directory's `DirectoryLock`).
-
-    A new run needs an empty directory; with ``overwrite`` it deletes the earlier fastgrpo run's files there and keeps
-    everything else, and refuses (before deleting anything) a directory where something no fastgrpo run wrote has
-    the name of a file the run writes. ``resume`` continues the run found there. Temporaries the run left behind
-    when it was killed are removed."""
-    out.mkdir(parents=True, exist_ok=True)
+def _earlier_run(out: Path, resume: bool, overwrite: bool) -> tuple[str | None, list[Path], list[str]]:
+    """What `claim_output_dir` finds in ``out``: the id of the run there (None: none), what of it a new run deletes
+    (with ``overwrite``) and the names it keeps; raises where ``out`` cannot be this run's."""
     _refuse_links(out)
     run_id = read_run_id(out)
     # a run file alone is a run that wrote nothing yet (a trainer built and not trained): the directory is free
@@ -177,28 +179,54 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
                 f"--resume: no checkpoint under {out} (no fastgrpo run wrote there; a directory written by a fastgrpo "
                 "older than its run marks cannot be resumed)"
             )
-    elif entries:
-        owned = _owned(out, run_id)
-        foreign = sorted(p.name for p in entries if p not in owned)
-        if not overwrite:
-            a_run = run_id is not None
-            what = "another run" if a_run else "files that no fastgrpo run wrote"
-            names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
-            raise ValueError(
-                f"output_dir {out} holds {what} ({names}): "
-                + ("continue it with --resume, " if a_run else "")
-                + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
-                "deletes an earlier fastgrpo run's files and keeps everything else)"
-            )
-        clashing = [name for name in foreign if _written_by_runs(name)]
-        if (out / RUN_FILE).exists() and run_id is None:
-            clashing.insert(0, RUN_FILE)
-        if clashing:
-            raise ValueError(
-                f"output_dir {out} holds {', '.join(clashing)}, which no fastgrpo run wrote and which this run would "
-                "write over; overwrite_output_dir keeps what it did not write, so move "
-                f"{'it' if len(clashing) == 1 else 'them'} away or choose another output_dir"
-            )
+        return run_id, [], []
+    if not entries:
+        return run_id, [], []
+    owned = _owned(out, run_id)
+    foreign = sorted(p.name for p in entries if p not in owned)
+    if not overwrite:
+        a_run = run_id is not None
+        what = "another run" if a_run else "files that no fastgrpo run wrote"
+        names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
+        raise ValueError(
+            f"output_dir {out} holds {what} ({names}): "
+            + ("continue it with --resume, " if a_run else "")
+            + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
+            "deletes an earlier fastgrpo run's files and keeps everything else)"
+        )
+    clashing = [name for name in foreign if _written_by_runs(name)]
+    if (out / RUN_FILE).exists() and run_id is None:
+        clashing.insert(0, RUN_FILE)
+    if clashing:
+        raise ValueError(
+            f"output_dir {out} holds {', '.join(clashing)}, which "
+            + ("no fastgrpo run wrote" if run_id is None else "the run there did not write")
+            + " and which this run would write over; overwrite_output_dir keeps what it did not write, so move "
+            f"{'it' if len(clashing) == 1 else 'them'} away or choose another output_dir"
+        )
+    return run_id, owned, foreign
+
+
+def check_output_dir(out: Path, resume: bool, overwrite: bool) -> int:
+    """Refuse now what `claim_output_dir` would refuse, deleting nothing (a run checks this before its long set-up and
+    claims the directory after it); returns the bytes an overwrite would free there."""
+    if not out.is_dir():
+        return 0
+    _, owned, _ = _earlier_run(out, resume, overwrite)
+    files = [f for path in owned for f in ([path] if not path.is_dir() else path.rglob("*"))]
+    return sum(f.lstat().st_size for f in files if not f.is_dir())
+
+
+def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
+    """Make ``out`` this run's and return the run's id (the caller holds the directory's `DirectoryLock`).
+
+    A new run needs an empty directory; with ``overwrite`` it deletes the earlier fastgrpo run's files there and keeps
+    everything else, and refuses (before deleting anything) a directory where something the earlier run did not
+    write has the name of a file the run writes. ``resume`` continues the run found there. Temporaries the run left
+    behind when it was killed are removed."""
+    out.mkdir(parents=True, exist_ok=True)
+    run_id, owned, foreign = _earlier_run(out, resume, overwrite)
+    if owned or foreign:
         for path in owned:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if owned:
@@ -214,12 +242,15 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
 
 
 def remove_leftovers(out: Path, run_id: str) -> list[Path]:
-    """Delete the temporaries of saves and deletions (``.checkpoint-*``) that carry ``run_id``'s mark. Returns what
-    was removed."""
+    """Delete the temporaries of saves and deletions (``.checkpoint-*``) that carry ``run_id``'s mark, and those of
+    the run's own files (`TEMPORARIES`). Returns what was removed."""
     removed = []
     for path in sorted(out.iterdir()):
         if path.name.startswith(".checkpoint-") and path.is_dir() and marked_by(path, run_id):
             shutil.rmtree(path)
+            removed.append(path)
+        elif path.name in TEMPORARIES and not path.is_symlink():
+            path.unlink()
             removed.append(path)
     return removed
 
@@ -271,7 +302,8 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
             )
         saved = on_disk
     elif problem is not None:
-        notes.append(f"{path} is {problem}: it is written again from the options the checkpoint was saved with")
+        notes.append(f"{path} is {problem}: it is written again with this run's options (the checkpoint's, and the "
+                     "changes listed here)")  # fmt: skip
     saved, now = _flatten(saved or {}), _flatten(given)
     compared = sorted(saved.keys() & now.keys() - {"output_dir"})
     changed = {k: (saved[k], now[k]) for k in compared if saved[k] != now[k]}

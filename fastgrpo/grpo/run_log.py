@@ -12,7 +12,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from fastgrpo.config import GRPOConfig, config_to_dict
-from fastgrpo.paths import read_text
+from fastgrpo.paths import read_text, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -43,12 +43,12 @@ class RunLog:
         self.config = config
         out = Path(config.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.yaml").write_text(yaml.safe_dump(config_to_dict(config), sort_keys=False))
+        write_atomically(out / "config.yaml", yaml.safe_dump(config_to_dict(config), sort_keys=False))
         metrics_path = out / "metrics.jsonl"
         if metrics_path.exists():
             # Steps logged after the checkpoint being resumed from are run again: drop their old lines.
             kept = [line for line in logged_lines(metrics_path, warn=False) if json.loads(line)["step"] <= start_step]
-            metrics_path.write_text("".join(line + "\n" for line in kept))
+            write_atomically(metrics_path, "".join(line + "\n" for line in kept))
         self.tensorboard = self._tensorboard(out) if "tensorboard" in config.report_to else None
         self.file = metrics_path.open("a")
 

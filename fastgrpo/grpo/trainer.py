@@ -18,7 +18,13 @@ from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
 from fastgrpo.grpo.batch import build_batch
-from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint, set_rng_state
+from fastgrpo.grpo.checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    prepare_output_dir,
+    save_checkpoint,
+    set_rng_state,
+)
 from fastgrpo.grpo.losses import (
     group_advantages,
 )
@@ -28,8 +34,10 @@ from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_dir import (
     DirectoryLock,
     check_disk_space,
+    check_output_dir,
     checkpoint_bytes,
     checkpoints_written,
+    marked_by,
     resumed_options,
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
@@ -101,28 +109,28 @@ class GRPOTrainer:
         self.start_step = 0
         random.seed(config.seed)
         torch.manual_seed(config.seed)
-        # Everything that can refuse the run does before the output directory is touched (overwrite_output_dir
-        # deletes an earlier run's files there).
+        # What can refuse the run does before anything is loaded; an overwritten run's files are deleted only once
+        # the whole set-up has worked (the end of this constructor).
         check_cache_dir()
         with distributed.main_first(self.dist):  # the embedded model is converted once, by rank 0
             resolve_model_path(config.model)
         model_config = model.config if model is not None else read_model_config(config.model)
         check_training_options(config, model_config)
         disk = checkpoint_bytes(config, model_config, self.dist.device) if self.dist.is_main else 0
-        if self.dist.is_main and not resume:
-            check_disk_space(self.output_dir, disk, self._checkpoints(0))
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
             plan_for_trainer(config, model_config, self.dist.device)
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
         self.lock = DirectoryLock(self.output_dir) if self.dist.is_main else None
-        with distributed.main_first(self.dist):
-            checkpoint, resume_state, self.run_id = prepare_output_dir(
-                self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
-            )
-        if checkpoint is not None:
-            self._check_resumed(checkpoint, resume_state)
-            if self.dist.is_main:
-                check_disk_space(self.output_dir, disk, self._checkpoints(resume_state["step"]))
+        checkpoint, resume_state = None, None
+        if resume:  # nothing is deleted: the run is claimed now, its checkpoint read
+            with distributed.main_first(self.dist):
+                checkpoint, resume_state, self.run_id = prepare_output_dir(
+                    self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
+                )
+            self._check_resumed(checkpoint, resume_state, disk)
+        elif self.dist.is_main:  # what the claim would refuse, now; the claim (and its deletions) after the set-up
+            freed = check_output_dir(self.output_dir, resume, config.overwrite_output_dir)
+            check_disk_space(self.output_dir, disk, self._checkpoints(0), freed)
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
@@ -164,16 +172,22 @@ class GRPOTrainer:
             config.seed,
             config.max_prompt_length,
         )
+        if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
+            with distributed.main_first(self.dist):
+                _, _, self.run_id = prepare_output_dir(
+                    self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
+                )
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _checkpoints(self, start_step: int) -> int:
+    def _checkpoints(self, start_step: int, existing: int = 0) -> int:
         cfg = self.config
-        return checkpoints_written(start_step, cfg.max_steps, cfg.save_steps, cfg.save_total_limit)
+        return checkpoints_written(start_step, cfg.max_steps, cfg.save_steps, cfg.save_total_limit, existing)
 
-    def _check_resumed(self, checkpoint: Path, state: dict[str, Any]) -> None:
+    def _check_resumed(self, checkpoint: Path, state: dict[str, Any], checkpoint_size: int) -> None:
         """Refuse a resumed run that would not continue the run in ``checkpoint``: options it may not change
-        (`resumed_options`, against the options the checkpoint was saved with), or ``max_steps`` not beyond the
-        checkpoint's step."""
+        (`resumed_options`, against the options the checkpoint was saved with), ``max_steps`` not beyond the
+        checkpoint's step; and on rank 0, a ``metrics.jsonl`` it cannot continue, another run's checkpoint where this
+        one will save, and too little disk for the checkpoints still to come (``checkpoint_size`` bytes each)."""
         for change in resumed_options(self.output_dir, config_to_dict(self.config), state.get("config")):
             logger.warning("--resume: %s", change)
         done = state["step"]
@@ -182,9 +196,27 @@ class GRPOTrainer:
                 f"--resume: max_steps {self.config.max_steps} is not beyond the {done} steps the run in "
                 f"{self.output_dir} has done ({checkpoint.name}); give a larger max_steps to train on"
             )
+        if not self.dist.is_main:
+            return
         metrics = self.output_dir / "metrics.jsonl"
-        if self.dist.is_main and metrics.is_file():
+        if metrics.is_file():
             logged_lines(metrics)  # refused here, before the model loads, when it cannot be continued
+        cfg = self.config
+        steps = range(done + 1, cfg.max_steps + 1)
+        others = [
+            name
+            for step in steps
+            if (step % cfg.save_steps == 0 or step == cfg.max_steps)
+            and (self.output_dir / (name := f"checkpoint-{step}")).exists()
+            and not marked_by(self.output_dir / name, self.run_id)
+        ]
+        if others:
+            raise ValueError(
+                f"--resume: {self.output_dir} holds {', '.join(others)}, which this run did not write and would save "
+                "over; move it away"
+            )
+        existing = len(list_checkpoints(self.output_dir, self.run_id))
+        check_disk_space(self.output_dir, checkpoint_size, self._checkpoints(done, existing))
 
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])

@@ -297,8 +297,9 @@ class AdaptiveController:
         ``speculation`` options or drafters)."""
         if _decode(state["shapes"]) != self.shapes:
             raise ValueError("the saved controller state is of other candidate tree shapes")
-        for name in self.LEARNT:
-            setattr(self, name, _decode(state[name]))
+        learnt = {name: _decode(state[name]) for name in self.LEARNT}  # all decoded before any is taken up
+        for name, value in learnt.items():
+            setattr(self, name, value)
         self._estimates, self._expected = None, {}
 
     def _probed(self, plain: bool) -> None:

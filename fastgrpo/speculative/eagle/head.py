@@ -153,7 +153,7 @@ class DraftHead(nn.Module):
         """Write the draft (`write`) into a temporary directory beside ``directory`` and move it into place, so that
         a failure leaves no half-written draft; ``ValueError`` naming ``directory`` and the space free on its disk
         when the disk refuses it. Other files in an existing ``directory`` are kept."""
-        directory = Path(directory)
+        directory = Path(directory).absolute()
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = directory.with_name(f".{directory.name}.{uuid.uuid4().hex[:8]}.tmp")
         try:
