@@ -32,10 +32,11 @@ from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.scheduling import StaticController
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import AdaptiveController, PaperController, priced
+from fastgrpo.speculative.controller import AdaptiveController, priced
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.plugin import EaglePlugin
+from fastgrpo.speculative.paper import PaperController
 from fastgrpo.speculative.plugin import cost_probes
 from fastgrpo.speculative.profiler import load_or_calibrate
 

@@ -59,11 +59,11 @@ from fastgrpo.rollout.sequence import ActiveRows, GenerationOutput, Sequence, fi
 from fastgrpo.rollout.stats import GenerationStats
 from fastgrpo.rollout.tree import DraftTree, TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import shape_for
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.eagle.offline import frequent_tokens
 from fastgrpo.speculative.eagle.training import DraftTrainer, rollout_samples
+from fastgrpo.speculative.paper import shape_for
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 from fastgrpo.training_rollouts import step_uniforms
 

@@ -23,7 +23,7 @@ from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import controller_from_config
+from fastgrpo.speculative.configured import controller_from_config
 from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin, cost_probes
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins

@@ -20,9 +20,10 @@ from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, StaticController
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import profiler
-from fastgrpo.speculative.controller import AdaptiveController, PaperController, shape_for
+from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.paper import PaperController, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile, find_knee
 
 EOS = 1

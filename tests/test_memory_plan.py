@@ -424,7 +424,7 @@ def test_the_plan_sizes_the_caches_as_the_engine_and_the_eagle_drafter_allocate_
     from fastgrpo.config import SpeculationConfig
     from fastgrpo.rollout.cache import RowCache, call_length
     from fastgrpo.sampling_params import SamplingParams
-    from fastgrpo.speculative.controller import tree_bound
+    from fastgrpo.speculative.configured import tree_bound
     from fastgrpo.speculative.eagle.drafter import EagleDrafter
     from fastgrpo.training_rollouts import TrainingRollouts
 

@@ -7,12 +7,27 @@ import logging
 import os
 import random
 import zlib
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from fastgrpo.data.prompts import build_prompt
 
-if TYPE_CHECKING:  # the config validates with this module's estimate (`rows_bytes`)
-    from fastgrpo.data.config import DataConfig
+
+class ArithmeticOptions(Protocol):
+    """The ``dataset.*`` options the generator reads (`fastgrpo.data.config.DataConfig`'s, which validates with this
+    module's estimate, `rows_bytes`: so this module does not import it)."""
+
+    split: str
+    seed: int
+    num_examples: int
+    digits: int
+    operands: int
+    operators: str
+    word_problems: bool
+    instruction: str | None
+    system_prompt: str | None
+
+    def validate(self) -> None: ...
+
 
 _ADDITION_TEMPLATES = (
     "{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
@@ -81,7 +96,9 @@ def held_out(question: str) -> bool:
     return zlib.crc32(question.encode()) % 5 == 0
 
 
-def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None) -> tuple[list[int], list[str]] | None:
+def _draw(
+    rng: random.Random, cfg: ArithmeticOptions, high: int, drawn: set[str] | None
+) -> tuple[list[int], list[str]] | None:
     """Numbers and operators of a question of ``cfg.split`` not in ``drawn`` (None: repeats allowed), drawn until
     one comes; None after `MAX_DRAWS` draws without one."""
     for _ in range(MAX_DRAWS):
@@ -98,12 +115,12 @@ def _draw(rng: random.Random, cfg: DataConfig, high: int, drawn: set[str] | None
     return None
 
 
-def answer_digits(cfg: DataConfig) -> int:
+def answer_digits(cfg: ArithmeticOptions) -> int:
     """The most digits an answer can have (a product of every operand where ``*`` is drawn)."""
     return cfg.digits * cfg.operands if "*" in cfg.operators else cfg.digits + len(str(cfg.operands))
 
 
-def rows_bytes(cfg: DataConfig) -> int:
+def rows_bytes(cfg: ArithmeticOptions) -> int:
     """About the memory the generator takes for ``cfg.num_examples`` rows: `ROW_BYTES` each with the characters of
     their question and answer, their copies of the instruction and system message, and what drawing a question
     holds for a while."""
@@ -117,7 +134,7 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def split_size(cfg: DataConfig) -> int:
+def split_size(cfg: ArithmeticOptions) -> int:
     """The distinct questions of ``cfg.split``: counted where the questions number at most `COUNTED` in all, else the
     split's expected share of them (a fifth for ``test``)."""
     operators = sorted(set(cfg.operators))
@@ -131,7 +148,7 @@ def split_size(cfg: DataConfig) -> int:
     return sum(held_out(_plain_question(list(n), list(o))) == (cfg.split == "test") for n, o in questions)
 
 
-def make_arithmetic(cfg: DataConfig) -> list[dict[str, Any]]:
+def make_arithmetic(cfg: ArithmeticOptions) -> list[dict[str, Any]]:
     """Synthetic arithmetic prompts, deterministic in ``cfg.seed``.
 
     Each example has ``cfg.operands`` numbers of 1 to ``cfg.digits`` digits joined by operators drawn from

@@ -241,6 +241,18 @@ def claim_output_dir(out: Path, resume: bool, overwrite: bool) -> str:
     return run_id
 
 
+def check_saves_ahead(out: Path, run_id: str, steps: list[int]) -> None:
+    """Refuse a resumed run of ``run_id`` where a checkpoint it did not write sits at a step it will save (``steps``):
+    the run would stop there, its steps since the last save lost."""
+    others = [f"checkpoint-{s}" for s in steps if (out / f"checkpoint-{s}").exists()]
+    others = [name for name in others if not marked_by(out / name, run_id)]
+    if others:
+        raise ValueError(
+            f"--resume: {out} holds {', '.join(others)}, which this run did not write and would save over; move "
+            f"{'it' if len(others) == 1 else 'them'} away"
+        )
+
+
 def remove_leftovers(out: Path, run_id: str) -> list[Path]:
     """Delete the temporaries of saves and deletions (``.checkpoint-*``) that carry ``run_id``'s mark, and those of
     the run's own files (`TEMPORARIES`). Returns what was removed."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 from tqdm.auto import tqdm
-from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
@@ -35,13 +35,13 @@ from fastgrpo.grpo.run_dir import (
     DirectoryLock,
     check_disk_space,
     check_output_dir,
+    check_saves_ahead,
     checkpoint_bytes,
     checkpoints_written,
-    marked_by,
     resumed_options,
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
-from fastgrpo.memory_plan.fitting import check_sequence_length, plan_for_trainer, read_model_config
+from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
     check_tokenizer_files,
@@ -60,17 +60,6 @@ from fastgrpo.threads import ThreadGovernor
 from fastgrpo.training_rollouts import TrainingRollouts
 
 logger = logging.getLogger(__name__)
-
-
-def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -> None:
-    """Refuse, before any weight is read, settings that are valid options but cannot train: greedy sampling (every
-    completion of a group the same) and sequences longer than the model's context."""
-    if config.temperature == 0:
-        raise ValueError(
-            "temperature: 0 samples greedily, so every completion of a group is the same, every advantage is 0 and "
-            "nothing is learnt; GRPO needs temperature > 0 (1.0 is TRL's default)"
-        )
-    check_sequence_length(model_config, config.max_prompt_length, config.max_completion_length)
 
 
 class GRPOTrainer:
@@ -202,19 +191,8 @@ class GRPOTrainer:
         if metrics.is_file():
             logged_lines(metrics)  # refused here, before the model loads, when it cannot be continued
         cfg = self.config
-        steps = range(done + 1, cfg.max_steps + 1)
-        others = [
-            name
-            for step in steps
-            if (step % cfg.save_steps == 0 or step == cfg.max_steps)
-            and (self.output_dir / (name := f"checkpoint-{step}")).exists()
-            and not marked_by(self.output_dir / name, self.run_id)
-        ]
-        if others:
-            raise ValueError(
-                f"--resume: {self.output_dir} holds {', '.join(others)}, which this run did not write and would save "
-                "over; move it away"
-            )
+        saves = [s for s in range(done + 1, cfg.max_steps + 1) if s % cfg.save_steps == 0 or s == cfg.max_steps]
+        check_saves_ahead(self.output_dir, self.run_id, saves)
         existing = len(list_checkpoints(self.output_dir, self.run_id))
         check_disk_space(self.output_dir, checkpoint_size, self._checkpoints(done, existing))
 

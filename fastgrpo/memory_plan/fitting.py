@@ -259,13 +259,23 @@ def check_sequence_length(model_config: PretrainedConfig, max_prompt_length: int
         )
 
 
+def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -> None:
+    """Refuse, before any weight is read, settings that are valid options but cannot train: greedy sampling (every
+    completion of a group the same) and sequences longer than the model's context."""
+    if config.temperature == 0:
+        raise ValueError(
+            "temperature: 0 samples greedily, so every completion of a group is the same, every advantage is 0 and "
+            "nothing is learnt; GRPO needs temperature > 0 (1.0 is TRL's default)"
+        )
+    check_sequence_length(model_config, config.max_prompt_length, config.max_completion_length)
+
+
 def check_before_training(config: GRPOConfig) -> PretrainedConfig:
     """What `GRPOTrainer` refuses before it loads a model, besides the dataset and the output directory, checked the
     same way (the trainer's own functions): the drafters and a saved draft, the reward functions, the cache directory,
     and the model's config against the options (`check_training_options`: greedy sampling, sequences beyond the
     context). Not the model's weights or tokenizer files: a dry run plans from a model's config.json alone. Returns
     the model's config."""
-    from fastgrpo.grpo.trainer import check_training_options
     from fastgrpo.models import check_cache_dir
     from fastgrpo.rewards import resolve_reward_funcs
     from fastgrpo.speculative.registry import check_speculation

@@ -46,7 +46,7 @@ from fastgrpo.precision import fused_adamw
 from fastgrpo.rollout.cache import cache_bytes, call_length
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.target_step import step_rows
-from fastgrpo.speculative.controller import tree_bound
+from fastgrpo.speculative.configured import tree_bound
 from fastgrpo.speculative.plugin import PlannedRun
 from fastgrpo.speculative.registry import plugins
 

@@ -10,17 +10,17 @@
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastgrpo.config import ControllerLimits, SpeculationConfig
+from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.rollout.scheduling import AUTOREGRESSIVE, Controller, StaticController
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.paper import PaperController, largest_shape, shape_for
+from fastgrpo.speculative.paper import largest_shape, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile
+from fastgrpo.speculative.state_json import from_json, to_json
 
 
 class MergedDrafters(Drafter):
@@ -290,14 +290,14 @@ class AdaptiveController:
     def state_dict(self) -> dict[str, Any]:
         """Its acceptance statistics, time corrections and probe schedule as JSON-able data, with the candidate
         shapes they are of (`load_state_dict` takes them up only for the same candidates)."""
-        return {"shapes": _encode(self.shapes), **{name: _encode(getattr(self, name)) for name in self.LEARNT}}
+        return {"shapes": to_json(self.shapes), **{name: to_json(getattr(self, name)) for name in self.LEARNT}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take up what `state_dict` saved; ``ValueError`` when it was saved for other candidate shapes (other
         ``speculation`` options or drafters)."""
-        if _decode(state["shapes"]) != self.shapes:
+        if from_json(state["shapes"]) != self.shapes:
             raise ValueError("the saved controller state is of other candidate tree shapes")
-        learnt = {name: _decode(state[name]) for name in self.LEARNT}  # all decoded before any is taken up
+        learnt = {name: from_json(state[name]) for name in self.LEARNT}  # all decoded before any is taken up
         for name, value in learnt.items():
             setattr(self, name, value)
         self._estimates, self._expected = None, {}
@@ -391,56 +391,3 @@ class AdaptiveController:
         token at that depth."""
         rows = max(len(accepted), 1)
         return [sum(a > d for a in accepted) / rows for d in range(self.depth_cap)]
-
-
-def _encode(value: Any) -> Any:
-    """``value`` (of shapes, tuples, sets, dicts of any keys, lists and scalars) as JSON-able data."""
-    if isinstance(value, TreeShape):
-        return {"shape": [value.nodes, value.top_k, value.max_levels, value.drafter]}
-    if isinstance(value, set):
-        return {"set": [_encode(v) for v in sorted(value)]}
-    if isinstance(value, tuple):
-        return {"tuple": [_encode(v) for v in value]}
-    if isinstance(value, dict):
-        return {"dict": [[_encode(k), _encode(v)] for k, v in value.items()]}
-    if isinstance(value, list):
-        return [_encode(v) for v in value]
-    return value
-
-
-def _decode(value: Any) -> Any:
-    """What `_encode` made, back."""
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if not isinstance(value, dict):
-        return value
-    ((kind, items),) = value.items()
-    if kind == "shape":
-        return TreeShape(*items)
-    if kind == "dict":
-        return {_decode(k): _decode(v) for k, v in items}
-    return {"tuple": tuple, "set": set}[kind](_decode(v) for v in items)
-
-
-def tree_bound(spec: SpeculationConfig) -> TreeShape | None:
-    """The largest tree a run of ``spec`` verifies (its controller's `max_shape`; None: speculation off)."""
-    if spec.mode == "off":
-        return None
-    return TreeShape(spec.nodes, spec.top_k, spec.depth) if spec.mode == "static" else largest_shape(spec.limits())
-
-
-def controller_from_config(
-    spec: SpeculationConfig, profile: LatencyProfile | None, drafters: list[Drafter]
-) -> Controller:
-    """The controller a ``speculation`` config section asks for (its mode must not be ``off``) over the ``drafters``
-    built: ``profile`` (needed by ``adaptive`` and by ``paper`` with ``c_peak: auto``) prices the target's forwards as
-    the engine runs them. ``static`` and ``paper`` trees merge the trees of every drafter."""
-    merged = "+".join(d.name for d in drafters)
-    if spec.mode == "static":
-        return StaticController(dataclasses.replace(tree_bound(spec), drafter=merged))
-    limits = spec.limits()
-    if spec.mode == "paper":
-        return PaperController(profile.c_peak if spec.c_peak == "auto" else spec.c_peak, limits, merged)
-    if spec.mode == "adaptive":
-        return AdaptiveController(profile, limits, drafters=priced(drafters))
-    raise ValueError(f"speculation.mode {spec.mode!r} has no controller")
