@@ -67,6 +67,19 @@ _COMMON = {
 }
 
 
+@pytest.fixture
+def no_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if any command loads a model (where the commands take ``load_model`` from)."""
+    import fastgrpo.models
+    from fastgrpo.grpo import trainer
+
+    def load_model(*args: object, **kwargs: object) -> None:
+        pytest.fail("a model loaded before the refusal")
+
+    monkeypatch.setattr(fastgrpo.models, "load_model", load_model)
+    monkeypatch.setattr(trainer, "load_model", load_model)
+
+
 def make_tiny_model(family: str, seed: int = 0) -> PreTrainedModel:
     """A seeded random float64 model of ``family`` with SDPA attention, in eval mode.
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_bad_inputs import refused
 
 from fastgrpo.cli import main
 from fastgrpo.config import (
@@ -251,21 +252,6 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model", seed=0, tie_word_embeddings=True)
 
 
-def refused(argv: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> str:
-    """The one-line error of ``fastgrpo ARGV``, which must exit 2 before a model loads."""
-    import fastgrpo.models
-
-    def load_model(*args: object, **kwargs: object) -> None:
-        raise AssertionError("a model loaded")
-
-    monkeypatch.setattr(fastgrpo.models, "load_model", load_model)
-    with pytest.raises(SystemExit) as excinfo:
-        main(argv)
-    err = capsys.readouterr().err
-    assert excinfo.value.code == 2 and "Traceback" not in err, err
-    return err
-
-
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -279,9 +265,9 @@ def test_the_dry_run_refuses_what_training_refuses(
     message: str,
     tiny_model_dir: Path,
     capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
+    no_model_loads: None,
 ) -> None:
-    assert message in refused(["train", "--dry-run", "--model", str(tiny_model_dir), *options], capsys, monkeypatch)
+    assert message in refused(capsys, "train", "--dry-run", "--model", str(tiny_model_dir), *options)
 
 
 @pytest.mark.parametrize(
@@ -293,9 +279,9 @@ def test_the_dry_run_refuses_what_training_refuses(
     ],
 )
 def test_generate_and_eval_refuse_sequences_beyond_the_context(
-    argv: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    argv: list[str], tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], no_model_loads: None
 ) -> None:
-    err = refused([*argv, "--model", str(tiny_model_dir)], capsys, monkeypatch)
+    err = refused(capsys, *argv, "--model", str(tiny_model_dir))
     assert "max_completion_length: prompts of up to max_prompt_length" in err
     assert "exceed the model's context of 2048 tokens (max_position_embeddings)" in err
 

@@ -12,15 +12,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import save_tiny_llama, tiny_model
 from safetensors import SafetensorError
+from test_bad_inputs import refused, write_config
 
-import fastgrpo.models
 from fastgrpo import malloc
 from fastgrpo.cli import main
 from fastgrpo.errors import RewardFunctionError
-from fastgrpo.grpo import trainer as trainer_module
 from fastgrpo.models import check_tokenizer_files
 from fastgrpo.rewards import compute_rewards
 from fastgrpo.speculative.eagle import head as head_module
@@ -39,47 +37,6 @@ def no_tokenizer(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     for name in ("config.json", "generation_config.json", "model.safetensors"):
         shutil.copy(model_dir / name, bare / name)
     return bare
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fail the test if any command loads a model (where the commands take ``load_model`` from)."""
-
-    def load_model(*args: object, **kwargs: object) -> None:
-        pytest.fail("a model loaded before the refusal")
-
-    monkeypatch.setattr(fastgrpo.models, "load_model", load_model)
-    monkeypatch.setattr(trainer_module, "load_model", load_model)
-
-
-def run_config(path: Path, model: Path, **overrides: object) -> Path:
-    """A YAML config of a one-step tiny run on ``model``, with ``overrides``."""
-    values = {
-        "model": str(model),
-        "dataset": {"num_examples": 8},
-        "reward_funcs": ["bad_input_matrix:length_reward"],
-        "num_generations": 4,
-        "per_device_train_batch_size": 4,
-        "max_completion_length": 4,
-        "max_steps": 1,
-        "output_dir": str(path.parent / "run"),
-        "progress_bar": False,
-        "log_completions": False,
-        "speculation": {"mode": "off"},
-        **overrides,
-    }
-    path.write_text(yaml.safe_dump(values))
-    return path
-
-
-def refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
-    """The one line of standard error of ``fastgrpo ARGV``, which must stop with exit code 2 and no traceback."""
-    with pytest.raises(SystemExit) as excinfo:
-        main(list(argv))
-    err = capsys.readouterr().err
-    assert excinfo.value.code == 2, err
-    assert "Traceback" not in err
-    return err
 
 
 # -- FASTGRPO_MALLOC and --version ------------------------------------------------------------------------------------
@@ -140,7 +97,7 @@ def test_ctrl_c_in_a_reward_function_stays_an_interrupt() -> None:
 def test_a_model_directory_without_a_tokenizer_is_refused_before_it_loads(
     capsys, no_model_loads, no_tokenizer: Path, tmp_path: Path
 ) -> None:
-    config = run_config(tmp_path / "c.yaml", no_tokenizer)
+    config = write_config(tmp_path / "c.yaml", no_tokenizer)
     says = f"model: {no_tokenizer} holds no tokenizer files (tokenizer.json, tokenizer_config.json, tokenizer.model"
     for argv in (
         ("eval", "--config", str(config)),
@@ -190,7 +147,7 @@ def test_a_draft_config_it_cannot_read_names_the_file(
 ) -> None:
     draft = saved_draft(tmp_path / "draft")
     (draft / DRAFT_CONFIG).write_text(content)
-    config = run_config(tmp_path / "c.yaml", model_dir, speculation={"mode": "adaptive", "draft": str(draft)})
+    config = write_config(tmp_path / "c.yaml", model_dir, speculation={"mode": "adaptive", "draft": str(draft)})
     assert f"speculation.draft: {draft / DRAFT_CONFIG}: {says}" in refused(capsys, "train", "--config", str(config))
     with pytest.raises(ValueError) as excinfo:
         DraftHead.load(draft, tiny_model("llama"))  # as a checkpoint's draft/ is read on --resume
@@ -242,7 +199,7 @@ def test_draft_train_refuses_a_disk_without_room_before_the_fit(
 ) -> None:
     real_usage = shutil.disk_usage
     monkeypatch.setattr(shutil, "disk_usage", lambda path: real_usage(path)._replace(free=1000))
-    config = run_config(tmp_path / "c.yaml", model_dir)
+    config = write_config(tmp_path / "c.yaml", model_dir)
     out = tmp_path / "d"
     err = refused(capsys, "draft", "train", "--config", str(config), "--output", str(out))
     assert f"--output: {out} needs about " in err and " KiB, more than the 1.0 KiB free on its disk" in err
