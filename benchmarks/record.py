@@ -48,13 +48,20 @@ def machine() -> dict[str, Any]:
     }
 
 
-def commit() -> str:
-    """The checked-out commit, with ``-dirty`` when tracked files have uncommitted changes."""
+def commit(directory: Path = REPO) -> str:
+    """The commit checked out in ``directory``, with ``-dirty`` when tracked files have uncommitted changes;
+    ``unknown`` where there is no git on the PATH or ``directory`` is not in a repository."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True).stdout.strip()
+        try:
+            run = subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True)
+        except OSError:  # no git executable (or the directory is gone)
+            return ""
+        return run.stdout.strip() if run.returncode == 0 else ""
 
-    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown"
     return head + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
