@@ -149,40 +149,108 @@ def wrap_policy(policy: torch.nn.Module, fsdp: bool, float32_shards: bool = Fals
     return policy
 
 
+ROLLOUT_WEIGHTS = "rollout_weights"  # the policy's attribute holding the gathered copies, by parameter name
+
+
 @contextlib.contextmanager
 def gathered(policy: torch.nn.Module) -> Iterator[None]:
     """Full parameters on every rank inside the block (for rollouts and draft updates, whose forwards differ in
     number between ranks and so must not run collectives); sharded again after it. A no-op without FSDP2.
 
-    Each unit is gathered once, on entry. Inside the block the sharded modules run without FSDP2's forward hooks,
-    which would only find their parameters gathered already: a compiled decoding step then traces the plain modules
-    (FSDP2 keeps its hooks out of ``torch.compile``'s graphs, which ``fullgraph`` refuses)."""
+    FSDP2 frees a unit's gathered parameters when it reshards and allocates them anew when it gathers again, so they
+    would meet a rollout at new addresses each time, and a captured CUDA graph, which reads its parameters at fixed
+    addresses, would be recorded again in every rollout. Instead each unit is gathered once on entry, copied into
+    parameters the policy keeps for the whole run (`ROLLOUT_WEIGHTS`, allocated at the first gather: one full copy
+    of the weights in the policy's dtype on every rank, besides the shards) and sharded again at once, so that one
+    unit at a time is gathered in FSDP2's own memory; the modules compute with the kept copies inside the block and
+    get FSDP2's sharded parameters back after it.
+
+    Inside the block the sharded modules also run without FSDP2's forward hooks, which would gather the parameters
+    again (a collective): a compiled decoding step then traces the plain modules (FSDP2 keeps its hooks out of
+    ``torch.compile``'s graphs, which ``fullgraph`` refuses), and ``torch.compile`` takes the kept copies, being
+    parameters of the modules, as static inputs."""
     if not is_sharded(policy):
         yield
         return
-    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.fsdp import FSDPModule
 
-    units = [m for m in policy.modules() if isinstance(m, FSDPModule)]
+    kept: dict[str, torch.nn.Parameter] = getattr(policy, ROLLOUT_WEIGHTS, None) or {}
+    setattr(policy, ROLLOUT_WEIGHTS, kept)
+    units = [(name, m) for name, m in policy.named_modules() if isinstance(m, FSDPModule)]
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Parameter]] = []  # (module, name, FSDP2's parameter)
     set_aside: list[tuple[dict, list]] = []  # each hook dict touched, with its entries as they were
     try:
-        for unit in units:
-            unit.unshard()
-        for unit in units:  # FSDP2's own hooks: methods of the unit's FSDP state
-            state = fully_shard.state(unit)
-            for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
-                entries = list(hooks.items())
-                for key, hook in entries:
-                    if getattr(hook, "__self__", None) is state:
-                        del hooks[key]
-                set_aside.append((hooks, entries))
+        for prefix, unit in units:
+            swapped += _gather_into(unit, prefix, kept)
+        _set_hooks_aside([unit for _, unit in units], set_aside)
         yield
     finally:
         for hooks, entries in set_aside:  # in their order, after them any hook added meanwhile
             added = [(k, v) for k, v in hooks.items() if k not in dict(entries)]
             hooks.clear()
             hooks.update(entries + added)
-        for unit in units:
-            unit.reshard()
+        for module, name, param in reversed(swapped):
+            setattr(module, name, param)
+
+
+def _unit_slots(unit: torch.nn.Module, prefix: str) -> list[tuple[str, torch.nn.Module, str]]:
+    """``(qualified name, module, parameter name)`` of each parameter FSDP2 shards in ``unit`` (those of the units
+    nested in it excluded), a tied parameter once per module holding it; names are prefixed with ``prefix``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    slots = []
+
+    def visit(module: torch.nn.Module, path: str) -> None:
+        slots.extend((f"{path}{name}", module, name) for name, p in module._parameters.items() if p is not None)
+        for name, child in module._modules.items():
+            if child is not None and not isinstance(child, FSDPModule):
+                visit(child, f"{path}{name}.")
+
+    visit(unit, f"{prefix}." if prefix else "")
+    return slots
+
+
+@torch.no_grad()
+def _gather_into(
+    unit: torch.nn.Module, prefix: str, kept: dict[str, torch.nn.Parameter]
+) -> list[tuple[torch.nn.Module, str, torch.nn.Parameter]]:
+    """Gather ``unit`` (FSDP2), copy each of its full parameters (``[*shape]`` each, the policy's dtype) into
+    ``kept[name]`` (allocated at the first call: a tied parameter under its first name), shard the unit again and
+    put the kept copies in its modules. Returns ``(module, parameter name, FSDP2's sharded parameter)`` of each."""
+    slots = _unit_slots(unit, prefix)
+    unit.unshard()
+    try:
+        copies: dict[int, torch.nn.Parameter] = {}  # FSDP2's gathered parameter (by identity) -> its kept copy
+        for name, module, attr in slots:
+            full = getattr(module, attr)
+            if id(full) not in copies:
+                if name not in kept:
+                    kept[name] = torch.nn.Parameter(torch.empty_like(full), requires_grad=full.requires_grad)
+                copies[id(full)] = kept[name]
+                kept[name].copy_(full)
+        placed = [copies[id(getattr(module, attr))] for _, module, attr in slots]
+    finally:
+        unit.reshard()
+    swapped = []
+    for (_, module, attr), copy in zip(slots, placed, strict=True):
+        swapped.append((module, attr, getattr(module, attr)))
+        setattr(module, attr, copy)
+    return swapped
+
+
+def _set_hooks_aside(units: list[torch.nn.Module], set_aside: list[tuple[dict, list]]) -> None:
+    """Remove FSDP2's forward hooks (methods of each unit's FSDP state) from ``units``, appending each hook dict
+    touched with its entries as they were to ``set_aside``."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        state = fully_shard.state(unit)
+        for hooks in (unit._forward_pre_hooks, unit._forward_hooks):
+            entries = list(hooks.items())
+            for key, hook in entries:
+                if getattr(hook, "__self__", None) is state:
+                    del hooks[key]
+            set_aside.append((hooks, entries))
 
 
 @contextlib.contextmanager

@@ -1,5 +1,6 @@
 """FSDP2 as a 7B run uses it, on two gloo processes: float32 master shards behind bfloat16 compute that learn what one
-process with float32 master weights learns, and rollouts that gather the parameters once and run compiled.
+process with float32 master weights learns, and rollouts that gather the parameters once, into the same tensors
+every rollout (a captured CUDA graph keeps its parameters' addresses), and run compiled.
 
 Compiled with the ``aot_eager`` backend, which captures the same graphs as inductor without generating code: a graph
 break (FSDP2's hooks are excluded from tracing) is an error under ``fullgraph`` with either.
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import free_port, save_tiny_llama
+from safetensors.torch import load_file
 from test_distributed import run_config
 
 from fastgrpo import distributed
@@ -141,12 +143,14 @@ def test_fsdp_float32_shards_learn_what_one_process_with_master_weights_learns(m
 
 # -- rollouts under FSDP2 -----------------------------------------------------------------------------------------
 RUNS = (("bfloat16", True), ("float32", True), ("float32", False))  # (dtype, compiled) of the sharded runs
+STEPS_OF = {("bfloat16", True): 3}  # GRPO steps of each run (2 unless given): 3 rollouts, 2 updates between them
 
 
 def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
-    """Two GRPO steps of a sharded policy for each of `RUNS`, in turn; writes each run's completions per step, the
-    all-gathers counted when each rollout began and at each of its decoding steps, and how many calls ran
-    compiled."""
+    """The GRPO steps of a sharded policy (`STEPS_OF`) for each of `RUNS`, in turn; writes each run's completions
+    per step, the all-gathers counted when each rollout began and at each of its decoding steps, how many calls ran
+    compiled, and the addresses of the parameters each rollout computes with; rank 0 also saves those parameters
+    (``NAME-weights.pt``: one dict of them per rollout)."""
     import fastgrpo.grpo.trainer as trainer_module
     from fastgrpo.rollout import compiled as compiled_module
     from fastgrpo.rollout.engine import RolloutEngine
@@ -172,6 +176,7 @@ def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
 
     compiled_module.Compiled.__call__ = counted_call
     rollouts: list[dict] = []
+    weights: list[dict[str, torch.Tensor]] = []
     generate, step = TrainingRollouts.generate, RolloutEngine.step
 
     def recorded_generate(self, *args, **kwargs):
@@ -181,6 +186,9 @@ def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
         return result
 
     def recorded_step(self, *args, **kwargs):
+        if not rollouts[-1]["steps"]:  # at the first decoding step, as the rollout computes with them
+            rollouts[-1]["addresses"] = {n: p.data_ptr() for n, p in self.model.named_parameters()}
+            weights.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
         rollouts[-1]["steps"].append(gathers[0])
         return step(self, *args, **kwargs)
 
@@ -192,34 +200,48 @@ def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
             trainer_module.compile_backend = (lambda choice, device: "aot_eager") if compiled else compile_backend
             calls[0] = 0
             rollouts.clear()
+            weights.clear()
             history = trainer_module.GRPOTrainer(load_config(Path(root, f"{name}.yaml"))).train()
             graphs = [m.get("compile/graphs", 0.0) for m in history]
             result = {"rollouts": rollouts, "calls": calls[0], "graphs": graphs}
             Path(root, f"{name}-rank{rank}.json").write_text(json.dumps(result))
+            if rank == 0:
+                torch.save(weights, Path(root, f"{name}-weights.pt"))
     finally:
         distributed.shutdown()
 
 
+def run_name(dtype: str, compiled: bool) -> str:
+    return f"{dtype}-{'compiled' if compiled else 'eager'}"
+
+
 @pytest.fixture(scope="module")
-def sharded_runs(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], list[dict]]:
-    """What each of `RUNS` recorded on each rank: one two-process job runs them in turn."""
+def sharded_root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where one two-process job ran each of `RUNS` in turn: ``NAME/`` its output directory, ``NAME-rankR.json``
+    what rank R recorded, ``NAME-weights.pt`` the parameters of each of its rollouts on rank 0."""
     root = tmp_path_factory.mktemp("sharded")
     for dtype, compiled in RUNS:
         run_config(
             model_dir,
-            root / f"{dtype}-{'compiled' if compiled else 'eager'}",
+            root / run_name(dtype, compiled),
             per_device=4,
             dtype=dtype,
             fsdp=True,
             compile="on" if compiled else "off",
             temperature=1.0,
             speculation={"mode": "static", "drafter": "eagle", "nodes": 4, "k_max": 2, "depth": 2},
+            max_steps=STEPS_OF.get((dtype, compiled), 2),
         )
     mp.spawn(_rollout_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(sharded_root: Path) -> dict[tuple[str, bool], list[dict]]:
+    """What each of `RUNS` recorded on each rank."""
     return {
         (dtype, compiled): [
-            json.loads((root / f"{dtype}-{'compiled' if compiled else 'eager'}-rank{r}.json").read_text())
-            for r in range(2)
+            json.loads((sharded_root / f"{run_name(dtype, compiled)}-rank{r}.json").read_text()) for r in range(2)
         ]
         for dtype, compiled in RUNS
     }
@@ -229,7 +251,7 @@ def assert_compiled_and_gathered_once(ranks: list[dict]) -> None:
     """Every decoding step ran compiled, graphs were compiled at the first step, and the parameters were gathered
     before each rollout and never during it."""
     for mine in ranks:
-        assert len(mine["rollouts"]) == 2 and mine["graphs"][0] > 0
+        assert len(mine["rollouts"]) == len(mine["graphs"]) and mine["graphs"][0] > 0
         assert mine["calls"] >= sum(len(r["steps"]) for r in mine["rollouts"])
         for rollout in mine["rollouts"]:
             assert rollout["start"] > 0, "the parameters are gathered before a rollout"
@@ -251,3 +273,25 @@ def test_sharded_rollouts_compiled_emit_what_they_emit_eagerly(sharded_runs) -> 
     for mine, theirs in zip(compiled, eager, strict=True):
         assert theirs["calls"] == 0
         assert [r["completions"] for r in mine["rollouts"]] == [r["completions"] for r in theirs["rollouts"]]
+
+
+def test_sharded_rollouts_compute_with_the_policys_weights_at_the_same_addresses(
+    model_dir: Path, sharded_root: Path, sharded_runs
+) -> None:
+    """Three rollouts of a bfloat16 policy under FSDP2 (float32 shards), compiled, with two policy updates between
+    them: every parameter a rollout computes with is at the same address in every rollout on each rank (a captured
+    CUDA graph replays them there), and holds the policy's weights of that step, rounded to bfloat16 as FSDP2
+    gathers them: the model file of the start for the first rollout, the checkpoint after step 2 for the third."""
+    for mine in sharded_runs["bfloat16", True]:
+        addresses = [r["addresses"] for r in mine["rollouts"]]
+        assert len(addresses) == 3 and addresses[0]
+        for later in addresses[1:]:
+            moved = [name for name in addresses[0] if later[name] != addresses[0][name]]
+            assert not moved, f"{len(moved)} of {len(addresses[0])} parameters at new addresses: {moved[:3]}"
+    first, _, third = torch.load(sharded_root / "bfloat16-compiled-weights.pt")
+    for rollout, file in ((first, model_dir), (third, sharded_root / "bfloat16-compiled" / "checkpoint-2")):
+        saved = load_file(str(file / "model.safetensors"))
+        assert rollout.keys() <= saved.keys()
+        for name, weight in rollout.items():
+            assert weight.dtype == torch.bfloat16 and torch.equal(weight, saved[name].to(torch.bfloat16)), name
+    assert any(not torch.equal(first[n], third[n]) for n in first), "the updates should move the weights"
