@@ -48,50 +48,95 @@ def extent_bucket(needed: int, limit: int) -> int:
 
 
 class Compiled:
-    """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True`` (a graph break is an error), or
-    ``fn`` itself when ``backend`` is None. On CUDA, inductor captures each shape as a CUDA graph
-    (``mode="reduce-overhead"``) and the outputs are copied out of the graph's memory, which its next replay
-    overwrites. ``graphs`` counts the graphs it compiled and ``seconds`` adds up the wall time of the calls that
-    compiled them. A call that would compile more than `RECOMPILE_LIMIT` graphs of one function runs eagerly, with a
-    warning the first time."""
+    """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True``, or ``fn`` itself when ``backend``
+    is None. On CUDA, inductor captures each shape as a CUDA graph (``mode="reduce-overhead"``) and the outputs are
+    copied out of the graph's memory, which its next replay overwrites. ``graphs`` counts the graphs it compiled and
+    ``seconds`` adds up the wall time of the calls that compiled them.
+
+    ``cold_calls`` counts the calls that were not a replay of a graph ready before them: those that compiled a graph,
+    and the first `warm_calls` calls of every shape key (`shape_key`; on CUDA inductor's first run of a new graph
+    warms it up and the second records it). Their wall time is the compiler's, not the step's: whoever times steps
+    leaves them out.
+
+    A call that would compile more than `RECOMPILE_LIMIT` graphs runs eagerly, with a warning the first time; a graph
+    that cannot be compiled (a graph break under ``fullgraph``, a backend failure) makes the function run eagerly from
+    then on, with one warning: a model with an operation the compiler cannot capture decodes, only slower."""
 
     def __init__(self, fn: Callable, backend: str | None):
         self.fn = fn
         self.backend = backend
         self.graphs = 0
         self.seconds = 0.0
+        self.cold_calls = 0
+        self._seen: dict[tuple, int] = {}  # calls so far per (mode, shape key)
         self._by_mode: dict[str | None, Callable] = {}
+        self._eager = False  # compiling failed: every call runs ``fn`` eagerly
         self._warned = False
 
     @property
     def compiled(self) -> bool:
         return self.backend is not None
 
+    def warm_calls(self, device: torch.device) -> int:
+        """Calls of a new shape key that run before its graph replays: compiling (and on CUDA, capture's warm-up and
+        recording)."""
+        return 2 if self._captured(device) else 1
+
+    def _captured(self, device: torch.device) -> bool:
+        return device.type == "cuda" and self.backend == "inductor"
+
     def __call__(self, device: torch.device, *args):
-        if self.backend is None:
+        if self.backend is None or self._eager:
             return self.fn(*args)
-        captured = device.type == "cuda" and self.backend == "inductor"
+        captured = self._captured(device)
         mode = "reduce-overhead" if captured else None
         if mode not in self._by_mode:
             self._by_mode[mode] = torch.compile(self.fn, fullgraph=True, backend=self.backend, mode=mode)
+        key = (mode, shape_key(args))
+        seen = self._seen[key] = self._seen.get(key, 0) + 1
+        cold = seen <= self.warm_calls(device)
         if captured:
             torch.compiler.cudagraph_mark_step_begin()
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
                 out = self._by_mode[mode](*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the graph ran: nothing happened twice
-            if not self._warned:
-                name, limit = self.fn.__name__, RECOMPILE_LIMIT
-                logger.warning("%s compiled %d graphs already; new shapes run eagerly", name, limit)
-                self._warned = True
+            self._warn("%s compiled %d graphs already; new shapes run eagerly", RECOMPILE_LIMIT)
+            self.cold_calls += 1
+            return self.fn(*args)
+        except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling, before the graph ran
+            self._eager = True
+            self._warn("%s cannot be compiled (%s); it runs eagerly", str(error).strip().splitlines()[0])
+            self.cold_calls += 1
             return self.fn(*args)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         if compiled:
             self.graphs += compiled
             self.seconds += time.perf_counter() - t0
+        self.cold_calls += bool(cold or compiled)
         return map_tensors(torch.clone, out) if captured else out
+
+    def _warn(self, message: str, detail: object) -> None:
+        """Log ``message`` (about this function and ``detail``) the first time anything falls back."""
+        if not self._warned:
+            logger.warning(message, self.fn.__name__, detail)
+            self._warned = True
+
+
+def shape_key(value: object) -> object:
+    """What a compiled function's graph depends on in ``value`` (its arguments), as a hashable key: the shape and
+    dtype of every tensor, the identity of every module and other object, and scalars and tuples as they are."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(shape_key(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__, *(shape_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype)):
+        return value
+    return id(value)
 
 
 class RowPadding:

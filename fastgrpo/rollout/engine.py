@@ -274,11 +274,17 @@ class RolloutEngine:
 
     def step(self, rows: ActiveRows, call: Generation) -> ActiveRows:
         """One decoding step over the active rows; returns those still active after it."""
-        start = time.perf_counter()
+        start, cold = time.perf_counter(), self.cold_calls()
         shape = self.schedule(rows)
         proposal = self.propose(rows, shape, call)
         verified = self.verify(rows, proposal, call)
-        return self.postprocess(rows, shape, proposal, verified, call, start)
+        return self.postprocess(rows, shape, proposal, verified, call, start, cold != self.cold_calls())
+
+    def cold_calls(self) -> int:
+        """Compiled calls so far that compiled or warmed up a graph, the target's and the drafters'
+        (`fastgrpo.rollout.compiled.Compiled.cold_calls`): a step that made one is timed as the compiler, not as a
+        step."""
+        return self.target.cold_calls + sum(d.cold_calls for d in self.drafters.values())
 
     def schedule(self, rows: ActiveRows) -> TreeShape | None:
         """The tree budget of this step for the live rows (None or one node: a plain step); with a thread governor,
@@ -336,9 +342,11 @@ class RolloutEngine:
         verified: Verified,
         call: Generation,
         start: float,
+        cold: bool = False,
     ) -> ActiveRows:
         """Read the step's result back (the step's one synchronisation), hand the drafters what they need of it, append
-        the emitted tokens, drop finished rows and tell the controller what the step cost and accepted."""
+        the emitted tokens, drop finished rows and tell the controller what the step cost and accepted: its time only
+        when it was not ``cold`` (it compiled or warmed up a graph, and its time says nothing of the step's)."""
         stats = call.stats
         stats.concurrency.append(rows.size)
         host = HostStep.read(verified, call.eos)
@@ -360,9 +368,10 @@ class RolloutEngine:
         remaining = self._append(rows, verified, host, call)
         stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.step_times.append(time.perf_counter() - start)
+        stats.cold_steps += cold
         if shape is not None:
             seconds = stats.step_times[-1] - (proposal.backlog_seconds if proposal is not None else 0.0)
-            self.controller.observe(rows.size, shape, seconds, accepted, host.path_rank)
+            self.controller.observe(rows.size, shape, None if cold else seconds, accepted, host.path_rank)
         return remaining
 
     def _append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:

@@ -36,13 +36,14 @@ class Controller(Protocol):
         self,
         rows: int,
         shape: TreeShape,
-        seconds: float,
+        seconds: float | None,
         accepted: list[int] | None,
         path_rank: list[list[int]] | None = None,
     ) -> None:
-        """A step ran: its wall time and, for a speculative step, the draft tokens each of the ``B`` rows accepted and
-        (``[B][D]``) the score rank of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's
-        accepted ones), which tells what a smaller tree drafted from the same candidates would have accepted."""
+        """A step ran: its wall time (None when it compiled or warmed up a graph: that time is the compiler's) and,
+        for a speculative step, the draft tokens each of the ``B`` rows accepted and (``[B][D]``) the score rank of
+        each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's accepted ones), which tells what a
+        smaller tree drafted from the same candidates would have accepted."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
@@ -65,7 +66,7 @@ class StatelessController:
         self,
         rows: int,
         shape: TreeShape,
-        seconds: float,
+        seconds: float | None,
         accepted: list[int] | None,
         path_rank: list[list[int]] | None = None,
     ) -> None:

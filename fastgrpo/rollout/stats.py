@@ -20,6 +20,7 @@ class GenerationStats:
     compiled: bool = False  # the decoding steps ran compiled (`fastgrpo.rollout.compiled`)
     compile_time: float = 0.0  # seconds of decoding steps that compiled a graph
     compile_graphs: int = 0  # graphs compiled during the call
+    cold_steps: int = 0  # decoding steps that compiled or warmed up a graph (not timed into the controller's prices)
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
     step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
@@ -93,9 +94,13 @@ class GenerationStats:
 
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and with compiled steps
-        ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took: zero once a
-        run has met its shapes)."""
-        compiled = {"compile/graphs": self.compile_graphs, "compile/seconds": self.compile_time}
+        ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took, and
+        ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes)."""
+        compiled = {
+            "compile/graphs": self.compile_graphs,
+            "compile/seconds": self.compile_time,
+            "compile/cold_steps": self.cold_steps,
+        }
         return (compiled if self.compiled else {}) | {
             "rollout/tokens_per_second": self.tokens_per_second,
             "rollout/target_forwards": self.target_forwards,

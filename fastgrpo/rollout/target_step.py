@@ -110,6 +110,11 @@ class TargetStep:
         """Graphs compiled so far."""
         return self._plain.graphs + self._tree.graphs
 
+    @property
+    def cold_calls(self) -> int:
+        """Steps so far that compiled or warmed up a graph (`Compiled.cold_calls`)."""
+        return self._plain.cold_calls + self._tree.cold_calls
+
     def rows(self, live: int) -> int:
         """The rows a step over ``live`` rows computes (and the caches must hold)."""
         return step_rows(live, self.compiled)

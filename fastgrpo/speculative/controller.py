@@ -70,7 +70,10 @@ class AdaptiveController:
       tokens), else the kind's average (the plain steps' average for a kind that has not run at all: how fast the
       machine runs against its profile is the machine's). An average moves towards a step faster than it predicts
       at a weight of at least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a
-      plain probe (below) faster than its estimate replaces it.
+      plain probe (below) faster than its estimate replaces it. Whatever a step took, one observation moves an
+      average by at most a factor ``max_price_step`` (a step stalled by the machine or the compiler prices nothing
+      out), and a step that compiled or warmed up a graph is not timed at all (the engine observes it without
+      seconds: its acceptance counts, its time is the compiler's).
 
     The highest ratio wins, autoregressive included, except that a plain step runs first at each power-of-two band
     of rows where none has run yet: no tree is chosen against a plain step's time that nothing has measured (a
@@ -91,6 +94,10 @@ class AdaptiveController:
     that share of the time the controller has observed, however bad the draft and whatever the concurrency: where no
     tree can win, speculation costs little more than the controller's own arithmetic. (Plain probes are not charged:
     they only run while a tree wins, and are the one measure of a plain step that was once slow.)
+
+    A kind of step whose time was last measured ``reprobe_steps`` steps ago or more is probed at its drafter's next
+    turn whatever its price predicts, paid from whatever credit there is: a price that a rare slow step set too high
+    is measured again, at the cost of at most one step in ``reprobe_steps`` per drafter.
     """
 
     profile: LatencyProfile
@@ -103,6 +110,8 @@ class AdaptiveController:
     probe_interval: int = 16
     max_probe_interval: int = 256
     explore_share: float = 0.01
+    max_price_step: float = 2.0
+    reprobe_steps: int = 1024
     drafters: dict[str, Drafter] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,6 +140,8 @@ class AdaptiveController:
         self._probed_up = False  # the last probe ran a bigger tree (while a tree wins, the next probe is a plain step)
         self._credit = 0.0  # seconds of step time the next probes may lose (see the class)
         self._stale: set[str] = set()  # drafters not measured since a draft changed (see `begin`)
+        self._steps = 0  # steps observed
+        self._timed: dict[str, int] = {}  # per kind of step, `_steps` when its time was last observed
 
     def levels(self, shape: TreeShape) -> int:
         """How deep the tree of ``shape`` may go (its drafter's `Drafter.deepest`)."""
@@ -253,18 +264,24 @@ class AdaptiveController:
             # the draft first catches up with the plain steps since its last tree (at many rows, a draft prefill)
             catch_up = self.draft_seconds(rows, probe, backlog) - self.draft_seconds(rows, probe)
         # A shape that would lose even if every draft token were accepted (after its catch-up, unless its draft has
-        # changed since it was last measured) is not worth a probe.
+        # changed since it was last measured) is not worth a probe, unless its price is overdue for a measure.
         counted = seconds if probe.drafter in self._stale else seconds + catch_up
-        if probe.speculative and (1 + self.levels(probe)) / counted <= self.goodput(rows, best):
+        overdue = self._overdue(probe)
+        if probe.speculative and not overdue and (1 + self.levels(probe)) / counted <= self.goodput(rows, best):
             self._probed(plain=False)
             return best
         if probe.speculative:
             loss = max(0.0, seconds + catch_up - self.expected_tokens(probe) / self.goodput(rows, best))
-            if loss > self._credit:
+            if loss > self._credit and not overdue:
                 return best  # still due: it runs once the steps have earned its loss
-            self._credit -= loss
+            self._credit = max(0.0, self._credit - loss)
         self._probed(plain=not probe.speculative)
         return probe
+
+    def _overdue(self, shape: TreeShape) -> bool:
+        """Whether the time of ``shape``'s kind of step was measured, but not in the last ``reprobe_steps`` steps."""
+        timed = self._timed.get(self._kind(shape))
+        return timed is not None and self._steps - timed >= self.reprobe_steps
 
     def _probe(self, best: TreeShape) -> TreeShape | None:
         """The candidate the due probe tries (None: none bigger): while a tree wins, every other probe is a plain
@@ -284,7 +301,7 @@ class AdaptiveController:
     # What the controller learns as it runs (`state_dict`); the rest is its configuration or caches of it.
     LEARNT = (
         "pooled", "shape_accept", "correction", "_counts", "_interval", "_since_probe", "_turn", "_last_best",
-        "_probed_up", "_credit", "_stale",
+        "_probed_up", "_credit", "_stale", "_steps", "_timed",
     )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
@@ -327,23 +344,13 @@ class AdaptiveController:
         self,
         rows: int,
         shape: TreeShape,
-        seconds: float,
+        seconds: float | None,
         accepted: list[int] | None,
         path_rank: list[list[int]] | None = None,
     ) -> None:
-        kind = self._kind(shape)
-        self._credit += self.explore_share * seconds
-        ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
-        # A plain step while a tree wins is a probe, and nothing else measures plain steps: one that ran faster than
-        # estimated replaces the estimate. Too low an estimate is safe: plain steps then win and every step
-        # measures them.
-        plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
-        for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
-            current = self.correction.get(key, self.correction[(kind, None)])
-            rate = self._rate(key, self.time_rate)
-            if ratio < current:
-                rate = 1.0 if plain_probe else max(rate, self.fast_time_rate)
-            self.correction[key] = current + rate * (ratio - current)
+        self._steps += 1
+        if seconds is not None:
+            self._observe_time(rows, shape, seconds)
         if accepted is None or shape.nodes == 1:
             return
         self._stale.discard(shape.drafter)
@@ -364,6 +371,25 @@ class AdaptiveController:
             for d in range(self.levels(candidate)):
                 own[d] += rate * (fractions[d] - own[d])
         self._estimates, self._expected = None, {}
+
+    def _observe_time(self, rows: int, shape: TreeShape, seconds: float) -> None:
+        """Move the time corrections of ``shape``'s kind towards what a step of ``rows`` rows took (by at most a
+        factor ``max_price_step``) and earn probe credit."""
+        kind = self._kind(shape)
+        self._timed[kind] = self._steps
+        self._credit += self.explore_share * seconds
+        ratio = seconds / max(self._profiled_seconds(rows, shape), 1e-12)
+        # A plain step while a tree wins is a probe, and nothing else measures plain steps: one that ran faster than
+        # estimated replaces the estimate. Too low an estimate is safe: plain steps then win and every step
+        # measures them.
+        plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
+        for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
+            current = self.correction.get(key, self.correction[(kind, None)])
+            rate = self._rate(key, self.time_rate)
+            if ratio < current:
+                rate = 1.0 if plain_probe else max(rate, self.fast_time_rate)
+            moved = current + rate * (ratio - current)
+            self.correction[key] = min(max(moved, current / self.max_price_step), current * self.max_price_step)
 
     def _nested_acceptance(
         self, shape: TreeShape, path_rank: list[list[int]]

@@ -134,6 +134,11 @@ class EagleDrafter(Drafter):
         return self._expand.graphs
 
     @property
+    def cold_calls(self) -> int:
+        """Expansions that compiled or warmed up a graph."""
+        return self._expand.cold_calls
+
+    @property
     def modules(self) -> tuple[nn.Module, ...]:
         return (self.draft,)
 

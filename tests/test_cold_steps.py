@@ -1,0 +1,133 @@
+"""Compiling is not a step: a decoding step that compiled or warmed up a graph is not timed into the adaptive
+controller's prices, no observation moves a price by more than a bounded factor, a kind priced out is probed again,
+and a function that cannot be compiled runs eagerly with one warning.
+
+Steps are timed by a fake clock that each compiled call advances: by a steady step's time, or a hundred times that
+when the call compiled or warmed up a graph (as a GPU's first tree step compiles for tens of seconds against
+milliseconds)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import VOCAB, make_tiny_model
+from test_controller import flat_profile
+
+from fastgrpo.rollout import compiled as compiled_module
+from fastgrpo.rollout.compiled import Compiled
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.suffix.drafter import SuffixDrafter
+
+PROMPTS = [[5, 17, 3, 9], [40, 2, 9, 11, 60, 7]]
+STEP_SECONDS = {"plain_step": 0.05, "tree_step": 0.055}  # a steady step: a tree costs little more than a plain one
+COLD = 100.0  # how much longer a step that compiles takes
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The engine's clock, advanced by the target's compiled calls alone (`STEP_SECONDS`, times `COLD` for a cold
+    call)."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("fastgrpo.rollout.engine.time", SimpleNamespace(perf_counter=lambda: clock.now))
+    call = Compiled.__call__
+
+    def timed(self: Compiled, device: torch.device, *args):
+        before = self.cold_calls
+        out = call(self, device, *args)
+        clock.now += STEP_SECONDS[self.fn.__name__] * (COLD if self.cold_calls > before else 1.0)
+        return out
+
+    monkeypatch.setattr(Compiled, "__call__", timed)
+    return clock
+
+
+def prices(controller: AdaptiveController) -> dict[tuple[int, TreeShape], float]:
+    """The controller's predicted seconds of every candidate shape at 1 to 16 rows."""
+    return {(rows, s): controller.predicted_seconds(rows, s) for rows in (1, 2, 4, 8, 16) for s in controller.shapes}
+
+
+def test_a_step_that_compiles_prices_nothing_out(fake_clock: SimpleNamespace) -> None:
+    """Compiled steps (aot_eager) with the suffix drafter chosen adaptively: the steps that compiled a tree step or
+    met a new shape take a hundred times a replay, yet no observation moves any predicted price by more than 4x,
+    and the next call still runs tree steps."""
+    torch._dynamo.reset()
+    model = make_tiny_model("llama")
+    drafter = SuffixDrafter()
+    controller = AdaptiveController(flat_profile(), drafters={"suffix": drafter})
+    engine = RolloutEngine(model, [VOCAB], drafter=drafter, controller=controller, backend="aot_eager")
+    moves = []
+    observe = controller.observe
+
+    def watched(rows, shape, seconds, accepted, path_rank=None):
+        before = prices(controller)
+        observe(rows, shape, seconds, accepted, path_rank)
+        after = prices(controller)
+        moves.append(max(max(after[k] / before[k], before[k] / after[k]) for k in before))
+
+    controller.observe = watched
+    params = SamplingParams(max_new_tokens=24, temperature=0.0)
+    first = engine.generate(PROMPTS, params, num_generations=4)
+    assert first.stats.cold_steps >= 2 and first.stats.tree_nodes, "a plain and a tree step compiled, trees ran"
+    assert max(moves) <= 4.0
+    second = engine.generate(PROMPTS, params, num_generations=4)
+    assert second.stats.tree_nodes, "trees still run in the next call"
+    assert second.completion_ids == first.completion_ids
+
+
+def test_one_slow_step_moves_a_price_by_a_bounded_factor_and_a_priced_out_kind_is_probed_again() -> None:
+    """An eager first tree step 50x slower than steady ones moves its kind's correction by at most
+    ``max_price_step``; a kind whose price stays high is still probed once ``reprobe_steps`` steps have passed since
+    it was timed, and a steady measure brings its price back."""
+    controller = AdaptiveController(
+        flat_profile(), drafters={"suffix": SuffixDrafter()}, probe_interval=4, max_probe_interval=8, reprobe_steps=64
+    )
+    tree = controller.groups["suffix"][0]
+    for _ in range(3):
+        controller.observe(4, AUTOREGRESSIVE, 0.05, None)
+    controller.observe(4, tree, 50 * 0.05, [0] * 4, [[tree.nodes] * 3] * 4)
+    assert controller.correction[("spec:suffix", None)] == pytest.approx(2.0)
+    for _ in range(6):  # the kind's price is raised as high as a run of slow steps can take it
+        controller.observe(4, tree, 50 * 0.05, [0] * 4, [[tree.nodes] * 3] * 4)
+    assert controller.correction[("spec:suffix", None)] > 20
+    chosen = []
+    for _ in range(400):
+        shape = controller.choose(4)
+        chosen.append(shape)
+        seconds = 0.055 if shape.speculative else 0.05
+        controller.observe(4, shape, seconds, [2] * 4 if shape.speculative else None, [[1, 2, 3]] * 4)
+    first_tree = next(i for i, s in enumerate(chosen) if s.speculative)
+    assert 64 - 8 <= first_tree <= 64 + 3 * 8, "probed again once its price was overdue"
+    assert chosen[-1].speculative, "the steady measures brought trees back"
+
+
+def test_a_graph_break_falls_back_to_the_eager_step_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """A decoder layer with a graph break, compiled with ``fullgraph``: `generate` finishes with the eager engine's
+    tokens, greedy and sampled, and warns once."""
+    torch._dynamo.reset()
+    model = make_tiny_model("llama")
+    layer = model.model.layers[0]
+    forward = layer.forward
+
+    def broken(*args, **kwargs):
+        torch._dynamo.graph_break()
+        return forward(*args, **kwargs)
+
+    layer.forward = broken
+    for params in (SamplingParams(max_new_tokens=10, temperature=0.0), SamplingParams(max_new_tokens=10)):
+        uniforms = torch.rand(len(PROMPTS) * 2, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        eager = RolloutEngine(model, [VOCAB]).generate(PROMPTS, params, 2, uniforms=uniforms)
+        compiled = RolloutEngine(model, [VOCAB], backend="aot_eager")
+        with caplog.at_level(logging.WARNING, logger=compiled_module.logger.name):
+            out = compiled.generate(PROMPTS, params, 2, uniforms=uniforms)
+            out = compiled.generate(PROMPTS, params, 2, uniforms=uniforms)
+        assert out.completion_ids == eager.completion_ids
+        warnings = [r for r in caplog.records if "cannot be compiled" in r.getMessage()]
+        assert len(warnings) == 1 and "plain_step" in warnings[0].getMessage()
+        caplog.clear()
