@@ -506,7 +506,7 @@ def test_check_fits_says_how_many_fsdp_processes_and_when_nothing_alone_fits() -
     assert plan.peak_bytes > CARD_80GB_BYTES
     with pytest.raises(ValueError) as refusal:
         check_fits(plan, CARD_80GB_BYTES, config)
-    assert "fsdp: true on 6 processes (torchrun --nproc_per_node 6)" in str(refusal.value)
+    assert "fsdp: true on 17 processes (torchrun --nproc_per_node 17)" in str(refusal.value)
     # checkpointing alone is not enough (its optimizer step then sets the peak), nor asked for; with it, 3 processes do
     assert "gradient_checkpointing" not in str(refusal.value)
     checkpointed = dataclasses.replace(config, gradient_checkpointing=True)
@@ -591,7 +591,7 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     if not torch.cuda.is_available():  # planned for a GPU this machine lacks, in bfloat16
         planned = printed["--device cuda"]
         assert "bfloat16 on cuda" in planned and "80 GB card" in planned
-        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 6 processes" in planned
+        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 17 processes" in planned
         assert "recommended on 1 process of 79.6 GiB: gradient_checkpointing: true, use_peft: true" in planned
         planned = printed[" ".join(checkpointed_lora)]
         assert "layers checkpointed" in planned and "recomputed layer activations" in planned
@@ -602,20 +602,18 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     ("processes", "recommended"),
     [
         (1, "gradient_checkpointing: true, use_peft: true"),
-        (
-            2,
-            "fsdp: true, per_device_train_batch_size: 1, gradient_accumulation_steps: 16, gradient_checkpointing: true",
-        ),
+        (2, "gradient_checkpointing: true, use_peft: true"),
         (4, "fsdp: true, gradient_checkpointing: true"),
-        (8, "fsdp: true"),
+        (8, "fsdp: true, gradient_checkpointing: true"),
     ],
 )
 def test_dry_run_recommends_per_card_count_a_7b_run_that_fits_and_keeps_float32_masters(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, processes: int, recommended: str
 ) -> None:
     """Qwen2.5-7B (config only) with the default options on 1, 2, 4 and 8 cards of 80 GB: the dry run recommends
-    the nearest configuration that fits within 95 % of the card, float32 master weights kept (LoRA on one card, whose
-    adapters train in float32; FSDP2's float32 shards on several), and that configuration's own plan agrees."""
+    the nearest configuration that fits within 95 % of the card, float32 master weights kept (LoRA on one or two
+    cards, whose adapters train in float32; FSDP2's float32 shards on more: each card also keeps the full bfloat16
+    copy of the weights that rollouts compute with), and that configuration's own plan agrees."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU the dry run checks against that card's free memory, not an 80 GB card's")
     model = tmp_path / "qwen2.5-7b"
@@ -630,7 +628,7 @@ def test_dry_run_recommends_per_card_count_a_7b_run_that_fits_and_keeps_float32_
     main(["train", "--dry-run", "--processes", str(processes), *args, *[a for f in flags for a in f.split()]])
     fitted = capsys.readouterr().out
     assert "fits: yes" in fitted
-    masters = "float32 master weights (FSDP2's shards)" if processes > 1 else "LoRA adapters (float32)"
+    masters = "float32 master weights (FSDP2's shards)" if "fsdp" in recommended else "LoRA adapters (float32)"
     assert masters in fitted
     peak = float(fitted.split("GiB at ")[0].rsplit("; ", 1)[1])
     recommended_peak = float(line.rsplit("(peak ", 1)[1].split(" GiB")[0])

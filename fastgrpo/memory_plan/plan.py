@@ -12,13 +12,13 @@ A GRPO step has two phases whose peaks are separate, each in two moments:
   in checkpointed chunks of ``logprob_chunk_tokens`` either way), then the *optimizer step* (AdamW's temporaries,
   float32 gradients of the master weights).
 
-The weights, the optimizer state, the reference model, the LoRA adapters and the drafters' networks are resident in
-all four moments, and so are the rollout's KV caches (the target's and the draft's): the first rollout allocates
-them for the run's largest rollout, and they stay through every policy update, so that compiled steps meet the same
-addresses in every rollout. A rollout compiled on a GPU also keeps, from its first step on, the memory pool of its
-CUDA graphs (`graph_pool_bytes`), which the allocator cannot give back. The peak is the largest moment. Every prompt
-is taken at ``max_prompt_length`` and every completion at ``max_completion_length``: the estimate bounds a run whose
-rows are shorter.
+The weights (under FSDP2 the shards and the full copy the rollouts compute with), the optimizer state, the reference
+model, the LoRA adapters and the drafters' networks are resident in all four moments, and so are the rollout's KV
+caches (the target's and the draft's): the first rollout allocates them for the run's largest rollout, and they stay
+through every policy update, so that compiled steps meet the same addresses in every rollout. A rollout compiled on
+a GPU also keeps, from its first step on, the memory pool of its CUDA graphs (`graph_pool_bytes`), which the allocator
+cannot give back. The peak is the largest moment. Every prompt is taken at ``max_prompt_length`` and every
+completion at ``max_completion_length``: the estimate bounds a run whose rows are shorter.
 
 The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
 drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
@@ -195,18 +195,22 @@ def estimate_memory(
     moment_bytes = 4 if masters else grad_bytes
     items = MemoryItems()
 
-    # Policy weights. FSDP2 gathers them in full for the rollout and the draft update (each rank keeps its shard
-    # too); during the update one layer (and the next, prefetched) is gathered besides the root's embedding and head.
-    # With master weights the shards are float32 (the masters) and are gathered in the policy's dtype.
+    # Policy weights. Under FSDP2 each rank keeps its shard, and the rollout and the draft update compute with a
+    # full copy kept for the whole run at fixed addresses (a captured graph reads them there), which each rollout
+    # fills one gathered unit at a time (`distributed.gathered`); during the update one layer (and the next,
+    # prefetched) is gathered besides the root's embedding and head. With master weights the shards are float32 (the
+    # masters) and are gathered in the policy's dtype.
     sharded_masters = masters and shards > 1
     root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h  # FSDP2's root unit
     if shards == 1:
         items.resident(f"policy weights ({dtype})", params * w)
     else:
         gathered = (root + 2 * shape.layer_params()) * w
+        unit = max(root, shape.layer_params()) * w
         own = 0 if sharded_masters else params * w / shards
         what = "gathered from float32 shards" if sharded_masters else "sharded"
-        items.add(f"policy weights ({dtype}, {what})", params * w + own, params * w + own, own + gathered, own)
+        items.add(f"policy weights ({dtype}, {what})", own + unit, own, own + gathered, own)
+        items.resident(f"rollout copy of the weights ({dtype})", params * w)
     if lora:
         items.resident(f"LoRA adapters ({_dtype_name(grad_bytes, dtype)})", lora.params * grad_bytes)
 
