@@ -1,6 +1,7 @@
 """FSDP2 as a 7B run uses it, on two gloo processes: float32 master shards behind bfloat16 compute that learn what one
 process with float32 master weights learns, and rollouts that gather the parameters once, into the same tensors
-every rollout (a captured CUDA graph keeps its parameters' addresses), and run compiled.
+every rollout (a captured CUDA graph keeps its parameters' addresses), and run compiled. In one process the master
+weights' write-backs and the LoRA merges keep those addresses too.
 
 Compiled with the ``aot_eager`` backend, which captures the same graphs as inductor without generating code: a graph
 break (FSDP2's hooks are excluded from tracing) is an error under ``fullgraph`` with either.
@@ -295,3 +296,41 @@ def test_sharded_rollouts_compute_with_the_policys_weights_at_the_same_addresses
         for name, weight in rollout.items():
             assert weight.dtype == torch.bfloat16 and torch.equal(weight, saved[name].to(torch.bfloat16)), name
     assert any(not torch.equal(first[n], third[n]) for n in first), "the updates should move the weights"
+
+
+# -- one process: master-weight write-backs and LoRA merges -------------------------------------------------------
+@pytest.mark.parametrize("use_peft", [False, True], ids=["float32-masters", "lora"])
+def test_one_process_rollouts_compute_with_the_same_tensors_after_updates(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_peft: bool
+) -> None:
+    """Three GRPO steps of a bfloat16 policy in one process: whether AdamW updates float32 master weights that are
+    written back into the module's bfloat16 weights, or LoRA adapters that each rollout merges into them (and that
+    are restored from a copy after it), every parameter a rollout computes with is at the same address in every
+    rollout, and holds other values after the updates."""
+    from fastgrpo.grpo.trainer import GRPOTrainer
+    from fastgrpo.rollout.engine import RolloutEngine
+    from fastgrpo.training_rollouts import TrainingRollouts
+
+    seen: list[dict[str, tuple[int, torch.Tensor]]] = []
+    generate, step = TrainingRollouts.generate, RolloutEngine.step
+
+    def recorded_generate(self, *args, **kwargs):
+        seen.append({})
+        return generate(self, *args, **kwargs)
+
+    def recorded_step(self, *args, **kwargs):
+        if not seen[-1]:  # at the first decoding step, adapters merged
+            seen[-1].update({n: (p.data_ptr(), p.detach().clone()) for n, p in self.model.named_parameters()})
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(TrainingRollouts, "generate", recorded_generate)
+    monkeypatch.setattr(RolloutEngine, "step", recorded_step)
+    options = dict(dtype="bfloat16", use_peft=use_peft, max_steps=3, speculation={"mode": "off"})
+    config = run_config(model_dir, tmp_path / "run", per_device=8, **options)
+    GRPOTrainer(config).train()
+    assert len(seen) == 3
+    first, *later = seen
+    for rollout in later:
+        moved = [name for name in first if rollout[name][0] != first[name][0]]
+        assert not moved, f"{len(moved)} of {len(first)} parameters at new addresses: {moved[:3]}"
+    assert any(not torch.equal(first[n][1], seen[-1][n][1]) for n in first), "the updates should move the weights"
