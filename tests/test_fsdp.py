@@ -281,11 +281,13 @@ def test_sharded_rollouts_compute_with_the_policys_weights_at_the_same_addresses
 ) -> None:
     """Three rollouts of a bfloat16 policy under FSDP2 (float32 shards), compiled, with two policy updates between
     them: every parameter a rollout computes with is at the same address in every rollout on each rank (a captured
-    CUDA graph replays them there), and holds the policy's weights of that step, rounded to bfloat16 as FSDP2
-    gathers them: the model file of the start for the first rollout, the checkpoint after step 2 for the third."""
+    CUDA graph replays them there), nothing compiles after the first rollout, and the parameters hold the policy's
+    weights of that step, rounded to bfloat16 as FSDP2 gathers them: the model file of the start for the first
+    rollout, the checkpoint after step 2 for the third."""
     for mine in sharded_runs["bfloat16", True]:
         addresses = [r["addresses"] for r in mine["rollouts"]]
         assert len(addresses) == 3 and addresses[0]
+        assert mine["graphs"][0] > 0 and not any(mine["graphs"][1:])
         for later in addresses[1:]:
             moved = [name for name in addresses[0] if later[name] != addresses[0][name]]
             assert not moved, f"{len(moved)} of {len(addresses[0])} parameters at new addresses: {moved[:3]}"
