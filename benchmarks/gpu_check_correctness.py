@@ -100,6 +100,7 @@ def section_greedy(check: Check, section: Section) -> None:
     prompts = random_prompts([3, 7, 5, 11, 2, 9], TINY_VOCAB, seed=1, low=0)
     params = SamplingParams(max_new_tokens=max_new, temperature=0.0)
     table, results = [], {}
+    section.results["families"] = results
     for family in FAMILIES:
         model = tiny_model(family, dev)
         with torch.no_grad():
@@ -136,7 +137,7 @@ def section_greedy(check: Check, section: Section) -> None:
             )
         del model
         release(dev)
-    section.results["families"] = results
+        check.save(section)
     check.record.table(
         f"Greedy completions (float64, {max_new} new tokens, {len(prompts)} prompts) against transformers' generate "
         f"on {dev}",
@@ -222,6 +223,7 @@ def section_sampling(check: Check, section: Section) -> None:
     spec = RolloutEngine(model, [], drafter=EagleDrafter(draft, model), tree=tree)
     logits = next_token_logits(model, prompt)  # [V]
     table, results = [], {}
+    section.results["chi_square"] = results
 
     def test(name: str, counts: Counter, probs: torch.Tensor, accept: float | None = None) -> None:
         stat, dof, p = chi_square(counts, probs)
@@ -229,6 +231,7 @@ def section_sampling(check: Check, section: Section) -> None:
         section.expect(p > 1e-3, f"{name}: chi-square p-value {p:.2e}")
         accept_cell = "-" if accept is None else f"{accept:.2f}"
         table.append([name, sum(counts.values()), f"{stat:.1f}", dof, f"{p:.3f}", accept_cell])
+        check.save(section)
 
     # First tokens (sampled after the prefill) against the model's softmax, and against the filtered distribution
     # (`process_logits`) under temperature, top-k and top-p.
@@ -261,8 +264,8 @@ def section_sampling(check: Check, section: Section) -> None:
         ["test", "draws", "chi2", "dof", "p-value", "tree accept length"],
         table,
     )
-    section.results["chi_square"] = results
     section.results["same_uniforms"] = same_uniforms(check, section, model, draft)
+    check.save(section)
     section.results["same_uniforms_low_precision"] = low_precision_agreement(check)
 
 
@@ -457,7 +460,9 @@ def section_sdpa(check: Check, section: Section) -> None:
         table,
     )
     release(dev)
+    check.save(section)
     points, table = [], []
+    section.results["attention"] = points
     rows_list, contexts = ((2, 4), (64, 256)) if check.quick else ((16, 64), (1024, 4096))
     for context in contexts:
         for rows in rows_list:
@@ -473,7 +478,7 @@ def section_sdpa(check: Check, section: Section) -> None:
                     [rows, context, "yes" if masked else "no", point["backend"], f"{1e6 * point['seconds']:.1f}"]
                     + [f"{point['kv_gb_s']:.3g}", shown]
                 )
-    section.results["attention"] = points
+                check.save(section)
     check.record.table(
         f"The engine's attention (`gqa_sdpa_attention`) for one decoding step, bfloat16, 28 query heads over 4 KV "
         f"heads of 128, {dev}: the SDPA backend, microseconds per call and keys and values read per second",

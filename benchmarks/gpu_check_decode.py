@@ -8,10 +8,12 @@ import statistics
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import torch
+from gpu_check_budget import DECODE_STEP_GRAPHS, DECODE_VERIFY_GRAPHS
 from gpu_check_common import (
     QWEN25_7B_SHAPE,
     TINY_QWEN2_SHAPE,
@@ -42,6 +44,10 @@ from fastgrpo.sampling_params import SamplingParams
 COMPILED_NODES = 8  # the verification size the decode section also times compiled
 DECODE_ROWS = [1, 8, 16, 64]
 DECODE_CONTEXTS = [512, 4096]
+# The points timed compiled too (the others eagerly only), at the shorter context: those the speed targets read, so
+# that the section compiles a few graphs of the 7B-shaped model (docs/benchmarks.md: what each graph costs).
+COMPILED_STEP_ROWS = (1, 16)
+COMPILED_VERIFY_ROWS = (1, 8)
 
 # Published peak memory bandwidths (bytes/s), matched against `torch.cuda.get_device_name` in order.
 PEAK_BANDWIDTH = (
@@ -208,14 +214,14 @@ def measured_if_fits(
 
 
 def decode_point(
-    engine: RolloutEngine, compiled: RolloutEngine, rows: int, context: int, steps: int, section: Section
+    engine: RolloutEngine, compiled: RolloutEngine | None, rows: int, context: int, steps: int, section: Section
 ) -> dict[str, Any]:
-    """The engine's plain step, eager and ``compiled``, and ``generate``'s time per token at ``rows`` rows of
-    ``context`` cached tokens."""
+    """The engine's plain step, eager and ``compiled`` (None: not timed compiled), and ``generate``'s time per token at
+    ``rows`` rows of ``context`` cached tokens."""
     model = engine.model
     config, dtype, dev = model.config, model.dtype, model.device
     kv = rows * (context + steps + 4) * kv_bytes_per_token(config, dtype)
-    entry: dict[str, Any] = {"rows": rows, "context": context}
+    entry: dict[str, Any] = {"rows": rows, "context": context, "compiled_point": compiled is not None}
     entry["engine"] = measured_if_fits(
         f"engine at {rows} rows x {context}",
         kv + activation_bytes(config, context, dtype),  # one prompt prefilled, its cache rows replicated
@@ -223,13 +229,15 @@ def decode_point(
         dev,
         section,
     )
-    entry["compiled"] = measured_if_fits(
-        f"compiled engine at {rows} rows x {context}",
-        kv + activation_bytes(config, context, dtype),
-        partial(engine_step_seconds, compiled, rows, context, steps),
-        dev,
-        section,
-    )
+    entry["compiled"] = None
+    if compiled is not None:
+        entry["compiled"] = measured_if_fits(
+            f"compiled engine at {rows} rows x {context}",
+            kv + activation_bytes(config, context, dtype),
+            partial(engine_step_seconds, compiled, rows, context, steps),
+            dev,
+            section,
+        )
     entry["generate"] = measured_if_fits(
         f"generate at {rows} rows x {context}",
         kv + activation_bytes(config, rows * context, dtype),  # generate prefills every row
@@ -241,16 +249,17 @@ def decode_point(
 
 
 def verify_point(
-    model: PreTrainedModel, compiled: Compiled, rows: int, context: int, nodes: list[int], section: Section
+    model: PreTrainedModel, compiled: Compiled | None, rows: int, context: int, nodes: list[int], section: Section
 ) -> dict:
     """Seconds of a target forward over 1 and each of ``nodes`` tokens per row at ``rows`` rows x ``context``, eager,
-    and through ``compiled`` at 1 and `COMPILED_NODES` tokens."""
+    and through ``compiled`` (None: not timed compiled) at 1 and `COMPILED_NODES` tokens."""
     config, dtype = model.config, model.dtype
     seconds, compiled_seconds = {}, {}
+    ways = [(None, seconds)] + ([] if compiled is None else [(compiled, compiled_seconds)])
     for n in [1, *nodes]:
         need = rows * (context + n) * kv_bytes_per_token(config, dtype) + activation_bytes(config, rows * n, dtype)
         need += rows * n * config.vocab_size * 10  # the logits, their float32 copy and the log-softmax
-        for through, into in ((None, seconds), (compiled, compiled_seconds)):
+        for through, into in ways:
             if through is not None and n not in (1, COMPILED_NODES):
                 continue
             fn = partial(verify_seconds, model, rows, context, n, through)
@@ -264,6 +273,7 @@ def decode_row(entry: dict[str, Any], weights: int, kv_token: int, copy_bw: floa
     faster step reached and its time over the weight-read time at the copy bandwidth."""
     rows, context = entry["rows"], entry["context"]
     engine, compiled, hf = entry["engine"], entry["compiled"], entry["generate"]
+    not_compiled = "skipped" if entry["compiled_point"] else "-"
     best = min((t for t in (engine, compiled) if t), default=None)
     read = weights + rows * context * kv_token
     bw = read / best if best else None
@@ -272,7 +282,7 @@ def decode_row(entry: dict[str, Any], weights: int, kv_token: int, copy_bw: floa
         rows,
         context,
         "skipped" if engine is None else f"{1e3 * engine:.2f}",
-        "skipped" if compiled is None else f"{1e3 * compiled:.2f}",
+        not_compiled if compiled is None else f"{1e3 * compiled:.2f}",
         "skipped" if hf is None else f"{1e3 * hf:.2f}",
         f"{hf / best:.2f}x" if best and hf else "-",
         f"{read / MiB:.1f}",
@@ -283,41 +293,62 @@ def decode_row(entry: dict[str, Any], weights: int, kv_token: int, copy_bw: floa
     ]
 
 
+def ratio_cells(seconds: dict[int, float | None], sizes: list[int]) -> list[str]:
+    """The plain forward's ms (``seconds[1]``), then each of ``sizes``' time over it."""
+    plain = seconds[1]
+    cells = ["skipped" if plain is None else f"{1e3 * plain:.2f}"]
+    for n in sizes:
+        s = seconds.get(n)
+        cells.append("skipped" if s is None else f"{s / plain:.2f}x" if plain else f"{1e3 * s:.2f} ms")
+    return cells
+
+
 def verify_row(entry: dict[str, Any], nodes: list[int]) -> list[Any]:
     """A table row of the verification sweep: the plain forward's ms, then each N's time over it; then the same
-    compiled at N = 1 and N = `COMPILED_NODES`."""
-    cells: list[Any] = [entry["rows"], entry["context"]]
-    for seconds, sizes in ((entry["seconds"], nodes), (entry["compiled"], [COMPILED_NODES])):
-        plain = seconds[1]
-        cells.append("skipped" if plain is None else f"{1e3 * plain:.2f}")
-        for n in sizes:
-            s = seconds.get(n)
-            cells.append("skipped" if s is None else f"{s / plain:.2f}x" if plain else f"{1e3 * s:.2f} ms")
-    return cells
+    compiled at N = 1 and N = `COMPILED_NODES` (``-`` where the point is not timed compiled)."""
+    compiled = ratio_cells(entry["compiled"], [COMPILED_NODES]) if entry["compiled"] else ["-", "-"]
+    return [entry["rows"], entry["context"], *ratio_cells(entry["seconds"], nodes), *compiled]
+
+
+@dataclass(frozen=True)
+class DecodeSweep:
+    """The points the decode section measures: row counts, cached tokens, verification sizes and decoding steps per
+    point, and the rows (at the first context) timed compiled too: the engine's step and the verification forward."""
+
+    rows: list[int]
+    contexts: list[int]
+    nodes: list[int]
+    steps: int
+    step_rows: tuple[int, ...]
+    verify_rows: tuple[int, ...]
+
+
+def decode_sweep(quick: bool) -> DecodeSweep:
+    """The full run's sweep, or ``--quick``'s single point."""
+    if quick:
+        return DecodeSweep([1], [48], [4, 8], 4, (1,), (1,))
+    return DecodeSweep(DECODE_ROWS, DECODE_CONTEXTS, [4, 8, 16, 32], 16, COMPILED_STEP_ROWS, COMPILED_VERIFY_ROWS)
 
 
 def section_decode(check: Check, section: Section) -> None:
     """The engine's plain step, eager and compiled, against ``generate`` and the weight-read time, and verification
     forwards against a plain one (see the module `gpu_check`). What it compiles is what it measures: one compiled
-    engine (its step at every row bucket) and one `Compiled` verification forward, shared by every point."""
-    dev, quick, dtype = check.device, check.quick, torch.bfloat16
-    rows_list = [1] if quick else DECODE_ROWS
-    contexts = [48] if quick else DECODE_CONTEXTS
-    nodes = [4, 8] if quick else [4, 8, 16, 32]
-    steps = 4 if quick else 16
-    if dev.type == "cpu" and not quick:
+    engine (its step at the rows of `DecodeSweep.step_rows`) and one `Compiled` verification forward, shared by every
+    point. Each compile and each point starts only when it fits the time left, and the record is written after each."""
+    dev, dtype, sweep = check.device, torch.bfloat16, decode_sweep(check.quick)
+    if dev.type == "cpu" and not check.quick:
         section.skipped.append("the 7B-shaped model decodes on a GPU: run with --quick on a CPU")
         return
-    config = Qwen2Config(**(TINY_QWEN2_SHAPE if quick else QWEN25_7B_SHAPE))
+    config = Qwen2Config(**(TINY_QWEN2_SHAPE if check.quick else QWEN25_7B_SHAPE))
     weights, free = estimate_params(config) * dtype.itemsize, free_memory(dev)
     if "decode" not in check.models and weights + 2 * GiB > free:
         section.skipped.append(f"the model needs {weights / GiB:.1f} GiB, {free / GiB:.1f} GiB free")
         return
     t0 = time.perf_counter()
     model = decode_model(check)
-    name = "tiny Qwen2" if quick else "Qwen2.5-7B-shaped"
+    name = "tiny Qwen2" if check.quick else "Qwen2.5-7B-shaped"
     read, kv_token = weight_bytes_read(model), kv_bytes_per_token(config, dtype)
-    copy_bw, spec_bw = copy_bandwidth(dev, 64 * MiB if quick else GiB), peak_bandwidth(dev)
+    copy_bw, spec_bw = copy_bandwidth(dev, 64 * MiB if check.quick else GiB), peak_bandwidth(dev)
     section.results.update(
         model=name,
         parameters=sum(p.numel() for p in model.parameters()),
@@ -326,46 +357,86 @@ def section_decode(check: Check, section: Section) -> None:
         copy_bandwidth_gb_s=copy_bw / 1e9,
         weight_read_seconds=read / copy_bw,
         published_bandwidth_gb_s=None if spec_bw is None else spec_bw / 1e9,
+        compile_seconds=0.0,
+        compiled_rows=[],
     )
+    check.save(section)
     backend = compile_backend_for(dev)
     engine, compiled = RolloutEngine(model, []), RolloutEngine(model, [], backend=backend)
     engine_step_seconds(engine, 2, 16, 3)  # one-off costs of both sides
     generate_token_seconds(model, 2, 16, 3)
-    t0 = time.perf_counter()
-    for rows in rows_list:  # compiles, then captures each row bucket (not timed below)
-        engine_step_seconds(compiled, rows, contexts[0], 3)
-    section.results["compile_seconds"] = time.perf_counter() - t0
-    points = [
-        decode_point(engine, compiled, rows, context, steps, section)
-        for context in contexts
-        for rows in rows_list
-        if section.in_time(check, f"decoding at {rows} rows x {context}")
-    ]
-    table = [decode_row(entry, read, kv_token, copy_bw, spec_bw) for entry in points]
-    section.results["steps"] = points
-    check.record.table(
+    layers = config.num_hidden_layers
+    for rows in sweep.step_rows:  # compiles, then captures each row bucket (not timed below)
+        label = f"compiling the engine's step at {rows} rows"
+        if not section.in_time(check, label, graphs=DECODE_STEP_GRAPHS, layers=layers):
+            continue
+        t0 = time.perf_counter()
+        with check.clock.timing(layers):
+            engine_step_seconds(compiled, rows, sweep.contexts[0], 3)
+        section.results["compile_seconds"] += time.perf_counter() - t0
+        section.results["compiled_rows"].append(rows)
+        check.save(section)
+    steps_table(check, section, engine, compiled, sweep, (read, kv_token, copy_bw, spec_bw))
+    verification_table(check, section, model, Compiled(verification_forward, backend), sweep)
+
+
+def steps_table(
+    check: Check,
+    section: Section,
+    engine: RolloutEngine,
+    compiled: RolloutEngine,
+    sweep: DecodeSweep,
+    reads: tuple[int, int, float, float | None],
+) -> None:
+    """The sweep of decoding steps (`decode_point`), the engine timed compiled at the rows it compiled
+    (``compiled_rows``) of the first context; ``reads``: the weight bytes a step reads, the KV bytes per cached token,
+    the measured copy bandwidth and the published one."""
+    name, dev = section.results["model"], check.device
+    copy_bw, spec_bw = reads[2], reads[3]
+    title = (
         f"Plain decoding step of a random {name} model, bfloat16, {dev}: the engine's step against generate's time "
         f"per new token (copy bandwidth {copy_bw / 1e9:.0f} GB/s, published "
         f"{'unknown' if spec_bw is None else f'{spec_bw / 1e9:.0f} GB/s'}); the faster engine step sets the last "
-        "five columns",
-        ["rows", "context", "engine ms", "compiled ms", "generate ms", "generate / engine", "MB read per step"]
-        + ["engine GB/s", "of copy bandwidth", "of published", "over weight read"],
-        table,
+        "five columns; compiled ms `-`: timed eagerly only"
     )
-    forward = Compiled(verification_forward, backend)
-    sweep = [
-        verify_point(model, forward, rows, context, nodes, section)
-        for context in contexts
-        for rows in rows_list
-        if section.in_time(check, f"verification at {rows} rows x {context}")
-    ]
-    section.results["verification"] = sweep
-    check.record.table(
-        f"Target forward over N tokens per row against a plain one, {name}, bfloat16, {dev}: ms at N = 1, then the "
-        "ratio to it",
-        ["rows", "context", "N=1 ms"] + [f"N={n}" for n in nodes] + ["compiled N=1 ms", f"compiled N={COMPILED_NODES}"],
-        [verify_row(entry, nodes) for entry in sweep],
+    columns = ["rows", "context", "engine ms", "compiled ms", "generate ms", "generate / engine", "MB read per step"]
+    columns += ["engine GB/s", "of copy bandwidth", "of published", "over weight read"]
+    points = section.results["steps"] = []
+    for context in sweep.contexts:
+        for rows in sweep.rows:
+            if not section.in_time(check, f"decoding at {rows} rows x {context}"):
+                continue
+            timed = context == sweep.contexts[0] and rows in section.results["compiled_rows"]
+            points.append(decode_point(engine, compiled if timed else None, rows, context, sweep.steps, section))
+            section.draft(title, columns, [decode_row(entry, *reads) for entry in points])
+            check.save(section)
+    section.table(check, title, columns, [decode_row(entry, *reads) for entry in points])
+
+
+def verification_table(
+    check: Check, section: Section, model: PreTrainedModel, forward: Compiled, sweep: DecodeSweep
+) -> None:
+    """The sweep of verification forwards (`verify_point`), also through ``forward`` at `DecodeSweep.verify_rows` of
+    the first context where its compiles fit the time left (two graphs a point at most: N = 1 and N = 8)."""
+    layers, name = model.config.num_hidden_layers, section.results["model"]
+    title = (
+        f"Target forward over N tokens per row against a plain one, {name}, bfloat16, {check.device}: ms at N = 1, "
+        "then the ratio to it; compiled `-`: timed eagerly only"
     )
+    columns = ["rows", "context", "N=1 ms"] + [f"N={n}" for n in sweep.nodes]
+    columns += ["compiled N=1 ms", f"compiled N={COMPILED_NODES}"]
+    points = section.results["verification"] = []
+    for context in sweep.contexts:
+        for rows in sweep.rows:
+            label = f"verification at {rows} rows x {context}"
+            if not section.in_time(check, label):
+                continue
+            timed = context == sweep.contexts[0] and rows in sweep.verify_rows
+            timed = timed and section.in_time(check, f"compiled {label}", graphs=DECODE_VERIFY_GRAPHS, layers=layers)
+            points.append(verify_point(model, forward if timed else None, rows, context, sweep.nodes, section))
+            section.draft(title, columns, [verify_row(entry, sweep.nodes) for entry in points])
+            check.save(section)
+    section.table(check, title, columns, [verify_row(entry, sweep.nodes) for entry in points])
 
 
 # ------------------------------------------------------------------------------------------------ speed targets

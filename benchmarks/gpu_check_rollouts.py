@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+from gpu_check_budget import HOST_GRAPHS, RECORDING_GRAPHS
 from gpu_check_common import (
     Check,
     MiB,
@@ -59,14 +60,21 @@ def rollout_variants() -> dict[str, SpeculationConfig]:
     }
 
 
-def four_rollouts(check: Check, model: PreTrainedModel, speculation: SpeculationConfig) -> list[dict[str, Any]]:
+def four_rollouts(
+    check: Check,
+    model: PreTrainedModel,
+    speculation: SpeculationConfig,
+    entries: list[dict[str, Any]],
+    saved: Callable[[], None],
+) -> None:
     """Four rollouts through `TrainingRollouts` (compiled with `compile_backend_for` the device, online draft learning
     on), built and reserved as `GRPOTrainer` builds them (`TrainingRollouts.reserve` where the rollouts have it),
     of prompts of a different length each, with what `GRPOTrainer.train_step` does between rollouts: the drafters
     learn, the captured hidden states are dropped and `TrainingRollouts.release` is called (the trainer releases on a
     GPU only; here on every device). Per rollout: the graphs
     compiled, the CUDA graphs recorded (None: not counted), the compiled graphs run without CUDA graphs, and on CUDA
-    the memory reserved after it, at its peak and after the release (MiB)."""
+    the memory reserved after it, at its peak and after the release (MiB), appended to ``entries``; ``saved()`` is
+    called after each."""
     dev = check.device
     lengths = [6, 12, 3, 9] if check.quick else [32, 96, 16, 64]
     prompts, copies = (2, 2) if check.quick else (4, 4)
@@ -78,14 +86,14 @@ def four_rollouts(check: Check, model: PreTrainedModel, speculation: Speculation
         rollouts.reserve(prompts * copies, max(lengths), params.max_new_tokens)
     cuda = dev.type == "cuda"
     counted = cuda and check.captures_counted is not False
-    entries = []
+    layers = model.config.num_hidden_layers
     for step, length in enumerate(lengths):
         prompt_ids = random_prompts([length] * prompts, model.config.vocab_size, seed=step)
         graphs, skips = compiled_graphs(), cudagraph_skips()
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         t0 = time.perf_counter()
-        with counted_captures() as captures:
+        with counted_captures() as captures, check.clock.timing(layers):
             out = rollouts.generate(prompt_ids, params, copies, step)
             rollouts.learn()
             synchronize(dev)
@@ -105,7 +113,22 @@ def four_rollouts(check: Check, model: PreTrainedModel, speculation: Speculation
         if cuda:
             entry["reserved_after_release_mb"] = torch.cuda.memory_reserved(dev) / MiB
         entries.append(entry)
-    return entries
+        saved()
+
+
+def recording_rows(results: dict[str, Any]) -> list[list[Any]]:
+    """The table rows of the training rollouts (`four_rollouts`) in the recordings section's ``results`` so far."""
+    rows = []
+    for name in [n for n in rollout_variants() if n in results]:
+        for index, entry in enumerate(results[name]["rollouts"], 1):
+            memory = [entry.get(k) for k in ("reserved_mb", "peak_reserved_mb", "reserved_after_release_mb")]
+            captures = "-" if entry["captures"] is None else entry["captures"]
+            rows.append(
+                [name, index, entry["prompt_length"], entry["graphs"], captures, entry["cudagraph_skips"]]
+                + [f"{entry['accept_length']:.2f}", f"{entry['seconds']:.2f}"]
+                + ["-" if m is None else f"{m:.0f}" for m in memory]
+            )
+    return rows
 
 
 def section_recordings(check: Check, section: Section) -> None:
@@ -122,13 +145,26 @@ def section_recordings(check: Check, section: Section) -> None:
     section.results["reserve"] = hasattr(TrainingRollouts, "reserve")
     if dev.type == "cuda" and check.captures_counted is False:
         section.skipped.append("CUDA graph recordings: not counted (the preflight's recording was not seen)")
-    table = []
+    title = (
+        f"Four training rollouts (TrainingRollouts, {'reserved' if section.results['reserve'] else 'not reserved'}, "
+        f"released between rollouts) of the decode model on {dev}: graphs compiled, CUDA graphs recorded, compiled "
+        "graphs run without CUDA graphs, and reserved memory (MiB)"
+    )
+    columns = ["rollouts", "rollout", "prompt tokens", "graphs", "recordings", "cudagraph skips", "accept length"]
+    columns += ["seconds", "reserved", "peak reserved", "after release"]
+    layers = model.config.num_hidden_layers
+
+    def saved() -> None:
+        section.draft(title, columns, recording_rows(section.results))
+        check.save(section)
+
     with private_cache(check.scratch / "recordings-cache"):
         for name, speculation in rollout_variants().items():
-            if not section.in_time(check, f"{name} rollouts"):
+            if not section.in_time(check, f"{name} rollouts", graphs=RECORDING_GRAPHS[name], layers=layers):
                 continue
-            entries = four_rollouts(check, model, speculation)
+            entries: list[dict[str, Any]] = []
             section.results[name] = {"rollouts": entries}
+            four_rollouts(check, model, speculation, entries, saved)
             later_graphs = sum(e["graphs"] for e in entries[1:])
             later_captures = [e["captures"] for e in entries[1:] if e["captures"] is not None]
             if name == "plain":
@@ -136,22 +172,8 @@ def section_recordings(check: Check, section: Section) -> None:
                 section.expect(
                     sum(later_captures) == 0, f"{name}: {sum(later_captures)} CUDA graphs recorded after the first"
                 )
-            for i, e in enumerate(entries, 1):
-                memory = [e.get(k) for k in ("reserved_mb", "peak_reserved_mb", "reserved_after_release_mb")]
-                table.append(
-                    [name, i, e["prompt_length"], e["graphs"], "-" if e["captures"] is None else e["captures"]]
-                    + [e["cudagraph_skips"], f"{e['accept_length']:.2f}", f"{e['seconds']:.2f}"]
-                    + ["-" if m is None else f"{m:.0f}" for m in memory]
-                )
             release(dev)
-    check.record.table(
-        f"Four training rollouts (TrainingRollouts, {'reserved' if section.results['reserve'] else 'not reserved'}, "
-        f"released between rollouts) of the decode model on {dev}: graphs compiled, CUDA graphs recorded, compiled "
-        "graphs run without CUDA graphs, and reserved memory (MiB)",
-        ["rollouts", "rollout", "prompt tokens", "graphs", "recordings", "cudagraph skips", "accept length"]
-        + ["seconds", "reserved", "peak reserved", "after release"],
-        table,
-    )
+    section.table(check, title, columns, recording_rows(section.results))
 
 
 # ------------------------------------------------------------------------------------------------ host time per step
@@ -248,26 +270,31 @@ def section_host(check: Check, section: Section) -> None:
     backend = compile_backend_for(dev) if dev.type == "cuda" else None
     rows_list = (2, 4) if check.quick or dev.type == "cpu" else (16, 64)
     table, points = [], []
+    section.results["steps"] = points
+    layers = model.config.num_hidden_layers
+    title = (
+        f"Host time per decoding step of the {'tiny' if check.quick or dev.type == 'cpu' else 'SmolLM2-shaped'} model "
+        f"on {dev} (ms; device: CUDA-event time of the step's device work when the host is ahead of it; host: wall "
+        "less device)"
+    )
+    columns = ["step", "rows", "wall ms", "device ms", "host ms", "host share", "device-timed steps"]
     for kind in ("plain", "eagle", "suffix"):
         engine = host_engine(kind, model, backend)
         for rows in rows_list:
-            if not section.in_time(check, f"{kind} steps at {rows} rows"):
+            graphs = HOST_GRAPHS[kind] if backend else 0
+            if not section.in_time(check, f"{kind} steps at {rows} rows", graphs=graphs, layers=layers):
                 continue
-            entry = {"kind": kind, **host_point(engine, rows, check.quick)}
+            with check.clock.timing(layers):
+                entry = {"kind": kind, **host_point(engine, rows, check.quick)}
             points.append(entry)
             device, host = entry.get("device"), entry.get("host")
             share = "-" if host is None else f"{host / entry['wall']:.0%}"
             steps = f"{entry['device_steps']}/{entry['steps']}" if "device_steps" in entry else "-"
             table.append([kind, rows, ms(entry["wall"]), ms(device), ms(host), share, steps])
+            section.draft(title, columns, table)
+            check.save(section)
         release(dev)
-    section.results["steps"] = points
-    check.record.table(
-        f"Host time per decoding step of the {'tiny' if check.quick or dev.type == 'cpu' else 'SmolLM2-shaped'} model "
-        f"on {dev} (ms; device: CUDA-event time of the step's device work when the host is ahead of it; host: wall "
-        "less device)",
-        ["step", "rows", "wall ms", "device ms", "host ms", "host share", "device-timed steps"],
-        table,
-    )
+    section.table(check, title, columns, table)
 
 
 # ------------------------------------------------------------------------------------------------ calibration

@@ -1,12 +1,15 @@
 """`benchmarks/gpu_check.py --device cpu --quick` runs every section to the end on a CPU, in order, and every one
-passes; its JSON record holds each section's results; a run killed after its first section keeps that section's
-results on disk; a spent time budget skips sections with a line each; the speed targets are judged as the GPU run will
-judge them; and the scripts make every tensor on the device they use."""
+passes, on a PATH without git; its JSON record holds each section's results and graphs compiled; a run killed inside
+its decode section keeps the sections it finished and the decode points it measured on disk; a spent time budget skips
+sections with a line each, and a point whose compiles do not fit the time left is skipped with a line; the speed
+targets are judged as the GPU run will judge them; and the scripts make every tensor on the device they use."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,9 +21,19 @@ import pytest
 import torch
 import yaml
 from gpu_check import skip_reason
-from gpu_check_common import counted_captures
+from gpu_check_budget import (
+    CALIBRATION_GRAPHS,
+    MIN_GRAPH_SECONDS,
+    PUBLIC_7B_GRAPH_SECONDS,
+    TORCHRUN_GRAPHS,
+    CompileClock,
+    Estimate,
+    section_estimate,
+)
+from gpu_check_common import Check, Section, counted_captures
 from gpu_check_decode import TARGETS, target_values, verdict
 from gpu_check_training import JOB, save_model_dir, torchrun_command, torchrun_config
+from record import commit
 from test_device_lint import deviceless_factories
 
 from fastgrpo.cli import build_parser
@@ -31,16 +44,16 @@ SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
 SECTIONS = (
     "preflight",
     "environment",
+    "greedy",
+    "sampling",
+    "sdpa",
+    "torchrun",
     "decode",
     "recordings",
     "targets",
     "host",
     "calibration",
-    "greedy",
-    "sampling",
-    "sdpa",
     "grpo",
-    "torchrun",
 )
 
 
@@ -53,11 +66,22 @@ def quick_command(output: Path, *args: str) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def without_git(directory: Path) -> dict[str, str]:
+    """`ENV` with a PATH of one directory that holds only this interpreter, as ``python``: no git, no C compiler."""
+    directory.mkdir()
+    (directory / "python").symlink_to(sys.executable)
+    return {**ENV, "PATH": str(directory)}
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any], Path]:
-    """One quick CPU run of the whole check (tiny shapes), its JSON record and the record's path."""
-    output = tmp_path_factory.mktemp("gpu-check") / "gpu_check.json"
-    run = subprocess.run(quick_command(output), capture_output=True, text=True, timeout=900, env=ENV)
+    """One quick CPU run of the whole check (tiny shapes) on a PATH without git, its JSON record and the record's
+    path."""
+    root = tmp_path_factory.mktemp("gpu-check")
+    output = root / "gpu_check.json"
+    env = without_git(root / "bin")
+    assert shutil.which("git", path=env["PATH"]) is None
+    run = subprocess.run(quick_command(output), capture_output=True, text=True, timeout=900, env=env)
     assert output.is_file(), f"no record written:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     return run, json.loads(output.read_text()), output
 
@@ -76,6 +100,20 @@ def test_every_section_runs_in_order_and_passes(quick_run) -> None:
     assert titles[-1] == "Sections" and titles[0].startswith("Preflight")
     markdown = output.with_suffix(".md").read_text()
     assert all(f"**{title}**" in markdown for title in titles)
+
+
+def test_the_run_needs_no_git(quick_run) -> None:
+    record = quick_run[1]
+    assert record["commit"] == "unknown"  # the run's PATH holds no git
+    assert commit(Path(quick_run[2]).parent) == "unknown"  # a directory outside any repository
+
+
+def test_every_section_records_its_compiled_graphs(quick_run) -> None:
+    sections = quick_run[1]["notes"]["sections"]
+    graphs = {name: s["graphs"] for name, s in sections.items()}
+    assert graphs["preflight"] >= 1 and graphs["decode"] >= 1  # aot_eager on a CPU
+    assert all(graphs[name] == 0 for name in ("environment", "greedy", "sampling", "sdpa", "host", "targets"))
+    assert quick_run[1]["notes"]["compile_cache"] == str(quick_run[2].parent / "inductor-cache")
 
 
 def test_preflight_and_environment(quick_run) -> None:
@@ -189,17 +227,28 @@ def test_host_calibration_targets_and_torchrun_on_a_cpu(quick_run) -> None:
     assert torchrun["results"]["sharded"] is True  # one process under torchrun still shards with FSDP2
 
 
-def test_a_killed_run_keeps_the_sections_it_finished(tmp_path: Path) -> None:
+def read_record(path: Path) -> dict[str, Any] | None:
+    """The JSON record at ``path``, None while there is none (it is replaced whole, never written in place)."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def decode_points(record: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The decoding points of a decode section still running in ``record`` (empty: none yet, or it ended)."""
+    decode = (record or {}).get("notes", {}).get("sections", {}).get("decode", {})
+    return decode.get("results", {}).get("steps", []) if decode.get("status") == "running" else []
+
+
+def test_a_run_killed_inside_decode_keeps_the_sections_and_points_it_finished(tmp_path: Path) -> None:
     output = tmp_path / "gpu_check.json"
-    planned = ["preflight", "environment", "greedy", "sampling"]
+    planned = ["preflight", "decode", "greedy"]
     cmd = quick_command(output, "--sections", ",".join(planned))
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     try:
         deadline = time.monotonic() + 300
-        while not output.exists():
-            assert process.poll() is None, "the run ended before its first section's record appeared"
-            assert time.monotonic() < deadline, "no record within 300 s"
-            time.sleep(0.05)
+        while not decode_points(read_record(output)):
+            assert process.poll() is None, "the run left decode before a point of it was in the record"
+            assert time.monotonic() < deadline, "no decode point in the record within 300 s"
+            time.sleep(0.02)
         process.kill()
         process.wait(timeout=60)
     finally:
@@ -209,11 +258,19 @@ def test_a_killed_run_keeps_the_sections_it_finished(tmp_path: Path) -> None:
     assert process.returncode == -signal.SIGKILL
     record = json.loads(output.read_text())
     sections = record["notes"]["sections"]
-    assert record["notes"]["planned"] == planned
-    assert list(sections)[0] == "preflight" and "sampling" not in sections
+    assert record["notes"]["planned"] == planned and list(sections) == ["preflight", "decode"]
     assert sections["preflight"]["status"] == "passed"
     assert sections["preflight"]["results"]["items"]["compiled smoke test"]["ok"] is True
-    assert record["tables"][0]["title"].startswith("Preflight") and record["tables"][-1]["title"] == "Sections"
+    decode = sections["decode"]
+    assert decode["status"] == "running" and decode["results"]["compiled_rows"] == [1]
+    assert [(p["rows"], p["context"]) for p in decode["results"]["steps"]] == [(1, 48)]
+    assert all(decode["results"]["steps"][0][key] > 0 for key in ("engine", "compiled", "generate"))
+    titles = [t["title"] for t in record["tables"]]
+    assert titles[0].startswith("Preflight") and titles[-1] == "Sections"
+    assert any(t.startswith("Plain decoding step") for t in titles)  # the decode table so far
+    assert record["tables"][-1]["rows"][-1][:2] == ["decode", "running"]
+    markdown = output.with_suffix(".md").read_text()
+    assert all(f"**{title}**" in markdown for title in titles)
 
 
 def test_a_spent_budget_skips_every_section_with_a_line_each(tmp_path: Path) -> None:
@@ -235,11 +292,47 @@ def test_a_spent_budget_skips_every_section_with_a_line_each(tmp_path: Path) -> 
 
 
 def test_skip_reasons() -> None:
-    assert skip_reason("greedy", False, None, None) is None
-    assert skip_reason("decode", False, True, None) is None
-    assert skip_reason("greedy", False, False, None) is None  # does not compile
-    assert "preflight failed" in skip_reason("decode", False, False, None)
-    assert skip_reason("greedy", True, True, 30.0) == "the time budget of 30 s is spent"
+    nothing, big = Estimate(0, 0.0, "nothing compiled"), Estimate(5, 350.0, "70 s per graph, assumed")
+    assert skip_reason("greedy", math.inf, None, None, nothing) is None
+    assert skip_reason("decode", math.inf, True, None, big) is None
+    assert skip_reason("greedy", 10.0, False, 30.0, nothing) is None  # does not compile
+    assert "preflight failed" in skip_reason("decode", 10.0, False, 30.0, nothing)
+    assert skip_reason("greedy", 0.0, True, 30.0, nothing) == "the time budget of 30 s is spent"
+    assert skip_reason("decode", 300.0, True, 480.0, big) == (
+        "compiling its 5 graphs needs ~350 s (70 s per graph, assumed), 300 s left"
+    )
+
+
+def test_compile_estimates_assume_until_they_measure(monkeypatch: pytest.MonkeyPatch) -> None:
+    gpu = CompileClock(cuda=True)
+    assert gpu.graph_seconds(28) == PUBLIC_7B_GRAPH_SECONDS and gpu.graph_seconds(2) == MIN_GRAPH_SECONDS
+    calibration = section_estimate("calibration", gpu, quick=False)  # a 30-layer model
+    assert calibration.graphs == CALIBRATION_GRAPHS and calibration.seconds == CALIBRATION_GRAPHS * 75.0
+    assert section_estimate("torchrun", gpu, quick=False).seconds == TORCHRUN_GRAPHS * MIN_GRAPH_SECONDS
+    assert section_estimate("greedy", gpu, quick=False) == (0, 0.0, "nothing compiled")
+    assert section_estimate("host", CompileClock(cuda=False), quick=True).graphs == 0  # eager on a CPU
+    graphs = iter([10, 10, 10, 13])  # the compiled-graph counter before and after each of two blocks
+    monkeypatch.setattr("gpu_check_budget.compiled_graphs", lambda: next(graphs))
+    with gpu.timing(28):  # compiles nothing: not a compile's time
+        pass
+    assert gpu.source(28) == "assumed"
+    with gpu.timing(28):
+        time.sleep(0.03)
+    assert gpu.source(28) == "measured" and 0.01 < gpu.graph_seconds(28) < PUBLIC_7B_GRAPH_SECONDS
+
+
+def test_a_sweep_point_that_cannot_compile_in_the_time_left_is_skipped_with_a_line(tmp_path: Path) -> None:
+    check = Check(torch.device("cpu"), True, None, None, tmp_path, CompileClock(cuda=True))
+    section = Section("decode")
+    assert section.in_time(check, "no budget", graphs=100, layers=28)
+    check.deadline = time.perf_counter() + 100.0
+    assert section.in_time(check, "eager point") and section.in_time(check, "one tiny graph", graphs=1, layers=2)
+    assert not section.in_time(check, "compiled point", graphs=2, layers=28)
+    check.deadline = time.perf_counter() - 1.0
+    assert not section.in_time(check, "eager point")
+    assert len(section.skipped) == 2
+    assert section.skipped[0].startswith("compiled point: compiling 2 graph(s) needs ~140 s (assumed), ")
+    assert section.skipped[1] == "eager point: the time budget is spent"
 
 
 def test_speed_targets_are_judged_from_the_decode_and_recordings_results() -> None:
