@@ -110,9 +110,29 @@ class RowCache(Cache):
         super().__init__(layers=[RowLayer(self, keys, values) for keys, values in pairs])
         self.max_rows = max_rows
         self.max_len = max_len
-        self.rows = torch.zeros(0, 1, dtype=torch.long, device=device)
-        self.slots = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.kv_len = 0
+        # What the next forward writes and reads (`prepare`), in a dict rather than in attributes: torch.compile (2.13)
+        # loses an attribute written both before and after a flex-attention call within one graph, as a draft's
+        # expansion, several forwards in one graph, writes them.
+        self.plan: dict[str, torch.Tensor | int] = {
+            "rows": torch.zeros(0, 1, dtype=torch.long, device=device),
+            "slots": torch.zeros(0, 0, dtype=torch.long, device=device),
+            "kv_len": 0,
+        }
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """``[B, 1]`` the rows the next forward writes."""
+        return self.plan["rows"]
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """``[B, T]`` the slot of each new token of the next forward."""
+        return self.plan["slots"]
+
+    @property
+    def kv_len(self) -> int:
+        """The leading slots the next forward reads."""
+        return self.plan["kv_len"]
 
     def holds(self, rows: int, slots: int) -> bool:
         """Whether it has room for ``rows`` rows of ``slots`` slots (a call that needs more gets a new cache)."""
@@ -123,9 +143,9 @@ class RowCache(Cache):
         much it reads; checked on the host, without reading ``slots``."""
         if kv_len > self.max_len:
             raise ValueError(f"cache overflow: a row needs more than max_len={self.max_len} slots")
-        self.rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
-        self.slots = slots
-        self.kv_len = kv_len
+        self.plan["rows"] = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.plan["slots"] = slots
+        self.plan["kv_len"] = kv_len
 
     def select_rows(self, rows: list[int], upto: int | None = None) -> None:
         """Keep (or replicate) rows: row ``i`` becomes old row ``rows[i]``, for ``i < len(rows)``.
