@@ -1,10 +1,13 @@
-"""The attention function the rollout engine runs the model with: PyTorch SDPA with grouped-query attention.
+"""The attention function the rollout engine runs the model with: PyTorch SDPA with grouped-query attention, or
+flex attention under a block mask.
 
 transformers' ``sdpa`` repeats the key/value heads for every query head whenever an attention mask is given, a copy
 of the whole cache per layer and step; ragged rows and draft trees always need a mask. Without a mask SDPA takes the
 grouped heads directly (``enable_gqa``); with one, each group's query heads are folded into the query length
 (`gqa_sdpa_attention`), so that the keys and values are read once per KV head, by a fused kernel where the device has
-one. Rollouts switch the model to this function while they run.
+one. A compiled step hands the layers a flex-attention ``BlockMask`` instead (`fastgrpo.rollout.forward`), which
+`flex_attention` runs with the grouped heads as they are: a fused kernel that skips the blocks no query sees, with
+a split over the keys for short queries on a GPU. Rollouts switch the model to this function while they run.
 
 The engine hands every layer a 4-D mask (ragged rows, draft trees), which only SDPA-style functions take: a model
 loaded with ``flash_attention_2``, ``eager`` or another implementation (a TRL user's model, say) is switched to this
@@ -19,10 +22,19 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ROLLOUT_ATTENTION = "fastgrpo_gqa_sdpa"
+# SDPA's memory-efficient kernel reads a mask whose rows start at multiples of this many elements; it first copies any
+# other mask into a padded one, at every layer.
+MASK_ALIGNMENT = 8
+
+
+def mask_width(slots: int) -> int:
+    """The row stride of a mask over ``slots`` keys: ``slots`` rounded up to a multiple of `MASK_ALIGNMENT`."""
+    return -(-slots // MASK_ALIGNMENT) * MASK_ALIGNMENT
 
 
 def gqa_sdpa_attention(
@@ -30,7 +42,7 @@ def gqa_sdpa_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: torch.Tensor | BlockMask | None,
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
@@ -41,7 +53,12 @@ def gqa_sdpa_attention(
     With a mask and grouped heads (``H = G * H_kv``), each group's ``G`` query heads are folded into the query length:
     queries ``[B, H_kv, G * T, D]`` against the keys as they are, the ``[B, 1, T, S]`` mask repeated ``G`` times along
     its queries. No kernel then needs both a mask and grouped heads (flash attention takes no mask, and the fused
-    kernels that take one do not group heads), so none falls back to repeating the keys and values per query head."""
+    kernels that take one do not group heads), so none falls back to repeating the keys and values per query head.
+    A ``BlockMask`` (of ``[B, 1, T, S]``) goes to `block_mask_attention`."""
+    if isinstance(attention_mask, BlockMask):
+        if dropout:
+            raise ValueError("flex attention has no dropout: run the rollout's model in eval mode")
+        return block_mask_attention(query, key, value, attention_mask, scaling), None
     b, heads, t, d = query.shape
     kv_heads = key.shape[1]
     if attention_mask is None or heads == kv_heads:
@@ -60,9 +77,33 @@ def gqa_sdpa_attention(
         return out.transpose(1, 2).contiguous(), None
     group = heads // kv_heads
     folded = query.reshape(b, kv_heads, group * t, d)  # head h = kv head h // G, query row (h % G) * T + t
-    mask = attention_mask[:, :, None].expand(b, 1, group, t, -1).reshape(b, 1, group * t, -1)  # a view when T is 1
+    mask = grouped_mask(attention_mask, group)
     out = F.scaled_dot_product_attention(folded, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)
     return out.reshape(b, heads, t, d).transpose(1, 2).contiguous(), None
+
+
+def grouped_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """``[B, 1, T, S]`` -> ``[B, 1, G * T, S]``: the mask of the folded queries (row ``g * T + t`` is row ``t``).
+
+    A view when ``T`` is 1; otherwise a copy whose rows start at multiples of `MASK_ALIGNMENT` elements, so that a
+    fused kernel reads it as it is (a mask built aligned, such as `window_attention_mask`'s, stays aligned)."""
+    b, _, t, s = mask.shape
+    rows = mask[:, :, None].expand(b, 1, group, t, s)
+    if t == 1:
+        return rows.reshape(b, 1, group, s)
+    out = mask.new_empty(b, 1, group * t, mask_width(s))[..., :s]
+    out.view(b, 1, group, t, s).copy_(rows)
+    return out
+
+
+def block_mask_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: BlockMask, scaling: float | None
+) -> torch.Tensor:
+    """``query`` ``[B, H, T, D]``, ``key``/``value`` ``[B, H_kv, S, D]``, ``block_mask`` of ``[B, 1, T, S]`` ->
+    ``[B, T, H, D]`` by `flex_attention`, each KV head read once for its group of query heads (``enable_gqa``)."""
+    grouped = query.shape[1] != key.shape[1]
+    out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=grouped)
+    return out.transpose(1, 2).contiguous()
 
 
 AttentionInterface.register(ROLLOUT_ATTENTION, gqa_sdpa_attention)
