@@ -139,10 +139,6 @@ class Check:
     models: dict[str, PreTrainedModel] = field(default_factory=dict)
     saver: Callable[[Section], None] | None = None
 
-    def out_of_time(self) -> bool:
-        """Whether the time budget is spent."""
-        return self.deadline is not None and time.perf_counter() >= self.deadline
-
     def seconds_left(self) -> float:
         """Seconds until the end of the time budget (infinite without one)."""
         return math.inf if self.deadline is None else self.deadline - time.perf_counter()
@@ -193,7 +189,7 @@ class Section:
         elif compiling > left:
             source = check.clock.source(layers)
             self.skipped.append(
-                f"{label}: compiling {graphs} graph(s) needs ~{compiling:.0f} s ({source}), {left:.0f} left"
+                f"{label}: compiling {graphs} graph(s) needs ~{compiling:.0f} s ({source}), {left:.0f} s left"
             )
         elif self.longest_point > left:
             self.skipped.append(f"{label}: a point has taken up to {self.longest_point:.0f} s, {left:.0f} s left")

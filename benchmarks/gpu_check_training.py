@@ -205,8 +205,8 @@ def torchrun_config(model_dir: Path, output_dir: Path, device: str, compile: str
     """The options of two GRPO steps of ``model_dir`` with FSDP2 and the rollouts' ``compile`` option, a checkpoint at
     the second step: on a GPU in bfloat16 behind FSDP2's float32 master shards, as a 7B run trains. Plain decoding
     (``speculation.mode: off``): what is checked here (FSDP2 over NCCL, the gathered parameters' addresses, the CUDA
-    graphs each rollout records) needs no trees, and the job, early in the run, compiles one graph where adaptive
-    speculation's calibration and trees compile eight (counted with ``aot_eager``, docs/benchmarks.md)."""
+    graphs each rollout records) needs no trees, and the job, early in the run, compiles two graphs, not the
+    calibration's and the trees' too (counted with ``aot_eager``: docs/benchmarks.md)."""
     return dict(
         model=str(model_dir),
         device=device,
