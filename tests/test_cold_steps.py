@@ -16,6 +16,7 @@ import torch
 from conftest import VOCAB, make_tiny_model
 from test_controller import flat_profile
 
+from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout import compiled as compiled_module
 from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.engine import RolloutEngine
@@ -53,14 +54,16 @@ def prices(controller: AdaptiveController) -> dict[tuple[int, TreeShape], float]
     return {(rows, s): controller.predicted_seconds(rows, s) for rows in (1, 2, 4, 8, 16) for s in controller.shapes}
 
 
-def test_a_step_that_compiles_prices_nothing_out(fake_clock: SimpleNamespace) -> None:
-    """Compiled steps (aot_eager) with the suffix drafter chosen adaptively: the steps that compiled a tree step or
-    met a new shape take a hundred times a replay, yet no observation moves any predicted price by more than 4x,
-    and the next call still runs tree steps."""
+def test_a_step_that_compiles_prices_nothing_out(fake_clock: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled steps (aot_eager) with the suffix drafter chosen adaptively, not settled before the call (as a shape
+    outside the engine's menu would be met): the steps that compiled a tree step or met a new shape take a hundred
+    times a replay, yet no observation moves any predicted price by more than 4x, and the next call still runs tree
+    steps."""
     torch._dynamo.reset()
+    monkeypatch.setattr(RolloutEngine, "settle", lambda self, params: None)
     model = make_tiny_model("llama")
     drafter = SuffixDrafter()
-    controller = AdaptiveController(flat_profile(), drafters={"suffix": drafter})
+    controller = AdaptiveController(flat_profile(), ControllerLimits(n_max=4), drafters={"suffix": drafter})
     engine = RolloutEngine(model, [VOCAB], drafter=drafter, controller=controller, backend="aot_eager")
     moves = []
     observe = controller.observe

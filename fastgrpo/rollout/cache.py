@@ -32,10 +32,26 @@ def call_length(prompt_len: int, max_new_tokens: int) -> int:
     return prompt_len + max_new_tokens + 1
 
 
+SLOT_ALIGN = 8  # a cache's slots per row are a multiple of it (see `cache_slots`)
+
+
+def aligned(slots: int) -> int:
+    """``slots`` rounded up to a multiple of `SLOT_ALIGN`."""
+    return -(-slots // SLOT_ALIGN) * SLOT_ALIGN
+
+
 def cache_slots(length: int, tree_nodes: int) -> int:
     """Slots per row of the target's cache for a call of ``length`` tokens verifying trees of up to ``tree_nodes``
-    nodes (1: plain steps)."""
-    return length + tree_nodes
+    nodes (1: plain steps), rounded up to a multiple of `SLOT_ALIGN`, and `SLOT_ALIGN` more: every extent a compiled
+    step reads (`fastgrpo.rollout.compiled.extent_bucket`, at most `read_slots`) is then a multiple of it and below
+    the cache's length, so that a graph compiled for a first extent never meets one whose slice of the keys is
+    contiguous where the first one's was not (torch guards on it, and would compile again)."""
+    return aligned(length + tree_nodes) + SLOT_ALIGN
+
+
+def read_slots(max_len: int) -> int:
+    """The most slots a compiled step reads of a cache of ``max_len`` slots per row (see `cache_slots`)."""
+    return max_len - SLOT_ALIGN
 
 
 def cache_bytes(dims: tuple[int, int, int], rows: int, slots: int, itemsize: int) -> int:
@@ -104,6 +120,7 @@ class RowCache(Cache):
             pairs = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)] for _ in range(n_layers)]
             for buf in (b for pair in pairs for b in pair):
                 torch._dynamo.mark_static_address(buf)
+                torch._dynamo.mark_static(buf)  # constant sizes, never unified with a step's symbolic rows
         else:  # [layers, keys/values, rows, kv heads, slots, head dim]; each layer's buffers are views of it
             self.kv = torch.zeros(n_layers, 2, *shape, dtype=dtype, device=device)
             pairs = [[kv[0], kv[1]] for kv in self.kv]

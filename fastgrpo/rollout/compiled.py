@@ -38,8 +38,9 @@ def compile_backend(choice: str, device: torch.device) -> str | None:
 
 
 def row_bucket(rows: int) -> int:
-    """The smallest power of two at or above ``rows``."""
-    return 1 << (rows - 1).bit_length()
+    """The smallest power of two at or above ``rows``, at least 2: a compiled step's rows are a symbolic size, which
+    torch specialises when it is 1 (a graph of its own)."""
+    return max(2, 1 << (rows - 1).bit_length())
 
 
 def extent_bucket(needed: int, limit: int) -> int:
@@ -91,7 +92,7 @@ class Compiled:
         captured = self._captured(device)
         mode = "reduce-overhead" if captured else None
         if mode not in self._by_mode:
-            self._by_mode[mode] = torch.compile(self.fn, fullgraph=True, backend=self.backend, mode=mode)
+            self._by_mode[mode] = torch.compile(self.fn, fullgraph=True, dynamic=True, backend=self.backend, mode=mode)
         key = (mode, shape_key(args))
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         cold = seen <= self.warm_calls(device)
@@ -100,7 +101,10 @@ class Compiled:
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            with (
+                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True),
+                torch.fx.experimental._config.patch(use_duck_shape=False),  # equal sizes stay distinct symbols
+            ):
                 out = self._by_mode[mode](*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the graph ran: nothing happened twice
             self._warn("%s compiled %d graphs already; new shapes run eagerly", RECOMPILE_LIMIT)

@@ -10,19 +10,21 @@ from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput
 class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
     `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
-    active), ``compiled_so_far`` (compile seconds and graphs so far) and whether its steps run ``compiled``."""
+    active), ``compiled_so_far`` (compile seconds and graphs so far), their values when the call began
+    (``compiled_before``) and whether its steps run ``compiled``."""
 
     def __init__(
         self,
         step: Callable[[ActiveRows, Generation], ActiveRows],
         compiled_so_far: Callable[[], tuple[float, int]],
+        compiled_before: tuple[float, int],
         compiled: bool,
         call: Generation,
         rows: ActiveRows,
     ):
         self._step, self._compiled_so_far, self._compiled = step, compiled_so_far, compiled
         self.call, self.rows = call, rows
-        self._compiled_before = compiled_so_far()
+        self._compiled_before = compiled_before
         self._output: GenerationOutput | None = None
 
     @property

@@ -133,6 +133,11 @@ class Drafter:
     def release(self) -> None:
         """Free the caches kept between calls (the next `begin` allocates them again)."""
 
+    def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
+        """Before a call's first step (after `begin`), run each compiled function once for every row count of
+        ``rows`` and every tree of ``shapes`` it may draft, so that the call's proposals compile and record
+        nothing (`fastgrpo.rollout.engine.RolloutEngine.settle`); nothing for a drafter that compiles nothing."""
+
     # -- pricing --------------------------------------------------------------------------------------------------
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         """Predicted seconds to propose trees of ``shape`` for ``rows`` rows, after reading ``backlog`` pending

@@ -13,6 +13,8 @@ a compile ``backend`` the verification runs as a compiled graph (`fastgrpo.rollo
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -21,7 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
-from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
+from fastgrpo.rollout.cache import RowCache, cache_slots, call_length, read_slots
 from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
@@ -31,10 +33,13 @@ from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
+from fastgrpo.rollout.shape_menu import ShapeMenu, depth_bucket, extent_buckets, row_buckets
 from fastgrpo.rollout.target_step import TargetStep
-from fastgrpo.rollout.tree import TreeShape, merge_trees
+from fastgrpo.rollout.tree import DraftTree, TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
@@ -81,6 +86,7 @@ class RolloutEngine:
         self.reserved = (0, 0)  # rows and tokens every cache is made for at least (`reserve`)
         self.drafters: dict[str, Drafter] = {}
         self.controller: Controller | None = None
+        self._settled: set[tuple] = set()  # (sampling setting, cache) pairs whose shapes have all run (`settle`)
         self.speculate(drafter, tree, controller)
 
     def speculate(
@@ -113,6 +119,10 @@ class RolloutEngine:
             return self.teams[shape.drafter]
         except KeyError:
             raise ValueError(f"tree shape {shape} names none of the drafters {list(self.teams)}") from None
+
+    def _depth(self, shape: TreeShape) -> int:
+        """The deepest node a tree of ``shape`` may hold, by whoever drafts it (`Drafter.deepest`)."""
+        return max(d.deepest(shape) for d in self._drafters_of(shape))
 
     @property
     def device(self) -> torch.device:
@@ -183,9 +193,10 @@ class RolloutEngine:
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
                 call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
+                compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
                 self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
                 rows = self.prefill(prompt_ids, num_generations, call)
-                run = Decoding(self.step, self.compiled_so_far, self.target.compiled, call, rows)
+                run = Decoding(self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows)
                 yield run
                 if run.done:
                     run.output()  # made inside the block, as the steps' tensors were
@@ -234,6 +245,46 @@ class RolloutEngine:
         if self.drafters:
             changed = [d.begin(rows, length, bound) for d in self.drafters.values()]
             self.controller.begin(draft_changed=any(changed))
+        self.settle(call.params)
+
+    def shape_menu(self) -> ShapeMenu:
+        """The shapes the compiled target steps of a call over the current caches can meet (`ShapeMenu`)."""
+        shapes = [] if self.controller is None else [s for s in self.controller.shapes if s.speculative]
+        trees = {(s.nodes, depth_bucket(self._depth(s))) for s in shapes}
+        return ShapeMenu(
+            tuple(row_buckets(self.cache.max_rows)),
+            tuple(extent_buckets(read_slots(self.cache.max_len))),
+            tuple(sorted(trees)),
+        )
+
+    def settle(self, params: SamplingParams) -> None:
+        """Run every shape of `shape_menu` once, and the drafters' compiled shapes (`Drafter.settle`), before a call's
+        first step, unless the same caches have met them for the same sampling setting already: the call's steps then
+        compile and record nothing. The target's and the draft's cache slots get finite values from dummy inputs,
+        which every step overwrites before it reads them. A no-op unless the steps run compiled."""
+        setting = dataclasses.replace(params, max_new_tokens=1, stop=())
+        key = (setting, id(self.cache))
+        if not self.target.compiled or key in self._settled:
+            return
+        menu, t0 = self.shape_menu(), time.perf_counter()
+        decoder, head = decoder_and_head(self.model)
+        dev, noise = self.device, not params.greedy
+        for rows in menu.rows:
+            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
+            for extent in menu.extents:
+                lengths = [extent - 1] * rows
+                uniforms = torch.zeros(rows, dtype=torch.float64, device=dev) if noise else None
+                self.target.plain(decoder, head, self.cache, zeros, zeros + extent - 1, lengths, uniforms, params)
+                for nodes, depth in menu.trees:
+                    tree, lengths = star_tree(rows, nodes, depth, dev), [extent - nodes] * rows
+                    uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=dev) if noise else None
+                    row_len = zeros + extent - nodes
+                    self.target.tree(decoder, head, self.cache, tree, row_len, lengths, uniforms, params)
+        shapes = [] if self.controller is None else [s for s in self.controller.shapes if s.speculative]
+        for drafter in self.drafters.values():
+            drafter.settle(list(menu.rows), [s for s in shapes if drafter in self._drafters_of(s)])
+        self._settled.add(key)
+        logger.info("compiled decoding steps settled in %.1f s: %s", time.perf_counter() - t0, menu.describe())
 
     def prefill(self, prompt_ids: list[list[int]], num_generations: int, call: Generation) -> ActiveRows:
         """Prefill each prompt once (right-padded at slot 0), replicate its rows, sample and append each row's first
@@ -307,6 +358,9 @@ class RolloutEngine:
             tree = merge_trees(proposal.tree, other.tree, shape.nodes)
             forwards, backlog = proposal.forwards + other.forwards, proposal.backlog_seconds + other.backlog_seconds
             proposal = Proposal(tree, forwards, backlog)
+        if self.target.compiled:  # the walk as deep as the shape allows (bucketed), whatever depth the drafts
+            # reached: the compiled graph (its loop unrolled) is then the one `settle` ran for the shape
+            proposal.tree = dataclasses.replace(proposal.tree, levels=depth_bucket(self._depth(shape)))
         call.stats.draft_forwards += proposal.forwards
         call.stats.draft_time += time.perf_counter() - t0
         return proposal
@@ -397,3 +451,13 @@ class RolloutEngine:
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)
+
+
+def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
+    """A tree of ``nodes`` nodes per row, every draft node a child of the root, of acceptance depth ``levels``: the
+    shapes of a real tree of that size, for `RolloutEngine.settle`."""
+    index = torch.arange(nodes, device=device).expand(rows, nodes)
+    parent = torch.where(index > 0, 0, -1)
+    depth = (index > 0).long()
+    ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
+    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels)

@@ -22,6 +22,11 @@ class Controller(Protocol):
         """Upper bounds of the nodes, top-k and depth it may ever choose (the engine sizes its caches by them)."""
         ...
 
+    @property
+    def shapes(self) -> list[TreeShape]:
+        """Every shape it may choose (a compiled engine compiles each before a call's first step)."""
+        ...
+
     def begin(self, draft_changed: bool = False) -> None:
         """A generation call starts; ``draft_changed`` when the draft's weights changed since the previous call
         (online draft learning), so that what was measured of its acceptance is out of date."""
@@ -88,6 +93,10 @@ class StaticController(StatelessController):
     @property
     def max_shape(self) -> TreeShape:
         return self.shape
+
+    @property
+    def shapes(self) -> list[TreeShape]:
+        return [self.shape]
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return self.shape

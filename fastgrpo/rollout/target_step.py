@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.cache import RowCache, read_slots
 from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, row_bucket
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
@@ -137,7 +137,7 @@ class TargetStep:
             return plain_step(decoder, head, cache, pending, row_len, uniforms, params, longest + 1, equal)
         rows = RowPadding(len(lengths), pending.device)
         args = [rows.pad(t) for t in (pending, row_len, uniforms)]
-        extent = extent_bucket(longest + 1, cache.max_len)
+        extent = extent_bucket(longest + 1, read_slots(cache.max_len))
         return rows.cut(self._plain(pending.device, decoder, head, cache, *args, params, extent, False))
 
     def tree(
@@ -159,5 +159,5 @@ class TargetStep:
         padded = DraftTree(
             *(rows.pad(t) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
-        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent_bucket(extent, cache.max_len))
+        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent_bucket(extent, read_slots(cache.max_len)))
         return rows.cut(self._tree(row_len.device, decoder, head, cache, *args))

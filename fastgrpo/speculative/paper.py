@@ -45,5 +45,11 @@ class PaperController(StatelessController):
     def max_shape(self) -> TreeShape:
         return largest_shape(self.limits)
 
+    @property
+    def shapes(self) -> list[TreeShape]:
+        """The rule's shape at every row count (``N = 1`` from ``C_peak + 1`` rows on)."""
+        chosen = {self.choose(rows) for rows in range(1, self.c_peak + 2)}
+        return sorted(chosen, key=lambda s: (s.nodes, s.top_k, s.max_levels))
+
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         return shape_for(self.limits, self.c_peak // max(rows, 1), self.drafter)

@@ -12,6 +12,7 @@ draft forward reads them all (the catch-up); plain steps therefore cost the draf
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -19,11 +20,12 @@ from functools import partial
 import torch
 from torch import nn
 
-from fastgrpo.rollout.cache import RowCache
+from fastgrpo.rollout.cache import SLOT_ALIGN, RowCache, aligned, read_slots
 from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
+from fastgrpo.rollout.shape_menu import extent_buckets
 from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile
@@ -145,8 +147,9 @@ class EagleDrafter(Drafter):
     @staticmethod
     def cache_slots(length: int, bound: TreeShape) -> int:
         """Draft cache slots per row for a call of ``length`` tokens: room for the context, a catch-up block as long
-        as the longest row's pending pairs, and a tree no larger than ``bound``."""
-        return 2 * length + bound.max_levels * bound.top_k
+        as the longest row's pending pairs, and a tree no larger than ``bound``, with room to align the extents an
+        expansion reads (`_expansion_slots`)."""
+        return aligned(2 * length + bound.max_levels * bound.top_k) + 2 * SLOT_ALIGN
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """Size the draft cache (`cache_slots`). The weights changed when an optimizer step or a load wrote them in
@@ -212,12 +215,35 @@ class EagleDrafter(Drafter):
         if not self._expand.compiled:
             tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, longest)
             return Proposal(tree, shape.levels, backlog_seconds)
-        # compiled: rows padded to their bucket and the extents the levels read bucketed, as the target's steps are
+        # compiled: rows padded to their bucket and the extents the levels read bucketed, as the target's steps are;
+        # the shape without its drafter's name (merged or alone, the expansion is the same)
         padding = RowPadding(rows.size, root_hidden.device)
-        longest = extent_bucket(longest, self.cache.max_len - (shape.levels - 1) * shape.top_k)
+        shape = dataclasses.replace(shape, drafter="")
+        longest = extent_bucket(longest, self._expansion_slots(shape))
         padded = (padding.pad(t) for t in row_inputs)
         tree = self._expand(root_hidden.device, self.draft, embed, head, self.cache, *padded, shape, longest)
         return Proposal(padding.cut(tree), shape.levels, backlog_seconds)
+
+    def _expansion_slots(self, shape: TreeShape) -> int:
+        """The draft cache's slots a row's context may fill before an expansion of ``shape`` (its levels after it),
+        a multiple of `SLOT_ALIGN`, its last level reading fewer slots than the cache holds (see
+        `fastgrpo.rollout.cache.cache_slots`)."""
+        return read_slots(self.cache.max_len - (shape.levels - 1) * shape.top_k) // SLOT_ALIGN * SLOT_ALIGN
+
+    def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
+        """Expand a tree of every shape at every row count of ``rows`` and every extent bucket, from dummy roots."""
+        if not self._expand.compiled:
+            return
+        embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
+        param = next(self.draft.parameters())
+        hidden_size = self.draft.body.config.hidden_size
+        for shape in {dataclasses.replace(s, drafter="") for s in shapes}:
+            for count in rows:
+                # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
+                inputs = [torch.zeros(count, dtype=torch.long, device=param.device) for _ in range(3)]
+                inputs.insert(2, torch.zeros(count, hidden_size, dtype=param.dtype, device=param.device))
+                for longest in extent_buckets(self._expansion_slots(shape)):
+                    self._expand(param.device, self.draft, embed, head, self.cache, *inputs, shape, longest)
 
     def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
