@@ -357,7 +357,7 @@ def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
         num_generations=8,
     )
     tree = {"off": 1, "static": config.speculation.nodes, "adaptive": config.speculation.n_max}[mode]
-    slots = 300 + 200 + 1 + tree
+    slots = -(-(300 + 200 + 1 + tree) // 8) * 8 + 8  # aligned to 8, and 8 more (`fastgrpo.rollout.cache.cache_slots`)
     for name in ("qwen2.5-7b", "qwen3-0.6b"):
         shape = ModelShape.from_config(CONFIGS[name])
         plan = estimate_memory(config, CONFIGS[name], "cuda")

@@ -28,7 +28,8 @@ from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import DraftTree, TreeShape, ancestor_mask
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative import registry
-from fastgrpo.speculative.controller import AdaptiveController, priced
+from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.plugin import DrafterContext, DrafterPlugin, PlannedRun, cost_probes
 from fastgrpo.speculative.profiler import CostProbe, LatencyProfile, load_or_calibrate
 

@@ -16,11 +16,12 @@ from test_controller import flat_profile
 
 from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.shape_menu import extent_buckets, row_buckets
+from fastgrpo.rollout.shape_menu import extent_buckets, menu_of, row_buckets
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.controller import AdaptiveController, priced
+from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 EOS = [19, 60, 52]  # tokens the tiny Llama samples often: rows end at every step of a call
@@ -58,7 +59,7 @@ def test_rollouts_compile_only_while_settling(speculation: str) -> None:
     for i in range(calls):
         batch = prompts(rng, 2, longest)
         outputs.append(engine.generate(batch, PARAMS, rows // 2, generator=torch.Generator().manual_seed(i)))
-    menu = engine.shape_menu()
+    menu = menu_of(engine)
     assert len(menu.extents) == 2 and menu.rows == tuple(row_buckets(rows))
     stats = [out.stats for out in outputs]
     assert all(s.cold_steps == 0 for s in stats), "no step compiled or met a new shape"

@@ -11,7 +11,8 @@ import torch
 
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.tree import SCORE_FLOOR, DraftTree, TreeShape, ancestor_mask, merge_trees
-from fastgrpo.speculative.controller import AdaptiveController, priced
+from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.suffix.drafter import Price, PromptMemory, SuffixMemory
 from fastgrpo.speculative.suffix.search import Matches

@@ -159,3 +159,28 @@ class Drafter:
 
     def load_cost_state(self, state: dict[str, Any]) -> None:
         """Take up what `cost_state` saved."""
+
+
+class DrafterTeams:
+    """Who may draft a tree of a shape, by `TreeShape.drafter`: each of ``drafters`` by its name, and all of them
+    merged by their names joined with ``+`` (``eagle+suffix``); ``""`` names the only drafter."""
+
+    def __init__(self, drafters: list[Drafter]):
+        names = [d.name for d in drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafters need distinct names, got {names}")
+        self.drafters = {d.name: d for d in drafters}
+        self.teams = {name: [d] for name, d in self.drafters.items()} | {"+".join(names): drafters}
+        if len(drafters) == 1:
+            self.teams[""] = drafters
+
+    def of(self, shape: TreeShape) -> list[Drafter]:
+        """The drafters that propose ``shape``'s tree."""
+        try:
+            return self.teams[shape.drafter]
+        except KeyError:
+            raise ValueError(f"tree shape {shape} names none of the drafters {list(self.teams)}") from None
+
+    def depth(self, shape: TreeShape) -> int:
+        """The deepest node a tree of ``shape`` may hold, by whoever drafts it (`Drafter.deepest`)."""
+        return max(d.deepest(shape) for d in self.of(shape))

@@ -14,7 +14,6 @@ a compile ``backend`` the verification runs as a compiled graph (`fastgrpo.rollo
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -23,9 +22,9 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
-from fastgrpo.rollout.cache import RowCache, cache_slots, call_length, read_slots
+from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
 from fastgrpo.rollout.decoding import Decoding
-from fastgrpo.rollout.drafter import Drafter, Emitted, Prefill, Proposal
+from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
@@ -33,13 +32,11 @@ from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
-from fastgrpo.rollout.shape_menu import ShapeMenu, depth_bucket, extent_buckets, row_buckets
+from fastgrpo.rollout.shape_menu import depth_bucket, settle_engine
 from fastgrpo.rollout.target_step import TargetStep
-from fastgrpo.rollout.tree import DraftTree, TreeShape, merge_trees
+from fastgrpo.rollout.tree import TreeShape, merge_trees
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
-
-logger = logging.getLogger(__name__)
 
 
 class RolloutEngine:
@@ -86,7 +83,7 @@ class RolloutEngine:
         self.reserved = (0, 0)  # rows and tokens every cache is made for at least (`reserve`)
         self.drafters: dict[str, Drafter] = {}
         self.controller: Controller | None = None
-        self._settled: set[tuple] = set()  # (sampling setting, cache) pairs whose shapes have all run (`settle`)
+        self.settled: set[tuple] = set()  # (sampling setting, cache) pairs whose shapes have all run (`settle`)
         self.speculate(drafter, tree, controller)
 
     def speculate(
@@ -104,25 +101,9 @@ class RolloutEngine:
         drafters = [] if drafter is None else drafter if isinstance(drafter, list) else [drafter]
         if bool(drafters) != (controller is not None):
             raise ValueError("speculative decoding needs both a drafter and a tree shape or controller")
-        names = [d.name for d in drafters]
-        if len(set(names)) != len(names):
-            raise ValueError(f"drafters need distinct names, got {names}")
-        self.drafters, self.controller = {d.name: d for d in drafters}, controller
-        # who may draft a tree: each drafter, and all of them merged (``eagle+suffix``); ``""``: the only drafter
-        self.teams = {name: [d] for name, d in self.drafters.items()} | {"+".join(names): drafters}
-        if len(drafters) == 1:
-            self.teams[""] = drafters
-
-    def _drafters_of(self, shape: TreeShape) -> list[Drafter]:
-        """The drafters that propose ``shape``'s tree (`TreeShape.drafter`)."""
-        try:
-            return self.teams[shape.drafter]
-        except KeyError:
-            raise ValueError(f"tree shape {shape} names none of the drafters {list(self.teams)}") from None
-
-    def _depth(self, shape: TreeShape) -> int:
-        """The deepest node a tree of ``shape`` may hold, by whoever drafts it (`Drafter.deepest`)."""
-        return max(d.deepest(shape) for d in self._drafters_of(shape))
+        self.teams = DrafterTeams(drafters)
+        self.drafters, self.controller = self.teams.drafters, controller
+        self.drafters_of, self.tree_depth = self.teams.of, self.teams.depth
 
     @property
     def device(self) -> torch.device:
@@ -247,44 +228,9 @@ class RolloutEngine:
             self.controller.begin(draft_changed=any(changed))
         self.settle(call.params)
 
-    def shape_menu(self) -> ShapeMenu:
-        """The shapes the compiled target steps of a call over the current caches can meet (`ShapeMenu`)."""
-        shapes = [] if self.controller is None else [s for s in self.controller.shapes if s.speculative]
-        trees = {(s.nodes, depth_bucket(self._depth(s))) for s in shapes}
-        return ShapeMenu(
-            tuple(row_buckets(self.cache.max_rows)),
-            tuple(extent_buckets(read_slots(self.cache.max_len))),
-            tuple(sorted(trees)),
-        )
-
     def settle(self, params: SamplingParams) -> None:
-        """Run every shape of `shape_menu` once, and the drafters' compiled shapes (`Drafter.settle`), before a call's
-        first step, unless the same caches have met them for the same sampling setting already: the call's steps then
-        compile and record nothing. The target's and the draft's cache slots get finite values from dummy inputs,
-        which every step overwrites before it reads them. A no-op unless the steps run compiled."""
-        setting = dataclasses.replace(params, max_new_tokens=1, stop=())
-        key = (setting, id(self.cache))
-        if not self.target.compiled or key in self._settled:
-            return
-        menu, t0 = self.shape_menu(), time.perf_counter()
-        decoder, head = decoder_and_head(self.model)
-        dev, noise = self.device, not params.greedy
-        for rows in menu.rows:
-            zeros = torch.zeros(rows, dtype=torch.long, device=dev)
-            for extent in menu.extents:
-                lengths = [extent - 1] * rows
-                uniforms = torch.zeros(rows, dtype=torch.float64, device=dev) if noise else None
-                self.target.plain(decoder, head, self.cache, zeros, zeros + extent - 1, lengths, uniforms, params)
-                for nodes, depth in menu.trees:
-                    tree, lengths = star_tree(rows, nodes, depth, dev), [extent - nodes] * rows
-                    uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=dev) if noise else None
-                    row_len = zeros + extent - nodes
-                    self.target.tree(decoder, head, self.cache, tree, row_len, lengths, uniforms, params)
-        shapes = [] if self.controller is None else [s for s in self.controller.shapes if s.speculative]
-        for drafter in self.drafters.values():
-            drafter.settle(list(menu.rows), [s for s in shapes if drafter in self._drafters_of(s)])
-        self._settled.add(key)
-        logger.info("compiled decoding steps settled in %.1f s: %s", time.perf_counter() - t0, menu.describe())
+        """Before a call's first step, run every shape its compiled steps can meet (`settle_engine`)."""
+        settle_engine(self, params)
 
     def prefill(self, prompt_ids: list[list[int]], num_generations: int, call: Generation) -> ActiveRows:
         """Prefill each prompt once (right-padded at slot 0), replicate its rows, sample and append each row's first
@@ -352,7 +298,7 @@ class RolloutEngine:
         if shape is None or not shape.speculative:
             return None
         t0 = time.perf_counter()
-        proposals = [drafter.propose(rows, shape) for drafter in self._drafters_of(shape)]
+        proposals = [drafter.propose(rows, shape) for drafter in self.drafters_of(shape)]
         proposal = proposals[0]
         for other in proposals[1:]:
             tree = merge_trees(proposal.tree, other.tree, shape.nodes)
@@ -360,7 +306,7 @@ class RolloutEngine:
             proposal = Proposal(tree, forwards, backlog)
         if self.target.compiled:  # the walk as deep as the shape allows (bucketed), whatever depth the drafts
             # reached: the compiled graph (its loop unrolled) is then the one `settle` ran for the shape
-            proposal.tree = dataclasses.replace(proposal.tree, levels=depth_bucket(self._depth(shape)))
+            proposal.tree = dataclasses.replace(proposal.tree, levels=depth_bucket(self.tree_depth(shape)))
         call.stats.draft_forwards += proposal.forwards
         call.stats.draft_time += time.perf_counter() - t0
         return proposal
@@ -415,7 +361,7 @@ class RolloutEngine:
         if host.deepest is not None:
             stats.record_depths(host.deepest, accepted)
             stats.record_drafter(shape.drafter or next(iter(self.drafters)), accepted)
-            for drafter in self._drafters_of(shape):
+            for drafter in self.drafters_of(shape):
                 stats.drafter_trees[drafter.name] = stats.drafter_trees.get(drafter.name, 0) + 1
         emitted_before = stats.tokens_emitted
         rows.host_len = [length + n for length, n in zip(rows.host_len, host.count, strict=True)]
@@ -451,13 +397,3 @@ class RolloutEngine:
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)
-
-
-def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
-    """A tree of ``nodes`` nodes per row, every draft node a child of the root, of acceptance depth ``levels``: the
-    shapes of a real tree of that size, for `RolloutEngine.settle`."""
-    index = torch.arange(nodes, device=device).expand(rows, nodes)
-    parent = torch.where(index > 0, 0, -1)
-    depth = (index > 0).long()
-    ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
-    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels)

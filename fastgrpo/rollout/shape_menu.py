@@ -12,9 +12,40 @@ recorded at start-up.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import time
 from dataclasses import dataclass
+from typing import Protocol
 
+import torch
+from torch import nn
+
+from fastgrpo.rollout.cache import RowCache, read_slots
 from fastgrpo.rollout.compiled import EXTENT_BLOCK, row_bucket
+from fastgrpo.rollout.drafter import Drafter
+from fastgrpo.rollout.forward import decoder_and_head
+from fastgrpo.rollout.scheduling import Controller
+from fastgrpo.rollout.target_step import TargetStep
+from fastgrpo.rollout.tree import DraftTree, TreeShape
+from fastgrpo.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class Engine(Protocol):
+    """What settling reads of a `fastgrpo.rollout.engine.RolloutEngine`."""
+
+    model: nn.Module
+    target: TargetStep
+    cache: RowCache
+    controller: Controller | None
+    drafters: dict[str, Drafter]
+    settled: set[tuple]  # (sampling setting, cache) pairs whose shapes have all run
+
+    def drafters_of(self, shape: TreeShape) -> list[Drafter]: ...
+
+    def tree_depth(self, shape: TreeShape) -> int: ...
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -62,3 +93,57 @@ class ShapeMenu:
             f"({', '.join(map(str, self.extents))}) x {1 + len(self.trees)} step kinds (plain, "
             f"{len(self.trees)} trees): {self.graphs} graphs, {self.recordings} shapes"
         )
+
+
+def menu_of(engine: Engine) -> ShapeMenu:
+    """The shapes ``engine``'s compiled target steps can meet over its current caches: its rows and extent buckets,
+    and every tree its controller may choose, at the depth bucket of whoever drafts it."""
+    shapes = [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
+    trees = {(s.nodes, depth_bucket(engine.tree_depth(s))) for s in shapes}
+    extents = extent_buckets(read_slots(engine.cache.max_len))
+    return ShapeMenu(tuple(row_buckets(engine.cache.max_rows)), tuple(extents), tuple(sorted(trees)))
+
+
+def settle_engine(engine: Engine, params: SamplingParams) -> None:
+    """Run every shape of `menu_of` once (`settle_target`), and the drafters' compiled shapes (`Drafter.settle`),
+    before a call's first step, unless the same caches have met them for the same sampling setting already: the
+    call's steps then compile and record nothing. A no-op unless ``engine``'s steps run compiled."""
+    key = (dataclasses.replace(params, max_new_tokens=1, stop=()), id(engine.cache))
+    if not engine.target.compiled or key in engine.settled:
+        return
+    menu, t0 = menu_of(engine), time.perf_counter()
+    settle_target(engine.target, *decoder_and_head(engine.model), engine.cache, menu, params)
+    shapes = [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
+    for drafter in engine.drafters.values():
+        drafter.settle(list(menu.rows), [s for s in shapes if drafter in engine.drafters_of(s)])
+    engine.settled.add(key)
+    logger.info("compiled decoding steps settled in %.1f s: %s", time.perf_counter() - t0, menu.describe())
+
+
+def settle_target(
+    target: TargetStep, decoder: nn.Module, head: nn.Module, cache: RowCache, menu: ShapeMenu, params: SamplingParams
+) -> None:
+    """Run ``target``'s plain step at every rows and extent of ``menu``, and its tree step for every tree there too,
+    on dummy inputs sampled with ``params`` (`fastgrpo.rollout.engine.RolloutEngine.settle`). They write finite
+    values into ``cache`` slots that every step overwrites before it reads them."""
+    device, noise = cache.layers[0].keys.device, not params.greedy
+    for rows in menu.rows:
+        zeros = torch.zeros(rows, dtype=torch.long, device=device)
+        for extent in menu.extents:
+            uniforms = torch.zeros(rows, dtype=torch.float64, device=device) if noise else None
+            target.plain(decoder, head, cache, zeros, zeros + extent - 1, [extent - 1] * rows, uniforms, params)
+            for nodes, depth in menu.trees:
+                tree = star_tree(rows, nodes, depth, device)
+                uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=device) if noise else None
+                lengths = [extent - nodes] * rows
+                target.tree(decoder, head, cache, tree, zeros + extent - nodes, lengths, uniforms, params)
+
+
+def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
+    """``[rows, nodes]`` trees whose draft nodes are all children of the root, of acceptance depth ``levels``: the
+    shapes of a real tree of that size, for `settle_target`."""
+    index = torch.arange(nodes, device=device).expand(rows, nodes)
+    parent = torch.where(index > 0, 0, -1)
+    depth = (index > 0).long()
+    ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
+    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels)

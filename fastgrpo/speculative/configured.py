@@ -8,7 +8,8 @@ from fastgrpo.config import SpeculationConfig
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.speculative.controller import AdaptiveController, priced
+from fastgrpo.speculative.controller import AdaptiveController
+from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.paper import PaperController, largest_shape
 from fastgrpo.speculative.profiler import LatencyProfile
 

@@ -23,35 +23,13 @@ from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.state_json import from_json, to_json
 
 
-class MergedDrafters(Drafter):
-    """The pricing of several drafters whose trees are merged into one: each proposes a tree of the shape."""
-
-    def __init__(self, parts: list[Drafter]):
-        self.parts = parts
-        self.name = "+".join(p.name for p in parts)
-
-    def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-        return sum(p.cost(rows, shape, backlog) for p in self.parts)
-
-    def deepest(self, shape: TreeShape) -> int:
-        return max(p.deepest(shape) for p in self.parts)
-
-
-def priced(drafters: list[Drafter]) -> dict[str, Drafter]:
-    """What the adaptive controller chooses among, by name: each drafter and, with several, their merged trees."""
-    named = {d.name: d for d in drafters}
-    if len(drafters) > 1:
-        merged = MergedDrafters(drafters)
-        named[merged.name] = merged
-    return named
-
-
 @dataclass
 class AdaptiveController:
     """Maximises predicted goodput at every step.
 
     Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``, for each of
-    ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name: `priced`). Every drafter
+    ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name:
+    `fastgrpo.speculative.merged.priced`). Every drafter
     has acceptance statistics of its own. For each:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
