@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from transformers import (
 )
 
 from fastgrpo.models import load_tokenizer
+from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.controller import AdaptiveController
@@ -178,3 +180,26 @@ def plugin_probes(
 ) -> ProbeFactory:
     """A latency profile's probes of the named drafters' plugins."""
     return cost_probes([PLUGINS[n] for n in names], model, backend)
+
+
+STEP_SECONDS = {"plain_step": 0.05, "tree_step": 0.055}  # a steady step: a tree costs little more than a plain one
+COLD = 100.0  # how much longer a step that compiles takes
+
+
+@pytest.fixture
+def fake_clock(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """The engine's clock, advanced by the target's compiled steps alone (`STEP_SECONDS`, times `COLD` for a call
+    that compiled or warmed up a graph), so that what the adaptive controller measures does not depend on the
+    machine."""
+    clock = SimpleNamespace(now=0.0)
+    monkeypatch.setattr("fastgrpo.rollout.engine.time", SimpleNamespace(perf_counter=lambda: clock.now))
+    call = Compiled.__call__
+
+    def timed(self: Compiled, device: torch.device, *args):
+        before = self.cold_calls
+        out = call(self, device, *args)
+        clock.now += STEP_SECONDS.get(self.fn.__name__, 0.0) * (COLD if self.cold_calls > before else 1.0)
+        return out
+
+    monkeypatch.setattr(Compiled, "__call__", timed)
+    return clock

@@ -18,7 +18,6 @@ from test_controller import flat_profile
 
 from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout import compiled as compiled_module
-from fastgrpo.rollout.compiled import Compiled
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
 from fastgrpo.rollout.tree import TreeShape
@@ -27,26 +26,6 @@ from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 PROMPTS = [[5, 17, 3, 9], [40, 2, 9, 11, 60, 7]]
-STEP_SECONDS = {"plain_step": 0.05, "tree_step": 0.055}  # a steady step: a tree costs little more than a plain one
-COLD = 100.0  # how much longer a step that compiles takes
-
-
-@pytest.fixture
-def fake_clock(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """The engine's clock, advanced by the target's compiled calls alone (`STEP_SECONDS`, times `COLD` for a cold
-    call)."""
-    clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("fastgrpo.rollout.engine.time", SimpleNamespace(perf_counter=lambda: clock.now))
-    call = Compiled.__call__
-
-    def timed(self: Compiled, device: torch.device, *args):
-        before = self.cold_calls
-        out = call(self, device, *args)
-        clock.now += STEP_SECONDS[self.fn.__name__] * (COLD if self.cold_calls > before else 1.0)
-        return out
-
-    monkeypatch.setattr(Compiled, "__call__", timed)
-    return clock
 
 
 def prices(controller: AdaptiveController) -> dict[tuple[int, TreeShape], float]:

@@ -8,6 +8,7 @@ Compiled with ``aot_eager``, which traces and guards as inductor does without ge
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -39,10 +40,11 @@ def test_bucket_lists() -> None:
 
 
 @pytest.mark.parametrize("speculation", ["plain", "adaptive"])
-def test_rollouts_compile_only_while_settling(speculation: str) -> None:
+def test_rollouts_compile_only_while_settling(speculation: str, fake_clock: SimpleNamespace) -> None:
     """Compiled rollouts of rows ending on EOS, prompts across extent buckets: plain steps (64 rows, five calls), or
-    trees of the EAGLE and suffix drafters chosen adaptively (16 rows, three calls). The first call compiles the
-    menu's graphs while it settles; no call has a cold step or compiles anything more."""
+    trees of the EAGLE and suffix drafters chosen adaptively (16 rows, three calls, steps timed by a fake clock on
+    which trees win). The first call compiles the menu's graphs while it settles; no call has a cold step or
+    compiles anything more."""
     torch._dynamo.reset()
     model = make_tiny_model("llama")
     rows, calls, drafters, controller = 64, 5, None, None
@@ -51,7 +53,7 @@ def test_rollouts_compile_only_while_settling(speculation: str) -> None:
         torch.manual_seed(0)
         drafters = [EagleDrafter(DraftHead(model.config).double(), model, "aot_eager"), SuffixDrafter()]
         profile = flat_profile()  # trees win: every step that can draft one does
-        controller = AdaptiveController(profile, ControllerLimits(n_max=4), drafters=priced(drafters))
+        controller = AdaptiveController(profile, ControllerLimits(n_max=3), drafters=priced(drafters))
     engine = RolloutEngine(model, EOS, drafter=drafters, controller=controller, backend="aot_eager")
     longest = 330
     engine.reserve(rows, longest + PARAMS.max_new_tokens + 1)
