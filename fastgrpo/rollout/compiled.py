@@ -110,7 +110,7 @@ class Compiled:
             self._warn("%s compiled %d graphs already; new shapes run eagerly", RECOMPILE_LIMIT)
             self.cold_calls += 1
             return self.fn(*args)
-        except torch._dynamo.exc.TorchDynamoException as error:  # raised while compiling, before the graph ran
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:  # while compiling
             self._eager = True
             self._warn("%s cannot be compiled (%s); it runs eagerly", str(error).strip().splitlines()[0])
             self.cold_calls += 1

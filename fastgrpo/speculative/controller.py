@@ -253,6 +253,8 @@ class AdaptiveController:
             if loss > self._credit and not overdue:
                 return best  # still due: it runs once the steps have earned its loss
             self._credit = max(0.0, self._credit - loss)
+            if overdue:  # measured or not (a cold step is not timed), the next one is due reprobe_steps later
+                self._timed[self._kind(probe)] = self._steps
         self._probed(plain=not probe.speculative)
         return probe
 
@@ -362,7 +364,8 @@ class AdaptiveController:
         # measures them.
         plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
         for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
-            current = self.correction.get(key, self.correction[(kind, None)])
+            # a price never measured starts from what it was predicted with (the plain steps' where it has no own)
+            current = self.correction[key] if key in self._counts else self._correction(kind, rows * shape.nodes)
             rate = self._rate(key, self.time_rate)
             if ratio < current:
                 rate = 1.0 if plain_probe else max(rate, self.fast_time_rate)
