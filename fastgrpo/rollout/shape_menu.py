@@ -95,10 +95,15 @@ class ShapeMenu:
         )
 
 
+def tree_shapes(engine: Engine) -> list[TreeShape]:
+    """Every tree shape ``engine``'s controller may choose (none without one)."""
+    return [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
+
+
 def menu_of(engine: Engine) -> ShapeMenu:
     """The shapes ``engine``'s compiled target steps can meet over its current caches: its rows and extent buckets,
     and every tree its controller may choose, at the depth bucket of whoever drafts it."""
-    shapes = [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
+    shapes = tree_shapes(engine)
     trees = {(s.nodes, depth_bucket(engine.tree_depth(s))) for s in shapes}
     extents = extent_buckets(read_slots(engine.cache.max_len))
     return ShapeMenu(tuple(row_buckets(engine.cache.max_rows)), tuple(extents), tuple(sorted(trees)))
@@ -113,7 +118,7 @@ def settle_engine(engine: Engine, params: SamplingParams) -> None:
         return
     menu, t0 = menu_of(engine), time.perf_counter()
     settle_target(engine.target, *decoder_and_head(engine.model), engine.cache, menu, params)
-    shapes = [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
+    shapes = tree_shapes(engine)
     for drafter in engine.drafters.values():
         drafter.settle(list(menu.rows), [s for s in shapes if drafter in engine.drafters_of(s)])
     engine.settled.add(key)
