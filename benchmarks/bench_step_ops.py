@@ -5,14 +5,15 @@ counts do not depend on the hardware, so a CPU tells what a GPU step would launc
 ranking a GPU runs (one sort; on a CPU the engine ranks by heads, reading back which rows go on, which costs nothing
 there).
 
-The model is Qwen2-shaped with 28 layers (the depth of Qwen2.5-7B, which sets the ops per forward) but narrow, so
-that it runs in seconds on a CPU; the draft is a random EAGLE head (a tree step's ops depend on its shape, not on what
-it accepts). Each configuration decodes ``--rows`` rows for ``--steps`` steps with no EOS (every row runs to the
-end); per step kind the table gives the median ops and the median and largest synchronisations per step, eagerly
-and with the compiled steps (`fastgrpo.rollout.compiled`): there the ops dispatched outside the compiled graphs and
-the graphs called (each one launch when captured as a CUDA graph). The compiled columns compile with the
-``aot_eager`` backend, which captures the same graphs as inductor in seconds (what runs outside them does not depend
-on the backend); the first call of each configuration, which compiles, is not counted.
+The model is Qwen2-shaped with 28 layers (the depth of Qwen2.5-7B, which sets the ops per forward) but narrow, so that
+it runs in seconds on a CPU; the draft is a random EAGLE head (a tree step's ops depend on its shape, not on what it
+accepts), alone or with the suffix drafter, their trees merged. Each configuration decodes ``--rows`` rows for
+``--steps`` steps with no EOS (every row runs to the end); per step kind the table gives the median ops and the median
+and largest synchronisations per step, eagerly and with the compiled steps (`fastgrpo.rollout.compiled`): there the
+ops dispatched outside the compiled graphs and the graphs called (each one launch when captured as a CUDA graph). The
+compiled columns compile with the ``aot_eager`` backend, which captures the same graphs as inductor in seconds (what
+runs outside them does not depend on the backend); the first call of each configuration, which compiles, is not
+counted.
 
 Usage::
 
@@ -38,6 +39,7 @@ from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 VOCAB = 2048
 SAMPLING = {
@@ -45,7 +47,12 @@ SAMPLING = {
     "T=1": {"temperature": 1.0},
     "top-p 0.95": {"temperature": 1.0, "top_p": 0.95},
 }
-TREES = {"plain": None, "tree 4 (K2, L3)": TreeShape(4, 2, 3), "tree 16 (K4, L5)": TreeShape(16, 4, 5)}
+TREES = {
+    "plain": None,
+    "tree 4 (K2, L3)": TreeShape(4, 2, 3),
+    "tree 16 (K4, L5)": TreeShape(16, 4, 5),
+    "tree 16 (K4, L5), eagle+suffix merged": TreeShape(16, 4, 5, "eagle+suffix"),
+}
 
 
 def qwen2_shaped(layers: int) -> Qwen2ForCausalLM:
@@ -109,7 +116,10 @@ def main() -> None:
             params = SamplingParams(max_new_tokens=args.steps + 1, **options)
             cells = [tree_name, sampling_name]
             for compile in (None, "aot_eager"):
-                drafter = EagleDrafter(draft, model, compile) if shape is not None else None
+                drafter = None
+                if shape is not None:
+                    drafter = [EagleDrafter(draft, model, compile)]
+                    drafter += [SuffixDrafter()] if "suffix" in shape.drafter else []
                 engine = RolloutEngine(model, [VOCAB], drafter=drafter, tree=shape, backend=compile)  # EOS unused
                 counted = count_steps(engine, params, args.rows)
                 ops, graphs, syncs = ([c[i] for c in counted] for i in range(3))

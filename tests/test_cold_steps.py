@@ -8,6 +8,7 @@ milliseconds)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from types import SimpleNamespace
 
@@ -18,6 +19,7 @@ from test_controller import flat_profile
 
 from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout import compiled as compiled_module
+from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
 from fastgrpo.rollout.tree import TreeShape
@@ -113,3 +115,17 @@ def test_a_graph_break_falls_back_to_the_eager_step_with_one_warning(caplog: pyt
         warnings = [r for r in caplog.records if "cannot be compiled" in r.getMessage()]
         assert len(warnings) == 1 and "plain_step" in warnings[0].getMessage()
         caplog.clear()
+
+
+def test_a_new_cache_is_a_new_shape_key_even_at_a_freed_ones_id() -> None:
+    """A cache made after another was freed may take its ``id``; its buffers are new, so its first call is cold."""
+    config = make_tiny_model("llama").config
+    keys, ids = set(), set()
+    for _ in range(8):  # freed and made again: CPython often hands the same id back
+        cache = RowCache(config, 2, 16, torch.float64, torch.device("cpu"), compiled=True)
+        keys.add(compiled_module.shape_key([cache]))
+        ids.add(id(cache))
+        del cache
+        gc.collect()  # a cache's layers refer back to it
+    assert len(ids) < 8, "some id was handed back"
+    assert len(keys) == 8

@@ -16,11 +16,12 @@ from conftest import make_tiny_model
 from test_controller import flat_profile
 
 from fastgrpo.config import ControllerLimits
+from fastgrpo.rollout import drafter as drafter_module
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.shape_menu import extent_buckets, menu_of, row_buckets
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController
-from fastgrpo.speculative.eagle.drafter import EagleDrafter
+from fastgrpo.speculative.eagle.drafter import CATCH_UP_WIDTH, EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
@@ -40,11 +41,14 @@ def test_bucket_lists() -> None:
 
 
 @pytest.mark.parametrize("speculation", ["plain", "adaptive"])
-def test_rollouts_compile_only_while_settling(speculation: str, fake_clock: SimpleNamespace) -> None:
+def test_rollouts_compile_only_while_settling(
+    speculation: str, fake_clock: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Compiled rollouts of rows ending on EOS, prompts across extent buckets: plain steps (64 rows, five calls), or
     trees of the EAGLE and suffix drafters chosen adaptively (16 rows, three calls, steps timed by a fake clock on
     which trees win). The first call compiles the menu's graphs while it settles; no call has a cold step or
-    compiles anything more."""
+    compiles anything more. The EAGLE drafter's catch-up and the merge of its tree with the suffix drafter's run
+    inside its compiled proposal: eagerly, only a long backlog (a prompt, a run of plain steps) is read first."""
     torch._dynamo.reset()
     model = make_tiny_model("llama")
     rows, calls, drafters, controller = 64, 5, None, None
@@ -54,6 +58,15 @@ def test_rollouts_compile_only_while_settling(speculation: str, fake_clock: Simp
         drafters = [EagleDrafter(DraftHead(model.config).double(), model, "aot_eager"), SuffixDrafter()]
         profile = flat_profile()  # trees win: every step that can draft one does
         controller = AdaptiveController(profile, ControllerLimits(n_max=3), drafters=priced(drafters))
+        merges, backlogs, proposals = [], [], []  # eager merges, eager catch-ups' backlogs, proposals
+        merge, catch_up, propose = drafter_module.merge_trees, EagleDrafter._catch_up, EagleDrafter._propose
+        monkeypatch.setattr(drafter_module, "merge_trees", lambda *a: merges.append(1) or merge(*a))
+        monkeypatch.setattr(
+            EagleDrafter,
+            "_catch_up",
+            lambda d, *a, **k: backlogs.append(max(d.state.host_count)) or catch_up(d, *a, **k),
+        )
+        monkeypatch.setattr(EagleDrafter, "_propose", lambda *a: proposals.append(1) or propose(*a))
     engine = RolloutEngine(model, EOS, drafter=drafters, controller=controller, backend="aot_eager")
     longest = 330
     engine.reserve(rows, longest + PARAMS.max_new_tokens + 1)
@@ -72,5 +85,43 @@ def test_rollouts_compile_only_while_settling(speculation: str, fake_clock: Simp
     if speculation == "adaptive":
         assert all(s.tree_nodes for s in stats), "every call verified trees"
         eagle = drafters[0]
-        expansions = {(s.top_k == 1, s.levels) for s in controller.shapes if s.speculative}
-        assert eagle.compile_graphs == len(expansions), "one expansion graph per depth (and a top-1 one)"
+        kinds = {(s.top_k == 1, s.levels, "+" in s.drafter) for s in controller.shapes if s.speculative}
+        assert eagle.compile_graphs == len(kinds), "one proposal graph per depth (and top-1), merged or alone"
+        assert sum(s.drafter_steps.get("eagle+suffix", 0) for s in stats) > 0, "merged trees were verified"
+        assert not merges and min(backlogs) > CATCH_UP_WIDTH and len(backlogs) < len(proposals), (backlogs, proposals)
+
+
+def test_new_caches_and_drafters_settle_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settling is keyed by the caches' serial numbers, not their ``id`` (which a new cache may reuse): a call after
+    `RolloutEngine.release` settles again, as one after `RolloutEngine.speculate`; the same caches do not. Each shape
+    runs as many times as its graph needs before it replays (twice where CUDA graphs warm up and record)."""
+    import fastgrpo.rollout.shape_menu as shape_menu
+
+    torch._dynamo.reset()
+    engine = RolloutEngine(make_tiny_model("llama"), EOS, backend="aot_eager")
+    settles, plain_calls, plain, settle_target = [], [], engine.target.plain, shape_menu.settle_target
+
+    def settle(*args) -> None:
+        before = len(plain_calls)
+        settle_target(*args)
+        settles.append((args[4], len(plain_calls) - before))
+
+    monkeypatch.setattr(shape_menu, "settle_target", settle)
+    monkeypatch.setattr(engine.target, "plain", lambda *a: plain_calls.append(a[3].shape[0]) or plain(*a))
+    monkeypatch.setattr(engine.target, "warm_calls", lambda device: 2)
+    params = SamplingParams(max_new_tokens=4)
+
+    def call() -> None:
+        engine.generate([[5, 6, 7]], params, 2)
+
+    call()
+    call()
+    assert len(settles) == 1
+    menu, runs = settles[0]
+    assert runs == 2 * len(menu.rows) * len(menu.extents) > 0
+    engine.release()
+    call()
+    assert len(settles) == 2, "a new cache settles again"
+    engine.speculate(None)
+    call()
+    assert len(settles) == 3, "other drafters settle again"

@@ -173,7 +173,7 @@ def test_the_eagle_expansion_compiles_for_bucketed_row_counts_only(model, draft,
     number of rows, at least 2, and the compiled engine's tokens are the eager one's."""
     seen: list[int] = []
     eager, compiled = engines(model, draft, TreeShape(4, 2, 2), "aot_eager")
-    expansion, call = compiled.drafters["eagle"]._expand, Compiled.__call__
+    expansion, call = compiled.drafters["eagle"]._step, Compiled.__call__
 
     def counted(self: Compiled, device: torch.device, *args):
         if self is expansion:  # the rows it is given (draft, embed, head, cache, then draft_len [B], ...)

@@ -19,12 +19,16 @@ of magnitude slower than the same assignment by index.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from fastgrpo.memory.shapes import kv_dims
 from fastgrpo.rollout.host import host_to_device
+
+_SERIALS = itertools.count()  # `RowCache.serial`
 
 
 def call_length(prompt_len: int, max_new_tokens: int) -> int:
@@ -102,6 +106,9 @@ class RowCache(Cache):
         config: the model config (layer count, KV heads and head size are read from it).
         max_rows: rows the buffers hold.
         max_len: slots per row (prompt + completion + draft tree).
+
+    ``serial`` numbers the caches made in this process: two caches never share one, whereas a new cache may reuse a
+    freed one's ``id`` (what compiled steps met, and what was settled, is keyed by it).
     """
 
     def __init__(
@@ -127,6 +134,7 @@ class RowCache(Cache):
         super().__init__(layers=[RowLayer(self, keys, values) for keys, values in pairs])
         self.max_rows = max_rows
         self.max_len = max_len
+        self.serial = next(_SERIALS)
         # What the next forward writes and reads (`prepare`), in a dict rather than in attributes: torch.compile (2.13)
         # loses an attribute written both before and after a flex-attention call within one graph, as a draft's
         # expansion, several forwards in one graph, writes them.

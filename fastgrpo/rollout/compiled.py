@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo.config.grpo import COMPILE_CHOICES
+from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.host import host_to_device
 
 EXTENT_BLOCK = 256  # compiled steps read the keys in extents of this many slots
@@ -131,7 +132,10 @@ class Compiled:
 
 def shape_key(value: object) -> object:
     """What a compiled function's graph depends on in ``value`` (its arguments), as a hashable key: the shape and
-    dtype of every tensor, the identity of every module and other object, and scalars and tuples as they are."""
+    dtype of every tensor, the identity of every module and other object (of a cache, its `RowCache.serial`: a new
+    cache's buffers are at new addresses), and scalars and tuples as they are."""
+    if isinstance(value, RowCache):
+        return ("cache", value.serial)
     if isinstance(value, torch.Tensor):
         return (tuple(value.shape), value.dtype)
     if isinstance(value, (tuple, list)):

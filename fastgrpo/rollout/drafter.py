@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
-from fastgrpo.rollout.tree import DraftTree, TreeShape
+from fastgrpo.rollout.tree import DraftTree, TreeShape, merge_trees
 
 if TYPE_CHECKING:
+    from fastgrpo.rollout.cache import RowCache
     from fastgrpo.rollout.sequence import ActiveRows, GenerationOutput, Sequence
 
 
@@ -121,6 +122,19 @@ class Drafter:
         """A tree of ``shape`` for every active row, rooted at the row's pending token, with node scores."""
         raise NotImplementedError
 
+    def propose_merged(self, rows: ActiveRows, shape: TreeShape, earlier: Proposal) -> Proposal:
+        """`propose`, merged with ``earlier`` (the drafters' before it in the team) into one tree of ``shape``'s nodes
+        (`merge_trees`, the earlier nodes first). A drafter that compiles its proposal may merge inside it (its own
+        nodes then go first, `merges_inside`); the engine asks it last."""
+        own = self.propose(rows, shape)
+        tree = merge_trees(earlier.tree, own.tree, shape.nodes)
+        return Proposal(tree, earlier.forwards + own.forwards, earlier.backlog_seconds + own.backlog_seconds)
+
+    @property
+    def merges_inside(self) -> bool:
+        """Whether `propose_merged` merges inside its own compiled step (no launches of a merge of its own)."""
+        return False
+
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         """A step emitted ``emitted`` (called before the rows' sequences are appended to)."""
         raise NotImplementedError
@@ -132,6 +146,10 @@ class Drafter:
 
     def release(self) -> None:
         """Free the caches kept between calls (the next `begin` allocates them again)."""
+
+    def caches(self) -> tuple[RowCache, ...]:
+        """The KV caches its compiled functions read (a new one means new shapes to settle)."""
+        return ()
 
     def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
         """Before a call's first step (after `begin`), run each compiled function once for every row count of

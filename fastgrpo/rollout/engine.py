@@ -34,7 +34,7 @@ from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
 from fastgrpo.rollout.shape_menu import depth_bucket, settle_engine
 from fastgrpo.rollout.target_step import TargetStep
-from fastgrpo.rollout.tree import TreeShape, merge_trees
+from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
 
@@ -83,7 +83,6 @@ class RolloutEngine:
         self.reserved = (0, 0)  # rows and tokens every cache is made for at least (`reserve`)
         self.drafters: dict[str, Drafter] = {}
         self.controller: Controller | None = None
-        self.settled: set[tuple] = set()  # (sampling setting, cache) pairs whose shapes have all run (`settle`)
         self.speculate(drafter, tree, controller)
 
     def speculate(
@@ -102,6 +101,7 @@ class RolloutEngine:
         if bool(drafters) != (controller is not None):
             raise ValueError("speculative decoding needs both a drafter and a tree shape or controller")
         self.teams = DrafterTeams(drafters)
+        self.settled: set[tuple] = set()  # sampling settings and caches whose shapes have all run (`settle`)
         self.drafters, self.controller = self.teams.drafters, controller
         self.drafters_of, self.tree_depth = self.teams.of, self.teams.depth
 
@@ -298,12 +298,11 @@ class RolloutEngine:
         if shape is None or not shape.speculative:
             return None
         t0 = time.perf_counter()
-        proposals = [drafter.propose(rows, shape) for drafter in self.drafters_of(shape)]
-        proposal = proposals[0]
-        for other in proposals[1:]:
-            tree = merge_trees(proposal.tree, other.tree, shape.nodes)
-            forwards, backlog = proposal.forwards + other.forwards, proposal.backlog_seconds + other.backlog_seconds
-            proposal = Proposal(tree, forwards, backlog)
+        # a drafter that merges the others' trees inside its own compiled step drafts last (a stable sort)
+        first, *others = sorted(self.drafters_of(shape), key=lambda d: d.merges_inside)
+        proposal = first.propose(rows, shape)
+        for other in others:
+            proposal = other.propose_merged(rows, shape, proposal)
         if self.target.compiled:  # the walk as deep as the shape allows (bucketed), whatever depth the drafts
             # reached: the compiled graph (its loop unrolled) is then the one `settle` ran for the shape
             proposal.tree = dataclasses.replace(proposal.tree, levels=depth_bucket(self.tree_depth(shape)))

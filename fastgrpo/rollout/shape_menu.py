@@ -13,6 +13,7 @@ recorded at start-up.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ class Engine(Protocol):
     cache: RowCache
     controller: Controller | None
     drafters: dict[str, Drafter]
-    settled: set[tuple]  # (sampling setting, cache) pairs whose shapes have all run
+    settled: set[tuple]  # (sampling setting, caches' serials) whose shapes have all run, for the current drafters
 
     def drafters_of(self, shape: TreeShape) -> list[Drafter]: ...
 
@@ -113,7 +114,8 @@ def settle_engine(engine: Engine, params: SamplingParams) -> None:
     """Run every shape of `menu_of` once (`settle_target`), and the drafters' compiled shapes (`Drafter.settle`),
     before a call's first step, unless the same caches have met them for the same sampling setting already: the
     call's steps then compile and record nothing. A no-op unless ``engine``'s steps run compiled."""
-    key = (dataclasses.replace(params, max_new_tokens=1, stop=()), id(engine.cache))
+    caches = (engine.cache, *(c for d in engine.drafters.values() for c in d.caches()))
+    key = (dataclasses.replace(params, max_new_tokens=1, stop=()), *(c.serial for c in caches))
     if not engine.target.compiled or key in engine.settled:
         return
     menu, t0 = menu_of(engine), time.perf_counter()
@@ -129,26 +131,27 @@ def settle_target(
     target: TargetStep, decoder: nn.Module, head: nn.Module, cache: RowCache, menu: ShapeMenu, params: SamplingParams
 ) -> None:
     """Run ``target``'s plain step at every rows and extent of ``menu``, and its tree step for every tree there too,
-    on dummy inputs sampled with ``params`` (`fastgrpo.rollout.engine.RolloutEngine.settle`). They write finite
-    values into ``cache`` slots that every step overwrites before it reads them."""
+    as many times as a new shape runs before its graph replays (`TargetStep.warm_calls`), on dummy inputs sampled
+    with ``params`` (`fastgrpo.rollout.engine.RolloutEngine.settle`). They write finite values into ``cache`` slots
+    that every step overwrites before it reads them."""
     device, noise = cache.layers[0].keys.device, not params.greedy
-    for rows in menu.rows:
+    for rows, extent, _ in itertools.product(menu.rows, menu.extents, range(target.warm_calls(device))):
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
-        for extent in menu.extents:
-            uniforms = torch.zeros(rows, dtype=torch.float64, device=device) if noise else None
-            target.plain(decoder, head, cache, zeros, zeros + extent - 1, [extent - 1] * rows, uniforms, params)
-            for nodes, depth in menu.trees:
-                tree = star_tree(rows, nodes, depth, device)
-                uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=device) if noise else None
-                lengths = [extent - nodes] * rows
-                target.tree(decoder, head, cache, tree, zeros + extent - nodes, lengths, uniforms, params)
+        uniforms = torch.zeros(rows, dtype=torch.float64, device=device) if noise else None
+        target.plain(decoder, head, cache, zeros, zeros + extent - 1, [extent - 1] * rows, uniforms, params)
+        for nodes, depth in menu.trees:
+            tree = star_tree(rows, nodes, depth, device)
+            uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=device) if noise else None
+            lengths = [extent - nodes] * rows
+            target.tree(decoder, head, cache, tree, zeros + extent - nodes, lengths, uniforms, params)
 
 
 def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
     """``[rows, nodes]`` trees whose draft nodes are all children of the root, of acceptance depth ``levels``: the
-    shapes of a real tree of that size, for `settle_target`."""
+    shapes of a real tree of that size, with scores, for `settle_target` and the drafters' `Drafter.settle`."""
     index = torch.arange(nodes, device=device).expand(rows, nodes)
     parent = torch.where(index > 0, 0, -1)
     depth = (index > 0).long()
     ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
-    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels)
+    score = torch.zeros(rows, nodes, dtype=torch.float64, device=device)
+    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels, score)

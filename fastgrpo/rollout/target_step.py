@@ -115,6 +115,10 @@ class TargetStep:
         """Steps so far that compiled or warmed up a graph (`Compiled.cold_calls`)."""
         return self._plain.cold_calls + self._tree.cold_calls
 
+    def warm_calls(self, device: torch.device) -> int:
+        """Calls of a new shape before its graph replays (`Compiled.warm_calls`)."""
+        return self._plain.warm_calls(device)
+
     def rows(self, live: int) -> int:
         """The rows a step over ``live`` rows computes (and the caches must hold)."""
         return step_rows(live, self.compiled)

@@ -13,6 +13,7 @@ draft forward reads them all (the catch-up); plain steps therefore cost the draf
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,16 +22,20 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import SLOT_ALIGN, RowCache, aligned, read_slots
-from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket
+from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, map_tensors
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sequence import ActiveRows
-from fastgrpo.rollout.shape_menu import extent_buckets
-from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree
+from fastgrpo.rollout.shape_menu import depth_bucket, extent_buckets, star_tree
+from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree, merge_trees
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile
 
 NAME = "eagle"
+# Pending pairs per row a compiled proposal reads in its own graph, always this many columns (a row's unused ones cost
+# one draft layer's work on padding, one shape instead of several); a longer backlog, after a prompt or a run of plain
+# steps, is read by an eager catch-up first.
+CATCH_UP_WIDTH = 8
 
 
 @dataclass
@@ -79,6 +84,22 @@ class PendingPairs:
             [self.host_count[p] for p in order],
         )
 
+    def window(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, width]`` tokens and ``[B, width, H]`` hidden states of the first ``width`` columns (zeros past the
+        capacity), contiguous (a compiled graph guards on its inputs' strides)."""
+        missing = width - self.tokens.shape[1]
+        if missing <= 0:
+            return self.tokens[:, :width].contiguous(), self.hidden[:, :width].contiguous()
+        b, h = self.hidden.shape[0], self.hidden.shape[-1]
+        tokens = torch.cat([self.tokens, self.tokens.new_zeros(b, missing)], 1)
+        return tokens, torch.cat([self.hidden, self.hidden.new_zeros(b, missing, h)], 1)
+
+    def consumed(self, draft_len: torch.Tensor) -> None:
+        """The draft cache read every pending pair: it now fills ``draft_len`` ``[B]`` slots."""
+        self.draft_len, self.count = draft_len, torch.zeros_like(self.count)
+        self.host_len = [n + c for n, c in zip(self.host_len, self.host_count, strict=True)]
+        self.host_count = [0] * len(self.host_count)
+
     def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, host_count: list[int]) -> None:
         """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs
         (``host_count``: ``count`` on the host)."""
@@ -123,22 +144,22 @@ class EagleDrafter(Drafter):
         self.cache: RowCache | None = None
         self.state: PendingPairs | None = None  # the rows of the current call
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
-        self._expand = Compiled(expand_tree, backend)
+        self._step = Compiled(draft_step, backend)
 
     @property
     def compile_seconds(self) -> float:
         """Wall time of the expansions that compiled a graph."""
-        return self._expand.seconds
+        return self._step.seconds
 
     @property
     def compile_graphs(self) -> int:
         """Graphs the expansion compiled."""
-        return self._expand.graphs
+        return self._step.graphs
 
     @property
     def cold_calls(self) -> int:
         """Expansions that compiled or warmed up a graph."""
-        return self._expand.cold_calls
+        return self._step.cold_calls
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
@@ -158,7 +179,7 @@ class EagleDrafter(Drafter):
         if self.cache is None or not self.cache.holds(rows, need):
             self.cache = None  # freed before the new one is made
             param = next(self.model.parameters())
-            compiled = self._expand.compiled
+            compiled = self._step.compiled
             self.cache = RowCache(self.draft.body.config, rows, need, param.dtype, param.device, compiled)
         self.draft.forget_head_rows()  # the target's head may have changed since the last call
         weights = tuple((p.data_ptr(), p._version) for p in self.draft.parameters())
@@ -203,26 +224,57 @@ class EagleDrafter(Drafter):
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Read the pending pairs, then expand a tree of ``shape`` from each row's last one."""
+        return self._propose(rows, shape, None)
+
+    @property
+    def merges_inside(self) -> bool:
+        return self._step.compiled
+
+    def propose_merged(self, rows: ActiveRows, shape: TreeShape, earlier: Proposal) -> Proposal:
+        if not self._step.compiled:
+            return super().propose_merged(rows, shape, earlier)
+        return self._propose(rows, shape, earlier)
+
+    def _propose(self, rows: ActiveRows, shape: TreeShape, earlier: Proposal | None) -> Proposal:
+        """`propose`, merged with ``earlier`` when given (compiled only: eagerly the engine merges)."""
         t0 = time.perf_counter()
         state = self.state
         backlog = sum(state.host_count) / rows.size
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
-        root_hidden = self._catch_up(state, embed)
-        # After plain steps the catch-up also reads their tokens: that share is their cost, not this tree's.
-        backlog_seconds = (time.perf_counter() - t0) * max(0.0, 1.0 - (shape.max_levels + 1) / backlog)
-        longest = max(state.host_len)
-        row_inputs = (state.draft_len, rows.pending, root_hidden, rows.row_len)
-        if not self._expand.compiled:
-            tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, longest)
+        # The catch-up's share of pairs from plain steps is their cost, not this tree's.
+        share = max(0.0, 1.0 - (shape.max_levels + 1) / backlog)
+        if not self._step.compiled:
+            root_hidden = self._catch_up(state, embed)
+            backlog_seconds = (time.perf_counter() - t0) * share
+            row_inputs = (state.draft_len, rows.pending, root_hidden, rows.row_len)
+            tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, max(state.host_len))
             return Proposal(tree, shape.levels, backlog_seconds)
-        # compiled: rows padded to their bucket and the extents the levels read bucketed, as the target's steps are;
-        # the shape without its drafter's name (merged or alone, the expansion is the same)
-        padding = RowPadding(rows.size, root_hidden.device)
+        # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the
+        # trees and merges ``earlier``'s, over rows padded to their bucket and a bucketed extent, as the target's
+        # steps are; the shape without its drafter's name (merged or alone, the expansion is the same).
         shape = dataclasses.replace(shape, drafter="")
-        longest = extent_bucket(longest, self._expansion_slots(shape))
-        padded = (padding.pad(t) for t in row_inputs)
-        tree = self._expand(root_hidden.device, self.draft, embed, head, self.cache, *padded, shape, longest)
-        return Proposal(padding.cut(tree), shape.levels, backlog_seconds)
+        limit = self._expansion_slots(shape)
+        backlog_seconds = 0.0
+        if max(state.host_count) > CATCH_UP_WIDTH:  # a long backlog (the prompt, plain steps) read first
+            self._catch_up(state, embed, keep_last=True)
+            backlog_seconds = (time.perf_counter() - t0) * share
+        longest = extent_bucket(max(state.host_len) + CATCH_UP_WIDTH, limit)  # `cache_slots` leaves the room
+        padding = RowPadding(rows.size, rows.pending.device)
+        tokens, hidden = state.window(CATCH_UP_WIDTH)
+        inputs = (state.draft_len, tokens, hidden, state.count, rows.pending, rows.row_len)
+        padded = [padding.pad(t) for t in inputs]
+        other = None
+        if earlier is not None:  # its walk as deep as any kept node may be, whatever the drafter: one graph
+            other = map_tensors(padding.pad, dataclasses.replace(earlier.tree, levels=depth_bucket(shape.nodes - 1)))
+        tree, draft_len = self._step(
+            rows.pending.device, self.draft, embed, head, self.cache, *padded, shape, longest, other
+        )
+        state.consumed(padding.cut(draft_len))
+        proposal = Proposal(padding.cut(tree), shape.levels, backlog_seconds)
+        if earlier is not None:
+            proposal.forwards += earlier.forwards
+            proposal.backlog_seconds += earlier.backlog_seconds
+        return proposal
 
     def _expansion_slots(self, shape: TreeShape) -> int:
         """The draft cache's slots a row's context may fill before an expansion of ``shape`` (its levels after it),
@@ -230,40 +282,101 @@ class EagleDrafter(Drafter):
         `fastgrpo.rollout.cache.cache_slots`)."""
         return read_slots(self.cache.max_len - (shape.levels - 1) * shape.top_k) // SLOT_ALIGN * SLOT_ALIGN
 
+    def caches(self) -> tuple[RowCache, ...]:
+        return () if self.cache is None else (self.cache,)
+
     def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
-        """Expand a tree of every shape at every row count of ``rows`` and every extent bucket, from dummy roots."""
-        if not self._expand.compiled:
+        """Run the compiled proposal for every shape of ``shapes`` (merged with another drafter's tree where its
+        drafters are several), at every row count of ``rows`` and extent bucket, from dummy pairs, as many times as a
+        new shape runs before its graph replays."""
+        if not self._step.compiled:
             return
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         param = next(self.draft.parameters())
-        hidden_size = self.draft.body.config.hidden_size
-        for shape in {dataclasses.replace(s, drafter="") for s in shapes}:
-            for count in rows:
-                # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
-                inputs = [torch.zeros(count, dtype=torch.long, device=param.device) for _ in range(3)]
-                inputs.insert(2, torch.zeros(count, hidden_size, dtype=param.dtype, device=param.device))
-                for longest in extent_buckets(self._expansion_slots(shape)):
-                    self._expand(param.device, self.draft, embed, head, self.cache, *inputs, shape, longest)
+        dev, hidden_size = param.device, self.draft.body.config.hidden_size
+        warm = self._step.warm_calls(dev)  # calls of a new shape before its graph replays
+        kinds = {(dataclasses.replace(s, drafter=""), "+" in s.drafter) for s in shapes}
+        for (shape, merged), count in itertools.product(kinds, rows):
+            other = star_tree(count, shape.nodes, depth_bucket(shape.nodes - 1), dev) if merged else None
+            # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
+            draft_len, root, position = (torch.zeros(count, dtype=torch.long, device=dev) for _ in range(3))
+            tokens = torch.zeros(count, CATCH_UP_WIDTH, dtype=torch.long, device=dev)
+            hidden = torch.zeros(count, CATCH_UP_WIDTH, hidden_size, dtype=param.dtype, device=dev)
+            inputs = (draft_len, tokens, hidden, torch.ones_like(draft_len), root, position)
+            for longest, _ in itertools.product(extent_buckets(self._expansion_slots(shape)), range(warm)):
+                self._step(dev, self.draft, embed, head, self.cache, *inputs, shape, longest, other)
 
-    def _catch_up(self, state: PendingPairs, embed: nn.Module) -> torch.Tensor:
+    def _catch_up(self, state: PendingPairs, embed: nn.Module, keep_last: bool = False) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
-        (the root of the next tree)."""
-        width = max(state.host_count)
-        x = self.draft.features(embed(state.tokens[:, :width]), state.hidden[:, :width])
-        out = forward_chain(
-            self.draft.decoder,
+        (the root of the next tree). ``keep_last``: all but each row's last pair, which stays pending (the return
+        value is then meaningless)."""
+        read = [c - keep_last for c in state.host_count]
+        width = max(read)
+        count = state.count - int(keep_last)
+        root = catch_up(
+            self.draft,
+            embed,
             self.cache,
             state.draft_len,
-            inputs_embeds=x,
-            position_offset=1,
-            extent=max(state.host_len) + width,
+            state.tokens[:, :width],
+            state.hidden[:, :width],
+            count,
+            max(state.host_len) + width,
         )
-        root = out[torch.arange(out.shape[0], device=out.device), state.count - 1]
-        state.draft_len = state.draft_len + state.count
-        state.count = torch.zeros_like(state.count)
-        state.host_len = [n + c for n, c in zip(state.host_len, state.host_count, strict=True)]
-        state.host_count = [0] * len(state.host_count)
+        state.draft_len = state.draft_len + count
+        state.host_len = [n + c for n, c in zip(state.host_len, read, strict=True)]
+        if keep_last:  # each row's last pair to the first column
+            rows = torch.arange(count.shape[0], device=count.device)
+            state.tokens[:, 0], state.hidden[:, 0] = state.tokens[rows, count], state.hidden[rows, count]
+            state.count, state.host_count = torch.ones_like(count), [1] * len(read)
+        else:
+            state.count, state.host_count = torch.zeros_like(count), [0] * len(read)
         return root
+
+
+def catch_up(
+    draft: DraftHead,
+    embed: nn.Module,
+    cache: RowCache,
+    draft_len: torch.Tensor,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    count: torch.Tensor,
+    extent: int,
+) -> torch.Tensor:
+    """Feed each row's first ``count[b]`` pending pairs (``tokens`` ``[B, W]``, the target's hidden states before
+    them ``[B, W, H]``) into the draft cache after its ``draft_len`` ``[B]`` filled slots (the columns past
+    ``count[b]`` write slots that later pairs overwrite and no query reads), reading ``extent`` slots; returns
+    ``[B, H]`` the draft's output for each row's last pair read."""
+    x = draft.features(embed(tokens), hidden)
+    out = forward_chain(draft.decoder, cache, draft_len, inputs_embeds=x, position_offset=1, extent=extent)
+    return out[torch.arange(out.shape[0], device=out.device), count - 1]
+
+
+@torch.no_grad()
+def draft_step(
+    draft: DraftHead,
+    embed: nn.Module,
+    lm_head: nn.Module,
+    cache: RowCache,
+    draft_len: torch.Tensor,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    count: torch.Tensor,
+    root_token: torch.Tensor,
+    root_position: torch.Tensor,
+    shape: TreeShape,
+    longest: int,
+    other: DraftTree | None,
+) -> tuple[DraftTree, torch.Tensor]:
+    """A compiled proposal in one graph: `catch_up` the pending pairs (``tokens``, ``hidden``, ``count`` as there,
+    reading ``longest`` slots), `expand_tree` from each row's last one and, when ``other`` is given (``[B, N]`` trees
+    of another drafter), `merge_trees` this drafter's tree with it. Returns the tree and ``[B]`` the filled draft
+    slots after the catch-up."""
+    root_hidden = catch_up(draft, embed, cache, draft_len, tokens, hidden, count, longest)
+    draft_len = draft_len + count
+    tree = expand_tree(draft, embed, lm_head, cache, draft_len, root_token, root_hidden, root_position, shape, longest)
+    return (tree if other is None else merge_trees(tree, other, shape.nodes)), draft_len
 
 
 def _topk_logprobs(draft: DraftHead, lm_head: nn.Module, hidden: torch.Tensor, k: int):
