@@ -203,7 +203,7 @@ def test_compute_rewards_weighted_sum_and_metrics() -> None:
     total, metrics = compute_rewards(
         [gsm8k_strict, format_reward], [2.0, 0.5], prompts, completions, [[1], [2], [3]], rows
     )
-    assert total.dtype == torch.float32 and total.shape == (3,)
+    assert total.dtype == torch.float64 and total.shape == (3,)
     assert total.tolist() == [2.5, 0.0, 0.5]
     assert metrics["rewards/gsm8k_strict/mean"] == pytest.approx(1 / 3)
     assert metrics["rewards/gsm8k_strict/std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.0]).std().item())
