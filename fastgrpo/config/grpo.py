@@ -24,6 +24,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
@@ -67,6 +68,10 @@ class GRPOConfig:
         help="torch's CPU threads during training; 0: start from torch's count and run one fewer while another "
         "process competes for the cores, N: exactly N",
         valid=Range(0),
+    )
+    disable_dropout: bool = option(False, help="set every dropout probability of the policy to 0, as TRL")
+    cast_lm_head_to_fp32: bool = option(
+        False, help="the policy update's LM head computes in float32 (ScaleRL), as TRL (rollouts are not changed)"
     )
     check_memory: bool = option(
         True,
@@ -177,6 +182,43 @@ class GRPOConfig:
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize",
+        help="how several reward functions make one advantage, as TRL: the weighted sum, then the group baseline and "
+        "scale_rewards; or each function normalised within its group, then the weighted sum normalised over the batch "
+        "(GDPO)",
+        choices=AGGREGATIONS,
+    )
+    use_bias_correction_kl: bool = option(
+        True,
+        help="weigh the KL term by the (differentiable) importance ratio, so that its gradient is the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2), as TRL; with beta > 0 it changes the gradient, on-policy too",
+    )
+    top_entropy_quantile: float = option(
+        1.0,
+        help="keep in the policy loss only this top share of the step's completion tokens by entropy (Beyond the "
+        "80/20 Rule suggests 0.2; 1: all); ranked by the entropies of the policy the step starts from, all rows of "
+        "all processes together, from a pass without gradient before the update",
+        valid=Range(0, 1),
+    )
+    entropy_coef: float = option(
+        0.0,
+        help="an entropy bonus: the loss less this times the mean entropy of the step's trained tokens (the same "
+        "meaning for every loss_type); > 0 also trains the rows of advantage 0",
+        valid=Range(0),
+    )
+    off_policy_mask_threshold: float | None = option(
+        None,
+        help="DeepSeek-V3.2's off-policy sequence masking: a completion of negative advantage whose mean over its "
+        "tokens of the sampler's log-prob less the policy's is above this leaves the loss (None: off)",
+        valid=Range(0),
+    )
+    score_skipped_rows: bool = option(
+        True,
+        help="the rows of advantage 0, which the update skips (their loss and gradient are 0), go through the policy "
+        "without gradient, so that entropy and sampling/* cover every completion as TRL's do; false: those metrics "
+        "cover the rows trained, and the update runs no extra forward",
+    )
     # LoRA through peft
     use_peft: bool = option(False, help="train LoRA adapters instead of the whole policy")
     lora_r: int = option(16, help="LoRA rank", valid=Range(1))
@@ -204,7 +246,9 @@ class GRPOConfig:
         default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
     )
     log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
-    num_completions_to_print: int = option(2, help="sample completions printed each time", valid=Range(0))
+    num_completions_to_print: int | None = option(
+        2, help="sample completions printed each time (None: all, as TRL's default)", valid=Range(0)
+    )
     log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")
 
