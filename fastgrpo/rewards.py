@@ -168,6 +168,12 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
             funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
             funcs.append(_import_reward(spec))
+        elif isinstance(spec, str) and ("/" in spec or os.path.isdir(os.path.expanduser(spec))):
+            raise ValueError(
+                f"reward_funcs: {spec!r} names a model; reward models (TRL's sequence-classification reward_funcs) are "
+                "not supported yet: score with a reward function ('module.path:function', or a callable that runs "
+                "the model)"
+            )
         else:
             valid = ", ".join(REWARD_FUNCS)
             raise ValueError(f"unknown reward function {spec!r}; valid names: {valid} (or 'module.path:function')")

@@ -190,7 +190,8 @@ class PolicyUpdate:
         ``score_skipped_rows``); and the reference log-probs (when ``beta > 0``). Anything already set is kept."""
         cfg = self.config
         n = batch.completion_mask.shape[0]
-        trained = torch.cat(self.micro_batches(batch)) if n else torch.zeros(0, dtype=torch.long)
+        groups = self.micro_batches(batch)
+        trained = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
         every = cfg.num_iterations > 1 or cfg.top_entropy_quantile < 1
         if every:
             rows = torch.arange(n, device="cpu")

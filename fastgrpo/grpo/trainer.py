@@ -170,6 +170,8 @@ class GRPOTrainer:
             self.dist.world_size,
             config.seed,
             config.max_prompt_length,
+            config.shuffle_dataset,
+            config.chat_template_kwargs,
         )
         if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
             with distributed.main_first(self.dist):
