@@ -192,7 +192,7 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
         rewards, _ = compute_rewards(
             funcs, config.reward_weights, [r["prompt"] for r in part], texts, out.completion_ids, part
         )
-        total += float(rewards.sum())
+        total += float(rewards.nansum())  # a completion no function scores counts 0, as before
         n += len(part)
     return {"reward": total / n, "examples": n}
 

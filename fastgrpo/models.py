@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -211,16 +212,22 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[str | list[dict]], max_prompt_length: int
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str | list[dict]],
+    max_prompt_length: int,
+    chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[int]]:
-    """Token ids of prompts: chat message lists through the chat template (with the generation prompt),
-    plain strings as they are. Longer prompts keep their last ``max_prompt_length`` tokens, as TRL does."""
+    """Token ids of prompts: chat message lists through the chat template (with the generation prompt and
+    ``chat_template_kwargs``, TRL's option: ``enable_thinking`` for Qwen3-style templates), plain strings as they
+    are. Longer prompts keep their last ``max_prompt_length`` tokens, as TRL does."""
     out = []
     for prompt in prompts:
         if isinstance(prompt, str):
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         else:
-            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = tokenizer.apply_chat_template(
+                prompt, add_generation_prompt=True, tokenize=True, **(chat_template_kwargs or {})
+            )
             if not isinstance(ids, list):
                 ids = ids["input_ids"]
         out.append(list(ids[-max_prompt_length:]))

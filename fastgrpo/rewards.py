@@ -9,6 +9,7 @@ cannot score.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import importlib
 import inspect
@@ -18,6 +19,7 @@ import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -166,6 +168,12 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
             funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
             funcs.append(_import_reward(spec))
+        elif isinstance(spec, str) and ("/" in spec or os.path.isdir(os.path.expanduser(spec))):
+            raise ValueError(
+                f"reward_funcs: {spec!r} names a model; reward models (TRL's sequence-classification reward_funcs) are "
+                "not supported yet: score with a reward function ('module.path:function', or a callable that runs "
+                "the model)"
+            )
         else:
             valid = ", ".join(REWARD_FUNCS)
             raise ValueError(f"unknown reward function {spec!r}; valid names: {valid} (or 'module.path:function')")
@@ -200,14 +208,57 @@ def check_columns(funcs: Sequence[RewardFunc], rows: Sequence[dict[str, Any]], c
                     )
 
 
+@dataclass
+class TrainerState:
+    """What a reward function gets as TRL's ``trainer_state`` keyword argument (for rewards shaped by the training's
+    progress): the optimizer steps done so far and the run's last step."""
+
+    global_step: int
+    max_steps: int
+
+
+class RewardLog:
+    """TRL's ``log_metric(name, value)`` and ``log_extra(column, values)`` callbacks for reward functions: the values
+    given to ``log_metric`` during a step are averaged over the step (and over the processes) into its metrics, the
+    columns given to ``log_extra`` are printed beside the sample completions."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+        self.columns: dict[str, list[Any]] = {}
+
+    def log_metric(self, name: str, value: float) -> None:
+        self.values.setdefault(name, []).append(float(value))
+
+    def log_extra(self, column: str, values: list[Any]) -> None:
+        self.columns.setdefault(column, []).extend(values)
+
+    def keywords(self, state: TrainerState) -> dict[str, Any]:
+        """The keyword arguments TRL passes every reward function besides the batch's."""
+        return {"trainer_state": state, "log_metric": self.log_metric, "log_extra": self.log_extra}
+
+    def metrics(self) -> dict[str, float]:
+        """Each ``log_metric`` name's mean over the step's values of every process (the sum over the count)."""
+        from fastgrpo import distributed
+
+        parts = distributed.gather({name: (sum(v), len(v)) for name, v in self.values.items()})
+        totals: dict[str, list[float]] = {}
+        for part in parts:
+            for name, (total, count) in part.items():
+                totals.setdefault(name, [0.0, 0])
+                totals[name][0] += total
+                totals[name][1] += count
+        return {name: total / count for name, (total, count) in sorted(totals.items())}
+
+
 def reward_name(func: RewardFunc) -> str:
     """Name used in metrics: the function's ``__name__``, else its class name."""
     return getattr(func, "__name__", None) or type(func).__name__
 
 
 def _row_slice(batch: dict[str, Any], index: int) -> dict[str, Any]:
-    """Keyword arguments restricted to the row ``index`` (each list cut to one element)."""
-    return {key: None if value is None else value[index : index + 1] for key, value in batch.items()}
+    """Keyword arguments restricted to the row ``index`` (each list cut to one element; the trainer's state and the
+    logging callbacks are passed as they are)."""
+    return {key: value[index : index + 1] if isinstance(value, list) else value for key, value in batch.items()}
 
 
 def _row(prompts: Sequence[Any] | None, index: int) -> str:
@@ -255,7 +306,7 @@ def _failure(error: BaseException) -> str:
 
 
 def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None) -> torch.Tensor:
-    """Check a reward function's output and turn it into a float32 tensor with NaN for None (and for NaN, which
+    """Check a reward function's output and turn it into a float64 tensor with NaN for None (and for NaN, which
     TRL treats as None). An infinite reward is an error naming the function and the row: it would make every weight
     NaN at the next update."""
     if not isinstance(values, (list, tuple)) or len(values) != size:
@@ -271,31 +322,147 @@ def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None)
                 f"reward function {name!r} returned {value} for {_row(prompts, index)}; rewards must be finite "
                 "numbers, or None for a row the function cannot score. The run stopped before this step's update."
             )
-    return torch.tensor(floats, dtype=torch.float32, device="cpu")
+    return torch.tensor(floats, dtype=torch.float64, device="cpu")
 
 
 def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:
-    """Mean and (unbiased) standard deviation over the non-NaN entries; NaN when there are none."""
+    """Mean and (unbiased) standard deviation over the non-NaN entries, as TRL's ``nanmean`` and ``nanstd``: NaN
+    when there are none (the std also with one)."""
     valid = values[~torch.isnan(values)]
     if valid.numel() == 0:
         return math.nan, math.nan
-    std = valid.std().item() if valid.numel() > 1 else 0.0
+    std = valid.std().item() if valid.numel() > 1 else math.nan
     return valid.mean().item(), std
+
+
+def function_metrics(per_func: torch.Tensor, names: Sequence[str]) -> dict[str, float]:
+    """``rewards/<name>/mean`` and ``rewards/<name>/std`` of each column of ``per_func`` (``[N, F]``), over the rows
+    its function scored (NaN where it scored none)."""
+    metrics: dict[str, float] = {}
+    for name, values in zip(names, per_func.unbind(dim=1), strict=True):
+        metrics[f"rewards/{name}/mean"], metrics[f"rewards/{name}/std"] = _nan_mean_std(values)
+    return metrics
 
 
 def _resolve_weights(weights: Sequence[float] | None, count: int) -> torch.Tensor:
     """Weights as a tensor; None means 1.0 for every reward function."""
     if weights is None:
-        return torch.ones(count, device="cpu")
+        return torch.ones(count, dtype=torch.float64, device="cpu")
     if len(weights) != count:
         raise ValueError(f"got {len(weights)} reward weights for {count} reward functions")
-    return torch.tensor([float(weight) for weight in weights], dtype=torch.float32, device="cpu")
+    return torch.tensor([float(weight) for weight in weights], dtype=torch.float64, device="cpu")
 
 
 def _columns(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
     """Every column except ``prompt`` as a list aligned with ``rows`` (None where a row lacks it)."""
     keys = dict.fromkeys(key for row in rows for key in row if key != "prompt")
     return {key: [row.get(key) for row in rows] for key in keys}
+
+
+def is_async(func: RewardFunc) -> bool:
+    """Whether calling ``func`` returns a coroutine (an ``async def`` function, or an object whose ``__call__`` is
+    one), as TRL's async reward functions."""
+    return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
+
+
+def _call_all(funcs: Sequence[RewardFunc], batch: dict[str, Any], size: int) -> list[Any]:
+    """Every function's output on ``batch``: the synchronous ones one after another, then the async ones
+    concurrently (``asyncio.gather`` in an event loop of their own, as TRL runs them). A failing async function is
+    named with its first failing row as a synchronous one is (`_call_reward`)."""
+    outputs: list[Any] = [None] * len(funcs)
+    waiting = []
+    for i, func in enumerate(funcs):
+        if is_async(func):
+            waiting.append(i)
+        else:
+            outputs[i] = _call_reward(func, batch, size)
+    if waiting:
+
+        async def run(i: int) -> Any:
+            try:
+                return await funcs[i](**batch)
+            except (Exception, SystemExit):
+                return _CallFailed()
+
+        async def run_all() -> list[Any]:
+            return await asyncio.gather(*(run(i) for i in waiting))
+
+        for i, output in zip(waiting, asyncio.run(run_all()), strict=True):
+            if isinstance(output, _CallFailed):  # called again one row at a time, to name the row that fails
+                output = _call_reward(_synchronous(funcs[i]), batch, size)
+            outputs[i] = output
+    return outputs
+
+
+class _CallFailed:
+    """The result of an async reward function that raised on the whole batch."""
+
+
+def _synchronous(func: RewardFunc) -> RewardFunc:
+    """An async reward function as a synchronous one (each call runs to completion), named as it is."""
+
+    @functools.wraps(func)
+    def call(**kwargs: Any) -> Any:
+        return asyncio.run(func(**kwargs))
+
+    call.__name__ = reward_name(func)
+    return call
+
+
+def reward_matrix(
+    funcs: Sequence[RewardFunc],
+    prompts: Sequence[Any] | None,
+    completions: Sequence[Any],
+    completion_ids: Sequence[Any] | None,
+    rows: Sequence[dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Score completions with every reward function.
+
+    Each function is called with ``prompts``, ``completions``, ``completion_ids``, every dataset column but
+    ``prompt`` (`_columns`) and ``extra`` (the trainer passes TRL's ``trainer_state``, ``log_metric`` and
+    ``log_extra``). Returns the ``[len(completions), len(funcs)]`` float64 rewards, NaN where a function returned
+    None (or NaN), and the metrics ``rewards/<name>/mean`` and ``rewards/<name>/std`` over the rows each function
+    scored (as TRL's). A completion that no function scores is warned about, naming the functions and its row.
+    """
+    if not funcs:
+        raise ValueError("at least one reward function is needed")
+    size = len(completions)
+    for label, values in (("prompts", prompts), ("completion_ids", completion_ids), ("rows", rows)):
+        if values is not None and len(values) != size:
+            raise ValueError(f"got {len(values)} {label} for {size} completions")
+    batch = {
+        "prompts": prompts,
+        "completions": completions,
+        "completion_ids": completion_ids,
+        **_columns(rows),
+        **(extra or {}),
+    }
+    outputs = _call_all(funcs, batch, size)
+    names = [reward_name(f) for f in funcs]
+    per_func = torch.stack(
+        [_as_tensor(name, output, size, prompts) for name, output in zip(names, outputs, strict=True)], dim=1
+    )
+    unscored = torch.isnan(per_func).all(dim=1)
+    if unscored.any():
+        first = int(unscored.nonzero()[0])
+        logger.warning(
+            "%d of %d completions got no reward from any reward function (%s returned None or NaN; the first is %s); "
+            "as in TRL, their reward is NaN, left out of their group's mean and std, and their advantage is 0",
+            int(unscored.sum()),
+            size,
+            ", ".join(repr(name) for name in names),
+            _row(prompts, first),
+        )
+    return per_func, function_metrics(per_func, names)
+
+
+def weighted_rewards(per_func: torch.Tensor, weights: Sequence[float] | None) -> torch.Tensor:
+    """The weighted sum of each row's rewards (``per_func`` ``[N, F]`` -> ``[N]``, float64): a None reward counts as
+    0 in the sum (TRL's ``nansum``), and a row that no function scored is NaN."""
+    weight_tensor = _resolve_weights(weights, per_func.shape[1]).to(per_func.dtype)
+    total = (per_func * weight_tensor.unsqueeze(0)).nansum(dim=1)
+    return total.masked_fill(torch.isnan(per_func).all(dim=1), math.nan)
 
 
 def compute_rewards(
@@ -305,39 +472,14 @@ def compute_rewards(
     completions: Sequence[Any],
     completion_ids: Sequence[Any] | None,
     rows: Sequence[dict[str, Any]],
+    extra: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Score completions with every reward function and combine them.
+    """Score completions with every reward function and combine them (`reward_matrix`, `weighted_rewards`).
 
-    Returns the weighted sum per completion (float32, shape ``[len(completions)]``; a None reward counts
-    as 0 in the sum, as TRL's ``nansum``) and the metrics ``rewards/<name>/mean`` and ``rewards/<name>/std``
-    computed over the rows each function could score.
+    Returns the weighted sum per completion (float64, shape ``[len(completions)]``; a None reward counts as 0 in the
+    sum, as TRL's ``nansum``, and a completion no function scores is NaN) and the metrics ``rewards/<name>/mean`` and
+    ``rewards/<name>/std`` computed over the rows each function could score.
     """
-    if not funcs:
-        raise ValueError("at least one reward function is needed")
-    size = len(completions)
-    for label, values in (("prompts", prompts), ("completion_ids", completion_ids), ("rows", rows)):
-        if values is not None and len(values) != size:
-            raise ValueError(f"got {len(values)} {label} for {size} completions")
-    weight_tensor = _resolve_weights(weights, len(funcs))
-    batch = {
-        "prompts": prompts,
-        "completions": completions,
-        "completion_ids": completion_ids,
-        **_columns(rows),
-    }
-    per_func = torch.stack([_as_tensor(reward_name(f), _call_reward(f, batch, size), size, prompts) for f in funcs])
-    unscored = int(torch.isnan(per_func).all(dim=0).sum())
-    if unscored:
-        logger.warning(
-            "%d of %d completions got no reward from any reward function (all returned None or NaN); as in TRL, "
-            "they count as reward 0",
-            unscored,
-            size,
-        )
-    total = (per_func * weight_tensor.unsqueeze(1)).nansum(dim=0)
-    metrics: dict[str, float] = {}
-    for func, values in zip(funcs, per_func, strict=True):
-        mean, std = _nan_mean_std(values)
-        metrics[f"rewards/{reward_name(func)}/mean"] = mean
-        metrics[f"rewards/{reward_name(func)}/std"] = std
-    return total, metrics
+    _resolve_weights(weights, len(funcs))  # refused before any function runs
+    per_func, metrics = reward_matrix(funcs, prompts, completions, completion_ids, rows, extra)
+    return weighted_rewards(per_func, weights), metrics

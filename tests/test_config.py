@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import save_tiny_llama
 from test_bad_inputs import refused
 
 from fastgrpo.cli import main
@@ -295,3 +298,54 @@ def test_the_context_of_a_lora_checkpoint_is_its_base_models(tiny_model_dir: Pat
     (tmp_path / "adapter_config.json").write_text("{}")
     with pytest.raises(ValueError, match="adapter_config.json names no base model"):
         read_model_config(str(tmp_path))
+
+
+# -- TRL's GRPOConfig -------------------------------------------------------------------------------------------------
+
+TRL_EXAMPLE = Path(__file__).resolve().parent.parent / "configs" / "trl_example.yaml"
+
+
+def test_trls_names_are_fastgrpos_options_from_yaml_the_command_line_and_the_constructor() -> None:
+    config = load_config(TRL_EXAMPLE, ["--vllm_importance_sampling_clip_max", "2.5"])
+    assert config.importance_sampling_correction and config.importance_sampling_mode == "sequence_mask"
+    assert config.importance_sampling_clip_max == 2.5 == config.vllm_importance_sampling_clip_max
+    assert config.top_entropy_quantile == 0.2 and config.use_bias_correction_kl
+    assert config.chat_template_kwargs == {"enable_thinking": False} and config.disable_dropout
+    made = GRPOConfig(vllm_importance_sampling_mode="token_mask", vllm_importance_sampling_clip_min=0.5)
+    assert made.importance_sampling_mode == "token_mask" and made.importance_sampling_clip_min == 0.5
+    with pytest.raises(ValueError, match="--vllm_importance_sampling_mode and --importance_sampling_mode are one"):
+        load_config(None, ["--vllm_importance_sampling_mode", "token_mask", "--importance_sampling_mode", "token_mask"])
+
+
+def test_trl_options_fastgrpo_lacks_are_refused_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
+    """At TRL's values that change nothing they are accepted (the example holds some); at any other, each is named in
+    a line of its own saying what fastgrpo does instead, before any model loads."""
+    argv = ["train", "--config", str(TRL_EXAMPLE), "--use_vllm", "true", "--repetition_penalty", "1.1"]
+    lines = refused(capsys, *argv, "--steps_per_generation", "4", "--vllm_mode", "server").strip().splitlines()
+    assert len(lines) == 4, lines
+    for key, why in [
+        ("use_vllm", "own lossless speculative engine"),
+        ("repetition_penalty", "refused rather than made lossy"),
+        ("steps_per_generation", "trains on it num_iterations times"),
+        ("vllm_mode", "a vLLM option"),
+    ]:
+        assert any(key in line and why in line for line in lines), (key, lines)
+    assert "a transformers TrainingArguments option" in refused(capsys, *argv[:3], "--push_to_hub", "true")
+    message = refused(capsys, *argv[:3], "--reward_funcs", "[accuracy, OpenAssistant/reward-model-deberta-v3-large-v2]")
+    assert "reward_funcs: 'OpenAssistant/reward-model-deberta-v3-large-v2' names a model" in message
+
+
+def test_the_trl_example_config_runs(tmp_path: Path) -> None:
+    """configs/trl_example.yaml trains as it is (only sized down to a tiny model and step here), and the step's
+    metrics hold TRL's figures."""
+    model_dir = save_tiny_llama(tmp_path / "tiny", seed=0, tie_word_embeddings=True)
+    out = tmp_path / "run"
+    sizes = {"model": str(model_dir), "max_steps": 1, "save_steps": 1, "output_dir": str(out), "progress_bar": False}
+    sizes |= {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+    sizes |= {"num_generations": 4, "max_completion_length": 8, "log_completions": False}
+    sizes["mask_truncated_completions"] = False  # a random tiny model's 8 tokens are all cut: none would be trained
+    main(["train", "--config", str(TRL_EXAMPLE), *[f"--{k}={v}" for k, v in sizes.items()]])
+    metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    for name in ("reward_std", "frac_group_zero_std", "clip_ratio/low_min", "clip_ratio/high_max", "entropy"):
+        assert math.isfinite(metrics[name]), name
+    assert "sampling/importance_sampling_ratio/mean" in metrics

@@ -112,10 +112,20 @@ def test_grpo_loss_clip_metrics() -> None:
     # High: ratio > 1.2 with A > 0 -> row 0 token 0 only. Out of 5 real tokens.
     logps, old, adv, mask = _inputs()
     _, metrics = grpo_loss(logps, old, adv, mask, loss_type="bnpo", epsilon=0.2)
-    assert set(metrics) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"}
+    # The extremes over completions of each one's share: row 0 has no low-clipped token (0 of 3), row 1 one of 2;
+    # row 0 one high-clipped token of 3, row 1 none.
+    assert set(metrics) == {
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "clip_ratio/low_min",
+        "clip_ratio/high_max",
+    }
     _assert_scalar(metrics["clip_ratio/low_mean"], 1 / 5)
     _assert_scalar(metrics["clip_ratio/high_mean"], 1 / 5)
     _assert_scalar(metrics["clip_ratio/region_mean"], 2 / 5)
+    _assert_scalar(metrics["clip_ratio/low_min"], 0.0)
+    _assert_scalar(metrics["clip_ratio/high_max"], 1 / 3)
     assert all(not value.requires_grad for value in metrics.values())
 
 
@@ -137,11 +147,15 @@ def test_grpo_loss_kl_term() -> None:
     ln2, ln3 = math.log(2), math.log(3)
     delta = torch.tensor([[0.0, ln2, -ln2], [ln3, 0.0, 5.0]], dtype=F64)
     kl_sum = 0.0 + (2 - ln2 - 1) + (0.5 + ln2 - 1) + (3 - ln3 - 1) + 0.0
-    loss, metrics = grpo_loss(
-        logps, old, adv, mask, loss_type="bnpo", epsilon=0.2, beta=0.1, ref_logps=logps.detach() + delta
-    )
+    options = {"loss_type": "bnpo", "epsilon": 0.2, "beta": 0.1, "ref_logps": logps.detach() + delta}
+    loss, metrics = grpo_loss(logps, old, adv, mask, use_bias_correction_kl=False, **options)
     _assert_scalar(loss, (MASKED_SUM + 0.1 * kl_sum) / 5)
     _assert_scalar(metrics["kl"], kl_sum / 5)
+    # TRL's default use_bias_correction_kl weighs each token's KL by its ratio (RATIOS): 1.0, 0.5 and 0.7 here.
+    weighted = 1.0 * (2 - ln2 - 1) + 0.5 * (0.5 + ln2 - 1) + 0.7 * (3 - ln3 - 1)
+    loss, metrics = grpo_loss(logps, old, adv, mask, **options)
+    _assert_scalar(loss, (MASKED_SUM + 0.1 * weighted) / 5)
+    _assert_scalar(metrics["kl"], weighted / 5)
 
 
 def test_dapo_micro_batches_sum_to_global_token_mean() -> None:

@@ -203,7 +203,7 @@ def test_compute_rewards_weighted_sum_and_metrics() -> None:
     total, metrics = compute_rewards(
         [gsm8k_strict, format_reward], [2.0, 0.5], prompts, completions, [[1], [2], [3]], rows
     )
-    assert total.dtype == torch.float32 and total.shape == (3,)
+    assert total.dtype == torch.float64 and total.shape == (3,)
     assert total.tolist() == [2.5, 0.0, 0.5]
     assert metrics["rewards/gsm8k_strict/mean"] == pytest.approx(1 / 3)
     assert metrics["rewards/gsm8k_strict/std"] == pytest.approx(torch.tensor([1.0, 0.0, 0.0]).std().item())
@@ -292,3 +292,50 @@ def test_raising_reward_on_whole_batch_only() -> None:
     with pytest.raises(RuntimeError, match="'batch_only' failed on a batch of 2 completions") as info:
         compute_rewards([batch_only], None, None, ["a", "b"], None, _rows(["1", "2"]))
     assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_async_reward_functions_run_concurrently_and_get_trls_keywords() -> None:
+    """Two async functions each wait for the other (run one after the other, the first would time out); every
+    function gets TRL's trainer_state, log_metric and log_extra, and what it logs is kept."""
+    import asyncio
+
+    from fastgrpo.rewards import RewardLog, TrainerState, reward_matrix
+
+    started: dict[str, asyncio.Event] = {}
+
+    async def waiting(name: str, other: str, completions: list) -> list[float]:
+        started.setdefault(name, asyncio.Event()).set()
+        await asyncio.wait_for(started.setdefault(other, asyncio.Event()).wait(), timeout=5)
+        return [1.0] * len(completions)
+
+    async def first(completions: list, **kwargs: object) -> list[float]:
+        return await waiting("first", "second", completions)
+
+    async def second(completions: list, **kwargs: object) -> list[float]:
+        return await waiting("second", "first", completions)
+
+    def shaped(completions: list, trainer_state: TrainerState, log_metric, log_extra, **kwargs) -> list[float | None]:
+        log_metric("shaped/progress", trainer_state.global_step / trainer_state.max_steps)
+        log_extra("why", ["short", "long"])
+        return [None, 0.5]
+
+    log = RewardLog()
+    extra = log.keywords(TrainerState(global_step=3, max_steps=12))
+    per_func, metrics = reward_matrix([first, second, shaped], ["p", "q"], ["a", "b"], None, [{}, {}], extra)
+    assert per_func[:, :2].tolist() == [[1.0, 1.0], [1.0, 1.0]] and math.isnan(per_func[0, 2])
+    assert metrics["rewards/shaped/mean"] == 0.5 and math.isnan(metrics["rewards/shaped/std"])  # TRL's nanstd of one
+    assert log.metrics() == {"shaped/progress": 0.25} and log.columns == {"why": ["short", "long"]}
+
+
+def test_a_completion_no_function_scores_is_nan_and_warned_about_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    def never(completions: list, **kwargs: object) -> list[float | None]:
+        return [None] * len(completions)
+
+    def partial(completions: list, **kwargs: object) -> list[float | None]:
+        return [1.0, None]
+
+    with caplog.at_level("WARNING", logger="fastgrpo.rewards"):
+        total, _ = compute_rewards([never, partial], [1.0, 2.0], ["p0", "p1"], ["a", "b"], None, [{}, {}])
+    assert total[0] == 2.0 and math.isnan(total[1])
+    assert "1 of 2 completions got no reward from any reward function ('never', 'partial'" in caplog.text
+    assert "the first is row 1 (prompt: 'p1')" in caplog.text

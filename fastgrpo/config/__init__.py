@@ -17,6 +17,7 @@ from fastgrpo.config.files import (
     yaml_value,
 )
 from fastgrpo.config.grpo import (
+    AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
     IMPORTANCE_SAMPLING_MODES,
     LOSS_TYPES,
@@ -31,6 +32,7 @@ from fastgrpo.config.speculation import (
 )
 
 __all__ = [
+    "AGGREGATIONS",
     "COMMANDS",
     "IMPORTANCE_SAMPLING_LEVELS",
     "IMPORTANCE_SAMPLING_MODES",

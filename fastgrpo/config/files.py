@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from fastgrpo.config.grpo import GRPOConfig
+from fastgrpo.config.grpo import TRL_REFUSED, GRPOConfig, trl_refusal
 from fastgrpo.paths import read_text
 
 
@@ -85,6 +85,10 @@ def _coerce(name: str, value: Any, annotation: Any) -> Any:
             except ValueError as e:
                 errors.append(str(e))
         raise ValueError(errors[0])
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping, got {value!r}")
+        return value
     if origin is list:
         if isinstance(value, str | int | float):
             value = [value]
@@ -198,6 +202,7 @@ def parse_overrides(args: list[str], classes: tuple[type, ...] | None = None) ->
     aliases = {alias: name for cls in classes or () for alias, name in getattr(cls, "ALIASES", {}).items()}
     out: dict[str, Any] = {}
     given: set[str] = set()
+    spelled: dict[str, str] = {}  # each option's name as typed (TRL's or fastgrpo's)
     i = 0
     while i < len(args):
         arg = args[i]
@@ -212,7 +217,11 @@ def parse_overrides(args: list[str], classes: tuple[type, ...] | None = None) ->
             key, raw = arg[2:], args[i + 1]
             i += 2
         name = key.replace("-", "_")
-        name = aliases.get(name, name)
+        typed, name = name, aliases.get(name, name)
+        if spelled.setdefault(name, typed) != typed:
+            raise ValueError(
+                f"--{spelled[name]} and --{typed} are one option (TRL's name and fastgrpo's): give one of them"
+            )
         annotation = _annotation(classes, name) if classes else None
         value = _command_line_value(key, raw, annotation)
         node = out
@@ -266,16 +275,71 @@ def build_options(
     ``values`` that does not apply (a class's ``check_given``) with its name."""
     owner = {f.name: cls for cls in reversed(classes) for f in dataclasses.fields(cls)}
     parts: dict[type, dict[str, Any]] = {cls: {} for cls in classes}
+    values = _trl_names(classes, values)
     for key, value in _merge(defaults or {}, values).items():
         if key not in owner:
             close = difflib.get_close_matches(key, owner, n=1)
-            raise ValueError(f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else ""))
+            raise ValueError(
+                f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else "") + _training_argument(key)
+            )
         parts[owner[key]][key] = value
     built = tuple(_build(cls, parts[cls]) for cls in classes)
     for options in built:
         options.validate()
         _check_given(options, values)
     return built
+
+
+def _trl_names(classes: tuple[type, ...], values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, and TRL's options that
+    fastgrpo lacks dropped where their value changes nothing (`trl_refusal`); those set to anything else are refused
+    together, one line each that names it and says what fastgrpo does instead. ``steps_per_generation`` equal to
+    ``gradient_accumulation_steps`` and ``generation_batch_size`` equal to ``per_device_train_batch_size x
+    gradient_accumulation_steps`` are what fastgrpo does, and accepted."""
+    if GRPOConfig not in classes:
+        return values
+    out = _canonical_names(classes, values)
+    defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
+    steps = out.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+    per_device = out.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+    fits = {"steps_per_generation": (None, steps), "generation_batch_size": (None, steps * per_device)}
+    refused = []
+    for key in [k for k in out if k in TRL_REFUSED]:
+        line = None if key in fits and out[key] in fits[key] else trl_refusal(key, out[key])
+        if line is not None:
+            refused.append(line)
+        del out[key]
+    if refused:  # every one at once, one line each
+        raise ValueError("\n".join(refused))
+    return out
+
+
+def _canonical_names(classes: tuple[type, ...] | None, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (one source: a file, or the command line) with the classes' ``ALIASES`` replaced by the names they
+    stand for; giving both names of one option is refused."""
+    aliases = {a: n for cls in classes or () for a, n in getattr(cls, "ALIASES", {}).items()}
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        name = aliases.get(key, key)
+        if name != key and name in values:
+            raise ValueError(f"{key} and {name} are one option (TRL's name and fastgrpo's): give one of them")
+        out[name] = value
+    return out
+
+
+def _training_argument(key: str) -> str:
+    """Why an unknown option ``key`` that is one of transformers' ``TrainingArguments`` is not read (empty for any
+    other)."""
+    try:
+        from transformers import TrainingArguments
+    except ImportError:
+        return ""
+    if key in {f.name for f in dataclasses.fields(TrainingArguments)}:
+        return (
+            ": a transformers TrainingArguments option that fastgrpo's own training loop does not read (its options: "
+            "docs/options.md)"
+        )
+    return ""
 
 
 def _check_given(options: Any, given: dict[str, Any]) -> None:
@@ -313,7 +377,7 @@ def read_options(
             raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a mapping of options")
-    return _merge(values, parse_overrides(overrides or [], classes))
+    return _merge(_canonical_names(classes, values), parse_overrides(overrides or [], classes))
 
 
 def config_to_dict(config: GRPOConfig) -> dict[str, Any]:
@@ -367,6 +431,51 @@ def _table(rows: list[tuple[str, str, Any, str]]) -> list[str]:
     return lines
 
 
+def _trl_section() -> list[str]:
+    """The page's section on TRL 1.16's ``GRPOConfig``: its names fastgrpo reads as its own, the metrics, and its
+    options fastgrpo lacks (ignored at the values that change nothing, refused in one line at any other)."""
+    lines = [
+        "",
+        "## TRL's GRPOConfig",
+        "",
+        "A TRL 1.16 config runs as it is where fastgrpo has its options (the table above: same names, defaults where",
+        "the table does not say otherwise, same meaning). TRL's names "
+        + ", ".join(f"`{a}`" for a in GRPOConfig.ALIASES)
+        + " are read as "
+        + ", ".join(f"`{n}`" for n in GRPOConfig.ALIASES.values())
+        + " (one option, two names; TRL's default for the correction is true, fastgrpo's false, because its",
+        "sampler shares the policy's weights). Reward functions are called as TRL calls them, with `trainer_state`",
+        "(`global_step`, `max_steps`), `log_metric(name, value)` (averaged into the step's metrics) and",
+        "`log_extra(column, values)` (printed with the sample completions); `async def` ones run concurrently.",
+        "",
+        "Metrics have TRL's definitions: `reward` and `reward_std` over the whole batch's scored completions (one no",
+        "function scores has reward NaN, is left out of its group's mean and std and gets advantage 0),",
+        "`frac_reward_zero_std` from the std that scales the advantages (with `scale_rewards: batch` the batch's: 0 or",
+        "1); `clip_ratio/*` (with `low_min`, `high_max`), `cispo_clip_ratio`, `kl` and `entropy` over every completion",
+        "of the step (at sequence level empty ones included), the rows of advantage 0 that the update skips too (see",
+        "`score_skipped_rows`), averaged over `num_iterations`; `sampling/*` over the step's batch. TRL averages its",
+        "micro-batches' shares (of rows it shuffles), fastgrpo logs the step's: equal with one micro-batch, the same",
+        "in expectation otherwise. fastgrpo's own figures beside them: `group_reward_std` (the mean of the groups'",
+        "stds) and `frac_group_zero_std` (the share of groups whose rewards do not vary, which teach nothing, whatever",
+        "`scale_rewards` is).",
+        "",
+        "TRL's options that fastgrpo does not have are accepted at the values listed (they change nothing) and refused",
+        "in one line at any other; an option of transformers' `TrainingArguments` that is not above is refused as",
+        "unknown, saying so.",
+        "",
+        "| TRL option | accepted | why any other value is refused |",
+        "|---|---|---|",
+    ]
+    fits = {
+        "steps_per_generation": "null, gradient_accumulation_steps",
+        "generation_batch_size": "null, per_device_train_batch_size x gradient_accumulation_steps",
+    }
+    for key, (accepted, reason) in TRL_REFUSED.items():
+        ok = fits.get(key) or (", ".join(yaml_value(v) for v in accepted) if accepted else "(none)")
+        lines.append(f"| `{key}` | {ok} | {reason} |")
+    return lines
+
+
 def options_markdown() -> str:
     """The option reference, ``docs/options.md``: ``python -m fastgrpo.config > docs/options.md`` writes it."""
     from fastgrpo.config.commands import COMMANDS
@@ -382,6 +491,7 @@ def options_markdown() -> str:
         "This page is generated from the option dataclasses by `python -m fastgrpo.config > docs/options.md`.",
         "",
         *_table(option_rows()),
+        *_trl_section(),
     ]
     train = {row[0]: row for row in option_rows()}
     for command, classes in COMMANDS.items():

@@ -8,7 +8,7 @@ import importlib.util
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
@@ -24,6 +24,7 @@ SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
 
 
 @dataclass
@@ -33,6 +34,14 @@ class GRPOConfig:
     Each optimizer step samples ``per_device_train_batch_size * gradient_accumulation_steps`` completions,
     ``num_generations`` per prompt, and trains on them in ``gradient_accumulation_steps`` micro-batches.
     """
+
+    # TRL's names of options that fastgrpo names otherwise: read from YAML, the command line and the constructor
+    ALIASES: ClassVar[dict[str, str]] = {
+        "vllm_importance_sampling_correction": "importance_sampling_correction",
+        "vllm_importance_sampling_mode": "importance_sampling_mode",
+        "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
+        "vllm_importance_sampling_clip_max": "importance_sampling_clip_max",
+    }
 
     # model
     model: str = option(
@@ -68,6 +77,10 @@ class GRPOConfig:
         "process competes for the cores, N: exactly N",
         valid=Range(0),
     )
+    disable_dropout: bool = option(False, help="set every dropout probability of the policy to 0, as TRL")
+    cast_lm_head_to_fp32: bool = option(
+        False, help="the policy update's LM head computes in float32 (ScaleRL), as TRL (rollouts are not changed)"
+    )
     check_memory: bool = option(
         True,
         help="on a GPU, refuse to start when the estimated peak memory exceeds the free memory, naming the options "
@@ -80,6 +93,14 @@ class GRPOConfig:
         help="built-in names (`accuracy`, `gsm8k_strict`, `math_accuracy`, `format`) or `module:function`",
     )
     reward_weights: list[float] | None = option(None, help="one weight per reward function (None: all 1)")
+    shuffle_dataset: bool = option(
+        True, help="draw the prompts in a seeded random order, epoch by epoch (false: in the dataset's order)"
+    )
+    chat_template_kwargs: dict[str, Any] | None = option(
+        None,
+        help="keyword arguments of the tokenizer's apply_chat_template for chat prompts, as TRL "
+        "(`{enable_thinking: false}` for Qwen3-style templates)",
+    )
     # generation
     num_generations: int = option(8, help="completions sampled per prompt (the group)", valid=Range(2))
     max_prompt_length: int = option(512, help="longer prompts keep their last tokens", valid=Range(1))
@@ -177,6 +198,43 @@ class GRPOConfig:
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize",
+        help="how several reward functions make one advantage, as TRL: the weighted sum, then the group baseline and "
+        "scale_rewards; or each function normalised within its group, then the weighted sum normalised over the batch "
+        "(GDPO)",
+        choices=AGGREGATIONS,
+    )
+    use_bias_correction_kl: bool = option(
+        True,
+        help="weigh the KL term by the (differentiable) importance ratio, so that its gradient is the unbiased "
+        "reverse-KL gradient (DeepSeek-V3.2), as TRL; with beta > 0 it changes the gradient, on-policy too",
+    )
+    top_entropy_quantile: float = option(
+        1.0,
+        help="keep in the policy loss only this top share of the step's completion tokens by entropy (Beyond the "
+        "80/20 Rule suggests 0.2; 1: all); ranked by the entropies of the policy the step starts from, all rows of "
+        "all processes together, from a pass without gradient before the update",
+        valid=Range(0, 1),
+    )
+    entropy_coef: float = option(
+        0.0,
+        help="an entropy bonus: the loss less this times the mean entropy of the step's trained tokens (the same "
+        "meaning for every loss_type); > 0 also trains the rows of advantage 0",
+        valid=Range(0),
+    )
+    off_policy_mask_threshold: float | None = option(
+        None,
+        help="DeepSeek-V3.2's off-policy sequence masking: a completion of negative advantage whose mean over its "
+        "tokens of the sampler's log-prob less the policy's is above this leaves the loss (None: off)",
+        valid=Range(0),
+    )
+    score_skipped_rows: bool = option(
+        True,
+        help="the rows of advantage 0, which the update skips (their loss and gradient are 0), go through the policy "
+        "without gradient, so that entropy and sampling/* cover every completion as TRL's do; false: those metrics "
+        "cover the rows trained, and the update runs no extra forward",
+    )
     # LoRA through peft
     use_peft: bool = option(False, help="train LoRA adapters instead of the whole policy")
     lora_r: int = option(16, help="LoRA rank", valid=Range(1))
@@ -204,7 +262,9 @@ class GRPOConfig:
         default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
     )
     log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
-    num_completions_to_print: int = option(2, help="sample completions printed each time", valid=Range(0))
+    num_completions_to_print: int | None = option(
+        2, help="sample completions printed each time (None: all, as TRL's default)", valid=Range(0)
+    )
     log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")
 
@@ -294,3 +354,123 @@ def _check_finite(config: Any, prefix: str = "") -> None:
             _check_finite(value, f"{prefix}{f.name}.")
         elif isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
+
+
+def _alias_property(name: str) -> property:
+    def get(self: GRPOConfig) -> Any:
+        return getattr(self, name)
+
+    def set_(self: GRPOConfig, value: Any) -> None:
+        setattr(self, name, value)
+
+    return property(get, set_, doc=f"TRL's name of `{name}`.")
+
+
+def _accept_aliases(init: Any) -> Any:
+    """``GRPOConfig(vllm_importance_sampling_correction=True)`` as ``importance_sampling_correction=True``."""
+
+    def __init__(self: GRPOConfig, *args: Any, **kwargs: Any) -> None:
+        for alias, name in GRPOConfig.ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"{alias} and {name} are one option: give one of them")
+                kwargs[name] = kwargs.pop(alias)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+GRPOConfig.__init__ = _accept_aliases(GRPOConfig.__init__)  # type: ignore[method-assign]
+for _alias, _name in GRPOConfig.ALIASES.items():
+    setattr(GRPOConfig, _alias, _alias_property(_name))
+
+_VLLM = (
+    "a vLLM option: fastgrpo samples with its own lossless speculative engine on the policy's weights (speculation.*)"
+)
+_ENGINE = "fastgrpo samples with its own batched engine (speculation.*), not transformers' generate"
+_SAMPLING = (
+    "it changes the sampling distribution, which fastgrpo's speculative rollouts verify drafts against (temperature, "
+    "top_p, top_k, min_p only): a penalty that follows each tree path is not implemented, so it is refused rather "
+    "than made lossy"
+)
+_EVAL = "in-training evaluation is not run: `fastgrpo eval --model <checkpoint>` scores a checkpoint"
+_ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixed bonus"
+_REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
+_LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
+
+# TRL 1.16 GRPOConfig options fastgrpo does not have: (the values that change nothing, and are accepted and ignored;
+# why any other is refused, and what fastgrpo does instead).
+TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_vllm": ((False,), _VLLM),
+    **{
+        key: ((), _VLLM)
+        for key in (
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+        )
+    },
+    "vllm_importance_sampling_cap": ((None,), "deprecated by TRL: use vllm_importance_sampling_clip_max"),
+    "use_transformers_continuous_batching": ((False,), _ENGINE),
+    "transformers_continuous_batching_config": ((None, {}), _ENGINE),
+    "use_transformers_paged": ((False,), _ENGINE),
+    "cache_implementation": ((None,), _ENGINE),
+    "repetition_penalty": ((1.0, 1), _SAMPLING),
+    "generation_kwargs": ((None, {}), _SAMPLING),
+    "steps_per_generation": (
+        (),
+        "fastgrpo samples one generation batch per step (per_device_train_batch_size x gradient_accumulation_steps "
+        "completions) and trains on it num_iterations times; several optimizer steps per generation are not "
+        "implemented",
+    ),
+    "generation_batch_size": (
+        (),
+        "the generation batch is per_device_train_batch_size x gradient_accumulation_steps completions per process",
+    ),
+    "num_generations_eval": ((None,), _EVAL),
+    "sync_ref_model": ((False,), _REF_SYNC),
+    "ref_model_mixup_alpha": ((), _REF_SYNC),
+    "ref_model_sync_steps": ((), _REF_SYNC),
+    "use_adaptive_entropy": ((False,), _ADAPTIVE),
+    "entropy_coef_min": ((), _ADAPTIVE),
+    "entropy_coef_max": ((), _ADAPTIVE),
+    "entropy_coef_delta": ((), _ADAPTIVE),
+    "entropy_target": ((), _ADAPTIVE),
+    **{
+        key: ((), "loss_type vespo is not implemented (grpo, bnpo, dr_grpo, dapo, cispo, sapo are)")
+        for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    },
+    "model_init_kwargs": (
+        (None, {}),
+        "fastgrpo loads the model itself from `model` (a directory, a hub id or smollm2) with `dtype`",
+    ),
+    "trust_remote_code": ((False,), "fastgrpo runs only transformers' own model code"),
+    "router_aux_loss_coef": ((None,), "a mixture-of-experts load-balancing loss is not added"),
+    "max_tool_calling_iterations": ((None,), "tool calling and environments are not supported"),
+    "ds3_gather_for_generation": ((True,), "DeepSpeed is not used: fsdp: true shards the policy with FSDP2"),
+    "pad_to_multiple_of": ((None, "auto"), "fastgrpo's rollouts and update pad to shapes of their own"),
+    "log_multimodal": ((True, False), _LOGS),
+    "log_unique_prompts": ((False,), _LOGS),
+    "log_completions_hub_repo": ((None,), _LOGS),
+}
+
+
+def trl_refusal(key: str, value: Any) -> str | None:
+    """None when ``key`` is one of TRL's options that fastgrpo lacks and ``value`` changes nothing (it is ignored);
+    the one line that refuses it otherwise (None too for a key TRL does not have)."""
+    if key not in TRL_REFUSED:
+        return None
+    accepted, reason = TRL_REFUSED[key]
+    if any(value == ok and type(value) is type(ok) for ok in accepted):
+        return None
+    return f"{key}: {reason}"

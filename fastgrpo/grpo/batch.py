@@ -13,7 +13,9 @@ class RolloutBatch:
 
     ``input_ids`` is ``[N, P + C]``: the prompt left-padded to ``P``, the completion right-padded to ``C``;
     ``attention_mask`` likewise; ``completion_mask`` ``[N, C]`` marks the completion tokens that are trained;
-    ``sampling_logps`` ``[N, C]`` (float64) the log-probs the sampler scored the completion tokens with.
+    ``sampling_logps`` ``[N, C]`` (float64) the log-probs the sampler scored the completion tokens with;
+    ``start_logps`` and ``start_entropies`` ``[N, C]`` the log-probs and entropies of the policy the update starts
+    from, of the rows a pass without gradient scored before it (NaN in the others).
     """
 
     input_ids: torch.Tensor
@@ -23,6 +25,8 @@ class RolloutBatch:
     old_logps: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
     sampling_logps: torch.Tensor | None = None
+    start_logps: torch.Tensor | None = None
+    start_entropies: torch.Tensor | None = None
 
 
 def build_batch(

@@ -6,29 +6,31 @@ hyper-parameters and logged curves are comparable.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.config import IMPORTANCE_SAMPLING_LEVELS, IMPORTANCE_SAMPLING_MODES, LOSS_TYPES, SCALE_REWARDS
-
-STD_EPS = 1e-4
+from fastgrpo.grpo.advantages import compute_advantages, nanstd
 
 
 def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str = "group") -> tuple[Tensor, Tensor]:
-    """Group-relative advantages.
+    """Group-relative advantages of one reward per completion (`fastgrpo.grpo.advantages.compute_advantages`).
 
     Args:
         rewards: ``[N]`` rewards, laid out as ``N // num_generations`` consecutive groups of
-            ``num_generations`` completions of the same prompt.
+            ``num_generations`` completions of the same prompt; NaN for a completion nothing scored, which is
+            left out of its group's mean and std and gets advantage 0 (as TRL).
         num_generations: group size ``G`` (at least 2).
         scale_rewards: ``"group"`` divides by the group std, ``"batch"`` by the std of all
             ``N`` rewards, ``"none"`` does not scale. Stds are unbiased; ``1e-4`` is added.
 
     Returns:
-        ``(advantages [N], group_std [N])``: ``reward - group mean`` (scaled as asked) and,
-        for every completion, the unbiased std of its group (whatever ``scale_rewards`` is;
-        useful for the ``frac_reward_zero_std`` metric).
+        ``(advantages [N], group_std [N])`` in the rewards' dtype: ``reward - group mean`` (scaled as asked) and,
+        for every completion, the unbiased std of its group (whatever ``scale_rewards`` is).
     """
     if scale_rewards not in SCALE_REWARDS:
         raise ValueError(f"scale_rewards must be one of {SCALE_REWARDS}, got {scale_rewards!r}")
@@ -39,15 +41,10 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
             f"rewards must be 1-D with a length divisible by num_generations={num_generations}, "
             f"got shape {tuple(rewards.shape)}"
         )
-    grouped = rewards.view(-1, num_generations)
-    group_mean = grouped.mean(dim=1).repeat_interleave(num_generations)
-    group_std = grouped.std(dim=1).repeat_interleave(num_generations)
-    advantages = rewards - group_mean
-    if scale_rewards == "group":
-        advantages = advantages / (group_std + STD_EPS)
-    elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std() + STD_EPS)
-    return advantages, group_std
+    wide = rewards.double()
+    result = compute_advantages(wide.unsqueeze(1), torch.ones(1, dtype=torch.float64), num_generations, scale_rewards)
+    group_std = nanstd(wide.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
+    return result.advantages.to(rewards.dtype), group_std.to(rewards.dtype)
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -55,18 +52,49 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
-def _chunk_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float) -> Tensor:
-    """Log-probs of ``targets`` under ``head``: hidden ``[n, H]``, targets ``[n]`` -> ``[n]``.
+def _chunk_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    entropy: bool | str = False,
+    fp32_head: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-probs of ``targets`` under ``head``: hidden ``[n, H]``, targets ``[n]`` -> ``[n]``; with ``entropy``
+    also the entropy of each position's distribution (``[n]``) from the same logits, detached unless ``entropy`` is
+    ``"grad"``.
 
-    The softmax runs in at least float32 (float64 inputs stay float64).
+    The softmax runs in at least float32 (float64 inputs stay float64); ``fp32_head``: the head's matmul too
+    (TRL's ``cast_lm_head_to_fp32``).
     """
-    logits = head(hidden)
+    if fp32_head and hidden.dtype != torch.float64:
+        bias = None if head.bias is None else head.bias.float()
+        logits = nn.functional.linear(hidden.float(), head.weight.float(), bias)
+    else:
+        logits = head(hidden)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    return logits.log_softmax(dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logp = logits.log_softmax(dim=-1)
+    chosen = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return chosen
+    if entropy == "grad":  # the entropy bonus differentiates it
+        return chosen, -(logp.exp() * logp).sum(dim=-1)
+    with torch.no_grad():  # a metric (or a mask): no graph, and one [n, V] temporary, freed at once
+        probs = logp.exp()
+        return chosen, -probs.mul_(logp).sum(dim=-1)
 
 
-def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature: float, chunk_tokens: int) -> Tensor:
-    """Apply the LM head chunk by chunk: hidden ``[n, H]``, targets ``[n]`` -> ``[n]``.
+def _head_logprobs(
+    head: nn.Module,
+    hidden: Tensor,
+    targets: Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    entropy: bool | str = False,
+    fp32_head: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Apply the LM head chunk by chunk: hidden ``[n, H]``, targets ``[n]`` -> ``[n]`` (and the entropies ``[n]``
+    with ``entropy``).
 
     With autograd on, each chunk is checkpointed, so only one chunk's ``[chunk_tokens, V]``
     logits are alive at a time, in the forward and in the backward pass.
@@ -74,10 +102,12 @@ def _head_logprobs(head: nn.Module, hidden: Tensor, targets: Tensor, temperature
     pieces = []
     for h, t in zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True):
         if torch.is_grad_enabled():
-            pieces.append(checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False))
+            pieces.append(checkpoint(_chunk_logprobs, head, h, t, temperature, entropy, fp32_head, use_reentrant=False))
         else:
-            pieces.append(_chunk_logprobs(head, h, t, temperature))
-    return torch.cat(pieces)
+            pieces.append(_chunk_logprobs(head, h, t, temperature, entropy, fp32_head))
+    if not entropy:
+        return torch.cat(pieces)
+    return torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces])
 
 
 def completion_logprobs(
@@ -87,7 +117,9 @@ def completion_logprobs(
     logits_to_keep: int,
     temperature: float = 1.0,
     chunk_tokens: int = 1024,
-) -> Tensor:
+    entropy: bool | str = False,
+    fp32_head: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Per-token log-probabilities of the completion tokens, without full-vocabulary logits.
 
     Rows are ``[prompt (left-padded) | completion (right-padded)]``; the completion occupies
@@ -103,10 +135,13 @@ def completion_logprobs(
         logits_to_keep: completion length ``C`` (``1 <= C < T``).
         temperature: logits are divided by it before the softmax.
         chunk_tokens: most tokens sent through the LM head at once.
+        entropy: also return each position's entropy (from the same chunks of logits, none kept): ``True``
+            detached, ``"grad"`` differentiable (for an entropy bonus).
+        fp32_head: the LM head's matmul in float32 (TRL's ``cast_lm_head_to_fp32``).
 
     Returns:
-        ``[B, C]`` log-probs (at least float32); padded completion slots hold garbage values
-        and must be masked by the caller.
+        ``[B, C]`` log-probs (at least float32), and with ``entropy`` the ``[B, C]`` entropies; padded completion
+        slots hold garbage values and must be masked by the caller.
     """
     batch, length = input_ids.shape
     if not 1 <= logits_to_keep < length:
@@ -123,23 +158,39 @@ def completion_logprobs(
     ).last_hidden_state
     hidden = hidden[:, -logits_to_keep - 1 : -1, :].reshape(batch * logits_to_keep, -1)
     targets = input_ids[:, -logits_to_keep:].reshape(-1)
-    logps = _head_logprobs(model.get_output_embeddings(), hidden, targets, temperature, chunk_tokens)
-    return logps.view(batch, logits_to_keep)
+    head = model.get_output_embeddings()
+    out = _head_logprobs(head, hidden, targets, temperature, chunk_tokens, entropy, fp32_head)
+    if not entropy:
+        return out.view(batch, logits_to_keep)
+    return out[0].view(batch, logits_to_keep), out[1].view(batch, logits_to_keep)
 
 
 class CompletionLogprobs(nn.Module):
     """`completion_logprobs` of a model as one module call, so that DistributedDataParallel (which synchronises
-    the gradients of a module's forward) can wrap the training forward."""
+    the gradients of a module's forward) can wrap the training forward. Returns the log-probs and the entropies
+    (``[B, C]`` each)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, fp32_head: bool = False, entropy_grad: bool = False):
         super().__init__()
         self.model = model
+        self.fp32_head = fp32_head
+        self.entropy: bool | str = "grad" if entropy_grad else True
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int, temperature: float, chunk_tokens: int
-    ) -> Tensor:
-        logps = completion_logprobs(self.model, input_ids, attention_mask, logits_to_keep, temperature, chunk_tokens)
-        return logps.clone()  # FSDP2 warns of a view returned by the module it wraps: [B, C], a trifle to copy
+    ) -> tuple[Tensor, Tensor]:
+        logps, entropies = completion_logprobs(
+            self.model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            temperature,
+            chunk_tokens,
+            self.entropy,
+            self.fp32_head,
+        )
+        # FSDP2 warns of a view returned by the module it wraps: [B, C], a trifle to copy
+        return logps.clone(), entropies.clone()
 
 
 def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -169,37 +220,33 @@ def _aggregate(
     return masked.sum() / num_items_in_batch
 
 
-def _share(flags: Tensor, mask: Tensor) -> Tensor:
-    """The share of completion tokens (``flags`` ``[B, C]``) or of completions (``[B, 1]``, the rows with a token)
-    that are flagged; 0 when there are none (``mask`` ``[B, C]``)."""
-    if flags.shape[-1] == 1 and mask.shape[-1] != 1:
-        rows = (mask.sum(dim=-1, keepdim=True) > 0).to(mask.dtype)
-        return _masked_mean(flags.to(mask.dtype), rows)
-    return _masked_mean(flags.to(mask.dtype), mask)
-
-
-def _clip_metrics(
-    ratio: Tensor, advantages: Tensor, mask: Tensor, eps_low: float, eps_high: float
-) -> dict[str, Tensor]:
-    """Shares of completion tokens (of completions, for sequence-level ratios) whose ratio was clipped: ratio
-    ``[B, C]`` or ``[B, 1]``, A ``[B]``, mask ``[B, C]``."""
-    adv = advantages.unsqueeze(1)
-    low = (ratio < 1 - eps_low) & (adv < 0)
-    high = (ratio > 1 + eps_high) & (adv > 0)
-    return {
-        "clip_ratio/low_mean": _share(low, mask),
-        "clip_ratio/high_mean": _share(high, mask),
-        "clip_ratio/region_mean": _share(low | high, mask),
-    }
-
-
 def k3_kl(logps: Tensor, ref_logps: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(policy || ref): ``exp(d) - d - 1`` with ``d = ref - logps``."""
     delta = ref_logps - logps
     return torch.exp(delta) - delta - 1
 
 
-def grpo_loss(
+def off_policy_mask(
+    advantages: Tensor, logps: Tensor, behaviour_logps: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask (TRL's ``off_policy_mask_threshold``): ``[B, 1]``, 0 for a completion
+    of negative advantage whose mean over its tokens of ``behaviour_logps - logps`` (the sampler's, or the old
+    policy's, log-probs less the current ones: ``[B, C]``) is above ``threshold``, 1 elsewhere. NaN gaps count 0."""
+    gap = torch.nan_to_num(behaviour_logps - logps.detach(), nan=0.0)
+    mean_gap = (gap * mask).sum(dim=1, keepdim=True) / mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return ((advantages.unsqueeze(1) >= 0) | (mean_gap <= threshold)).to(mask.dtype)
+
+
+def entropy_threshold(entropies: Tensor, mask: Tensor, top_quantile: float) -> Tensor:
+    """The entropy above which a token is among the ``top_quantile`` share of the masked tokens (``entropies`` and
+    ``mask`` ``[B, C]``): their ``1 - top_quantile`` quantile, in float32 as TRL's; +inf without tokens."""
+    values = entropies[mask.bool()].float()
+    if values.numel() == 0:
+        return torch.tensor(math.inf)
+    return torch.quantile(values, 1 - top_quantile)
+
+
+def grpo_loss_rows(
     logps: Tensor,
     old_logps: Tensor,
     advantages: Tensor,
@@ -217,8 +264,11 @@ def grpo_loss(
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
     sampling_weights: Tensor | None = None,
+    use_bias_correction_kl: bool = True,
+    token_mask: Tensor | None = None,
+    sequence_mask: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """GRPO's policy loss (TRL ``GRPOTrainer`` semantics).
+    """GRPO's policy loss (TRL 1.16 ``GRPOTrainer._compute_loss``) and its metrics' per-row parts.
 
     The importance weight of a token is ``r = exp(logps - old_logps)``; with ``importance_sampling_level:
     "sequence"`` (GSPO) a row's tokens share ``exp`` of the mean of its tokens' log-ratios. Per token:
@@ -228,6 +278,12 @@ def grpo_loss(
     - ``cispo``: ``-min(r, epsilon_high).detach() A logps`` (the weight capped, never the gradient cut);
     - ``sapo``: ``-sigmoid(tau (r - 1)) 4 / tau A``, ``tau`` being ``sapo_temperature_pos`` where ``A > 0`` and
       ``sapo_temperature_neg`` elsewhere (a soft gate in place of the clip).
+
+    That policy term is multiplied by ``sequence_mask`` (``[B, 1]``, `off_policy_mask`), ``token_mask`` (``[B,
+    C]``, the tokens ``top_entropy_quantile`` keeps) and ``sampling_weights`` (``[B, C]`` or ``[B, 1]``, the sampler
+    correction's weights, `sampling_correction`), in that order; then ``beta`` times the k3 KL to ``ref_logps`` is
+    added, weighted by the unclipped, differentiable ratio ``r`` when ``use_bias_correction_kl`` (the unbiased
+    reverse-KL gradient).
 
     Args:
         logps: ``[B, C]`` current policy log-probs (differentiable).
@@ -248,13 +304,13 @@ def grpo_loss(
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         delta: upper cap of the ratio in the clipped losses (None: none).
         sapo_temperature_pos, sapo_temperature_neg: ``sapo``'s gate temperatures.
-        sampling_weights: ``[B, C]`` or ``[B, 1]`` the sampler correction's weights (`sampling_correction`), which
-            multiply the policy loss of each token (not the KL term).
 
     Returns:
-        ``(loss, metrics)``: scalar loss and detached scalar metrics: ``clip_ratio/low_mean``,
-        ``clip_ratio/high_mean`` and ``clip_ratio/region_mean`` for the clipped losses, ``cispo_clip_ratio`` for
-        ``cispo``; ``kl`` when ``beta > 0``. At sequence level they are shares of sequences.
+        ``(loss, rows)``: the scalar loss and, detached, ``[B]`` per-row parts of the metrics (`row_metrics` turns
+        rows of a whole batch into TRL's figures): ``tokens`` (each row's masked tokens); for the clipped losses
+        ``clip_low``, ``clip_high``, ``clip_region`` and for ``cispo`` ``cispo_clip`` (each row's count of clipped
+        tokens, or at sequence level its 0/1 flag); ``kl`` (each row's sum of the per-token KL term, ratio-weighted
+        as it enters the loss) when ``beta > 0``.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -271,27 +327,86 @@ def grpo_loss(
     if importance_sampling_level == "sequence":  # [B, 1]: the mean of each row's log-ratios (not their sum)
         log_ratio = ((log_ratio * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).unsqueeze(-1)
     ratio = torch.exp(log_ratio)
+    unclipped = ratio
+    rows: dict[str, Tensor] = {"tokens": mask.sum(dim=-1)}
+
+    def per_row(flags: Tensor) -> Tensor:  # [B, C] -> each row's masked count; [B, 1] -> the row's flag
+        flags = flags.to(mask.dtype)
+        return flags.squeeze(-1) if flags.shape[-1] == 1 else (flags * mask).sum(dim=-1)
+
     if loss_type == "cispo":
         per_token_loss = -torch.clamp(ratio, max=eps_high).detach() * adv * logps
-        metrics = {"cispo_clip_ratio": _share((ratio.detach() > eps_high) & (adv > 0), mask)}
+        rows["cispo_clip"] = per_row((ratio.detach() > eps_high) & (adv > 0))
     elif loss_type == "sapo":
         temperature = torch.full_like(adv, sapo_temperature_neg).masked_fill_(adv > 0, sapo_temperature_pos)
         per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
-        metrics = {}
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
         if delta is not None:
             ratio = torch.clamp(ratio, max=delta)
         per_token_loss = -torch.min(ratio * adv, clipped * adv)
-        metrics = _clip_metrics(ratio.detach(), advantages, mask, epsilon, eps_high)
+        low = (ratio.detach() < 1 - epsilon) & (adv < 0)
+        high = (ratio.detach() > 1 + eps_high) & (adv > 0)
+        rows.update(clip_low=per_row(low), clip_high=per_row(high), clip_region=per_row(low | high))
+    if sequence_mask is not None:
+        per_token_loss = per_token_loss * sequence_mask
+    if token_mask is not None:
+        per_token_loss = per_token_loss * token_mask
     if sampling_weights is not None:
         per_token_loss = per_token_loss * sampling_weights
     if beta > 0:
         kl = k3_kl(logps, ref_logps)
+        if use_bias_correction_kl:
+            kl = kl * unclipped
         per_token_loss = per_token_loss + beta * kl
-        metrics["kl"] = _masked_mean(kl.detach(), mask)
+        rows["kl"] = (kl.detach() * mask).sum(dim=-1)
     loss = _aggregate(per_token_loss.expand_as(mask), mask, loss_type, max_completion_length, num_items_in_batch)
-    return loss, {name: value.detach() for name, value in metrics.items()}
+    return loss, {name: value.detach() for name, value in rows.items()}
+
+
+CLIP_METRICS = {
+    "clip_low": "clip_ratio/low_mean",
+    "clip_high": "clip_ratio/high_mean",
+    "clip_region": "clip_ratio/region_mean",
+    "cispo_clip": "cispo_clip_ratio",
+}
+
+
+def row_metrics(rows: dict[str, Tensor], sequence_level: bool) -> dict[str, Tensor]:
+    """TRL's loss metrics over a batch from its rows' parts (`grpo_loss_rows`'s, ``[N]`` each, of every row of the
+    batch: rows the update skips have ``tokens`` and no clipped token).
+
+    Shares of tokens (of completions, empty ones included, at ``sequence_level``): ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean`` or ``cispo_clip_ratio``; ``clip_ratio/low_min`` and
+    ``clip_ratio/high_max``, the extremes over completions of each one's share of clipped tokens (completions
+    without tokens left out; at sequence level its flag); ``kl`` and ``entropy``, token means, when their parts
+    (``kl``, ``entropy``: each row's sums) are given. An empty batch gives 0 (NaN for the extremes)."""
+    tokens = rows["tokens"]
+    count = tokens.new_tensor(float(tokens.numel())) if sequence_level else tokens.sum()
+    out = {}
+    for part, name in CLIP_METRICS.items():
+        if part in rows:
+            out[name] = rows[part].sum() / count.clamp(min=1.0)
+    extremes = (("clip_low", "clip_ratio/low_min", torch.min), ("clip_high", "clip_ratio/high_max", torch.max))
+    for part, name, extreme in extremes:
+        if part in rows:
+            shares = rows[part] if sequence_level else (rows[part] / tokens)[tokens > 0]
+            out[name] = extreme(shares) if shares.numel() else tokens.new_tensor(math.nan)
+    for part in ("kl", "entropy"):
+        if part in rows:
+            out[part] = rows[part].sum() / tokens.sum().clamp(min=1.0)
+    return out
+
+
+def grpo_loss(
+    logps: Tensor, old_logps: Tensor, advantages: Tensor, mask: Tensor, **options: Any
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`grpo_loss_rows` of one batch, with its metrics as TRL logs them for one micro-batch (`row_metrics`: the
+    ``clip_ratio/*`` or ``cispo_clip_ratio`` shares and extremes, ``kl`` when ``beta > 0``). Shapes: ``logps``,
+    ``old_logps``, ``mask`` ``[B, C]``, ``advantages`` ``[B]``; ``options``: `grpo_loss_rows`'s keyword arguments."""
+    loss, rows = grpo_loss_rows(logps, old_logps, advantages, mask, **options)
+    sequence_level = options.get("importance_sampling_level", "token") == "sequence"
+    return loss, row_metrics(rows, sequence_level)
 
 
 def sampling_correction(
@@ -339,18 +454,19 @@ def sampling_correction(
 
 
 def micro_batch_rows(
-    advantages: Tensor, lengths: Tensor, loss_type: str, beta: float, micro_batch_size: int
+    advantages: Tensor, lengths: Tensor, loss_type: str, skip_zero_advantages: bool, micro_batch_size: int
 ) -> list[Tensor]:
     """Row indices of each micro-batch of ``micro_batch_size`` rows (``advantages`` and ``lengths`` ``[N]``).
 
     For every loss type but ``bnpo`` the loss is a sum of per-row terms over a normaliser fixed by the whole
     batch, so rows can be regrouped freely: they are sorted by length (less padding), and rows whose advantage is 0
-    are left out when ``beta == 0`` (their loss and gradient are exactly 0). ``bnpo`` normalises by each
-    micro-batch's token count, so its micro-batches keep TRL's consecutive order.
+    are left out with ``skip_zero_advantages`` (without a KL term or an entropy bonus their loss and gradient are
+    exactly 0). ``bnpo`` normalises by each micro-batch's token count, so its micro-batches keep TRL's consecutive
+    order.
     """
     rows = torch.arange(advantages.shape[0], device=advantages.device)
     if loss_type != "bnpo":
-        if beta == 0:
+        if skip_zero_advantages:
             rows = rows[advantages != 0]
         rows = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
     return [rows[i : i + micro_batch_size] for i in range(0, rows.numel(), micro_batch_size)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, get_scheduler
@@ -17,9 +18,12 @@ from fastgrpo.grpo.batch import RolloutBatch, select_rows
 from fastgrpo.grpo.losses import (
     CompletionLogprobs,
     completion_logprobs,
-    grpo_loss,
+    entropy_threshold,
+    grpo_loss_rows,
     micro_batch_loss,
     micro_batch_rows,
+    off_policy_mask,
+    row_metrics,
     sampling_correction,
 )
 from fastgrpo.precision import MasterWeights, fused_adamw
@@ -67,7 +71,8 @@ class PolicyUpdate:
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.compute_dtype = trainable[0].dtype
         keep_masters = config.master_weights and MasterWeights.needed(trainable)
-        self.policy = distributed.wrap_policy(CompletionLogprobs(model), config.fsdp, float32_shards=keep_masters)
+        forward = CompletionLogprobs(model, config.cast_lm_head_to_fp32, entropy_grad=config.entropy_coef > 0)
+        self.policy = distributed.wrap_policy(forward, config.fsdp, float32_shards=keep_masters)
         # FSDP2's float32 shards are the master weights; otherwise `MasterWeights` keeps them.
         self.float32_shards = keep_masters and distributed.is_sharded(self.policy)
         trainable = [p for p in model.parameters() if p.requires_grad]  # FSDP2 registers its shards in their place
@@ -128,65 +133,141 @@ class PolicyUpdate:
             for (_, p), s in zip(named, saved, strict=True):
                 p.copy_(s)
 
-    def logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """``[B, C]`` completion log-probs by ``logprobs`` (`completion_logprobs` of a model, or the DDP-wrapped
-        training forward, which takes the same arguments without the model)."""
+    def logps(self, logprobs: Callable[..., Any], batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[B, C]`` completion log-probs by ``logprobs`` (the training forward, `CompletionLogprobs` possibly
+        wrapped by DDP or FSDP2, which gives the entropies too; or `completion_logprobs` of another model), and the
+        ``[B, C]`` entropies (None where ``logprobs`` gives none)."""
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
-            return logprobs(
+            out = logprobs(
                 batch.input_ids.to(self.device),
                 batch.attention_mask.to(self.device),
                 batch.completion_mask.shape[1],
                 self.config.temperature or 1.0,
                 self.config.logprob_chunk_tokens,
             )
+        return out if isinstance(out, tuple) else (out, None)
 
     @torch.no_grad()
-    def batch_logps(self, logprobs: Callable[..., torch.Tensor], batch: RolloutBatch) -> torch.Tensor:
-        """``[N, C]`` completion log-probs of the whole batch, computed micro-batch by micro-batch."""
+    def batch_logps(
+        self, logprobs: Callable[..., Any], batch: RolloutBatch, rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[N, C]`` completion log-probs (and entropies, or None) of the batch's ``rows`` (None: all), computed
+        micro-batch by micro-batch; the other rows hold NaN. Every process runs as many forwards as the busiest one
+        (the extra ones on one row, thrown away), so that FSDP2's collectives pair up."""
         mb = self.config.per_device_train_batch_size
         n, width = batch.completion_mask.shape
-        chunks = [
-            self.logps(logprobs, select_rows(batch, torch.arange(i, min(i + mb, n), device="cpu"))).cpu()
-            for i in range(0, n, mb)
-        ]
-        return torch.cat([torch.nn.functional.pad(c, (0, width - c.shape[1])) for c in chunks])
+        rows = torch.arange(n, device="cpu") if rows is None else rows.cpu()
+        chunks = list(rows.split(mb))
+        forwards = distributed.max_over_ranks(len(chunks)) if self.world_size > 1 else len(chunks)
+        logps = torch.full((n, width), math.nan, dtype=torch.float32)
+        entropies = None
+        for i in range(forwards):
+            part_rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+            lp, ent = self.logps(logprobs, select_rows(batch, part_rows))
+            if i >= len(chunks):
+                continue
+            keep = lp.shape[1]
+            logps = logps.to(lp.dtype)
+            logps[part_rows, :keep] = lp.cpu()
+            logps[part_rows, keep:] = 0.0
+            if ent is not None:
+                if entropies is None:
+                    entropies = torch.full((n, width), math.nan, dtype=ent.dtype)
+                entropies[part_rows, :keep] = ent.cpu()
+                entropies[part_rows, keep:] = 0.0
+        return logps, entropies
+
+    def skips_zero_advantages(self) -> bool:
+        """Whether the update leaves out the rows of advantage 0: their loss and gradient are exactly 0 without a KL
+        term or an entropy bonus (and with bnpo's consecutive micro-batches kept)."""
+        cfg = self.config
+        return cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.loss_type != "bnpo"
 
     def fixed_logps(self, batch: RolloutBatch) -> None:
-        """Old-policy log-probs (needed when the batch is reused) and reference log-probs (when beta > 0)."""
-        if self.config.num_iterations > 1:
-            batch.old_logps = self.batch_logps(self.policy, batch)
-        if self.config.beta > 0:
+        """What the update reads besides its own forwards, by passes without gradient before it: the old policy's
+        log-probs of every row (when the batch is reused, ``num_iterations > 1``), the entropies of every row (to
+        rank them, ``top_entropy_quantile < 1``), or else of the rows the update skips (for the metrics, with
+        ``score_skipped_rows``); and the reference log-probs (when ``beta > 0``). Anything already set is kept."""
+        cfg = self.config
+        n = batch.completion_mask.shape[0]
+        groups = self.micro_batches(batch)
+        trained = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
+        every = cfg.num_iterations > 1 or cfg.top_entropy_quantile < 1
+        if every:
+            rows = torch.arange(n, device="cpu")
+        else:
+            skipped = torch.ones(n, dtype=torch.bool)
+            skipped[trained.cpu()] = False
+            rows = skipped.nonzero().squeeze(-1) if cfg.score_skipped_rows else torch.zeros(0, dtype=torch.long)
+        busiest = distributed.max_over_ranks(int(rows.numel())) if self.world_size > 1 else int(rows.numel())
+        if busiest:
+            logps, entropies = self.batch_logps(self.policy, batch, rows)
+            batch.start_logps, batch.start_entropies = logps, entropies
+            if cfg.num_iterations > 1 and batch.old_logps is None:
+                batch.old_logps = logps
+        if cfg.beta > 0 and batch.ref_logps is None:
             if self.ref_model is not None:
-                batch.ref_logps = self.batch_logps(partial(completion_logprobs, self.ref_model), batch)
+                batch.ref_logps = self.batch_logps(partial(completion_logprobs, self.ref_model), batch)[0]
             else:
                 with self.model.disable_adapter():
-                    batch.ref_logps = self.batch_logps(self.policy, batch)
+                    batch.ref_logps = self.batch_logps(self.policy, batch)[0]
 
     def micro_batches(self, batch: RolloutBatch) -> list[torch.Tensor]:
-        """Row indices of each micro-batch (`micro_batch_rows`)."""
+        """Row indices of each micro-batch (`micro_batch_rows`; no row is left out when `skips_zero_advantages` is
+        false)."""
         cfg = self.config
         lengths = batch.attention_mask.sum(dim=1)
-        return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, cfg.beta, cfg.per_device_train_batch_size)
+        skip = self.skips_zero_advantages()
+        return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, skip, cfg.per_device_train_batch_size)
+
+    def _entropy_mask(self, batch: RolloutBatch) -> torch.Tensor | None:
+        """``[N, C]`` the tokens ``top_entropy_quantile`` keeps in the loss: those whose entropy under the policy the
+        step starts from is at least the job's quantile (the completion tokens of every row of every process, as
+        TRL ranks those of its micro-batch); None when all are kept."""
+        cfg = self.config
+        if cfg.top_entropy_quantile >= 1:
+            return None
+        mask = batch.completion_mask.bool()
+        entropies = batch.start_entropies
+        mine = entropies[mask].float()
+        everyone = torch.cat(distributed.gather(mine)) if self.world_size > 1 else mine
+        threshold = entropy_threshold(everyone, torch.ones_like(everyone), cfg.top_entropy_quantile)
+        return ((entropies * mask) >= threshold) & mask
 
     def optimize(self, batch: RolloutBatch) -> dict[str, float]:
         """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
 
         With several processes, DDP averages the gradients at the last micro-batch (FSDP2 at every micro-batch);
         every rank runs as many micro-batches as the busiest one (the extra ones with a zero loss), and the losses are
-        scaled so that the averaged gradient is the one of the whole job's batch."""
+        scaled so that the averaged gradient is the one of the whole job's batch.
+
+        The metrics are TRL's over every completion of the job's batch, the rows the update skips included (their
+        clip parts are 0; their entropies and log-probs come from `fixed_logps`' pass): ``clip_ratio/*`` (or
+        ``cispo_clip_ratio``), ``kl`` and ``entropy`` over each iteration, averaged over the iterations; the
+        ``sampling/*`` gap between the sampler's log-probs and those of the policy the step starts from."""
         cfg = self.config
-        n = batch.input_ids.shape[0]
+        n, width = batch.completion_mask.shape
         world = self.world_size
         total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
         groups = self.micro_batches(batch)
         n_micro = distributed.max_over_ranks(len(groups))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        sums: dict[str, float] = {"loss": 0.0}
-        extremes: dict[str, float] = {}
+        sequence_level = cfg.importance_sampling_level == "sequence"
+        token_mask = self._entropy_mask(batch)
+        kept = batch.completion_mask if token_mask is None else batch.completion_mask * token_mask
+        bonus_tokens = distributed.sum_over_ranks(float(kept.sum())) if cfg.entropy_coef > 0 else 1.0
+        start_logps = batch.start_logps
+        start_entropies = batch.start_entropies
+        # the old policy's log-probs of every row, for the sampling/* metrics: the update's own where it trains
+        old_all = batch.old_logps.clone() if batch.old_logps is not None else start_logps
+        old_all = old_all.clone() if old_all is not None else torch.full((n, width), math.nan)
+        losses: list[float] = []
+        iteration_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []
-        count = 0
         self.model.train()
-        for _ in range(cfg.num_iterations):
+        for iteration in range(cfg.num_iterations):
+            parts = self._skipped_parts(batch, groups, start_entropies)
+            loss_sum = 0.0
             for i in range(n_micro):
                 if self.threads is not None:
                     self.threads.update()
@@ -195,12 +276,13 @@ class PolicyUpdate:
                 part = select_rows(batch, rows)
                 mask = part.completion_mask.to(self.device)
                 with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
-                    logps = self.logps(self.policy, part)
+                    logps, entropies = self.logps(self.policy, part)
                     old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
                     ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
-                    weights, sampled = None, {}
-                    if part.sampling_logps is not None:
-                        weights, sampled = sampling_correction(
+                    advantages = part.advantages.to(self.device)
+                    weights = None
+                    if part.sampling_logps is not None and cfg.importance_sampling_correction:
+                        weights, _ = sampling_correction(
                             old,
                             part.sampling_logps.to(self.device),
                             mask,
@@ -208,10 +290,21 @@ class PolicyUpdate:
                             cfg.importance_sampling_clip_min,
                             cfg.importance_sampling_clip_max,
                         )
-                    loss, metrics = grpo_loss(
+                    sequence_mask = None
+                    if cfg.off_policy_mask_threshold is not None:
+                        behaviour = part.sampling_logps if part.sampling_logps is not None else old
+                        sequence_mask = off_policy_mask(
+                            advantages,
+                            logps,
+                            behaviour.to(self.device).to(logps.dtype),
+                            mask.to(logps.dtype),
+                            cfg.off_policy_mask_threshold,
+                        )
+                    keep = None if token_mask is None else token_mask[rows, : mask.shape[1]].to(self.device)
+                    loss, row_parts = grpo_loss_rows(
                         logps,
                         old,
-                        part.advantages.to(self.device),
+                        advantages,
                         mask,
                         loss_type=cfg.loss_type,
                         epsilon=cfg.epsilon,
@@ -224,24 +317,29 @@ class PolicyUpdate:
                         delta=cfg.delta,
                         sapo_temperature_pos=cfg.sapo_temperature_pos,
                         sapo_temperature_neg=cfg.sapo_temperature_neg,
-                        sampling_weights=weights if cfg.importance_sampling_correction else None,
+                        sampling_weights=weights,
+                        use_bias_correction_kl=cfg.use_bias_correction_kl,
+                        token_mask=None if keep is None else keep.to(logps.dtype),
+                        sequence_mask=sequence_mask,
                     )
                     loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
+                    if cfg.entropy_coef > 0:  # the mean entropy of the kept tokens of the job's batch
+                        kept_here = mask.to(entropies.dtype) * (1.0 if keep is None else keep.to(entropies.dtype))
+                        loss = loss - cfg.entropy_coef * (entropies * kept_here).sum() / bonus_tokens * world
                     if padding:
                         loss = loss * 0.0
                     loss.backward()
                 if padding:
                     continue
-                sums["loss"] += float(loss.detach())
-                for k, v in metrics.items():
-                    sums[k] = sums.get(k, 0.0) + float(v)
-                for k, v in sampled.items():  # extremes over the micro-batches, means of their means
-                    combine = max if k.endswith("/max") else min if k.endswith("/min") else None
-                    if combine is None:
-                        sums[k] = sums.get(k, 0.0) + float(v)
-                    else:
-                        extremes[k] = combine(extremes.get(k, float(v)), float(v))
-                count += 1
+                loss_sum += float(loss.detach())
+                for name, value in row_parts.items():
+                    parts[name][rows] = value.to(parts[name].dtype).cpu()
+                masked = mask.to(entropies.dtype)
+                parts["entropy"][rows] = (entropies.detach() * masked).sum(dim=-1).to(torch.float64).cpu()
+                if iteration == 0 and batch.old_logps is None:
+                    old_all[rows, : mask.shape[1]] = old.detach().to(old_all.dtype).cpu()
+            losses.append(loss_sum)
+            iteration_metrics.append(self._row_metrics(parts, sequence_level))
             if self.masters is not None:
                 self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
             else:
@@ -252,7 +350,7 @@ class PolicyUpdate:
             if not math.isfinite(grad_norms[-1]):
                 self.optimizer.zero_grad(set_to_none=True)
                 raise NonFiniteUpdate(
-                    f"the gradient norm is {grad_norms[-1]} (the loss is {sums['loss']}): lower learning_rate, or "
+                    f"the gradient norm is {grad_norms[-1]} (the loss is {sum(losses)}): lower learning_rate, or "
                     "check the rewards"
                 )
             self.optimizer.step()
@@ -262,9 +360,63 @@ class PolicyUpdate:
                 raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
-        out = {**extremes, **{k: v / max(count, 1) for k, v in sums.items() if k != "loss"}}
-        out["loss"] = sums["loss"] / cfg.num_iterations
+        out = {k: sum(m[k] for m in iteration_metrics) / len(iteration_metrics) for k in iteration_metrics[0]}
+        out.update(self._sampling_metrics(batch, old_all))
+        out["loss"] = sum(losses) / cfg.num_iterations
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["learning_rate"] = self.scheduler.get_last_lr()[0]
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out
+
+    def _skipped_parts(
+        self, batch: RolloutBatch, groups: list[torch.Tensor], start_entropies: torch.Tensor | None
+    ) -> dict[str, torch.Tensor]:
+        """The per-row metric parts (`grpo_loss_rows`) of the batch before its micro-batches fill theirs: every row's
+        tokens, no clipped token, and the entropies of `fixed_logps`' pass (NaN for a row without)."""
+        cfg = self.config
+        mask = batch.completion_mask.to(torch.float64)
+        n = mask.shape[0]
+        parts = {"tokens": mask.sum(dim=-1)}
+        if cfg.loss_type == "cispo":
+            parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64)
+        elif cfg.loss_type != "sapo":
+            for name in ("clip_low", "clip_high", "clip_region"):
+                parts[name] = torch.zeros(n, dtype=torch.float64)
+        if cfg.beta > 0:
+            parts["kl"] = torch.zeros(n, dtype=torch.float64)  # every row trains: filled by the micro-batches
+        if start_entropies is not None:
+            parts["entropy"] = (start_entropies.to(torch.float64) * mask).sum(dim=-1)
+        else:
+            parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64)
+        return parts
+
+    def _row_metrics(self, parts: dict[str, torch.Tensor], sequence_level: bool) -> dict[str, float]:
+        """`row_metrics` of the whole job's rows (each process's parts gathered), the entropy over the rows that
+        have one (all but skipped rows without `fixed_logps`' pass)."""
+        if self.world_size > 1:
+            gathered = distributed.gather(parts)
+            parts = {name: torch.cat([g[name] for g in gathered]) for name in parts}
+        known = ~torch.isnan(parts["entropy"])
+        entropy = {"tokens": parts["tokens"][known], "entropy": parts["entropy"][known]}
+        out = row_metrics({k: v for k, v in parts.items() if k != "entropy"}, sequence_level)
+        out["entropy"] = row_metrics(entropy, sequence_level)["entropy"]
+        return {name: float(value) for name, value in out.items()}
+
+    def _sampling_metrics(self, batch: RolloutBatch, old_all: torch.Tensor) -> dict[str, float]:
+        """TRL's ``sampling/*`` metrics over the rows whose old log-probs are known (every row, unless the update
+        skipped some and ``score_skipped_rows`` is off), as TRL computes them over its generation batch."""
+        if batch.sampling_logps is None:
+            return {}
+        cfg = self.config
+        known = ~torch.isnan(old_all).any(dim=1)
+        if not known.any():
+            return {}
+        _, metrics = sampling_correction(
+            old_all[known].double(),
+            batch.sampling_logps[known],
+            batch.completion_mask[known],
+            cfg.importance_sampling_mode,
+            cfg.importance_sampling_clip_min,
+            cfg.importance_sampling_clip_max,
+        )
+        return {name: float(value) for name, value in metrics.items()}

@@ -26,6 +26,8 @@ class StepPrompts:
         world_size: int,
         seed: int,
         max_prompt_length: int,
+        shuffle: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -34,11 +36,14 @@ class StepPrompts:
         self.global_prompts = per_rank * world_size
         self.seed = seed
         self.max_prompt_length = max_prompt_length
+        self.shuffle = shuffle
+        self.chat_template_kwargs = chat_template_kwargs
         self.encoded: dict[int, list[int]] = {}
         self._warned_truncation = False
 
     def rows(self, step: int) -> list[dict[str, Any]]:
-        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones.
+        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones (the
+        dataset's order without ``shuffle``).
 
         The step's prompts for the whole job are cut into one consecutive share per rank, so a run on N processes
         sees the prompts, in the same order, that one process sees with an N times larger batch."""
@@ -46,6 +51,9 @@ class StepPrompts:
         rows = []
         for k in range(first, first + self.per_rank):
             epoch, index = divmod(k, len(self.dataset))
+            if not self.shuffle:  # TRL's shuffle_dataset: false
+                rows.append(self.dataset[index])
+                continue
             order = torch.randperm(
                 len(self.dataset), generator=torch.Generator(device="cpu").manual_seed(self.seed + epoch), device="cpu"
             )
@@ -59,7 +67,7 @@ class StepPrompts:
         for row in rows:
             key = id(row)
             if key not in self.encoded:
-                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1)[0]
+                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1, self.chat_template_kwargs)[0]
                 if len(ids) > limit and not self._warned_truncation:
                     self._warned_truncation = True
                     logger.warning(

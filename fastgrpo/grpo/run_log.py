@@ -70,14 +70,19 @@ class RunLog:
             for k, v in metrics.items():
                 self.tensorboard.add_scalar(k, v, step)
 
-    def samples(self, step: int, samples: list[tuple[Any, str, float]]) -> None:
-        """A few ``(prompt, completion, reward)`` of step ``step``, every ``log_completions_steps``."""
+    def samples(self, step: int, samples: list[tuple[Any, str, float, dict[str, Any]]]) -> None:
+        """A few ``(prompt, completion, reward, extra columns)`` of step ``step``, every ``log_completions_steps``
+        (the columns reward functions gave TRL's ``log_extra``); ``num_completions_to_print`` None: all."""
         cfg = self.config
         if not cfg.log_completions or step % cfg.log_completions_steps:
             return
-        for prompt, completion, reward in samples[: cfg.num_completions_to_print]:
+        shown = samples if cfg.num_completions_to_print is None else samples[: cfg.num_completions_to_print]
+        for prompt, completion, reward, extra in shown:
             text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
-            tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}")
+            columns = "".join(f"\n  {column}: {value}" for column, value in extra.items())
+            tqdm.write(
+                f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}{columns}"
+            )
 
     def close(self) -> None:
         self.file.close()

@@ -17,6 +17,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
+from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
@@ -24,9 +25,6 @@ from fastgrpo.grpo.checkpoint import (
     prepare_output_dir,
     save_checkpoint,
     set_rng_state,
-)
-from fastgrpo.grpo.losses import (
-    group_advantages,
 )
 from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
@@ -52,7 +50,15 @@ from fastgrpo.models import (
     warn_if_bf16_emulated,
 )
 from fastgrpo.precision import tf32_matmuls
-from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
+from fastgrpo.rewards import (
+    RewardLog,
+    TrainerState,
+    check_columns,
+    function_metrics,
+    resolve_reward_funcs,
+    reward_matrix,
+    reward_name,
+)
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.registry import check_speculation
@@ -125,6 +131,10 @@ class GRPOTrainer:
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
+        if config.disable_dropout:
+            for module in self.model.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
         if config.bf16:
             warn_if_bf16_emulated("bf16", self.device)
         self.ref_model = reference_model(config, self.device) if config.beta > 0 else None
@@ -160,6 +170,8 @@ class GRPOTrainer:
             self.dist.world_size,
             config.seed,
             config.max_prompt_length,
+            config.shuffle_dataset,
+            config.chat_template_kwargs,
         )
         if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
             with distributed.main_first(self.dist):
@@ -237,32 +249,46 @@ class GRPOTrainer:
         return prompt_ids, out
 
     def score(
-        self, rows: list[dict[str, Any]], out: GenerationOutput
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[str, float], list[tuple[Any, str, float]]]:
-        """Rewards of this rank's completions and their advantages within the whole job's batch.
+        self, rows: list[dict[str, Any]], out: GenerationOutput, step: int = 0
+    ) -> tuple[torch.Tensor, dict[str, float], list[tuple[Any, str, float, dict[str, Any]]]]:
+        """Rewards of this rank's completions and their advantages within the whole job's batch, as TRL forms them
+        (`compute_advantages`: a completion no reward function scores is left out of its group's statistics and gets
+        advantage 0).
 
-        Returns ``(advantages [n], all_rewards [N], all_group_std [N], reward metrics, (prompt, completion, reward)
-        of each completion)``: groups are whole on every rank, and the job's rewards are gathered so that
-        ``scale_rewards: batch`` sees them all."""
+        Returns ``(advantages [n], reward metrics, (prompt, completion, reward, extra columns) of each completion)``:
+        groups are whole on every rank, and every function's rewards are gathered so that the metrics and
+        ``scale_rewards: batch`` see the whole job's batch. Reward functions get TRL's ``trainer_state``,
+        ``log_metric`` and ``log_extra`` keyword arguments; the values given to ``log_metric`` are averaged into the
+        step's metrics."""
         cfg = self.config
         completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
         full_rows = [row for row in rows for _ in range(cfg.num_generations)]
         prompts = [r["prompt"] for r in full_rows]
-        rewards, reward_metrics = compute_rewards(
-            self.reward_funcs, cfg.reward_weights, prompts, completions, out.completion_ids, full_rows
+        logged = RewardLog()
+        extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps))
+        per_func, _ = reward_matrix(self.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
+        gathered = distributed.gather(per_func.tolist())
+        all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
+        weights = torch.tensor(cfg.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float64)
+        result = compute_advantages(
+            all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
         )
-        all_rewards = torch.cat([torch.as_tensor(r, device="cpu") for r in distributed.gather(rewards.tolist())])
-        all_advantages, all_std = group_advantages(all_rewards, cfg.num_generations, cfg.scale_rewards)
-        if not torch.isfinite(all_advantages).all():
-            largest = float(all_rewards.abs().max())
+        if not torch.isfinite(result.advantages).all():
+            largest = float(all_per_func.nan_to_num(0.0).abs().max())
             raise NonFiniteUpdate(
                 f"the rewards give advantages that are inf or nan (the largest reward's magnitude is {largest:.3g}; "
-                "float32 holds up to 3.4e38, and group means and spreads overflow well below that): scale the "
-                "rewards down"
+                "group means and spreads overflow well below float64's limit): scale the rewards down"
             )
-        mine = slice(self.dist.rank * rewards.numel(), (self.dist.rank + 1) * rewards.numel())
-        samples = list(zip(prompts, completions, rewards.tolist(), strict=True))
-        return all_advantages[mine].to(rewards.dtype), all_rewards, all_std, reward_metrics, samples
+        metrics = {**result.metrics, **function_metrics(all_per_func, [reward_name(f) for f in self.reward_funcs])}
+        metrics.update(logged.metrics())
+        n = per_func.shape[0]
+        mine = slice(self.dist.rank * n, (self.dist.rank + 1) * n)
+        rewards = result.rewards[mine].tolist()
+        samples = [
+            (prompt, completion, reward, {column: values[i] for column, values in logged.columns.items()})
+            for i, (prompt, completion, reward) in enumerate(zip(prompts, completions, rewards, strict=True))
+        ]
+        return result.advantages[mine].to(torch.float32), metrics, samples
 
     def train_step(self, step: int) -> dict[str, float]:
         """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
@@ -274,7 +300,7 @@ class GRPOTrainer:
         with distributed.gathered(self.update.policy):
             prompt_ids, out = self.rollout(step, rows)
             t1 = time.perf_counter()
-            advantages, all_rewards, all_std, reward_metrics, self._last_samples = self.score(rows, out)
+            advantages, reward_metrics, self._last_samples = self.score(rows, out, step)
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
         memory: dict[str, float] = {}  # the allocated peak of each phase
@@ -302,9 +328,6 @@ class GRPOTrainer:
         terminated = lengths[~truncated]
         metrics = {
             "step": step + 1,
-            "reward": float(all_rewards.mean()),
-            "reward_std": float(all_std.mean()),
-            "frac_reward_zero_std": float((all_std.view(-1, cfg.num_generations)[:, 0] < 1e-6).float().mean()),
             **reward_metrics,
             "completions/mean_length": float(lengths.mean()),
             "completions/min_length": float(lengths.min()),
