@@ -27,6 +27,7 @@ from fastgrpo.speculative.configured import controller_from_config
 from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin, cost_probes
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins
+from fastgrpo.state_files import load_data
 
 logger = logging.getLogger(__name__)
 
@@ -265,7 +266,7 @@ class TrainingRollouts:
         path = directory / LEARNERS
         if not path.is_file():
             return
-        states: dict[str, Any] = torch.load(path, map_location="cpu")
+        states: dict[str, Any] = load_data(path)
         for drafter in self.drafters:
             if drafter.learner is not None and drafter.name in states:
                 drafter.learner.load_state_dict(states[drafter.name])
