@@ -256,6 +256,134 @@ def room_for_two_checkpoints(tmp: Path) -> None:
     shutil.disk_usage = lambda path: real(path)._replace(free=free) if _under(path, tmp) else real(path)
 
 
+class PickledCall:
+    """What a tampered state file holds: unpickling it calls ``os.system``, which would write ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def pickled_call_in(name: str) -> Callable[[Path], None]:
+    """Add a pickled ``os.system`` call to the state file ``NAME`` (under ``tmp``), whose call would write
+    ``tmp/pwned``."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / name
+        state = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else {}
+        state["extra"] = PickledCall(tmp / "pwned")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+
+    return setup
+
+
+def set_layout(value: Any) -> Callable[[Path], None]:
+    """Set the layout recorded in the run's checkpoint-1 trainer state to ``value``."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / "run" / "checkpoint-1" / "trainer_state.pt"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save({**state, "layout": value}, path)
+
+    return setup
+
+
+def broken_model(kind: str) -> Callable[[Path], None]:
+    """A tiny model saved at ``tmp/bad`` whose weights are broken as ``kind`` says: ``empty``, ``truncated``,
+    ``garbage``, ``header`` (the header without the data), ``shape`` (config.json of other sizes), ``missing`` (a
+    weight left out), ``nan`` or ``inf`` (one value)."""
+
+    def setup(tmp: Path) -> None:
+        import struct
+
+        from safetensors.torch import load_file, save_file
+
+        path = save_tiny_llama(tmp / "bad", seed=0, tie_word_embeddings=True)
+        weights = path / "model.safetensors"
+        data = weights.read_bytes()
+        if kind == "empty":
+            weights.write_bytes(b"")
+        elif kind == "truncated":
+            weights.write_bytes(data[: len(data) // 2])
+        elif kind == "garbage":
+            weights.write_bytes(bytes(range(256)) * 4)
+        elif kind == "header":
+            weights.write_bytes(data[: 8 + struct.unpack("<Q", data[:8])[0]])
+        elif kind == "shape":
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 72}))
+        else:
+            tensors = load_file(weights)
+            if kind == "missing":
+                del tensors["model.norm.weight"]
+            else:
+                tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = math.nan if kind == "nan" else math.inf
+            save_file(tensors, weights, metadata={"format": "pt"})
+
+    return setup
+
+
+BROKEN_WEIGHTS = {  # kind: what the refusal says, whether only loading can tell
+    "empty": ("{tmp}/bad/model.safetensors is not a readable safetensors file (0 bytes", False),
+    "truncated": ("{tmp}/bad/model.safetensors is not a readable safetensors file", False),
+    "garbage": ("{tmp}/bad/model.safetensors is not a readable safetensors file (1024 bytes", False),
+    "header": ("incomplete metadata, file not fully covered", False),
+    "shape": (
+        "model.safetensors holds model.layers.0.mlp.down_proj.weight of shape [32, 64], but "
+        "{tmp}/bad/config.json makes it [32, 72]",
+        False,
+    ),
+    "missing": ("{tmp}/bad/model.safetensors lacks the weight model.norm.weight", True),
+    "nan": ("{tmp}/bad/model.safetensors holds NaN in model.layers.0.mlp.up_proj.weight", True),
+    "inf": ("holds an infinite value in model.layers.0.mlp.up_proj.weight", True),
+}
+BROKEN_ARGV = {  # command: its argv, and its config (None: none)
+    "train": (("train",), True),
+    "generate": (("generate", "--model", "{tmp}/bad", "--prompt", "hi", "--max_completion_length", "2"), False),
+    "eval": (("eval",), True),
+    "profile": (
+        (
+            "profile",
+            "--model",
+            "{tmp}/bad",
+            "--tokens",
+            "1,2",
+            "--repeats",
+            "1",
+            "--context_length",
+            "8",
+            "--output",
+            "{tmp}/p.json",
+        ),
+        False,
+    ),
+    "draft train": (("draft", "train", "--output", "{tmp}/d"), True),
+}
+
+
+def broken_weights(command: str, kind: str) -> Case:
+    """``command`` on a model whose weights are broken as ``kind`` says (`broken_model`)."""
+    argv, with_config = BROKEN_ARGV[command]
+    says, needs_model = BROKEN_WEIGHTS[kind]
+    config = tiny_run(model="{tmp}/bad") if with_config else None
+    return Case(
+        f"{command} on {kind} weights",
+        argv,
+        REFUSED,
+        says,
+        config=config,
+        setup=broken_model(kind),
+        needs_model=needs_model,
+    )
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
 CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
@@ -665,6 +793,24 @@ CASES: list[Case] = [
          config=tiny_run()),
     Case("draft train a batch of a billion", ("draft", "train", "--output", "{tmp}/d", "--batch_size",
          "1000000000"), RUNS, '"draft": "{tmp}/d"', config=tiny_run()),
+    # -- checkpoints are data: a pickled call is refused, never run -------------------------------------------------
+    Case("resuming a trainer state holding a pickled call", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "checkpoint-1/trainer_state.pt holds more than data (a pickled reference to posix.system)", config=tiny_run(),
+         first=("train",), setup=pickled_call_in("run/checkpoint-1/trainer_state.pt")),
+    Case("resuming learners' state holding a pickled call", ("train", "--resume", "--max_steps", "3"), REFUSED,
+         "draft/learners.pt holds more than data (a pickled reference to posix.system)", first=("train",),
+         config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+         setup=pickled_call_in("run/checkpoint-2/draft/learners.pt")),
+    Case("a draft's learners' state holding a pickled call", ("train",), REFUSED,
+         "{tmp}/x/learners.pt holds more than data (a pickled reference to posix.system)",
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "{tmp}/x"}), setup=pickled_call_in("x/learners.pt"),
+         needs_model=True),
+    Case("resuming a checkpoint whose layout is the string '2'", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "holds layout '2', not the whole-number layout", config=tiny_run(), first=("train",), setup=set_layout("2")),
+    # -- broken weights, named before the model computes anything ---------------------------------------------------
+    *(broken_weights(command, kind) for command in ("train", "generate") for kind in BROKEN_WEIGHTS),
+    *(broken_weights(command, kind) for command in ("eval", "profile", "draft train")
+      for kind in ("empty", "header", "shape", "nan")),
 ]
 # fmt: on
 
