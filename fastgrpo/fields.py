@@ -6,8 +6,14 @@ do: `fastgrpo train --help` and ``docs/options.md`` are made from this metadata,
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
+
+# What a float32 (the dtype the options compute with: logits, losses, the optimizer's update) can hold: the largest
+# finite value, and the smallest normal one (below it a value loses its precision and, divided by, overflows).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,3 +71,33 @@ def check_ranges(config: Any, prefix: str = "") -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float) or not valid.holds(value):
             raise ValueError(f"{prefix}{f.name} must be {valid}, got {value!r}")
+
+
+def _number_problem(value: float) -> str | None:
+    """Why a float option's value cannot be computed with, or None."""
+    if not math.isfinite(value):
+        return f"must be a finite number, got {value}"
+    if abs(value) > FLOAT32_MAX:
+        return f"must fit a float32 (at most {FLOAT32_MAX:.4g} in size), which computes with it, got {value!r}"
+    if 0 < abs(value) < FLOAT32_TINY:
+        return (
+            f"must be 0 or at least {FLOAT32_TINY:.4g} in size (the smallest normal float32, which computes with "
+            f"it), got {value!r}"
+        )
+    return None
+
+
+def check_numbers(config: Any, prefix: str = "") -> None:
+    """Raise ``ValueError`` naming the first float option of ``config`` (nested ones dotted, list entries indexed)
+    that is NaN or infinite, or that a float32 cannot hold (beyond its range, or a nonzero value below its smallest
+    normal number): rewards, temperatures and rates are computed with in float32."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if dataclasses.is_dataclass(value):
+            check_numbers(value, f"{prefix}{f.name}.")
+            continue
+        items = list(enumerate(value)) if isinstance(value, list | tuple) else [(None, value)]
+        for index, item in items:
+            if isinstance(item, float) and (problem := _number_problem(item)) is not None:
+                name = f"{prefix}{f.name}" + ("" if index is None else f"[{index}]")
+                raise ValueError(f"{name} {problem}")

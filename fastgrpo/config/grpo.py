@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
-from fastgrpo.fields import Range, check_ranges, option
+from fastgrpo.fields import Range, check_numbers, check_ranges, option
 from fastgrpo.models import DTYPE_CHOICES, check_model_source
 from fastgrpo.sampling_params import SamplingParams
 
@@ -233,7 +231,7 @@ class GRPOConfig:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        _check_finite(self)
+        check_numbers(self)
         check_ranges(self)
         if not self.output_dir.strip():
             raise ValueError("output_dir must name a directory, got an empty string")
@@ -284,13 +282,3 @@ class GRPOConfig:
         from fastgrpo.rewards import resolve_reward_funcs
 
         resolve_reward_funcs(self.reward_funcs)
-
-
-def _check_finite(config: Any, prefix: str = "") -> None:
-    """Raise ``ValueError`` naming the first float option (nested ones too) that is infinite or NaN."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_finite(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
