@@ -116,7 +116,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
         load_model,
         load_tokenizer,
     )
-    from fastgrpo.paths import check_writable_file
+    from fastgrpo.paths import check_not_an_input, check_writable_file
     from fastgrpo.rollout.engine import RolloutEngine
 
     params = opts.sampling_params()
@@ -125,6 +125,8 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     prompts = read_prompts(opts)
     if opts.output:
         check_writable_file(opts.output, "--output")
+        inputs = {"--prompts_file": opts.prompts_file, "--config": args.config, "--model": opts.model}
+        check_not_an_input(opts.output, "--output", inputs)
     check_cache_dir()
     check_sequence_length(read_model_config(opts.model), opts.max_prompt_length, opts.max_completion_length)
     tokenizer = load_tokenizer(opts.model)
@@ -236,12 +238,14 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
         load_tokenizer,
         resolve_dtype,
     )
-    from fastgrpo.paths import check_free_space, check_writable_dir
+    from fastgrpo.paths import check_free_space, check_not_an_input, check_writable_dir
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.speculative.eagle.memory import draft_file_bytes
     from fastgrpo.speculative.eagle.offline import train_offline
 
     check_writable_dir(opts.output, "--output")
+    inputs = {"model": config.model, "--config": args.config, "dataset.name": config.dataset.name}
+    check_not_an_input(opts.output, "--output", {**inputs, "dataset.path": config.dataset.path})
     check_tokenizer_files(config.model)
     check_cache_dir()
     device = resolve_device(config.device)
@@ -276,7 +280,7 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     tokens = opts.token_counts()
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_cache_dir, check_model_source, load_model
-    from fastgrpo.paths import check_writable_file
+    from fastgrpo.paths import check_not_an_input, check_writable_file
     from fastgrpo.report import plot_profile
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
@@ -290,6 +294,9 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     check_cache_dir()
     if opts.output:
         check_writable_file(opts.output, "--output")
+        inputs = {"--model": opts.model, "--config": args.config, "speculation.draft": opts.draft}
+        for written in (opts.output, str(Path(opts.output).with_suffix(".png"))):
+            check_not_an_input(written, "--output", inputs)
     device = resolve_device(opts.device)
     backend = compile_backend(opts.compile, device)
     model = load_model(opts.model, dtype=opts.dtype, device=device)

@@ -384,6 +384,20 @@ def broken_weights(command: str, kind: str) -> Case:
     )
 
 
+def own_model(tmp: Path) -> None:
+    """A tiny model of the case's own at ``tmp/own`` (a case that could harm it does not touch the shared one)."""
+    save_tiny_llama(tmp / "own", seed=0, tie_word_embeddings=True)
+
+
+def link(name: str, target: str) -> Callable[[Path], None]:
+    """``tmp/NAME``, a symbolic link to ``tmp/TARGET``."""
+
+    def setup(tmp: Path) -> None:
+        (tmp / name).symlink_to(tmp / target)
+
+    return setup
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
 CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
@@ -842,6 +856,31 @@ CASES: list[Case] = [
          config=tiny_run()),
     Case("draft train a greedy fraction of 1e-40", ("draft", "train", "--output", "{tmp}/d", "--greedy_fraction",
          "1e-40"), REFUSED, "greedy_fraction must be 0 or at least 1.175e-38", config=tiny_run()),
+    # -- outputs never overwrite inputs -------------------------------------------------------------------------------
+    Case("generate into its prompts file", ("generate", "--model", "{model}", "--prompts_file", "{tmp}/p.txt",
+         "--output", "{tmp}/p.txt"), REFUSED, "--output: {tmp}/p.txt is --prompts_file {tmp}/p.txt (the same path)",
+         files={"p.txt": "hi\n"}),
+    Case("generate into a link to its prompts file", ("generate", "--model", "{model}", "--prompts_file",
+         "{tmp}/p.txt", "--output", "{tmp}/out.jsonl"), REFUSED, "--output: {tmp}/out.jsonl is --prompts_file",
+         files={"p.txt": "hi\n"}, setup=link("out.jsonl", "p.txt")),
+    Case("generate into its prompts file through a linked directory", ("generate", "--model", "{model}",
+         "--prompts_file", "{tmp}/p.txt", "--output", "{tmp}/ln/p.txt"), REFUSED, "is --prompts_file {tmp}/p.txt",
+         files={"p.txt": "hi\n"}, setup=link("ln", ".")),
+    Case("generate into its config file", ("generate", "--model", "{model}", "--config", "{tmp}/g.yaml", "--output",
+         "{tmp}/g.yaml"), REFUSED, "--output: {tmp}/g.yaml is --config {tmp}/g.yaml", files={"g.yaml": "prompt: hi\n"}),
+    Case("generate into the model's config.json", ("generate", "--model", "{tmp}/own", "--prompt", "hi", "--output",
+         "{tmp}/own/config.json"), REFUSED, "--output: {tmp}/own/config.json is a file of --model {tmp}/own",
+         setup=own_model),
+    Case("profile into the model's config.json", ("profile", "--model", "{tmp}/own", "--tokens", "1,2", "--repeats",
+         "1", "--context_length", "8", "--output", "{tmp}/own/config.json"), REFUSED,
+         "--output: {tmp}/own/config.json is a file of --model {tmp}/own", setup=own_model),
+    Case("draft train into the model's directory", ("draft", "train", "--output", "{tmp}/own"), REFUSED,
+         "--output: {tmp}/own is model {tmp}/own (the same path)", config=tiny_run(model="{tmp}/own"),
+         setup=own_model),
+    Case("overwriting the run a checkpoint of which is the model", ("train", "--overwrite_output_dir", "true",
+         "--model", "{tmp}/run/checkpoint-1"), REFUSED,
+         "overwrite_output_dir: model {tmp}/run/checkpoint-1 is inside output_dir", config=tiny_run(),
+         first=("train",)),
 ]
 # fmt: on
 

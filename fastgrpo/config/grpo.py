@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -275,6 +276,8 @@ class GRPOConfig:
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        if self.overwrite_output_dir:
+            self._check_inputs_outside_output_dir()
         check_model_source(self.model)
         self.dataset.validate()
         self.speculation.validate()
@@ -282,3 +285,17 @@ class GRPOConfig:
         from fastgrpo.rewards import resolve_reward_funcs
 
         resolve_reward_funcs(self.reward_funcs)
+
+    def _check_inputs_outside_output_dir(self) -> None:
+        """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or
+        through a link): overwriting deletes the run there, a checkpoint of it included."""
+        out = Path(os.path.realpath(self.output_dir))
+        inputs = {"model": self.model, "speculation.draft": self.speculation.draft, "dataset.name": self.dataset.name}
+        for name, given in {**inputs, "dataset.path": self.dataset.path}.items():
+            if given is None or not os.path.exists(given):
+                continue
+            if Path(os.path.realpath(given)).is_relative_to(out):
+                raise ValueError(
+                    f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
+                    "overwriting deletes; copy it elsewhere first, or choose another output_dir"
+                )
