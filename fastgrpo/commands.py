@@ -328,14 +328,15 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def report(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.paths import check_writable_dir
+    from fastgrpo.paths import check_writable_dir, expand_user
     from fastgrpo.report import plot_runs, read_metrics, summary
 
     runs = {}
-    for run_dir in args.run_dirs:
+    run_dirs = [expand_user(run_dir, "report") for run_dir in args.run_dirs]
+    for run_dir in run_dirs:
         name = Path(run_dir).name if Path(run_dir).name not in runs else str(run_dir)
         runs[name] = read_metrics(run_dir)
-    output = args.output or Path(args.run_dirs[0]) / "report"
+    output = expand_user(args.output, "--output") if args.output else Path(run_dirs[0]) / "report"
     check_writable_dir(output, "--output")
     paths = plot_runs(runs, output)
     print(summary(runs))

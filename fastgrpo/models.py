@@ -42,8 +42,12 @@ DTYPES = {
 
 
 def cache_root() -> Path:
-    """Where converted models are cached (``$FASTGRPO_CACHE`` or ``~/.cache/fastgrpo``)."""
-    return Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo"))
+    """Where converted models are cached (``$FASTGRPO_CACHE``, ``~`` expanded, or ``~/.cache/fastgrpo``)."""
+    from fastgrpo.paths import expand_user
+
+    if "FASTGRPO_CACHE" in os.environ:
+        return Path(expand_user(os.environ["FASTGRPO_CACHE"], "FASTGRPO_CACHE"))
+    return Path.home() / ".cache" / "fastgrpo"
 
 
 def check_cache_dir() -> None:

@@ -16,12 +16,13 @@ def read_text(path: Path) -> str:
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The lines of the UTF-8 text file ``path`` (line ends kept), numbered from 1, read one at a time; ``ValueError``
-    naming the file, line, column and byte at the first line that is not UTF-8 text."""
+    """The lines of the UTF-8 text file ``path`` (line ends kept), numbered from 1, read one at a time, without the
+    byte-order mark some editors put at its start; ``ValueError`` naming the file, line, column and byte at the first
+    line that is not UTF-8 text."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(
                     f"{path}, line {number}, column {e.start + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save "

@@ -398,6 +398,11 @@ def link(name: str, target: str) -> Callable[[Path], None]:
     return setup
 
 
+def no_checkpoint_yet(tmp: Path) -> None:
+    """The run as a kill during its first rollout leaves it: claimed, with no checkpoint."""
+    shutil.rmtree(tmp / "run" / "checkpoint-1")
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
 CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
@@ -881,6 +886,51 @@ CASES: list[Case] = [
          "--model", "{tmp}/run/checkpoint-1"), REFUSED,
          "overwrite_output_dir: model {tmp}/run/checkpoint-1 is inside output_dir", config=tiny_run(),
          first=("train",)),
+    # -- ~ everywhere, unknown users refused ---------------------------------------------------------------------------
+    Case("~ in FASTGRPO_CACHE", ("generate", "--model", "{model}", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_CACHE: {tmp}/f is a file", files={"f": ""}, env={"FASTGRPO_CACHE": "~/f", "HOME": "{tmp}"}),
+    Case("an unknown user in FASTGRPO_CACHE", ("generate", "--model", "{model}", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_CACHE: ~nosuchuser_fastgrpo/c starts with ~ but the user 'nosuchuser_fastgrpo' is not known",
+         env={"FASTGRPO_CACHE": "~nosuchuser_fastgrpo/c"}),
+    train("an unknown user in output_dir", REFUSED, "output_dir: ~nosuchuser_fastgrpo/run starts with ~ but the user",
+          output_dir="~nosuchuser_fastgrpo/run"),
+    train("an unknown user in the model", REFUSED, "model: ~nosuchuser_fastgrpo/m starts with ~ but the user",
+          model="~nosuchuser_fastgrpo/m"),
+    Case("an unknown user in the --config path", ("train", "--config", "~nosuchuser_fastgrpo/c.yaml"), REFUSED,
+         "--config: ~nosuchuser_fastgrpo/c.yaml starts with ~ but the user"),
+    Case("~ in report's run directory", ("report", "~/r"), RUNS, "plots: {tmp}/r/report", env=HOME,
+         files={"r/metrics.jsonl": METRICS}),
+    Case("~ in report's --output", ("report", "{tmp}/r", "--output", "~/f/plots"), REFUSED,
+         "--output: {tmp}/f/plots cannot be created", env=HOME, files={"r/metrics.jsonl": METRICS, "f": ""}),
+    Case("an unknown user in report's run directory", ("report", "~nosuchuser_fastgrpo/r"), REFUSED,
+         "report: ~nosuchuser_fastgrpo/r starts with ~ but the user"),
+    # -- the remaining messages made true ------------------------------------------------------------------------------
+    Case("WORLD_SIZE that is not a number", ("train",), REFUSED,
+         "the environment variable WORLD_SIZE must be a whole number (torchrun sets it), got 'four'", config=tiny_run(),
+         env={"WORLD_SIZE": "four", "RANK": "0"}),
+    Case("dry run with WORLD_SIZE that is not a number", ("train", "--dry-run"), REFUSED,
+         "the environment variable WORLD_SIZE must be a whole number", config=tiny_run(), env={"WORLD_SIZE": "four"}),
+    Case("a dataset path that links to a directory", ("train",), REFUSED,
+         "dataset: {tmp}/d.jsonl (a link to {tmp}/dir) is a directory, not a dataset file",
+         config=tiny_run(dataset={"name": "{tmp}/d.jsonl"}), files={"dir/x": ""}, setup=link("d.jsonl", "dir")),
+    Case("starting again in a run killed before its first checkpoint", ("train",), REFUSED,
+         "holds another run that saved no checkpoint yet (so --resume cannot continue it)", config=tiny_run(),
+         first=("train",), setup=no_checkpoint_yet),
+    Case("generate with a train config holding stop", ("generate", "--config", "{tmp}/t.yaml", "--prompt", "hi"),
+         REFUSED, "unknown option stop (stop is an option of fastgrpo train that this command does not use",
+         files={"t.yaml": "stop: [END]\n"}),
+    Case("generate --stop", ("generate", "--prompt", "hi", "--stop", "[END]"), REFUSED,
+         "stop is an option of fastgrpo train that this command does not use"),
+    Case("a dangling link as output_dir", ("train",), REFUSED,
+         "output_dir {tmp}/run is a link to {tmp}/gone, which does not exist", config=tiny_run(),
+         setup=link("run", "gone")),
+    # -- inputs --------------------------------------------------------------------------------------------------------
+    dataset_file("a user message with empty content", "line 1: prompt column 'prompt' has a user message whose "
+                 "content is empty", json.dumps({"prompt": [{"role": "user", "content": " "}], "answer": "4"}) + "\n"),
+    prompts_file("generate a user message with empty content", "line 1: 'prompt' has a user message whose content is "
+                 "empty", json.dumps({"prompt": [{"role": "user", "content": ""}]}) + "\n"),
+    Case("generate from a .txt file with a byte-order mark", ("generate", "--model", "{model}", "--prompts_file",
+         "{tmp}/p.txt", "--max_completion_length", "2"), RUNS, "--- hi\n", files={"p.txt": "\ufeffhi\n".encode()}),
 ]
 # fmt: on
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
-import os
 import re
 import types
 import typing
@@ -17,7 +16,7 @@ from typing import Any
 import yaml
 
 from fastgrpo.config.grpo import GRPOConfig
-from fastgrpo.paths import read_text
+from fastgrpo.paths import expand_user, read_text
 
 
 class DuplicateKeyError(yaml.YAMLError):
@@ -130,7 +129,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
         else:
             kwargs[key] = _coerce(prefix + key, value, hints[key])
             if fields[key].metadata.get("path") and isinstance(kwargs[key], str):
-                kwargs[key] = os.path.expanduser(kwargs[key])
+                kwargs[key] = expand_user(kwargs[key], prefix + key)
     for name, f in fields.items():
         if name not in kwargs and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ValueError(f"{prefix}{name} is required: {f.metadata.get('help', 'an option without default')}")
@@ -269,7 +268,10 @@ def build_options(
     for key, value in _merge(defaults or {}, values).items():
         if key not in owner:
             close = difflib.get_close_matches(key, owner, n=1)
-            raise ValueError(f"unknown option {key}" + (f" (did you mean {close[0]}?)" if close else ""))
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            if key in _hints(GRPOConfig):
+                hint = f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
+            raise ValueError(f"unknown option {key}{hint}")
         parts[owner[key]][key] = value
     built = tuple(_build(cls, parts[cls]) for cls in classes)
     for options in built:
@@ -298,7 +300,7 @@ def read_options(
     holds a key twice is refused, naming the file, the key and both lines."""
     values: dict[str, Any] = {}
     if path is not None:
-        path = Path(path).expanduser()
+        path = Path(expand_user(path, "--config"))
         if not path.is_file():
             raise FileNotFoundError(
                 f"config file {path} " + ("is a directory, not a file" if path.is_dir() else "does not exist")

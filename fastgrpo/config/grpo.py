@@ -276,6 +276,12 @@ class GRPOConfig:
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        if Path(self.output_dir).is_symlink() and not Path(self.output_dir).exists():
+            target = os.readlink(self.output_dir)
+            raise ValueError(
+                f"output_dir {self.output_dir} is a link to {target}, which does not exist: create {target} first, "
+                "or choose another output_dir"
+            )
         if self.overwrite_output_dir:
             self._check_inputs_outside_output_dir()
         check_model_source(self.model)
