@@ -204,6 +204,17 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.config.files import build_options, read_options
 
     values = read_options(args.config, overrides, COMMANDS["eval"])
+    # eval samples one completion per prompt, in batches of batch_size: training's group and batch are not used
+    unused = {
+        k: values.pop(k)
+        for k in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps")
+        if k in values
+    }
+    if "num_generations" in unused:
+        print(
+            f"eval: num_generations ({unused['num_generations']}) is not used: eval samples one completion per prompt",
+            file=sys.stderr,
+        )
     dataset = values.get("dataset")
     dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by build_options, naming it
     held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
@@ -278,6 +289,7 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
 def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     (opts,) = parse_command_options("profile", args, overrides)
     tokens = opts.token_counts()
+    from fastgrpo.config.speculation import SpeculationConfig
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_cache_dir, check_model_source, load_model
     from fastgrpo.paths import check_not_an_input, check_writable_file
@@ -285,11 +297,11 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
     from fastgrpo.speculative.plugin import cost_probes
-    from fastgrpo.speculative.registry import PLUGINS, check_saved_drafts, drafter_names
+    from fastgrpo.speculative.registry import PLUGINS, check_speculation, drafter_names
 
     names = drafter_names(opts.speculation.drafter)
-    if opts.draft:
-        check_saved_drafts(Path(opts.draft), names)
+    # as train refuses them: a draft saved by none of the drafters timed, or whose files cannot be read
+    check_speculation(SpeculationConfig(drafter=opts.speculation.drafter, draft=opts.draft))
     check_model_source(opts.model, "--model")
     check_cache_dir()
     if opts.output:

@@ -47,12 +47,16 @@ def option(
     valid: Range | None = None,
     default_factory: Callable[[], Any] | None = None,
     path: bool = False,
+    joins: str | None = None,
 ) -> Any:
     """A dataclass field with ``help`` (one or two sentences) and, for a closed set of values, ``choices``, or for a
-    numeric option its ``valid`` range; ``path``: the option names a file or directory (``~`` is expanded)."""
+    numeric option its ``valid`` range; ``path``: the option names a file or directory (``~`` is expanded);
+    ``joins``: a string option also given as a list of strings, read as them joined by ``joins``."""
     metadata: dict[str, Any] = {"help": help}
     if path:
         metadata["path"] = True
+    if joins is not None:
+        metadata["joins"] = joins
     if choices:
         metadata["choices"] = tuple(choices)
     if valid is not None:

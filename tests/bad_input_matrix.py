@@ -931,6 +931,42 @@ CASES: list[Case] = [
                  "empty", json.dumps({"prompt": [{"role": "user", "content": ""}]}) + "\n"),
     Case("generate from a .txt file with a byte-order mark", ("generate", "--model", "{model}", "--prompts_file",
          "{tmp}/p.txt", "--max_completion_length", "2"), RUNS, "--- hi\n", files={"p.txt": "\ufeffhi\n".encode()}),
+    # -- every option acts or is refused -------------------------------------------------------------------------------
+    train("an importance-sampling cap with the correction off", REFUSED,
+          "importance_sampling_clip_max has no effect with importance_sampling_correction is false",
+          importance_sampling_clip_max=2.0),
+    train("an importance-sampling mode with the correction off", REFUSED,
+          "importance_sampling_mode has no effect with importance_sampling_correction is false",
+          importance_sampling_mode="token_mask"),
+    train("delta with cispo", REFUSED, "delta has no effect with loss_type cispo", loss_type="cispo",
+          epsilon_high=5.0, delta=10.0),
+    train("delta with sapo", REFUSED, "delta has no effect with loss_type sapo", loss_type="sapo", delta=10.0),
+    train("a sapo temperature with dapo", REFUSED, "sapo_temperature_pos has no effect with loss_type dapo",
+          sapo_temperature_pos=2.0),
+    Case("eval a sapo temperature with grpo", ("eval", "--sapo_temperature_neg", "2"), REFUSED,
+         "sapo_temperature_neg has no effect with loss_type grpo", config=tiny_run(loss_type="grpo")),
+    train("a saved draft with speculation off", REFUSED, "speculation.draft has no effect with speculation.mode: off",
+          speculation={"mode": "off", "draft": "{tmp}"}),
+    Case("eval with num_generations 4", ("eval", "--num_generations", "4"), WARNS,
+         "num_generations (4) is not used: eval samples one completion per prompt", config=tiny_run()),
+    Case("eval with num_generations 1", ("eval", "--num_generations", "1"), WARNS,
+         "num_generations (1) is not used", config=tiny_run()),
+    Case("profile an EAGLE draft for the suffix drafter", ("profile", "--model", "{model}", "--draft", "{tmp}/draft",
+         "--speculation.drafter", "suffix"), REFUSED, "speculation.draft: {tmp}/draft is neither a directory saved by "
+         "a drafter of speculation.drafter (suffix", setup=save_qwen_draft),
+    # -- drafters as a list --------------------------------------------------------------------------------------------
+    Case("drafters as a YAML list", ("train", "--dry-run"), RUNS, "memory plan of",
+         config=tiny_run(speculation={"drafter": ["eagle", "suffix"]})),
+    Case("drafters as a list on the command line", ("train", "--dry-run", "--speculation.drafter", "[eagle, suffix]"),
+         RUNS, "memory plan of", config=tiny_run(speculation={"mode": "adaptive"})),
+    Case("a list of drafters naming an unknown one", ("train", "--dry-run"), REFUSED,
+         "speculation.drafter must be one of ['eagle', 'suffix'] or several joined by '+' (each once), got "
+         "'eagle+medusa'", config=tiny_run(speculation={"drafter": ["eagle", "medusa"]})),
+    Case("a list of drafters that are not names", ("train", "--dry-run"), REFUSED,
+         "speculation.drafter must be of type str", config=tiny_run(speculation={"drafter": [1, 2]})),
+    Case("profile drafters as a list", ("profile", "--speculation.drafter", "[suffix, medusa]"), REFUSED,
+         "speculation.drafter must be one of ['eagle', 'suffix'] or several joined by '+' (each once), got "
+         "'suffix+medusa'"),
 ]
 # fmt: on
 

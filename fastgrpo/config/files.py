@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -127,6 +128,12 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
                 raise ValueError(f"{prefix}{key} must be a mapping of options, got {value!r}")
             kwargs[key] = _build(hints[key], value, prefix=f"{prefix}{key}.")
         else:
+            joins = fields[key].metadata.get("joins")
+            if joins and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+                with contextlib.suppress(yaml.YAMLError):  # on the command line, a YAML list as typed
+                    value = yaml.load(value, Loader=YAMLLoader)
+            if joins and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+                value = joins.join(value)  # [eagle, suffix] is eagle+suffix
             kwargs[key] = _coerce(prefix + key, value, hints[key])
             if fields[key].metadata.get("path") and isinstance(kwargs[key], str):
                 kwargs[key] = expand_user(kwargs[key], prefix + key)

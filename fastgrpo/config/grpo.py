@@ -8,6 +8,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
@@ -225,6 +226,24 @@ class GRPOConfig:
             min_p=self.min_p,
             stop=tuple(self.stop),
         )
+
+    def check_given(self, given: dict[str, Any]) -> None:
+        """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
+        than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
+        that does not clip (cispo, sapo), sapo's temperatures with another loss."""
+        unused = []
+        if not self.importance_sampling_correction:
+            unused += [
+                (key, "importance_sampling_correction is false (no correction is applied)")
+                for key in ("importance_sampling_mode", "importance_sampling_clip_min", "importance_sampling_clip_max")
+            ]
+        if self.loss_type in ("cispo", "sapo"):
+            unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
+        if self.loss_type != "sapo":
+            unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
+        for key, why in unused:
+            if given.get(key) is not None:
+                raise ValueError(f"{key} has no effect with {why}: remove it")
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""

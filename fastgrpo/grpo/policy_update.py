@@ -208,6 +208,8 @@ class PolicyUpdate:
                             cfg.importance_sampling_clip_min,
                             cfg.importance_sampling_clip_max,
                         )
+                        if not cfg.importance_sampling_correction:  # the gap is measured, no ratio is applied
+                            sampled = {k: v for k, v in sampled.items() if "importance_sampling_ratio" not in k}
                     loss, metrics = grpo_loss(
                         logps,
                         old,
