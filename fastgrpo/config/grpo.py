@@ -147,7 +147,7 @@ class GRPOConfig:
     delta: float | None = option(
         None,
         help="two-sided clipping: the ratio capped at delta also where the advantage is negative (None: off; "
-        "above 1 + epsilon_high)",
+        "above 1 + epsilon_high; refused with cispo and sapo, which do not clip)",
         valid=Range(1, low_open=True),
     )
     importance_sampling_correction: bool = option(
@@ -160,20 +160,26 @@ class GRPOConfig:
     importance_sampling_mode: str = option(
         "sequence_mask",
         help="the correction's ratio per token or per completion (its tokens' product), clamped into the clip range "
-        "(truncate) or zeroed outside it (mask)",
+        "(truncate) or zeroed outside it (mask); set with the correction off, refused",
         choices=IMPORTANCE_SAMPLING_MODES,
     )
     importance_sampling_clip_min: float | None = option(
-        None, help="the correction's lowest ratio (None: none)", valid=Range(0)
+        None, help="the correction's lowest ratio (None: none; refused with the correction off)", valid=Range(0)
     )
     importance_sampling_clip_max: float | None = option(
-        3.0, help="the correction's highest ratio (None: none)", valid=Range(0, low_open=True)
+        3.0,
+        help="the correction's highest ratio (None: none; refused with the correction off)",
+        valid=Range(0, low_open=True),
     )
     sapo_temperature_pos: float = option(
-        1.0, help="sapo's gate temperature for positive advantages", valid=Range(0, low_open=True)
+        1.0,
+        help="sapo's gate temperature for positive advantages (refused with another loss)",
+        valid=Range(0, low_open=True),
     )
     sapo_temperature_neg: float = option(
-        1.05, help="sapo's gate temperature for other advantages", valid=Range(0, low_open=True)
+        1.05,
+        help="sapo's gate temperature for other advantages (refused with another loss)",
+        valid=Range(0, low_open=True),
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")

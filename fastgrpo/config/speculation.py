@@ -76,7 +76,7 @@ class SpeculationConfig:
     draft: str | None = option(
         None,
         help="a directory saved by `fastgrpo draft train`, or a checkpoint's `draft` directory (the drafters' state, "
-        "of fastgrpo's trainer or the TRL integration); None: a fresh draft",
+        "of fastgrpo's trainer or the TRL integration); None: a fresh draft; refused with mode off",
         path=True,
     )
     draft_vocab_size: int | None = option(
