@@ -403,6 +403,44 @@ def no_checkpoint_yet(tmp: Path) -> None:
     shutil.rmtree(tmp / "run" / "checkpoint-1")
 
 
+def save_learners(states: Any) -> Callable[[Path], None]:
+    """Replace checkpoint-2's ``draft/learners.pt`` by ``states`` (a callable: of the names of the saved ones)."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / "run" / "checkpoint-2" / "draft" / "learners.pt"
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save(states(saved) if callable(states) else states, path)
+
+    return setup
+
+
+def suffix_price(price: Any) -> Callable[[Path], None]:
+    """Set the suffix drafter's price in checkpoint-2's ``draft/schedule.json`` to ``price``."""
+
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "checkpoint-2" / "draft" / "schedule.json"
+        schedule = json.loads(path.read_text())
+        schedule["drafters"]["suffix"]["price"] = price
+        path.write_text(json.dumps(schedule))
+
+    return setup
+
+
+def remove_tree(name: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        shutil.rmtree(tmp / "run" / name)
+
+    return setup
+
+
+def resumed_adaptive(name: str, says: str, setup: Callable[[Path], None]) -> Case:
+    """Resuming a 2-step adaptive run (both drafters) whose checkpoint-2 ``setup`` damaged: warned, and run."""
+    return Case(name, ("train", "--resume", "--max_steps", "3"), WARNS, says, first=("train",), setup=setup,
+                config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}))
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
 CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
@@ -967,6 +1005,24 @@ CASES: list[Case] = [
     Case("profile drafters as a list", ("profile", "--speculation.drafter", "[suffix, medusa]"), REFUSED,
          "speculation.drafter must be one of ['eagle', 'suffix'] or several joined by '+' (each once), got "
          "'suffix+medusa'"),
+    # -- damaged run state, named and passed over ----------------------------------------------------------------------
+    resumed_adaptive("resuming with learners.pt deleted", "draft/learners.pt is missing: the learners of",
+                     remove_file("checkpoint-2/draft/learners.pt")),
+    resumed_adaptive("resuming with learners.pt an empty dict", "learners.pt holds no state for the suffix drafter: "
+                     "its learner starts afresh", save_learners({})),
+    resumed_adaptive("resuming with learners.pt of another structure", "drafter's state does not fit its learner",
+                     save_learners(lambda saved: {name: {"x": 1} for name in saved})),
+    resumed_adaptive("resuming with learners.pt a list", "learners.pt holds a list, not learners' states",
+                     save_learners([1, 2])),
+    resumed_adaptive("resuming with a price that is text", "schedule.json: not used, the controller and the drafters' "
+                     "prices start afresh (ValueError: drafters.suffix.price[0]: expected a number, got 'abc'",
+                     suffix_price(["abc", 1, 1, 1, 1])),
+    resumed_adaptive("resuming with a price of two numbers", "drafters.suffix.price: expected a list of 5",
+                     suffix_price([1.0, 2.0])),
+    resumed_adaptive("resuming with schedule.json deleted", "draft/schedule.json is missing: the controller",
+                     remove_file("checkpoint-2/draft/schedule.json")),
+    resumed_adaptive("resuming with the draft directory deleted", "checkpoint-2/draft is missing: the drafters",
+                     remove_tree("checkpoint-2/draft")),
 ]
 # fmt: on
 
