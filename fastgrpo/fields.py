@@ -105,3 +105,18 @@ def check_numbers(config: Any, prefix: str = "") -> None:
             if isinstance(item, float) and (problem := _number_problem(item)) is not None:
                 name = f"{prefix}{f.name}" + ("" if index is None else f"[{index}]")
                 raise ValueError(f"{name} {problem}")
+
+
+def joined(value: Any, joins: str | None) -> Any:
+    """The value of an option marked ``joins`` (`option`) given as a list of strings, YAML's or a command line's
+    ``[eagle, suffix]``, as its items joined (``eagle+suffix``); any other value as it is."""
+    if joins and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
+        import yaml
+
+        try:
+            value = yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    if joins and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return joins.join(value)
+    return value

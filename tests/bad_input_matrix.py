@@ -437,8 +437,15 @@ def remove_tree(name: str) -> Callable[[Path], None]:
 
 def resumed_adaptive(name: str, says: str, setup: Callable[[Path], None]) -> Case:
     """Resuming a 2-step adaptive run (both drafters) whose checkpoint-2 ``setup`` damaged: warned, and run."""
-    return Case(name, ("train", "--resume", "--max_steps", "3"), WARNS, says, first=("train",), setup=setup,
-                config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}))
+    return Case(
+        name,
+        ("train", "--resume", "--max_steps", "3"),
+        WARNS,
+        says,
+        first=("train",),
+        setup=setup,
+        config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+    )
 
 
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import functools
@@ -16,7 +15,8 @@ from typing import Any
 
 import yaml
 
-from fastgrpo.config.grpo import GRPOConfig
+from fastgrpo.config.grpo import GRPOConfig, train_only_hint
+from fastgrpo.fields import joined
 from fastgrpo.paths import expand_user, read_text
 
 
@@ -128,13 +128,7 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
                 raise ValueError(f"{prefix}{key} must be a mapping of options, got {value!r}")
             kwargs[key] = _build(hints[key], value, prefix=f"{prefix}{key}.")
         else:
-            joins = fields[key].metadata.get("joins")
-            if joins and isinstance(value, str) and value.startswith("[") and value.endswith("]"):
-                with contextlib.suppress(yaml.YAMLError):  # on the command line, a YAML list as typed
-                    value = yaml.load(value, Loader=YAMLLoader)
-            if joins and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
-                value = joins.join(value)  # [eagle, suffix] is eagle+suffix
-            kwargs[key] = _coerce(prefix + key, value, hints[key])
+            kwargs[key] = _coerce(prefix + key, joined(value, fields[key].metadata.get("joins")), hints[key])
             if fields[key].metadata.get("path") and isinstance(kwargs[key], str):
                 kwargs[key] = expand_user(kwargs[key], prefix + key)
     for name, f in fields.items():
@@ -275,9 +269,7 @@ def build_options(
     for key, value in _merge(defaults or {}, values).items():
         if key not in owner:
             close = difflib.get_close_matches(key, owner, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            if key in _hints(GRPOConfig):
-                hint = f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
+            hint = train_only_hint(key) or (f" (did you mean {close[0]}?)" if close else "")
             raise ValueError(f"unknown option {key}{hint}")
         parts[owner[key]][key] = value
     built = tuple(_build(cls, parts[cls]) for cls in classes)

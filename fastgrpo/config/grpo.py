@@ -330,3 +330,11 @@ class GRPOConfig:
                     f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
                     "overwriting deletes; copy it elsewhere first, or choose another output_dir"
                 )
+
+
+def train_only_hint(key: str) -> str:
+    """What an unknown option of another command adds when ``key`` is an option of ``fastgrpo train`` (a train config
+    given to ``generate``); empty otherwise."""
+    if key in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        return f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
+    return ""
