@@ -945,8 +945,8 @@ CASES: list[Case] = [
          "--config: ~nosuchuser_fastgrpo/c.yaml starts with ~ but the user"),
     Case("~ in report's run directory", ("report", "~/r"), RUNS, "plots: {tmp}/r/report", env=HOME,
          files={"r/metrics.jsonl": METRICS}),
-    Case("~ in report's --output", ("report", "{tmp}/r", "--output", "~/f/plots"), REFUSED,
-         "--output: {tmp}/f/plots cannot be created", env=HOME, files={"r/metrics.jsonl": METRICS, "f": ""}),
+    Case("~ in report's --output", ("report", "{tmp}/r", "--output", "~/plots"), RUNS, "plots: {tmp}/plots/curves.png",
+         env=HOME, files={"r/metrics.jsonl": METRICS}),
     Case("an unknown user in report's run directory", ("report", "~nosuchuser_fastgrpo/r"), REFUSED,
          "report: ~nosuchuser_fastgrpo/r starts with ~ but the user"),
     # -- the remaining messages made true ------------------------------------------------------------------------------

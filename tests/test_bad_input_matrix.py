@@ -58,3 +58,15 @@ def test_a_pickled_call_is_refused_by_the_loader(tmp_path: Path) -> None:
     assert not (tmp_path / "pwned").exists()
     torch.save({"step": 1, "t": torch.ones(2)}, path)
     assert load_data(path)["step"] == 1
+
+
+def test_fastgrpo_cache_expands_a_tilde(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FASTGRPO_CACHE=~/c`` is the home directory's ``c`` (not ``./~/c``); an unknown user is refused naming it."""
+    from fastgrpo.models import cache_root
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("FASTGRPO_CACHE", "~/c")
+    assert cache_root() == tmp_path / "c"
+    monkeypatch.setenv("FASTGRPO_CACHE", "~nosuchuser_fastgrpo/c")
+    with pytest.raises(ValueError, match="FASTGRPO_CACHE: ~nosuchuser_fastgrpo/c starts with ~ but the user"):
+        cache_root()
