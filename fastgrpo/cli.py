@@ -38,7 +38,8 @@ class _HelpFormatter(argparse.HelpFormatter):
 def _add_options(parser: argparse.ArgumentParser, command: str) -> None:
     """List every option of ``command`` in ``parser``'s help (parsed as overrides of the YAML file, not by
     argparse)."""
-    from fastgrpo.config.files import command_option_rows, yaml_value
+    from fastgrpo.config.files import yaml_value
+    from fastgrpo.config.reference import command_option_rows
 
     flags = "".join(f" [{a.option_strings[-1]}]" for a in parser._actions if a.nargs == 0 and a.dest != "help")
     parser.usage = f"%(prog)s [-h] [--config FILE]{flags} [--OPTION VALUE ...]"

@@ -116,7 +116,7 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
         load_model,
         load_tokenizer,
     )
-    from fastgrpo.paths import check_writable_file
+    from fastgrpo.paths import check_not_an_input, check_writable_file
     from fastgrpo.rollout.engine import RolloutEngine
 
     params = opts.sampling_params()
@@ -125,6 +125,8 @@ def generate(args: argparse.Namespace, overrides: list[str]) -> None:
     prompts = read_prompts(opts)
     if opts.output:
         check_writable_file(opts.output, "--output")
+        inputs = {"--prompts_file": opts.prompts_file, "--config": args.config, "--model": opts.model}
+        check_not_an_input(opts.output, "--output", inputs)
     check_cache_dir()
     check_sequence_length(read_model_config(opts.model), opts.max_prompt_length, opts.max_completion_length)
     tokenizer = load_tokenizer(opts.model)
@@ -202,6 +204,17 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.config.files import build_options, read_options
 
     values = read_options(args.config, overrides, COMMANDS["eval"])
+    # eval samples one completion per prompt, in batches of batch_size: training's group and batch are not used
+    unused = {
+        k: values.pop(k)
+        for k in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps")
+        if k in values
+    }
+    if "num_generations" in unused:
+        print(
+            f"eval: num_generations ({unused['num_generations']}) is not used: eval samples one completion per prompt",
+            file=sys.stderr,
+        )
     dataset = values.get("dataset")
     dataset = dataset if isinstance(dataset, dict) else {}  # anything else is refused by build_options, naming it
     held_out = dataset.get("name", "arithmetic") == "arithmetic" and "split" not in dataset
@@ -236,12 +249,14 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
         load_tokenizer,
         resolve_dtype,
     )
-    from fastgrpo.paths import check_free_space, check_writable_dir
+    from fastgrpo.paths import check_free_space, check_not_an_input, check_writable_dir
     from fastgrpo.rollout.engine import RolloutEngine
     from fastgrpo.speculative.eagle.memory import draft_file_bytes
     from fastgrpo.speculative.eagle.offline import train_offline
 
     check_writable_dir(opts.output, "--output")
+    inputs = {"model": config.model, "--config": args.config, "dataset.name": config.dataset.name}
+    check_not_an_input(opts.output, "--output", {**inputs, "dataset.path": config.dataset.path})
     check_tokenizer_files(config.model)
     check_cache_dir()
     device = resolve_device(config.device)
@@ -274,22 +289,26 @@ def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
 def profile(args: argparse.Namespace, overrides: list[str]) -> None:
     (opts,) = parse_command_options("profile", args, overrides)
     tokens = opts.token_counts()
+    from fastgrpo.config.speculation import SpeculationConfig
     from fastgrpo.distributed import resolve_device
     from fastgrpo.models import check_cache_dir, check_model_source, load_model
-    from fastgrpo.paths import check_writable_file
+    from fastgrpo.paths import check_not_an_input, check_writable_file
     from fastgrpo.report import plot_profile
     from fastgrpo.rollout.compiled import compile_backend
     from fastgrpo.speculative import profiler
     from fastgrpo.speculative.plugin import cost_probes
-    from fastgrpo.speculative.registry import PLUGINS, check_saved_drafts, drafter_names
+    from fastgrpo.speculative.registry import PLUGINS, check_speculation, drafter_names
 
     names = drafter_names(opts.speculation.drafter)
-    if opts.draft:
-        check_saved_drafts(Path(opts.draft), names)
+    # as train refuses them: a draft saved by none of the drafters timed, or whose files cannot be read
+    check_speculation(SpeculationConfig(drafter=opts.speculation.drafter, draft=opts.draft))
     check_model_source(opts.model, "--model")
     check_cache_dir()
     if opts.output:
         check_writable_file(opts.output, "--output")
+        inputs = {"--model": opts.model, "--config": args.config, "speculation.draft": opts.draft}
+        for written in (opts.output, str(Path(opts.output).with_suffix(".png"))):
+            check_not_an_input(written, "--output", inputs)
     device = resolve_device(opts.device)
     backend = compile_backend(opts.compile, device)
     model = load_model(opts.model, dtype=opts.dtype, device=device)
@@ -321,14 +340,15 @@ def profile(args: argparse.Namespace, overrides: list[str]) -> None:
 
 
 def report(args: argparse.Namespace, overrides: list[str]) -> None:
-    from fastgrpo.paths import check_writable_dir
+    from fastgrpo.paths import check_writable_dir, expand_user
     from fastgrpo.report import plot_runs, read_metrics, summary
 
     runs = {}
-    for run_dir in args.run_dirs:
+    run_dirs = [expand_user(run_dir, "report") for run_dir in args.run_dirs]
+    for run_dir in run_dirs:
         name = Path(run_dir).name if Path(run_dir).name not in runs else str(run_dir)
         runs[name] = read_metrics(run_dir)
-    output = args.output or Path(args.run_dirs[0]) / "report"
+    output = expand_user(args.output, "--output") if args.output else Path(run_dirs[0]) / "report"
     check_writable_dir(output, "--output")
     paths = plot_runs(runs, output)
     print(summary(runs))

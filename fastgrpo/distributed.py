@@ -37,6 +37,23 @@ class DistInfo:
         return self.rank == 0
 
 
+def env_int(name: str, default: int) -> int:
+    """The whole number the environment variable ``name`` holds (``default`` when unset); ``ValueError`` naming the
+    variable when it holds something else (torchrun sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` to numbers)."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(
+            f"the environment variable {name} must be a whole number (torchrun sets it), got {text!r}"
+        ) from None
+    if value < 0:
+        raise ValueError(f"the environment variable {name} must be a whole number >= 0, got {text!r}")
+    return value
+
+
 def resolve_device(option: str, local_rank: int = 0) -> torch.device:
     """``auto`` is the process's GPU when there is one and the CPU otherwise; ``cuda`` is ``cuda:LOCAL_RANK``."""
     if option not in DEVICES:
@@ -51,7 +68,9 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
 def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistInfo:
     """Join the job torchrun started (once per process; later calls return the same answer)."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_rank = env_int("LOCAL_RANK", 0)
+    for name in ("RANK", "WORLD_SIZE"):
+        env_int(name, 0)  # named here, before torch.distributed reads it
     device = resolve_device(device_option, local_rank)
     if launched and not dist.is_initialized():
         if device.type == "cuda":

@@ -43,8 +43,12 @@ DTYPES = {
 
 
 def cache_root() -> Path:
-    """Where converted models are cached (``$FASTGRPO_CACHE`` or ``~/.cache/fastgrpo``)."""
-    return Path(os.environ.get("FASTGRPO_CACHE", Path.home() / ".cache" / "fastgrpo"))
+    """Where converted models are cached (``$FASTGRPO_CACHE``, ``~`` expanded, or ``~/.cache/fastgrpo``)."""
+    from fastgrpo.paths import expand_user
+
+    if "FASTGRPO_CACHE" in os.environ:
+        return Path(expand_user(os.environ["FASTGRPO_CACHE"], "FASTGRPO_CACHE"))
+    return Path.home() / ".cache" / "fastgrpo"
 
 
 def check_cache_dir() -> None:
@@ -105,18 +109,121 @@ def resolve_model_path(name: str) -> str:
 
 def check_model_source(name: str, option: str = "model") -> None:
     """Raise ``ValueError`` naming ``option`` when ``name`` can be told not to be a loadable model without loading
-    anything: a path that does not exist, or a directory with neither ``config.json`` nor a peft adapter's
-    ``adapter_config.json``. A name like ``org/model`` is taken for a hub id."""
+    anything: a path that does not exist, a directory with neither ``config.json`` nor a peft adapter's
+    ``adapter_config.json``, or weights that cannot be what the config describes (`check_model_weights`). A name
+    like ``org/model`` is taken for a hub id."""
     if name == EMBEDDED_MODEL:
         return
     path = Path(name).expanduser()
     if path.exists():
         if not any((path / f).is_file() for f in ("config.json", "adapter_config.json")):
             raise ValueError(f"{option}: {name} is not a Hugging Face model directory (it has no config.json)")
+        check_model_weights(name, option)
         return
     looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
     if looks_like_path:
         raise ValueError(f"{option}: {name} does not exist")
+
+
+def weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a local model directory: the shards its ``model.safetensors.index.json`` names, or
+    its ``model.safetensors`` (none: the weights are in another format, or a peft adapter's directory)."""
+    import json
+
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [directory / name for name in sorted(set(weight_map.values()))]
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+    single = directory / "model.safetensors"
+    return [single] if single.exists() else []
+
+
+def check_model_weights(name: str, option: str = "model") -> None:
+    """Raise ``ValueError`` naming ``option``, the file and the tensor when a local model directory's weights cannot
+    be what its ``config.json`` describes, without reading the weights' data: a safetensors file whose header
+    safetensors cannot read (empty, truncated, garbage, a header without its data), or a tensor whose shape differs
+    from the one the config gives it (the model built on the meta device, so nothing is allocated). Weights the
+    file lacks and values that are not finite are found as the model loads (`load_model`)."""
+    from safetensors import SafetensorError, safe_open
+
+    path = Path(name).expanduser()
+    if name == EMBEDDED_MODEL or not (path / "config.json").is_file():
+        return
+    shapes: dict[str, tuple[tuple[int, ...], Path]] = {}
+    for file in weight_files(path):
+        if not file.is_file():
+            raise ValueError(f"{option}: {file} is missing (the model's weights name it)")
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                for key in weights.keys():  # noqa: SIM118 (a safe_open handle is no mapping)
+                    shapes[key] = (tuple(weights.get_slice(key).get_shape()), file)
+        except (SafetensorError, OSError) as e:
+            size = file.stat().st_size
+            raise ValueError(
+                f"{option}: {file} is not a readable safetensors file ({size} bytes; {e}): the weights are cut short "
+                "or damaged; save or download the model again"
+            ) from None
+    if not shapes:
+        return
+    expected = _expected_shapes(path)
+    for key, (shape, file) in shapes.items():
+        want = expected.get(key)
+        if want is not None and want != shape:
+            raise ValueError(
+                f"{option}: {file} holds {key} of shape {list(shape)}, but {path / 'config.json'} makes it "
+                f"{list(want)}: the config and the weights are of different models"
+            )
+
+
+def _expected_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of the model ``path/config.json`` describes (built on the meta device: no memory);
+    empty when transformers cannot build it from the config (loading then says why)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an unknown architecture or a config transformers refuses: from_pretrained reports it
+        return {}
+    return {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
+
+
+def _check_loaded(model: PreTrainedModel, name: str, info: dict) -> None:
+    """Raise ``ValueError`` when the loaded model lacks weights its file should hold (transformers initialised them
+    at random: its loading report's missing keys) or holds values that are not finite, naming the tensor."""
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"model: {_weights_of(name)} lacks the weight {missing[0]}{more}, which the model needs (it would start "
+            "at random): the weights file is incomplete or of another model"
+        )
+    for key, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = "NaN" if bool(torch.isnan(tensor).any()) else "an infinite value"
+            raise ValueError(
+                f"model: {_weights_of(name, key)} holds {bad} in {key}: such a model computes nothing but NaN; use a "
+                "checkpoint saved before its weights diverged"
+            )
+
+
+def _weights_of(name: str, key: str | None = None) -> str:
+    """The weights file of the local model ``name`` that holds ``key`` (or its only weights file), else ``name``."""
+    from safetensors import safe_open
+
+    path = Path(name).expanduser()
+    files = weight_files(path) if path.is_dir() else []
+    if key is None or len(files) == 1:
+        return str(files[0]) if len(files) == 1 else name
+    for file in files:
+        with safe_open(str(file), framework="pt") as weights:
+            if key in weights.keys():  # noqa: SIM118 (a safe_open handle is no mapping)
+                return str(file)
+    return name
 
 
 def check_tokenizer_files(name: str, option: str = "model") -> None:
@@ -185,16 +292,23 @@ def warn_if_bf16_emulated(option: str, device: torch.device) -> None:
 
 def load_model(name: str, dtype: str = "float32", device: str | torch.device = "cpu") -> PreTrainedModel:
     """Load a causal LM (local directory, hub id, or ``smollm2``) with SDPA attention, its weights read straight onto
-    ``device`` (no host copy of a GPU model). ``dtype`` may be ``auto`` (`resolve_dtype`)."""
+    ``device`` (no host copy of a GPU model). ``dtype`` may be ``auto`` (`resolve_dtype`). Weights that cannot be
+    read or do not fit the config (`check_model_weights`), weights the file lacks and values that are not finite
+    are refused, naming the file or tensor."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     check_model_source(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolve_model_path(name), dtype=DTYPES[dtype], attn_implementation="sdpa", device_map=device
+        model, info = AutoModelForCausalLM.from_pretrained(
+            resolve_model_path(name),
+            dtype=DTYPES[dtype],
+            attn_implementation="sdpa",
+            device_map=device,
+            output_loading_info=True,
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"model: cannot load {name} as a causal language model: {e}") from None
+    _check_loaded(model, name, info)
     if model.config.model_type not in SUPPORTED_FAMILIES:
         logger.warning("model type %r is outside the tested families %s", model.config.model_type, SUPPORTED_FAMILIES)
     return model

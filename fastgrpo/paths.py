@@ -16,12 +16,13 @@ def read_text(path: Path) -> str:
 
 
 def read_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """The lines of the UTF-8 text file ``path`` (line ends kept), numbered from 1, read one at a time; ``ValueError``
-    naming the file, line, column and byte at the first line that is not UTF-8 text."""
+    """The lines of the UTF-8 text file ``path`` (line ends kept), numbered from 1, read one at a time, without the
+    byte-order mark some editors put at its start; ``ValueError`` naming the file, line, column and byte at the first
+    line that is not UTF-8 text."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
-                yield number, raw.decode("utf-8")
+                yield number, raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise ValueError(
                     f"{path}, line {number}, column {e.start + 1}: not UTF-8 text (byte 0x{raw[e.start]:02x}); save "
@@ -36,6 +37,50 @@ def unicode_problem(text: str) -> str | None:
         if 0xD800 <= ord(char) <= 0xDFFF:
             return f"holds a lone surrogate (U+{ord(char):04X}) at character {index + 1}, which is not valid Unicode"
     return None
+
+
+def expand_user(path: str | os.PathLike[str], what: str) -> str:
+    """``path`` with a leading ``~`` or ``~user`` expanded, as a shell would; ``ValueError`` naming ``what`` when it
+    names a user this system does not know (left as it is, it would create a directory called ``~user``)."""
+    text = os.fspath(path)
+    expanded = os.path.expanduser(text)
+    if text.startswith("~") and expanded == text:
+        user = text[1:].split("/", 1)[0]
+        who = f"the user {user!r}" if user else "the home directory (HOME is not set)"
+        raise ValueError(f"{what}: {text} starts with ~ but {who} is not known on this system")
+    return expanded
+
+
+def same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
+    """Whether ``a`` and ``b`` name the same file or directory: the same path once links are resolved, or (both
+    existing) the same file on disk (hard links too)."""
+    real_a, real_b = os.path.realpath(os.path.expanduser(a)), os.path.realpath(os.path.expanduser(b))
+    if real_a == real_b:
+        return True
+    try:
+        return os.path.samefile(real_a, real_b)
+    except OSError:
+        return False
+
+
+def check_not_an_input(output: str | os.PathLike[str], what: str, inputs: dict[str, str | None]) -> None:
+    """Raise ``ValueError`` naming ``what`` when the file ``output`` a command writes is one of its existing
+    ``inputs`` (by option name; None: not given), directly or through a link, or an existing file inside an input
+    directory (a model's): writing it would replace what the command reads."""
+    out = Path(os.path.realpath(os.path.expanduser(output)))
+    for option, given in inputs.items():
+        if given is None or not os.path.exists(os.path.expanduser(given)):
+            continue  # a hub id, a preset's name: nothing on disk to replace
+        source = Path(os.path.realpath(os.path.expanduser(given)))
+        if same_path(out, source):
+            raise ValueError(
+                f"{what}: {output} is {option} {given} (the same path): writing it would replace what it reads; "
+                f"choose another {what}"
+            )
+        if source.is_dir() and out.is_relative_to(source) and out.exists():
+            raise ValueError(
+                f"{what}: {output} is a file of {option} {given}: writing it would replace it; choose another {what}"
+            )
 
 
 def _nearest_existing(path: Path) -> Path:

@@ -27,6 +27,7 @@ from fastgrpo.speculative.configured import controller_from_config
 from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin, cost_probes
 from fastgrpo.speculative.profiler import LatencyProfile, load_or_calibrate
 from fastgrpo.speculative.registry import plugins
+from fastgrpo.state_files import DamagedStateFile, load_data
 
 logger = logging.getLogger(__name__)
 
@@ -232,40 +233,111 @@ class TrainingRollouts:
             (directory / SCHEDULE).write_text(json.dumps(schedule))
 
     def restore(self, checkpoint: str | Path) -> None:
-        """Restore what `save` wrote into ``checkpoint`` (nothing when it holds no drafters' directory): a drafter
-        whose files are there is built from them anew, and the learners take their saved states."""
+        """Restore what `save` wrote into ``checkpoint``: a drafter whose files are there is built from them anew, and
+        the learners and the controller take their saved states. What is missing or damaged is passed over with a
+        warning that names the file and says what starts afresh."""
         directory = Path(checkpoint) / DRAFT_DIR
-        if not directory.is_dir() or not self.plugins:
+        if not self.plugins:
+            return
+        if not directory.is_dir():
+            logger.warning(
+                "--resume: %s is missing: the drafters, their learners and the controller start afresh (what they had "
+                "learnt is lost; the completions are the same)",
+                directory,
+            )
             return
         saved = {p.name for p in self.plugins if p.saved_in(directory)}
         if saved:
             self.drafters = [d for d in self.drafters if d.name not in saved]
             self._build(saved=directory)
-        self._load_learners(directory)
+        self._load_learners(directory, resumed=True)
         self._load_schedule(directory)
 
     def _load_schedule(self, directory: Path) -> None:
         """What the controller had learnt and the drafters had measured of their costs (`SCHEDULE`), where saved for
-        this run's candidate trees; otherwise they start afresh, and say so."""
+        this run's candidate trees; otherwise they start afresh, and say so. Every drafter's cost state is checked
+        against the form of its fresh one before anything is taken up, so that a damaged file changes nothing."""
         path = directory / SCHEDULE
-        if not path.is_file() or self.engine.controller is None:
+        if self.engine.controller is None:
+            return
+        if not path.is_file():
+            logger.warning("%s is missing: the controller and the drafters' prices start afresh", path)
             return
         try:
             schedule = json.loads(path.read_text())
+            costs = {d.name: schedule["drafters"].get(d.name) for d in self.drafters}
+            for drafter in self.drafters:
+                if costs[drafter.name]:
+                    _check_same_form(costs[drafter.name], drafter.cost_state(), f"drafters.{drafter.name}")
             self.engine.controller.load_state_dict(schedule["controller"])
             for drafter in self.drafters:
-                if schedule["drafters"].get(drafter.name):
-                    drafter.load_cost_state(schedule["drafters"][drafter.name])
+                if costs[drafter.name]:
+                    drafter.load_cost_state(costs[drafter.name])
         except (ValueError, KeyError, TypeError, AttributeError) as e:
-            logger.warning("%s: not used, the controller learns afresh (%s)", path, e)
+            logger.warning(
+                "%s: not used, the controller and the drafters' prices start afresh (%s: %s)", path, type(e).__name__, e
+            )
 
-    def _load_learners(self, directory: Path) -> None:
+    def _load_learners(self, directory: Path, resumed: bool = False) -> None:
         """The learners' states saved in ``directory``, into the drafters of the same names (those this run does not
-        draft with are left out)."""
+        draft with are left out). Resuming (``resumed``), a learner whose state is missing or does not fit starts
+        afresh, with a warning naming the file and the drafter; a state file that holds more than data is refused
+        (`fastgrpo.state_files.load_data`)."""
         path = directory / LEARNERS
+        learners = [d for d in self.drafters if d.learner is not None]
         if not path.is_file():
+            if resumed and learners:
+                logger.warning(
+                    "%s is missing: the learners of %s start afresh (what they had learnt is lost)",
+                    path,
+                    ", ".join(d.name for d in learners),
+                )
             return
-        states: dict[str, Any] = torch.load(path, map_location="cpu")
-        for drafter in self.drafters:
-            if drafter.learner is not None and drafter.name in states:
+        try:
+            states = load_data(path)
+        except DamagedStateFile as e:
+            logger.warning("%s: the learners start afresh (what they had learnt is lost)", e)
+            return
+        if not isinstance(states, dict):
+            logger.warning(
+                "%s holds a %s, not learners' states: the learners start afresh", path, type(states).__name__
+            )
+            return
+        for drafter in learners:
+            if drafter.name not in states:
+                if resumed:
+                    logger.warning(
+                        "%s holds no state for the %s drafter: its learner starts afresh (what it had learnt is lost)",
+                        path,
+                        drafter.name,
+                    )
+                continue
+            try:
                 drafter.learner.load_state_dict(states[drafter.name])
+            except (KeyError, ValueError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+                logger.warning(
+                    "%s: the %s drafter's state does not fit its learner (%s: %s): it starts afresh",
+                    path,
+                    drafter.name,
+                    type(e).__name__,
+                    e,
+                )
+
+
+def _check_same_form(saved: Any, fresh: Any, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` when the JSON value ``saved`` is not of the form of ``fresh`` (a drafter's
+    cost state as it makes it): the same keys, lists of the same length, numbers where it has numbers."""
+    if isinstance(fresh, dict):
+        if not isinstance(saved, dict) or set(saved) != set(fresh):
+            raise ValueError(f"{where}: expected the keys {sorted(fresh)}, got {saved!r:.80}")
+        for key in fresh:
+            _check_same_form(saved[key], fresh[key], f"{where}.{key}")
+    elif isinstance(fresh, list | tuple):
+        if not isinstance(saved, list) or len(saved) != len(fresh):
+            raise ValueError(f"{where}: expected a list of {len(fresh)}, got {saved!r:.80}")
+        for index, (a, b) in enumerate(zip(saved, fresh, strict=True)):
+            _check_same_form(a, b, f"{where}[{index}]")
+    elif (isinstance(fresh, int | float) and not isinstance(fresh, bool)) and (
+        isinstance(saved, bool) or not isinstance(saved, int | float)
+    ):
+        raise ValueError(f"{where}: expected a number, got {saved!r:.80}")

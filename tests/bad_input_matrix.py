@@ -256,6 +256,198 @@ def room_for_two_checkpoints(tmp: Path) -> None:
     shutil.disk_usage = lambda path: real(path)._replace(free=free) if _under(path, tmp) else real(path)
 
 
+class PickledCall:
+    """What a tampered state file holds: unpickling it calls ``os.system``, which would write ``marker``."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[str]]:
+        return os.system, (f"touch {self.marker}",)
+
+
+def pickled_call_in(name: str) -> Callable[[Path], None]:
+    """Add a pickled ``os.system`` call to the state file ``NAME`` (under ``tmp``), whose call would write
+    ``tmp/pwned``."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / name
+        state = torch.load(path, map_location="cpu", weights_only=True) if path.is_file() else {}
+        state["extra"] = PickledCall(tmp / "pwned")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, path)
+
+    return setup
+
+
+def set_layout(value: Any) -> Callable[[Path], None]:
+    """Set the layout recorded in the run's checkpoint-1 trainer state to ``value``."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / "run" / "checkpoint-1" / "trainer_state.pt"
+        state = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save({**state, "layout": value}, path)
+
+    return setup
+
+
+def broken_model(kind: str) -> Callable[[Path], None]:
+    """A tiny model saved at ``tmp/bad`` whose weights are broken as ``kind`` says: ``empty``, ``truncated``,
+    ``garbage``, ``header`` (the header without the data), ``shape`` (config.json of other sizes), ``missing`` (a
+    weight left out), ``nan`` or ``inf`` (one value)."""
+
+    def setup(tmp: Path) -> None:
+        import struct
+
+        from safetensors.torch import load_file, save_file
+
+        path = save_tiny_llama(tmp / "bad", seed=0, tie_word_embeddings=True)
+        weights = path / "model.safetensors"
+        data = weights.read_bytes()
+        if kind == "empty":
+            weights.write_bytes(b"")
+        elif kind == "truncated":
+            weights.write_bytes(data[: len(data) // 2])
+        elif kind == "garbage":
+            weights.write_bytes(bytes(range(256)) * 4)
+        elif kind == "header":
+            weights.write_bytes(data[: 8 + struct.unpack("<Q", data[:8])[0]])
+        elif kind == "shape":
+            config = json.loads((path / "config.json").read_text())
+            (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 72}))
+        else:
+            tensors = load_file(weights)
+            if kind == "missing":
+                del tensors["model.norm.weight"]
+            else:
+                tensors["model.layers.0.mlp.up_proj.weight"][0, 0] = math.nan if kind == "nan" else math.inf
+            save_file(tensors, weights, metadata={"format": "pt"})
+
+    return setup
+
+
+BROKEN_WEIGHTS = {  # kind: what the refusal says, whether only loading can tell
+    "empty": ("{tmp}/bad/model.safetensors is not a readable safetensors file (0 bytes", False),
+    "truncated": ("{tmp}/bad/model.safetensors is not a readable safetensors file", False),
+    "garbage": ("{tmp}/bad/model.safetensors is not a readable safetensors file (1024 bytes", False),
+    "header": ("incomplete metadata, file not fully covered", False),
+    "shape": (
+        "model.safetensors holds model.layers.0.mlp.down_proj.weight of shape [32, 64], but "
+        "{tmp}/bad/config.json makes it [32, 72]",
+        False,
+    ),
+    "missing": ("{tmp}/bad/model.safetensors lacks the weight model.norm.weight", True),
+    "nan": ("{tmp}/bad/model.safetensors holds NaN in model.layers.0.mlp.up_proj.weight", True),
+    "inf": ("holds an infinite value in model.layers.0.mlp.up_proj.weight", True),
+}
+BROKEN_ARGV = {  # command: its argv, and its config (None: none)
+    "train": (("train",), True),
+    "generate": (("generate", "--model", "{tmp}/bad", "--prompt", "hi", "--max_completion_length", "2"), False),
+    "eval": (("eval",), True),
+    "profile": (
+        (
+            "profile",
+            "--model",
+            "{tmp}/bad",
+            "--tokens",
+            "1,2",
+            "--repeats",
+            "1",
+            "--context_length",
+            "8",
+            "--output",
+            "{tmp}/p.json",
+        ),
+        False,
+    ),
+    "draft train": (("draft", "train", "--output", "{tmp}/d"), True),
+}
+
+
+def broken_weights(command: str, kind: str) -> Case:
+    """``command`` on a model whose weights are broken as ``kind`` says (`broken_model`)."""
+    argv, with_config = BROKEN_ARGV[command]
+    says, needs_model = BROKEN_WEIGHTS[kind]
+    config = tiny_run(model="{tmp}/bad") if with_config else None
+    return Case(
+        f"{command} on {kind} weights",
+        argv,
+        REFUSED,
+        says,
+        config=config,
+        setup=broken_model(kind),
+        needs_model=needs_model,
+    )
+
+
+def own_model(tmp: Path) -> None:
+    """A tiny model of the case's own at ``tmp/own`` (a case that could harm it does not touch the shared one)."""
+    save_tiny_llama(tmp / "own", seed=0, tie_word_embeddings=True)
+
+
+def link(name: str, target: str) -> Callable[[Path], None]:
+    """``tmp/NAME``, a symbolic link to ``tmp/TARGET``."""
+
+    def setup(tmp: Path) -> None:
+        (tmp / name).symlink_to(tmp / target)
+
+    return setup
+
+
+def no_checkpoint_yet(tmp: Path) -> None:
+    """The run as a kill during its first rollout leaves it: claimed, with no checkpoint."""
+    shutil.rmtree(tmp / "run" / "checkpoint-1")
+
+
+def save_learners(states: Any) -> Callable[[Path], None]:
+    """Replace checkpoint-2's ``draft/learners.pt`` by ``states`` (a callable: of the names of the saved ones)."""
+
+    def setup(tmp: Path) -> None:
+        import torch
+
+        path = tmp / "run" / "checkpoint-2" / "draft" / "learners.pt"
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        torch.save(states(saved) if callable(states) else states, path)
+
+    return setup
+
+
+def suffix_price(price: Any) -> Callable[[Path], None]:
+    """Set the suffix drafter's price in checkpoint-2's ``draft/schedule.json`` to ``price``."""
+
+    def setup(tmp: Path) -> None:
+        path = tmp / "run" / "checkpoint-2" / "draft" / "schedule.json"
+        schedule = json.loads(path.read_text())
+        schedule["drafters"]["suffix"]["price"] = price
+        path.write_text(json.dumps(schedule))
+
+    return setup
+
+
+def remove_tree(name: str) -> Callable[[Path], None]:
+    def setup(tmp: Path) -> None:
+        shutil.rmtree(tmp / "run" / name)
+
+    return setup
+
+
+def resumed_adaptive(name: str, says: str, setup: Callable[[Path], None]) -> Case:
+    """Resuming a 2-step adaptive run (both drafters) whose checkpoint-2 ``setup`` damaged: warned, and run."""
+    return Case(
+        name,
+        ("train", "--resume", "--max_steps", "3"),
+        WARNS,
+        says,
+        first=("train",),
+        setup=setup,
+        config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+    )
+
+
 FOREIGN_CHECKPOINT = {"run/checkpoint-2/trainer_state.json": "{}", "run/checkpoint-2/optimizer.pt": b"state"}
 METRICS = '{"step": 1, "reward": 0.5, "time/step": 2.0}\n'
 CUT_DRAFT = {"draft/draft_config.json": '{"target": {"model_type": "llama", "hidden_si', "draft/draft.safetensors": b""}
@@ -665,6 +857,179 @@ CASES: list[Case] = [
          config=tiny_run()),
     Case("draft train a batch of a billion", ("draft", "train", "--output", "{tmp}/d", "--batch_size",
          "1000000000"), RUNS, '"draft": "{tmp}/d"', config=tiny_run()),
+    # -- checkpoints are data: a pickled call is refused, never run -------------------------------------------------
+    Case("resuming a trainer state holding a pickled call", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "checkpoint-1/trainer_state.pt holds more than data (a pickled reference to posix.system)", config=tiny_run(),
+         first=("train",), setup=pickled_call_in("run/checkpoint-1/trainer_state.pt")),
+    Case("resuming learners' state holding a pickled call", ("train", "--resume", "--max_steps", "3"), REFUSED,
+         "draft/learners.pt holds more than data (a pickled reference to posix.system)", first=("train",),
+         config=tiny_run(max_steps=2, speculation={"mode": "adaptive"}),
+         setup=pickled_call_in("run/checkpoint-2/draft/learners.pt")),
+    Case("a draft's learners' state holding a pickled call", ("train",), REFUSED,
+         "{tmp}/x/learners.pt holds more than data (a pickled reference to posix.system)",
+         config=tiny_run(speculation={"mode": "adaptive", "draft": "{tmp}/x"}), setup=pickled_call_in("x/learners.pt"),
+         needs_model=True),
+    Case("resuming a checkpoint whose layout is the string '2'", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "holds layout '2', not the whole-number layout", config=tiny_run(), first=("train",), setup=set_layout("2")),
+    # -- broken weights, named before the model computes anything ---------------------------------------------------
+    *(broken_weights(command, kind) for command in ("train", "generate") for kind in BROKEN_WEIGHTS),
+    *(broken_weights(command, kind) for command in ("eval", "profile", "draft train")
+      for kind in ("empty", "header", "shape", "nan")),
+    # -- float options a float32 cannot hold, and NaN in lists --------------------------------------------------------
+    train("delta of 1e308", REFUSED, "delta must fit a float32", delta=1e308),
+    train("epsilon of 1e308", REFUSED, "epsilon must fit a float32", epsilon=1e308),
+    train("cispo's epsilon_high of 1e39", REFUSED, "epsilon_high must fit a float32", loss_type="cispo",
+          epsilon_high=1e39),
+    train("sapo's positive temperature of 1e39", REFUSED, "sapo_temperature_pos must fit a float32", loss_type="sapo",
+          sapo_temperature_pos=1e39),
+    train("sapo's negative temperature of 1e-40", REFUSED, "sapo_temperature_neg must be 0 or at least 1.175e-38",
+          loss_type="sapo", sapo_temperature_neg=1e-40),
+    train("a learning rate of 1e39", REFUSED, "learning_rate must fit a float32", learning_rate=1e39),
+    train("a draft learning rate of 1e39", REFUSED, "draft_training.learning_rate must fit a float32",
+          draft_training={"learning_rate": 1e39}),
+    train("a KL weight of 1e39", REFUSED, "beta must fit a float32", beta=1e39),
+    train("a temperature of 1e-40", REFUSED, "temperature must be 0 or at least 1.175e-38", temperature=1e-40),
+    train("a reward weight that is NaN", REFUSED, "reward_weights[0] must be a finite number, got nan",
+          reward_weights=[math.nan]),
+    train("a reward weight of 1e39", REFUSED, "reward_weights[0] must fit a float32", reward_weights=[1e39]),
+    train("a gradient clip of 1e39", REFUSED, "max_grad_norm must fit a float32", max_grad_norm=1e39),
+    train("an importance-sampling cap of 1e39", REFUSED, "importance_sampling_clip_max must fit a float32",
+          importance_sampling_correction=True, importance_sampling_clip_max=1e39),
+    Case("generate at a temperature of 1e-40", ("generate", "--prompt", "hi", "--temperature", "1e-40"), REFUSED,
+         "temperature must be 0 or at least 1.175e-38"),
+    Case("generate with min_p 1e-45", ("generate", "--prompt", "hi", "--min_p", "1e-45"), REFUSED,
+         "min_p must be 0 or at least 1.175e-38"),
+    Case("eval at a temperature of 1e-40", ("eval", "--temperature", "1e-40"), REFUSED,
+         "temperature must be 0 or at least 1.175e-38", config=tiny_run()),
+    Case("draft train a draft learning rate of 1e39", ("draft", "train", "--output", "{tmp}/d",
+         "--draft_training.learning_rate", "1e39"), REFUSED, "draft_training.learning_rate must fit a float32",
+         config=tiny_run()),
+    Case("draft train a greedy fraction of 1e-40", ("draft", "train", "--output", "{tmp}/d", "--greedy_fraction",
+         "1e-40"), REFUSED, "greedy_fraction must be 0 or at least 1.175e-38", config=tiny_run()),
+    # -- outputs never overwrite inputs -------------------------------------------------------------------------------
+    Case("generate into its prompts file", ("generate", "--model", "{model}", "--prompts_file", "{tmp}/p.txt",
+         "--output", "{tmp}/p.txt"), REFUSED, "--output: {tmp}/p.txt is --prompts_file {tmp}/p.txt (the same path)",
+         files={"p.txt": "hi\n"}),
+    Case("generate into a link to its prompts file", ("generate", "--model", "{model}", "--prompts_file",
+         "{tmp}/p.txt", "--output", "{tmp}/out.jsonl"), REFUSED, "--output: {tmp}/out.jsonl is --prompts_file",
+         files={"p.txt": "hi\n"}, setup=link("out.jsonl", "p.txt")),
+    Case("generate into its prompts file through a linked directory", ("generate", "--model", "{model}",
+         "--prompts_file", "{tmp}/p.txt", "--output", "{tmp}/ln/p.txt"), REFUSED, "is --prompts_file {tmp}/p.txt",
+         files={"p.txt": "hi\n"}, setup=link("ln", ".")),
+    Case("generate into its config file", ("generate", "--model", "{model}", "--config", "{tmp}/g.yaml", "--output",
+         "{tmp}/g.yaml"), REFUSED, "--output: {tmp}/g.yaml is --config {tmp}/g.yaml", files={"g.yaml": "prompt: hi\n"}),
+    Case("generate into the model's config.json", ("generate", "--model", "{tmp}/own", "--prompt", "hi", "--output",
+         "{tmp}/own/config.json"), REFUSED, "--output: {tmp}/own/config.json is a file of --model {tmp}/own",
+         setup=own_model),
+    Case("profile into the model's config.json", ("profile", "--model", "{tmp}/own", "--tokens", "1,2", "--repeats",
+         "1", "--context_length", "8", "--output", "{tmp}/own/config.json"), REFUSED,
+         "--output: {tmp}/own/config.json is a file of --model {tmp}/own", setup=own_model),
+    Case("draft train into the model's directory", ("draft", "train", "--output", "{tmp}/own"), REFUSED,
+         "--output: {tmp}/own is model {tmp}/own (the same path)", config=tiny_run(model="{tmp}/own"),
+         setup=own_model),
+    Case("overwriting the run a checkpoint of which is the model", ("train", "--overwrite_output_dir", "true",
+         "--model", "{tmp}/run/checkpoint-1"), REFUSED,
+         "overwrite_output_dir: model {tmp}/run/checkpoint-1 is inside output_dir", config=tiny_run(),
+         first=("train",)),
+    # -- ~ everywhere, unknown users refused ---------------------------------------------------------------------------
+    Case("~ in FASTGRPO_CACHE", ("generate", "--model", "{model}", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_CACHE: {tmp}/f is a file", files={"f": ""}, env={"FASTGRPO_CACHE": "~/f", "HOME": "{tmp}"}),
+    Case("an unknown user in FASTGRPO_CACHE", ("generate", "--model", "{model}", "--prompt", "hi"), REFUSED,
+         "FASTGRPO_CACHE: ~nosuchuser_fastgrpo/c starts with ~ but the user 'nosuchuser_fastgrpo' is not known",
+         env={"FASTGRPO_CACHE": "~nosuchuser_fastgrpo/c"}),
+    train("an unknown user in output_dir", REFUSED, "output_dir: ~nosuchuser_fastgrpo/run starts with ~ but the user",
+          output_dir="~nosuchuser_fastgrpo/run"),
+    train("an unknown user in the model", REFUSED, "model: ~nosuchuser_fastgrpo/m starts with ~ but the user",
+          model="~nosuchuser_fastgrpo/m"),
+    Case("an unknown user in the --config path", ("train", "--config", "~nosuchuser_fastgrpo/c.yaml"), REFUSED,
+         "--config: ~nosuchuser_fastgrpo/c.yaml starts with ~ but the user"),
+    Case("~ in report's run directory", ("report", "~/r"), RUNS, "plots: {tmp}/r/report", env=HOME,
+         files={"r/metrics.jsonl": METRICS}),
+    Case("~ in report's --output", ("report", "{tmp}/r", "--output", "~/plots"), RUNS, "plots: {tmp}/plots/curves.png",
+         env=HOME, files={"r/metrics.jsonl": METRICS}),
+    Case("an unknown user in report's run directory", ("report", "~nosuchuser_fastgrpo/r"), REFUSED,
+         "report: ~nosuchuser_fastgrpo/r starts with ~ but the user"),
+    # -- the remaining messages made true ------------------------------------------------------------------------------
+    Case("WORLD_SIZE that is not a number", ("train",), REFUSED,
+         "the environment variable WORLD_SIZE must be a whole number (torchrun sets it), got 'four'", config=tiny_run(),
+         env={"WORLD_SIZE": "four", "RANK": "0"}),
+    Case("dry run with WORLD_SIZE that is not a number", ("train", "--dry-run"), REFUSED,
+         "the environment variable WORLD_SIZE must be a whole number", config=tiny_run(), env={"WORLD_SIZE": "four"}),
+    Case("a dataset path that links to a directory", ("train",), REFUSED,
+         "dataset: {tmp}/d.jsonl (a link to {tmp}/dir) is a directory, not a dataset file",
+         config=tiny_run(dataset={"name": "{tmp}/d.jsonl"}), files={"dir/x": ""}, setup=link("d.jsonl", "dir")),
+    Case("starting again in a run killed before its first checkpoint", ("train",), REFUSED,
+         "holds another run that saved no checkpoint yet (so --resume cannot continue it)", config=tiny_run(),
+         first=("train",), setup=no_checkpoint_yet),
+    Case("generate with a train config holding stop", ("generate", "--config", "{tmp}/t.yaml", "--prompt", "hi"),
+         REFUSED, "unknown option stop (stop is an option of fastgrpo train that this command does not use",
+         files={"t.yaml": "stop: [END]\n"}),
+    Case("generate --stop", ("generate", "--prompt", "hi", "--stop", "[END]"), REFUSED,
+         "stop is an option of fastgrpo train that this command does not use"),
+    Case("a dangling link as output_dir", ("train",), REFUSED,
+         "output_dir {tmp}/run is a link to {tmp}/gone, which does not exist", config=tiny_run(),
+         setup=link("run", "gone")),
+    # -- inputs --------------------------------------------------------------------------------------------------------
+    dataset_file("a user message with empty content", "line 1: prompt column 'prompt' has a user message whose "
+                 "content is empty", json.dumps({"prompt": [{"role": "user", "content": " "}], "answer": "4"}) + "\n"),
+    prompts_file("generate a user message with empty content", "line 1: 'prompt' has a user message whose content is "
+                 "empty", json.dumps({"prompt": [{"role": "user", "content": ""}]}) + "\n"),
+    Case("generate from a .txt file with a byte-order mark", ("generate", "--model", "{model}", "--prompts_file",
+         "{tmp}/p.txt", "--max_completion_length", "2"), RUNS, "--- hi\n", files={"p.txt": "\ufeffhi\n".encode()}),
+    # -- every option acts or is refused -------------------------------------------------------------------------------
+    train("an importance-sampling cap with the correction off", REFUSED,
+          "importance_sampling_clip_max has no effect with importance_sampling_correction is false",
+          importance_sampling_clip_max=2.0),
+    train("an importance-sampling mode with the correction off", REFUSED,
+          "importance_sampling_mode has no effect with importance_sampling_correction is false",
+          importance_sampling_mode="token_mask"),
+    train("delta with cispo", REFUSED, "delta has no effect with loss_type cispo", loss_type="cispo",
+          epsilon_high=5.0, delta=10.0),
+    train("delta with sapo", REFUSED, "delta has no effect with loss_type sapo", loss_type="sapo", delta=10.0),
+    train("a sapo temperature with dapo", REFUSED, "sapo_temperature_pos has no effect with loss_type dapo",
+          sapo_temperature_pos=2.0),
+    Case("eval a sapo temperature with grpo", ("eval", "--sapo_temperature_neg", "2"), REFUSED,
+         "sapo_temperature_neg has no effect with loss_type grpo", config=tiny_run(loss_type="grpo")),
+    train("a saved draft with speculation off", REFUSED, "speculation.draft has no effect with speculation.mode: off",
+          speculation={"mode": "off", "draft": "{tmp}"}),
+    Case("eval with num_generations 4", ("eval", "--num_generations", "4"), WARNS,
+         "num_generations (4) is not used: eval samples one completion per prompt", config=tiny_run()),
+    Case("eval with num_generations 1", ("eval", "--num_generations", "1"), WARNS,
+         "num_generations (1) is not used", config=tiny_run()),
+    Case("profile an EAGLE draft for the suffix drafter", ("profile", "--model", "{model}", "--draft", "{tmp}/draft",
+         "--speculation.drafter", "suffix"), REFUSED, "speculation.draft: {tmp}/draft is neither a directory saved by "
+         "a drafter of speculation.drafter (suffix", setup=save_qwen_draft),
+    # -- drafters as a list --------------------------------------------------------------------------------------------
+    Case("drafters as a YAML list", ("train", "--dry-run"), RUNS, "memory plan of",
+         config=tiny_run(speculation={"drafter": ["eagle", "suffix"]})),
+    Case("drafters as a list on the command line", ("train", "--dry-run", "--speculation.drafter", "[eagle, suffix]"),
+         RUNS, "memory plan of", config=tiny_run(speculation={"mode": "adaptive"})),
+    Case("a list of drafters naming an unknown one", ("train", "--dry-run"), REFUSED,
+         "speculation.drafter must be one of ['eagle', 'suffix'] or several joined by '+' (each once), got "
+         "'eagle+medusa'", config=tiny_run(speculation={"drafter": ["eagle", "medusa"]})),
+    Case("a list of drafters that are not names", ("train", "--dry-run"), REFUSED,
+         "speculation.drafter must be of type str", config=tiny_run(speculation={"drafter": [1, 2]})),
+    Case("profile drafters as a list", ("profile", "--speculation.drafter", "[suffix, medusa]"), REFUSED,
+         "speculation.drafter must be one of ['eagle', 'suffix'] or several joined by '+' (each once), got "
+         "'suffix+medusa'"),
+    # -- damaged run state, named and passed over ----------------------------------------------------------------------
+    resumed_adaptive("resuming with learners.pt deleted", "draft/learners.pt is missing: the learners of",
+                     remove_file("checkpoint-2/draft/learners.pt")),
+    resumed_adaptive("resuming with learners.pt an empty dict", "learners.pt holds no state for the suffix drafter: "
+                     "its learner starts afresh", save_learners({})),
+    resumed_adaptive("resuming with learners.pt of another structure", "drafter's state does not fit its learner",
+                     save_learners(lambda saved: {name: {"x": 1} for name in saved})),
+    resumed_adaptive("resuming with learners.pt a list", "learners.pt holds a list, not learners' states",
+                     save_learners([1, 2])),
+    resumed_adaptive("resuming with a price that is text", "schedule.json: not used, the controller and the drafters' "
+                     "prices start afresh (ValueError: drafters.suffix.price[0]: expected a number, got 'abc'",
+                     suffix_price(["abc", 1, 1, 1, 1])),
+    resumed_adaptive("resuming with a price of two numbers", "drafters.suffix.price: expected a list of 5",
+                     suffix_price([1.0, 2.0])),
+    resumed_adaptive("resuming with schedule.json deleted", "draft/schedule.json is missing: the controller",
+                     remove_file("checkpoint-2/draft/schedule.json")),
+    resumed_adaptive("resuming with the draft directory deleted", "checkpoint-2/draft is missing: the drafters",
+                     remove_tree("checkpoint-2/draft")),
 ]
 # fmt: on
 

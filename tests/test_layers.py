@@ -23,6 +23,7 @@ LAYERS = [
         "fastgrpo.precision",
         "fastgrpo.paths",
         "fastgrpo.malloc",
+        "fastgrpo.state_files",
     ],
     ["fastgrpo.models"],
     [

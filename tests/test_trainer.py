@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny_llama
 from transformers import AutoModelForCausalLM
 
-from fastgrpo.config import GRPOConfig
+from fastgrpo.config import GRPOConfig, SpeculationConfig
 from fastgrpo.data import DataConfig, make_arithmetic
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.trainer import GRPOTrainer
@@ -148,6 +148,31 @@ def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir:
         assert again["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-6, abs=1e-9)
     logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4]
+
+
+def test_same_seed_runs_are_bit_identical_at_a_fixed_thread_count(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What the README states: two same-seed runs at the same fixed thread count (``cpu_threads: N``) whose rollouts'
+    shapes do not follow measured times (``speculation.mode: off``) end with the same policy bit for bit (the
+    importance-sampling correction on, as in the issue's report); at another thread count torch's CPU kernels sum in
+    another order and the policy agrees only to rounding (why ``cpu_threads: 0``, whose count follows the machine's
+    load, is not bit for bit)."""
+    from safetensors.torch import load_file
+
+    def policy(name: str, threads: int) -> dict[str, torch.Tensor]:
+        config = make_config(
+            tiny_model_dir,
+            tmp_path / name,
+            cpu_threads=threads,
+            importance_sampling_correction=True,
+            speculation=SpeculationConfig(mode="off"),
+        )
+        make_trainer(config).train()
+        return load_file(tmp_path / name / "checkpoint-2" / "model.safetensors")
+
+    first, again, other = policy("a", 1), policy("b", 1), policy("c", 2)
+    assert first.keys() == again.keys() == other.keys()
+    assert all(torch.equal(first[k], again[k]) for k in first)
+    assert all(torch.allclose(first[k], other[k], rtol=1e-3, atol=1e-5) for k in first)
 
 
 def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Training configuration: TRL's GRPOConfig option names, loaded from YAML and command-line overrides.
 
 `GRPOConfig` (`fastgrpo.config.grpo`) holds every option of a run, `SpeculationConfig` and `DraftTrainConfig`
-(`fastgrpo.config.speculation`) its nested sections; `fastgrpo.config.commands` the options of the other commands
-(the ones they share with training are `GRPOConfig`'s fields); `fastgrpo.config.files` reads and writes them.
+(`fastgrpo.config.speculation`) its nested sections; `fastgrpo.config.commands` the options of the other commands (the
+ones they share with training are `GRPOConfig`'s fields); `fastgrpo.config.files` reads and writes them,
+`fastgrpo.config.reference` documents them.
 """
 
 from fastgrpo.config.commands import COMMANDS, DraftTrainOptions, EvalOptions, GenerateOptions, ProfileOptions
@@ -10,8 +11,6 @@ from fastgrpo.config.files import (
     build_options,
     config_to_dict,
     load_config,
-    option_rows,
-    options_markdown,
     parse_options,
     parse_overrides,
     yaml_value,
@@ -24,6 +23,7 @@ from fastgrpo.config.grpo import (
     SCALE_REWARDS,
     GRPOConfig,
 )
+from fastgrpo.config.reference import option_rows, options_markdown
 from fastgrpo.config.speculation import (
     LR_SCHEDULERS,
     ControllerLimits,

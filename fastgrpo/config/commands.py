@@ -10,14 +10,13 @@ default. A class's ``ALIASES`` are other command-line names of its options (``--
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 from fastgrpo.config.grpo import GRPOConfig
 from fastgrpo.config.speculation import SpeculationConfig
-from fastgrpo.fields import Range, check_ranges, option
+from fastgrpo.fields import Range, check_numbers, check_ranges, option
 from fastgrpo.sampling_params import SamplingParams
 
 # The token counts `fastgrpo profile` times: fastgrpo.speculative.profiler.DEFAULT_TOKENS (a test checks they agree;
@@ -38,15 +37,14 @@ def shared(cls: type, name: str, **metadata: Any) -> Any:
 
 def check_options(options: Any, prefix: str = "") -> None:
     """Raise ``ValueError`` naming the first option of ``options`` (nested ones dotted) outside its ``choices``, not a
-    finite number, or outside its ``valid`` range."""
+    number a float32 can hold (`check_numbers`), or outside its ``valid`` range."""
     for f in dataclasses.fields(options):
         value = getattr(options, f.name)
         if dataclasses.is_dataclass(value):
             check_options(value, f"{prefix}{f.name}.")
         elif "choices" in f.metadata and value not in f.metadata["choices"]:
             raise ValueError(f"{prefix}{f.name} must be one of {list(f.metadata['choices'])}, got {value!r}")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
+    check_numbers(options, prefix)
     check_ranges(options, prefix)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
-from fastgrpo.fields import Range, check_ranges, option
+from fastgrpo.fields import Range, check_numbers, check_ranges, option
 from fastgrpo.models import DTYPE_CHOICES, check_model_source
 from fastgrpo.sampling_params import SamplingParams
 
@@ -168,7 +168,7 @@ class GRPOConfig:
     delta: float | None = option(
         None,
         help="two-sided clipping: the ratio capped at delta also where the advantage is negative (None: off; "
-        "above 1 + epsilon_high)",
+        "above 1 + epsilon_high; refused with cispo and sapo, which do not clip)",
         valid=Range(1, low_open=True),
     )
     importance_sampling_correction: bool = option(
@@ -181,20 +181,26 @@ class GRPOConfig:
     importance_sampling_mode: str = option(
         "sequence_mask",
         help="the correction's ratio per token or per completion (its tokens' product), clamped into the clip range "
-        "(truncate) or zeroed outside it (mask)",
+        "(truncate) or zeroed outside it (mask); set with the correction off, refused",
         choices=IMPORTANCE_SAMPLING_MODES,
     )
     importance_sampling_clip_min: float | None = option(
-        None, help="the correction's lowest ratio (None: none)", valid=Range(0)
+        None, help="the correction's lowest ratio (None: none; refused with the correction off)", valid=Range(0)
     )
     importance_sampling_clip_max: float | None = option(
-        3.0, help="the correction's highest ratio (None: none)", valid=Range(0, low_open=True)
+        3.0,
+        help="the correction's highest ratio (None: none; refused with the correction off)",
+        valid=Range(0, low_open=True),
     )
     sapo_temperature_pos: float = option(
-        1.0, help="sapo's gate temperature for positive advantages", valid=Range(0, low_open=True)
+        1.0,
+        help="sapo's gate temperature for positive advantages (refused with another loss)",
+        valid=Range(0, low_open=True),
     )
     sapo_temperature_neg: float = option(
-        1.05, help="sapo's gate temperature for other advantages", valid=Range(0, low_open=True)
+        1.05,
+        help="sapo's gate temperature for other advantages (refused with another loss)",
+        valid=Range(0, low_open=True),
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
@@ -287,13 +293,31 @@ class GRPOConfig:
             stop=tuple(self.stop),
         )
 
+    def check_given(self, given: dict[str, Any]) -> None:
+        """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
+        than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
+        that does not clip (cispo, sapo), sapo's temperatures with another loss."""
+        unused = []
+        if not self.importance_sampling_correction:
+            unused += [
+                (key, "importance_sampling_correction is false (no correction is applied)")
+                for key in ("importance_sampling_mode", "importance_sampling_clip_min", "importance_sampling_clip_max")
+            ]
+        if self.loss_type in ("cispo", "sapo"):
+            unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
+        if self.loss_type != "sapo":
+            unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
+        for key, why in unused:
+            if given.get(key) is not None:
+                raise ValueError(f"{key} has no effect with {why}: remove it")
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        _check_finite(self)
+        check_numbers(self)
         check_ranges(self)
         if not self.output_dir.strip():
             raise ValueError("output_dir must name a directory, got an empty string")
@@ -337,6 +361,14 @@ class GRPOConfig:
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
             raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        if Path(self.output_dir).is_symlink() and not Path(self.output_dir).exists():
+            target = os.readlink(self.output_dir)
+            raise ValueError(
+                f"output_dir {self.output_dir} is a link to {target}, which does not exist: create {target} first, "
+                "or choose another output_dir"
+            )
+        if self.overwrite_output_dir:
+            self._check_inputs_outside_output_dir()
         check_model_source(self.model)
         self.dataset.validate()
         self.speculation.validate()
@@ -345,15 +377,19 @@ class GRPOConfig:
 
         resolve_reward_funcs(self.reward_funcs)
 
-
-def _check_finite(config: Any, prefix: str = "") -> None:
-    """Raise ``ValueError`` naming the first float option (nested ones too) that is infinite or NaN."""
-    for f in dataclasses.fields(config):
-        value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
-            _check_finite(value, f"{prefix}{f.name}.")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{prefix}{f.name} must be a finite number, got {value}")
+    def _check_inputs_outside_output_dir(self) -> None:
+        """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or
+        through a link): overwriting deletes the run there, a checkpoint of it included."""
+        out = Path(os.path.realpath(self.output_dir))
+        inputs = {"model": self.model, "speculation.draft": self.speculation.draft, "dataset.name": self.dataset.name}
+        for name, given in {**inputs, "dataset.path": self.dataset.path}.items():
+            if given is None or not os.path.exists(given):
+                continue
+            if Path(os.path.realpath(given)).is_relative_to(out):
+                raise ValueError(
+                    f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
+                    "overwriting deletes; copy it elsewhere first, or choose another output_dir"
+                )
 
 
 def _alias_property(name: str) -> property:
@@ -474,3 +510,11 @@ def trl_refusal(key: str, value: Any) -> str | None:
     if any(value == ok and type(value) is type(ok) for ok in accepted):
         return None
     return f"{key}: {reason}"
+
+
+def train_only_hint(key: str) -> str:
+    """What an unknown option of another command adds when ``key`` is an option of ``fastgrpo train`` (a train config
+    given to ``generate``); empty otherwise."""
+    if key in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        return f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
+    return ""

@@ -66,7 +66,9 @@ class SpeculationConfig:
     drafter: str = option(
         "eagle+suffix",
         help="who drafts: `eagle` (the learned draft head), `suffix` (earlier completions, no neural forward) or "
-        "`eagle+suffix` (the controller picks either or a merged tree at every step)",
+        "both, as a list `[eagle, suffix]` or joined `eagle+suffix` (the controller picks either or a merged tree at "
+        "every step)",
+        joins="+",
     )
     suffix_memory_tokens: int = option(
         2_000_000, help="`suffix`: earlier completions' tokens kept (about 50 bytes each)", valid=Range(0, 2**40)
@@ -74,7 +76,7 @@ class SpeculationConfig:
     draft: str | None = option(
         None,
         help="a directory saved by `fastgrpo draft train`, or a checkpoint's `draft` directory (the drafters' state, "
-        "of fastgrpo's trainer or the TRL integration); None: a fresh draft",
+        "of fastgrpo's trainer or the TRL integration); None: a fresh draft; refused with mode off",
         path=True,
     )
     draft_vocab_size: int | None = option(
@@ -101,6 +103,14 @@ class SpeculationConfig:
     def limits(self) -> ControllerLimits:
         """The constants of the paper's rule (and the adaptive controller's bounds)."""
         return ControllerLimits(self.n_max, self.k_max, self.l_min, self.l_max, self.alpha)
+
+    def check_given(self, given: dict) -> None:
+        """Refuse a saved draft (``speculation.draft``) the user set that ``mode: off`` leaves unused."""
+        if self.mode == "off" and given.get("draft") is not None:
+            raise ValueError(
+                "speculation.draft has no effect with speculation.mode: off (nothing is drafted, no draft is read): "
+                "remove it, or choose a mode that speculates"
+            )
 
     def validate(self) -> None:
         if self.mode not in SPECULATION_MODES:

@@ -23,6 +23,8 @@ def prompt_problem(value: Any) -> str | None:
             return "must be a list of {role, content} messages; found a message without string 'content'"
         if message["role"] not in CHAT_ROLES:
             return f"has a message with role {message['role']!r}; roles are {', '.join(CHAT_ROLES)}"
+        if message["role"] == "user" and not message["content"].strip():
+            return "has a user message whose content is empty"
         problem = unicode_problem(message["content"])
         if problem is not None:
             return f"has a message whose content {problem}"

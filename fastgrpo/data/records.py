@@ -111,8 +111,12 @@ def _read_source(cfg: DataConfig, preset: Preset | None) -> tuple[str, list[Reco
     path = cfg.local_file()
     if path is None:
         return cfg.name, read_hub(cfg.name, None, cfg.split)
+    if path.is_dir():
+        via = f" (a link to {path.resolve()})" if path.is_symlink() else ""
+        raise ValueError(f"dataset: {path}{via} is a directory, not a dataset file (.jsonl, .json or .parquet)")
     if not path.is_file():
-        raise FileNotFoundError(f"dataset file not found: {path}")
+        dangling = f" (a link to {path.resolve()}, which does not exist)" if path.is_symlink() else ""
+        raise FileNotFoundError(f"dataset file not found: {path}{dangling}")
     return str(path), read_file(path)
 
 

@@ -27,6 +27,7 @@ from fastgrpo.grpo.run_dir import (
     marked_by,
     read_run_id,
 )
+from fastgrpo.state_files import DamagedStateFile, UnsafeStateFile, load_data
 
 logger = logging.getLogger(__name__)
 
@@ -135,14 +136,14 @@ def load_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state saved with a checkpoint (RNG state is restored by the caller via `set_rng_state`), read into
     host memory: rank 0 saved it from its own GPU, and each rank's optimizer moves its state to its parameters'
     device when it loads it."""
-    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+    return load_data(checkpoint / STATE_FILE)
 
 
 def damage(checkpoint: Path) -> str | None:
     """Why a checkpoint cannot be resumed from, or None: a weights file whose header is unreadable (truncated or
     corrupt), a JSON file that does not parse (the model's and draft's configs, the controller's state), or another
     state file (the drafters' learners) whose archive is unreadable. The trainer state is checked by loading it
-    (`load_state`)."""
+    (`load_state`). A state file that holds more than data is refused (`UnsafeStateFile`), not passed over."""
     from safetensors import safe_open
 
     for path in sorted(p for p in checkpoint.rglob("*") if p.is_file()):
@@ -153,7 +154,11 @@ def damage(checkpoint: Path) -> str | None:
             elif path.suffix == ".json":
                 json.loads(path.read_bytes())
             elif path.suffix == ".pt" and path.name != STATE_FILE:
-                torch.load(path, map_location="cpu", mmap=True)  # its archive is read, not its tensors' data
+                load_data(path, mmap=True)  # its archive is read, not its tensors' data
+        except UnsafeStateFile:
+            raise
+        except DamagedStateFile as e:
+            return f"{path.relative_to(checkpoint)} {e.reason}"
         except Exception as e:  # safetensors and torch.load raise their own types for a truncated or corrupt file
             return f"{path.relative_to(checkpoint)} is unreadable ({type(e).__name__}: {e})"
     return None
@@ -168,8 +173,8 @@ def load_latest_intact(output_dir: Path) -> tuple[Path | None, dict[str, Any] | 
         if problem is None:
             try:
                 return checkpoint, load_state(checkpoint), passed
-            except Exception as e:  # torch.load raises several types on a truncated or corrupt file
-                problem = f"{STATE_FILE} is unreadable ({type(e).__name__}: {e})"
+            except DamagedStateFile as e:
+                problem = f"{STATE_FILE} {e.reason}"
         passed.append(f"{checkpoint.name}: {problem}")
     return None, None, passed
 
@@ -204,9 +209,15 @@ def prepare_output_dir(
                 f"written by another run: its id is in their {MARK_FILE}; a run resumes with its own {RUN_FILE})"
             )
         raise FileNotFoundError(f"--resume: no{intact} checkpoint under {out}{detail}")
-    layout = state.get("layout", 1)
+    layout = state.get("layout", 1) if isinstance(state, dict) else None
+    if type(layout) is not int:
+        raise ValueError(
+            f"--resume: {checkpoint / STATE_FILE} holds {'no mapping' if layout is None else f'layout {layout!r}'}, "
+            "not the whole-number layout a fastgrpo checkpoint records: it was not written by fastgrpo and cannot be "
+            "resumed"
+        )
     if layout != LAYOUT:
-        age = "a newer" if isinstance(layout, int) and layout > LAYOUT else "an older"
+        age = "a newer" if layout > LAYOUT else "an older"
         raise ValueError(
             f"--resume: {checkpoint} was written by {age} fastgrpo (checkpoint layout {layout}, this one reads "
             f"{LAYOUT}) and cannot be resumed; start a new run from its weights with --model"

@@ -404,7 +404,8 @@ class PolicyUpdate:
 
     def _sampling_metrics(self, batch: RolloutBatch, old_all: torch.Tensor) -> dict[str, float]:
         """TRL's ``sampling/*`` metrics over the rows whose old log-probs are known (every row, unless the update
-        skipped some and ``score_skipped_rows`` is off), as TRL computes them over its generation batch."""
+        skipped some and ``score_skipped_rows`` is off), as TRL computes them over its generation batch; the ratio's
+        only when the correction applies it."""
         if batch.sampling_logps is None:
             return {}
         cfg = self.config
@@ -419,4 +420,6 @@ class PolicyUpdate:
             cfg.importance_sampling_clip_min,
             cfg.importance_sampling_clip_max,
         )
+        if not cfg.importance_sampling_correction:  # the gap is measured, no ratio is applied
+            metrics = {k: v for k, v in metrics.items() if "importance_sampling_ratio" not in k}
         return {name: float(value) for name, value in metrics.items()}

@@ -188,9 +188,12 @@ def _earlier_run(out: Path, resume: bool, overwrite: bool) -> tuple[str | None, 
         a_run = run_id is not None
         what = "another run" if a_run else "files that no fastgrpo run wrote"
         names = ", ".join(sorted(p.name for p in entries)[:8]) + (", ..." if len(entries) > 8 else "")
+        resumable = a_run and any(CHECKPOINT_RE.match(p.name) and marked_by(p, run_id) for p in entries)
+        if a_run and not resumable:
+            what += " that saved no checkpoint yet (so --resume cannot continue it)"
         raise ValueError(
             f"output_dir {out} holds {what} ({names}): "
-            + ("continue it with --resume, " if a_run else "")
+            + ("continue it with --resume, " if resumable else "")
             + "choose another output_dir, or start a new run there with --overwrite_output_dir true (which "
             "deletes an earlier fastgrpo run's files and keeps everything else)"
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -178,7 +177,9 @@ def world_size() -> int:
     """Processes in the job: torch.distributed's world when it is up, else torchrun's ``WORLD_SIZE`` (1 alone)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))
+    from fastgrpo.distributed import env_int
+
+    return env_int("WORLD_SIZE", 1)
 
 
 def available_bytes(device: torch.device | str) -> int:
@@ -295,14 +296,14 @@ def dry_run(config: GRPOConfig, processes: int | None = None) -> str:
     whether it fits the memory available there (`available_bytes`), with the nearest configuration that does
     (`recipe`) when it does not. ``device: cuda`` on a machine without a GPU plans for one (bfloat16 for ``dtype:
     auto``), checked against an 80 GB card. Nothing is written."""
-    from fastgrpo.distributed import resolve_device
+    from fastgrpo.distributed import env_int, resolve_device
 
     model_config = check_before_training(config)
     planned_only = config.device == "cuda" and not torch.cuda.is_available()
     if planned_only:  # planning a GPU run on a machine without one: the plan is arithmetic
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", env_int("LOCAL_RANK", 0))
     else:
-        device = resolve_device(config.device, int(os.environ.get("LOCAL_RANK", "0")))
+        device = resolve_device(config.device, env_int("LOCAL_RANK", 0))
     plan = estimate_memory(config, model_config, device, processes or world_size())
     lines = [f"memory plan of {config.model}: {plan.summary()}", "", plan.table(), ""]
     if plan.shape.model_type not in SUPPORTED_FAMILIES:

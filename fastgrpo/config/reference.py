@@ -1,0 +1,121 @@
+"""The option reference, ``docs/options.md``, generated from the option dataclasses (``python -m fastgrpo.config``):
+every command's options with their types, defaults and help, and the TRL options fastgrpo reads under other names or
+refuses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from fastgrpo.config.files import yaml_value
+from fastgrpo.config.grpo import TRL_REFUSED, GRPOConfig
+
+
+def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
+    """``(name, type, default, help)`` of every option in declaration order, nested ones dotted
+    (``dataset.name``); the default of a required option is ``dataclasses.MISSING``."""
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            rows += option_rows(type(default), f"{prefix}{f.name}.")
+            continue
+        help_ = f.metadata["help"]
+        if "choices" in f.metadata:
+            help_ += " (" + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + ")"
+        if "valid" in f.metadata:
+            help_ += f"; valid: {f.metadata['valid']}"
+        rows.append((prefix + f.name, str(f.type), default, help_))
+    return rows
+
+
+def command_option_rows(command: str) -> list[tuple[str, str, Any, str]]:
+    """`option_rows` of every dataclass ``fastgrpo COMMAND`` reads (``draft train`` for the subcommand)."""
+    from fastgrpo.config.commands import COMMANDS
+
+    return [row for cls in COMMANDS[command] for row in option_rows(cls)]
+
+
+def _table(rows: list[tuple[str, str, Any, str]]) -> list[str]:
+    lines = ["| option | type | default | what it does |", "|---|---|---|---|"]
+    for name, type_, default, help_ in rows:
+        lines.append(f"| `{name}` | `{type_.replace(' | ', ' or ')}` | `{yaml_value(default)}` | {help_} |")
+    return lines
+
+
+def _trl_section() -> list[str]:
+    """The page's section on TRL 1.16's ``GRPOConfig``: its names fastgrpo reads as its own, the metrics, and its
+    options fastgrpo lacks (ignored at the values that change nothing, refused in one line at any other)."""
+    lines = [
+        "",
+        "## TRL's GRPOConfig",
+        "",
+        "A TRL 1.16 config runs as it is where fastgrpo has its options (the table above: same names, defaults where",
+        "the table does not say otherwise, same meaning). TRL's names "
+        + ", ".join(f"`{a}`" for a in GRPOConfig.ALIASES)
+        + " are read as "
+        + ", ".join(f"`{n}`" for n in GRPOConfig.ALIASES.values())
+        + " (one option, two names; TRL's default for the correction is true, fastgrpo's false, because its",
+        "sampler shares the policy's weights). Reward functions are called as TRL calls them, with `trainer_state`",
+        "(`global_step`, `max_steps`), `log_metric(name, value)` (averaged into the step's metrics) and",
+        "`log_extra(column, values)` (printed with the sample completions); `async def` ones run concurrently.",
+        "",
+        "Metrics have TRL's definitions: `reward` and `reward_std` over the whole batch's scored completions (one no",
+        "function scores has reward NaN, is left out of its group's mean and std and gets advantage 0),",
+        "`frac_reward_zero_std` from the std that scales the advantages (with `scale_rewards: batch` the batch's: 0 or",
+        "1); `clip_ratio/*` (with `low_min`, `high_max`), `cispo_clip_ratio`, `kl` and `entropy` over every completion",
+        "of the step (at sequence level empty ones included), the rows of advantage 0 that the update skips too (see",
+        "`score_skipped_rows`), averaged over `num_iterations`; `sampling/*` over the step's batch. TRL averages its",
+        "micro-batches' shares (of rows it shuffles), fastgrpo logs the step's: equal with one micro-batch, the same",
+        "in expectation otherwise. fastgrpo's own figures beside them: `group_reward_std` (the mean of the groups'",
+        "stds) and `frac_group_zero_std` (the share of groups whose rewards do not vary, which teach nothing, whatever",
+        "`scale_rewards` is).",
+        "",
+        "TRL's options that fastgrpo does not have are accepted at the values listed (they change nothing) and refused",
+        "in one line at any other; an option of transformers' `TrainingArguments` that is not above is refused as",
+        "unknown, saying so.",
+        "",
+        "| TRL option | accepted | why any other value is refused |",
+        "|---|---|---|",
+    ]
+    fits = {
+        "steps_per_generation": "null, gradient_accumulation_steps",
+        "generation_batch_size": "null, per_device_train_batch_size x gradient_accumulation_steps",
+    }
+    for key, (accepted, reason) in TRL_REFUSED.items():
+        ok = fits.get(key) or (", ".join(yaml_value(v) for v in accepted) if accepted else "(none)")
+        lines.append(f"| `{key}` | {ok} | {reason} |")
+    return lines
+
+
+def options_markdown() -> str:
+    """The option reference, ``docs/options.md``: ``python -m fastgrpo.config > docs/options.md`` writes it."""
+    from fastgrpo.config.commands import COMMANDS
+
+    lines = [
+        "# Options",
+        "",
+        "Every option of `fastgrpo train` (and of `eval` and `draft train`, which read the same config), as a YAML key",
+        "(nested ones as mappings: `dataset: {name: gsm8k}`) or on the command line (`--learning_rate 1e-5`,",
+        "`--dataset.name gsm8k`); the command line wins. Names follow TRL's `GRPOConfig` where TRL has the option.",
+        "`generate` and `profile` take some of these options (the same default), and every command except `report`",
+        "its own below, read the same way: from a YAML `--config` file and `--name value`.",
+        "This page is generated from the option dataclasses by `python -m fastgrpo.config > docs/options.md`.",
+        "",
+        *_table(option_rows()),
+        *_trl_section(),
+    ]
+    train = {row[0]: row for row in option_rows()}
+    for command, classes in COMMANDS.items():
+        if classes == (GRPOConfig,):
+            continue
+        rows = command_option_rows(command)
+        same = [name for name, *rest in rows if train.get(name) == (name, *rest)]
+        if GRPOConfig in classes:
+            intro = "Every option of `fastgrpo train`, and these of its own"
+        else:
+            intro = f"The options {', '.join(f'`{name}`' for name in same)} of `fastgrpo train`, and these"
+        aliases = [f"`--{a}` for `--{n}`" for cls in classes for a, n in getattr(cls, "ALIASES", {}).items()]
+        intro += f" ({'; '.join(aliases)} also works):" if aliases else ":"
+        lines += ["", f"## fastgrpo {command}", "", intro, "", *_table([r for r in rows if r[0] not in same])]
+    return "\n".join(lines) + "\n"
