@@ -522,7 +522,7 @@ def test_the_engine_tells_the_controller_when_the_draft_has_changed(llama_model:
 def test_a_tree_ranks_its_nodes_so_that_ranks_below_n_are_the_tree_of_n_nodes() -> None:
     """Two rows of candidates (root children, then two children of each); the nodes of rank below ``n`` in the
     tree of 6 nodes are exactly the nodes of the tree of ``n`` nodes drafted from the same candidates."""
-    from fastgrpo.speculative.eagle.drafter import _select
+    from fastgrpo.speculative.eagle.expansion import _select
 
     cand_tok = [torch.tensor([[10, 11], [20, 21]]), torch.tensor([[12, 13, 14, 15], [22, 23, 24, 25]])]
     cand_score = [
