@@ -1,10 +1,10 @@
 """Plots: of training runs from their ``metrics.jsonl`` (``fastgrpo report RUN_DIR [RUN_DIR ...]``), and of a latency
 profile (``fastgrpo profile``).
 
-``curves.png`` draws reward, completion length, accepted length (over all decoding steps, and dashed over tree steps
-only), rollout tokens/s, and the online draft's held-out accuracy and loss against step (one line per run, so two
-runs, e.g. plain GRPO and FastGRPO, are overlaid); ``phases.png`` the mean time per step of each phase (rollout,
-draft update, policy update, rewards) per run.
+``curves.png`` draws reward (dashed: the in-training evaluation's, ``eval/reward``), completion length, accepted
+length (over all decoding steps, and dashed over tree steps only), rollout tokens/s, and the online draft's held-out
+accuracy and loss against step (one line per run, so two runs, e.g. plain GRPO and FastGRPO, are overlaid);
+``phases.png`` the mean time per step of each phase (rollout, draft update, policy update, rewards) per run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fastgrpo.speculative.profiler import LatencyProfile
 
 CURVES = (  # metric, panel title, y-axis label
-    ("reward", "Mean reward", "reward"),
+    ("reward", "Mean reward (dashed: eval/reward)", "reward"),
     ("completions/mean_length", "Completion length", "tokens"),
     ("spec/accept_length", "Accepted length (dashed: tree steps only)", "tokens per row per forward"),
     ("rollout/tokens_per_second", "Rollout throughput", "tokens/s"),
@@ -27,7 +27,8 @@ CURVES = (  # metric, panel title, y-axis label
     ("draft/loss", "Draft loss", "loss"),
 )
 REQUIRED = ("step", "reward", "time/step")  # what every line of a run's metrics.jsonl holds
-DASHED = {"spec/accept_length": "spec/tree_accept_length"}  # drawn dashed in the same panel and colour
+# drawn dashed in the same panel and colour
+DASHED = {"spec/accept_length": "spec/tree_accept_length", "reward": "eval/reward"}
 PHASES = (
     ("time/rollout", "rollout"),
     ("draft/time", "draft update"),
@@ -78,11 +79,13 @@ def phase_seconds(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
-    """A markdown table: steps, reward and accepted length of the last steps, and the mean time per step by phase."""
+    """A markdown table: steps, reward and accepted length of the last steps, and the mean time per step by phase;
+    where a run evaluated during training (``eval/*``), its last evaluation's reward and step too."""
+    evaluated = any("eval/reward" in r for rows in runs.values() for r in rows)
     lines = [
         f"| run | steps | reward (last {last}) | accepted length (last {last}) "
-        "| step s | rollout s | draft s | update s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| step s | rollout s | draft s | update s |" + (" eval reward (step) |" if evaluated else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""),
     ]
     for name, rows in runs.items():
         tail = rows[-last:]
@@ -94,6 +97,9 @@ def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
             f"| {name} | {len(rows)} | {reward:.3f} | {accept:.2f} | {step_s:.1f} | {phases['rollout']:.1f} | "
             f"{phases['draft update']:.2f} | {phases['policy update']:.1f} |"
         )
+        if evaluated:
+            evals = [r for r in rows if "eval/reward" in r]
+            lines[-1] += f" {evals[-1]['eval/reward']:.3f} ({evals[-1]['step']}) |" if evals else " - |"
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,8 @@ from fastgrpo.config import (
     parse_overrides,
 )
 from fastgrpo.config.files import build_config, read_options
+from fastgrpo.config.grpo import trl_refusal
+from fastgrpo.data import DataConfig
 
 
 def write(tmp_path: Path, text: str) -> Path:
@@ -349,3 +352,32 @@ def test_the_trl_example_config_runs(tmp_path: Path) -> None:
     for name in ("reward_std", "frac_group_zero_std", "clip_ratio/low_min", "clip_ratio/high_max", "entropy"):
         assert math.isfinite(metrics[name]), name
     assert "sampling/importance_sampling_ratio/mean" in metrics
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"eval_strategy": "steps"}, "eval_strategy: steps evaluates on eval_dataset, which is not set"),
+        ({"eval_dataset": {"split": "test"}}, "eval_dataset is set but eval_strategy is no"),
+        ({"eval_strategy": "epoch"}, "eval_strategy: epoch is not supported"),
+        ({"eval_strategy": "steps", "eval_dataset": {"limit": 0}}, "eval_dataset.limit must be None or >= 1"),
+        ({"eval_strategy": "steps", "eval_dataset": {"name": "x.jsonl", "digits": 2}}, "eval_dataset.digits applies"),
+        ({"eval_strategy": "steps", "eval_dataset": {"split": "test"}, "eval_steps": 2.5}, "must be an integer"),
+        ({"num_generations_eval": 0}, "num_generations_eval must be >= 1"),
+        ({"eval_dataset": 3}, "eval_dataset must be a mapping of options"),
+    ],
+)
+def test_bad_evaluation_options_are_refused_naming_them(values: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_config(values)
+
+
+def test_evaluation_options_read_as_transformers_reads_them() -> None:
+    (config,) = parse_options(
+        (GRPOConfig,), None, ["--eval_strategy", "steps", "--eval_dataset.split", "test", "--max_steps", "10"]
+    )
+    assert config.eval_dataset == DataConfig(split="test") and config.eval_interval == config.logging_steps
+    config.eval_steps = 0.25  # a share of max_steps, rounded up
+    assert config.eval_interval == 3
+    assert [s for s in range(1, 11) if config.evaluates_at(s)] == [3, 6, 9, 10]  # and after the last step
+    assert trl_refusal("num_generations_eval", 4) is None

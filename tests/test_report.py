@@ -49,6 +49,25 @@ def test_report_overlays_runs_and_summarises_them(tmp_path: Path, capsys: pytest
     )
 
 
+def test_report_shows_the_in_training_evaluation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """eval/reward (logged every eval_steps) is drawn dashed in the reward panel and its last value is summarised;
+    a run without evaluation beside it shows a dash."""
+    run = write_run(tmp_path / "evaluated", 4, 1.0, draft=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows[1::2]:
+        row |= {"eval/reward": 0.5 * row["step"], "eval/completions/mean_length": 40.0}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    plain = write_run(tmp_path / "plain", 4, 1.0, draft=False)
+    main(["report", str(run), str(plain), "--output", str(tmp_path / "out")])
+    table = capsys.readouterr().out
+    assert "eval reward (step) |" in table
+    assert "| evaluated | 4 | 0.250 | 1.25 |" in table and table.split("| evaluated |")[1].split("\n")[0].endswith(
+        " 2.000 (4) |"
+    )
+    assert table.split("| plain |")[1].split("\n")[0].endswith(" - |")
+    assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == PNG
+
+
 def test_report_of_a_single_run_writes_into_it(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", 3, 1.5, draft=True)
     main(["report", str(run)])

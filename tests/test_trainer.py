@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -580,3 +581,47 @@ def test_settings_that_cannot_train_are_refused_before_any_weight_is_read(
     monkeypatch.setattr(trainer_module, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make_trainer(make_config(tiny_model_dir, tmp_path, **overrides))
+
+
+def test_in_training_evaluation_logs_eval_metrics_and_leaves_the_training_as_it_was(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """eval_strategy steps: eval/ metrics after every eval_steps steps and after the last, in metrics.jsonl beside
+    the step's; the eval rollouts draw their own noise and draft nothing, so the training's metrics (the drafters'
+    included) and weights are those of a run without evaluation."""
+    evaluation = dict(
+        eval_strategy="steps",
+        eval_steps=2,
+        eval_dataset=DataConfig(split="test", limit=3),
+        num_generations_eval=2,
+        per_device_eval_batch_size=4,
+    )
+    runs = {}
+    for name, extra in {"plain": {}, "eval": evaluation}.items():
+        # static trees of both drafters and fixed threads: the two runs draft and round alike whatever the timings
+        config = online_config(tiny_model_dir, tmp_path / name, max_steps=3, save_steps=10, cpu_threads=1, **extra)
+        config.speculation.drafter = "eagle+suffix"
+        trainer = make_trainer(config)
+        runs[name] = (trainer.train(), trainer.model)
+    (plain, plain_model), (history, model) = runs["plain"], runs["eval"]
+    lines = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines if "eval/reward" in line] == [2, 3]
+    logged = next(line for line in lines if line["step"] == 2)
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "rewards/length_reward/mean",
+        "completions/mean_length",
+    ):
+        assert math.isfinite(logged[f"eval/{key}"]), key
+    assert logged["eval/completions/max_length"] <= 12
+    assert logged["eval/runtime"] > 0
+
+    def training(metrics: dict[str, float]) -> dict[str, float]:
+        timed = ("time/", "eval/", "memory/", "cpu/")
+        return {k: v for k, v in metrics.items() if not k.startswith(timed) and "second" not in k and "time" not in k}
+
+    assert [training(m) for m in history] == [training(m) for m in plain]
+    for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

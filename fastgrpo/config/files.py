@@ -127,10 +127,13 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
             raise ValueError(f"unknown option {prefix}{key}{hint}")
-        if dataclasses.is_dataclass(hints[key]):
+        nested, optional = _nested_options(hints[key])
+        if nested is not None and value is None and optional:
+            kwargs[key] = None
+        elif nested is not None:
             if not isinstance(value, dict):
                 raise ValueError(f"{prefix}{key} must be a mapping of options, got {value!r}")
-            kwargs[key] = _build(hints[key], value, prefix=f"{prefix}{key}.")
+            kwargs[key] = _build(nested, value, prefix=f"{prefix}{key}.")
         else:
             kwargs[key] = _coerce(prefix + key, joined(value, fields[key].metadata.get("joins")), hints[key])
             if fields[key].metadata.get("path") and isinstance(kwargs[key], str):
@@ -141,15 +144,26 @@ def _build(cls: type, values: dict[str, Any], prefix: str = "") -> Any:
     return cls(**kwargs)
 
 
+def _nested_options(annotation: Any) -> tuple[type | None, bool]:
+    """``(the dataclass, nullable)`` of an option that holds nested options (``DataConfig`` or ``DataConfig | None``),
+    ``(None, False)`` for any other."""
+    args = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) else ()
+    kinds = [a for a in args if a is not type(None)] if args else [annotation]
+    if len(kinds) == 1 and isinstance(kinds[0], type) and dataclasses.is_dataclass(kinds[0]):
+        return kinds[0], type(None) in args
+    return None, False
+
+
 def _annotation(classes: tuple[type, ...], key: str) -> Any:
     """The type of option ``key`` (dotted: ``dataset.name``) among the fields of ``classes``; None if none has it."""
     *parents, leaf = key.split(".")
     for cls in classes:
         for parent in parents:
             hint = _hints(cls).get(parent) if parent in {f.name for f in dataclasses.fields(cls)} else None
-            if not (isinstance(hint, type) and dataclasses.is_dataclass(hint)):
+            nested, _ = _nested_options(hint)
+            if nested is None:
                 break
-            cls = hint
+            cls = nested
         else:
             if leaf in {f.name for f in dataclasses.fields(cls)}:
                 return _hints(cls)[leaf]
@@ -350,7 +364,12 @@ def _check_given(options: Any, given: dict[str, Any]) -> None:
     for f in dataclasses.fields(options):
         value, nested = getattr(options, f.name), given.get(f.name)
         if dataclasses.is_dataclass(value) and isinstance(nested, dict):
-            _check_given(value, nested)
+            try:
+                _check_given(value, nested)
+            except ValueError as e:  # DataConfig names its options dataset.*
+                if f.name == "eval_dataset" and str(e).startswith("dataset."):
+                    raise ValueError(f"eval_{e}") from None
+                raise
 
 
 def read_options(

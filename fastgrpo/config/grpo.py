@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+EVAL_STRATEGIES = ("no", "steps")
 
 
 @dataclass
@@ -100,6 +102,31 @@ class GRPOConfig:
         None,
         help="keyword arguments of the tokenizer's apply_chat_template for chat prompts, as TRL "
         "(`{enable_thinking: false}` for Qwen3-style templates)",
+    )
+    # in-training evaluation
+    eval_dataset: DataConfig | None = option(
+        None,
+        help="the prompts evaluated during training, a mapping of the `dataset.*` options (`{name: gsm8k, split: "
+        "test}`; arithmetic questions training never draws: `{split: test}`); None: no evaluation",
+    )
+    eval_strategy: str = option(
+        "no",
+        help="`steps`: every eval_steps optimizer steps (and after the last) generate on eval_dataset and log the "
+        "rewards and lengths under `eval/`, as TRL; `no`: never",
+        choices=EVAL_STRATEGIES,
+    )
+    eval_steps: float | None = option(
+        None,
+        help="optimizer steps between evaluations (None: logging_steps; below 1: that share of max_steps, rounded up)",
+        valid=Range(0, low_open=True),
+    )
+    num_generations_eval: int | None = option(
+        None, help="completions sampled per eval prompt (None: num_generations)", valid=Range(1)
+    )
+    per_device_eval_batch_size: int = option(
+        8,
+        help="eval completions generated together on each process (whole groups: at least num_generations_eval)",
+        valid=Range(1),
     )
     # generation
     num_generations: int = option(8, help="completions sampled per prompt (the group)", valid=Range(2))
@@ -313,6 +340,11 @@ class GRPOConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
+        if self.eval_strategy == "epoch":
+            raise ValueError(
+                "eval_strategy: epoch is not supported: fastgrpo counts optimizer steps, not epochs; use "
+                "eval_strategy: steps with eval_steps"
+            )
         for f in dataclasses.fields(self):
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
@@ -346,6 +378,7 @@ class GRPOConfig:
             )
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
+        self._validate_eval()
         if not self.reward_funcs:
             raise ValueError("reward_funcs must name at least one reward function")
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
@@ -371,6 +404,11 @@ class GRPOConfig:
             self._check_inputs_outside_output_dir()
         check_model_source(self.model)
         self.dataset.validate()
+        if self.eval_dataset is not None:
+            try:
+                self.eval_dataset.validate()
+            except ValueError as e:
+                raise ValueError(f"eval_{e}") from None
         self.speculation.validate()
         self.draft_training.validate()
         from fastgrpo.rewards import resolve_reward_funcs
@@ -390,6 +428,42 @@ class GRPOConfig:
                     f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
                     "overwriting deletes; copy it elsewhere first, or choose another output_dir"
                 )
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether the run evaluates on ``eval_dataset`` (``eval_strategy: steps``)."""
+        return self.eval_strategy == "steps"
+
+    @property
+    def eval_interval(self) -> int:
+        """Optimizer steps between evaluations: ``eval_steps`` (a share of ``max_steps`` when below 1, rounded up), or
+        ``logging_steps``, as transformers reads them."""
+        if self.eval_steps is None:
+            return self.logging_steps
+        if self.eval_steps < 1:
+            return max(1, math.ceil(self.max_steps * self.eval_steps))
+        return int(self.eval_steps)
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether the run evaluates after optimizer step ``step`` (1-based): every `eval_interval` steps and after
+        the last step, as transformers' ``eval_strategy: steps``."""
+        return self.evaluates and (step % self.eval_interval == 0 or step == self.max_steps)
+
+    def _validate_eval(self) -> None:
+        if self.eval_steps is not None and self.eval_steps > 1 and self.eval_steps != int(self.eval_steps):
+            raise ValueError(
+                f"eval_steps must be an integer when above 1 (below 1: a share of max_steps), got {self.eval_steps}"
+            )
+        if self.evaluates and self.eval_dataset is None:
+            raise ValueError(
+                "eval_strategy: steps evaluates on eval_dataset, which is not set: give eval_dataset (a mapping of "
+                "dataset.* options, e.g. {name: arithmetic, split: test}) or eval_strategy: no"
+            )
+        if self.eval_dataset is not None and not self.evaluates:
+            raise ValueError(
+                "eval_dataset is set but eval_strategy is no: set eval_strategy: steps (and eval_steps) to evaluate on "
+                "it during training, or remove eval_dataset"
+            )
 
 
 def _alias_property(name: str) -> property:
@@ -430,7 +504,6 @@ _SAMPLING = (
     "top_p, top_k, min_p only): a penalty that follows each tree path is not implemented, so it is refused rather "
     "than made lossy"
 )
-_EVAL = "in-training evaluation is not run: `fastgrpo eval --model <checkpoint>` scores a checkpoint"
 _ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixed bonus"
 _REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
 _LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
@@ -473,7 +546,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
         (),
         "the generation batch is per_device_train_batch_size x gradient_accumulation_steps completions per process",
     ),
-    "num_generations_eval": ((None,), _EVAL),
     "sync_ref_model": ((False,), _REF_SYNC),
     "ref_model_mixup_alpha": ((), _REF_SYNC),
     "ref_model_sync_steps": ((), _REF_SYNC),

@@ -61,8 +61,8 @@ class RunLog:
         return SummaryWriter(str(out / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        """The metrics of step ``step`` (1-based), every ``logging_steps``."""
-        if step % self.config.logging_steps:
+        """The metrics of step ``step`` (1-based), every ``logging_steps`` and at every evaluation (``eval/*``)."""
+        if step % self.config.logging_steps and not any(key.startswith("eval/") for key in metrics):
             return
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()

@@ -26,6 +26,7 @@ from fastgrpo.grpo.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from fastgrpo.grpo.evaluation import check_eval_batch, evaluate
 from fastgrpo.grpo.policy import reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
@@ -95,6 +96,14 @@ class GRPOTrainer:
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
         check_columns(self.reward_funcs, self.dataset)
+        self.eval_rows: list[dict[str, Any]] = []
+        if config.evaluates:
+            check_eval_batch(config, self.dist.world_size)
+            self.eval_rows = load_dataset(config.eval_dataset)
+            try:
+                check_columns(self.reward_funcs, self.eval_rows)
+            except ValueError as e:
+                raise ValueError(f"eval_dataset: {e}") from None
         global_prompts = config.prompts_per_step * self.dist.world_size
         if len(self.dataset) < global_prompts:
             raise ValueError(
@@ -152,7 +161,11 @@ class GRPOTrainer:
             compile_backend(config.compile, self.device),
             config.speculation.draft,
         )
-        self.rollouts.reserve(config.generation_batch_size, config.max_prompt_length, config.max_completion_length)
+        rows = config.generation_batch_size
+        if config.evaluates:  # an eval call's rows (whole groups), when more
+            generations = config.num_generations_eval or config.num_generations
+            rows = max(rows, generations * max(1, config.per_device_eval_batch_size // generations))
+        self.rollouts.reserve(rows, config.max_prompt_length, config.max_completion_length)
         self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.
         self.threads = None
@@ -399,6 +412,8 @@ class GRPOTrainer:
                             f"step {step + 1}: {e}; the run stops before saving anything of it (the latest "
                             f"checkpoint is {latest or 'none yet'})"
                         ) from None
+                    if cfg.evaluates_at(step + 1):
+                        metrics |= evaluate(self, step + 1)
                     history.append(metrics)
                     if log is not None:
                         log.write(step + 1, metrics)
