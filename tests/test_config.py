@@ -26,7 +26,7 @@ from fastgrpo.config import (
     parse_overrides,
 )
 from fastgrpo.config.files import build_config, read_options
-from fastgrpo.config.grpo import trl_refusal
+from fastgrpo.config.trl_names import trl_refusal
 from fastgrpo.data import DataConfig
 
 

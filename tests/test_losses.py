@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from fastgrpo.config import LOSS_TYPES
-from fastgrpo.grpo.losses import completion_logprobs, group_advantages, grpo_loss
+from fastgrpo.grpo.logprobs import completion_logprobs
+from fastgrpo.grpo.losses import group_advantages, grpo_loss
 
 F64 = torch.float64
 

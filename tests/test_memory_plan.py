@@ -156,7 +156,7 @@ def training_batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def saved_bytes(model: torch.nn.Module, autocast: bool) -> int:
     """Bytes of the distinct non-parameter storages autograd saves in the update's training forward."""
-    from fastgrpo.grpo.losses import completion_logprobs
+    from fastgrpo.grpo.logprobs import completion_logprobs
 
     ids, mask = training_batch()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -223,7 +223,7 @@ def live_bytes(model: torch.nn.Module, autocast: bool) -> tuple[int, int, int]:
     update's training forward leaves alive (saved by autograd, kept by the checkpoints); those that live until the
     autocast region ends only (autocast's cached weight copies that nothing saves); and the most of the former and
     of the checkpoints' recomputed tensors alive at once during the backward."""
-    from fastgrpo.grpo.losses import completion_logprobs
+    from fastgrpo.grpo.logprobs import completion_logprobs
 
     ids, mask = training_batch()
     parameters = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}

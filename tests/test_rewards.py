@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fastgrpo.answers import completion_text, extract_boxed, extract_hash_answer, extract_last_number, normalize_number
+from fastgrpo.reward_calls import reward_name
 from fastgrpo.rewards import (
     REWARD_FUNCS,
     compute_rewards,
@@ -19,7 +20,6 @@ from fastgrpo.rewards import (
     math_accuracy,
     required_columns,
     resolve_reward_funcs,
-    reward_name,
 )
 
 
@@ -299,7 +299,8 @@ def test_async_reward_functions_run_concurrently_and_get_trls_keywords() -> None
     function gets TRL's trainer_state, log_metric and log_extra, and what it logs is kept."""
     import asyncio
 
-    from fastgrpo.rewards import RewardLog, TrainerState, reward_matrix
+    from fastgrpo.reward_calls import RewardLog, TrainerState
+    from fastgrpo.rewards import reward_matrix
 
     started: dict[str, asyncio.Event] = {}
 

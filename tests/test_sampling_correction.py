@@ -11,7 +11,8 @@ from conftest import make_tiny_model, save_tiny_llama
 from test_trainer import make_config, make_trainer
 
 from fastgrpo.grpo.batch import build_batch
-from fastgrpo.grpo.losses import completion_logprobs, grpo_loss, sampling_correction
+from fastgrpo.grpo.logprobs import completion_logprobs
+from fastgrpo.grpo.losses import grpo_loss, sampling_correction
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams

@@ -1,26 +1,25 @@
-"""`GRPOConfig`: every option of a training run, with TRL's names wherever TRL has the option. Everything is
-validated before any model loads; an error names the option and what it accepts."""
+"""`GRPOConfig`: every option of a training run, with TRL's names wherever TRL has the option (TRL's other names of
+them and its options fastgrpo lacks: `fastgrpo.config.trl_names`). Everything is validated before any model loads
+(`fastgrpo.config.grpo_checks`); an error names the option and what it accepts."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar
 
+from fastgrpo.config.grpo_checks import GRPOChecks
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
+from fastgrpo.config.trl_names import TRL_ALIASES, accept_trl_names
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
-from fastgrpo.fields import Range, check_numbers, check_ranges, option
-from fastgrpo.models import DTYPE_CHOICES, check_model_source
+from fastgrpo.fields import Range, option
+from fastgrpo.models import DTYPE_CHOICES
 from fastgrpo.sampling_params import SamplingParams
 
 COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.compiled.compile_backend`
 
-REPORT_TO = ("jsonl", "tensorboard")
 SCALE_REWARDS = ("group", "batch", "none")
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -30,20 +29,14 @@ EVAL_STRATEGIES = ("no", "steps")
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(GRPOChecks):
     """All options of a training run. Names follow TRL's ``GRPOConfig`` wherever TRL has the same option.
 
     Each optimizer step samples ``per_device_train_batch_size * gradient_accumulation_steps`` completions,
     ``num_generations`` per prompt, and trains on them in ``gradient_accumulation_steps`` micro-batches.
     """
 
-    # TRL's names of options that fastgrpo names otherwise: read from YAML, the command line and the constructor
-    ALIASES: ClassVar[dict[str, str]] = {
-        "vllm_importance_sampling_correction": "importance_sampling_correction",
-        "vllm_importance_sampling_mode": "importance_sampling_mode",
-        "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
-        "vllm_importance_sampling_clip_max": "importance_sampling_clip_max",
-    }
+    ALIASES: ClassVar[dict[str, str]] = TRL_ALIASES  # TRL's names of options fastgrpo names otherwise
 
     # model
     model: str = option(
@@ -320,115 +313,6 @@ class GRPOConfig:
             stop=tuple(self.stop),
         )
 
-    def check_given(self, given: dict[str, Any]) -> None:
-        """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
-        than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
-        that does not clip (cispo, sapo), sapo's temperatures with another loss."""
-        unused = []
-        if not self.importance_sampling_correction:
-            unused += [
-                (key, "importance_sampling_correction is false (no correction is applied)")
-                for key in ("importance_sampling_mode", "importance_sampling_clip_min", "importance_sampling_clip_max")
-            ]
-        if self.loss_type in ("cispo", "sapo"):
-            unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
-        if self.loss_type != "sapo":
-            unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
-        for key, why in unused:
-            if given.get(key) is not None:
-                raise ValueError(f"{key} has no effect with {why}: remove it")
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
-        if self.eval_strategy == "epoch":
-            raise ValueError(
-                "eval_strategy: epoch is not supported: fastgrpo counts optimizer steps, not epochs; use "
-                "eval_strategy: steps with eval_steps"
-            )
-        for f in dataclasses.fields(self):
-            choices = f.metadata.get("choices")
-            if choices and getattr(self, f.name) not in choices:
-                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        check_numbers(self)
-        check_ranges(self)
-        if not self.output_dir.strip():
-            raise ValueError("output_dir must name a directory, got an empty string")
-        if self.generation_batch_size % self.num_generations:
-            raise ValueError(
-                f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
-                f"be a multiple of num_generations ({self.num_generations})"
-            )
-        if self.loss_type == "cispo" and self.epsilon_high is None:
-            raise ValueError(
-                "epsilon_high: loss_type cispo caps each token's weight at epsilon_high, which would default to "
-                f"epsilon ({self.epsilon}); set it (ScaleRL uses 5.0)"
-            )
-        high_clip = 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
-        if self.delta is not None and self.delta <= high_clip:
-            raise ValueError(f"delta ({self.delta}) must be above 1 + epsilon_high ({high_clip:g}), or None")
-        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
-        if low is not None and high is not None and low >= high:
-            raise ValueError(
-                f"importance_sampling_clip_min ({low}) must be below importance_sampling_clip_max ({high})"
-            )
-        if self.importance_sampling_mode.endswith("truncate") and low is None and high is None:
-            raise ValueError(
-                f"importance_sampling_mode {self.importance_sampling_mode} clamps the ratio: set "
-                "importance_sampling_clip_min or importance_sampling_clip_max"
-            )
-        if self.fsdp and self.use_peft:
-            raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
-        self._validate_eval()
-        if not self.reward_funcs:
-            raise ValueError("reward_funcs must name at least one reward function")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(
-                f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}"
-            )
-        for target in self.report_to:
-            if target not in REPORT_TO:
-                raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
-        if "tensorboard" in self.report_to and importlib.util.find_spec("tensorboard") is None:
-            raise ValueError("report_to: tensorboard needs the tensorboard package: pip install tensorboard")
-        if any(not s for s in self.stop):
-            raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
-        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
-            raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
-        if Path(self.output_dir).is_symlink() and not Path(self.output_dir).exists():
-            target = os.readlink(self.output_dir)
-            raise ValueError(
-                f"output_dir {self.output_dir} is a link to {target}, which does not exist: create {target} first, "
-                "or choose another output_dir"
-            )
-        if self.overwrite_output_dir:
-            self._check_inputs_outside_output_dir()
-        check_model_source(self.model)
-        self.dataset.validate()
-        if self.eval_dataset is not None:
-            try:
-                self.eval_dataset.validate()
-            except ValueError as e:
-                raise ValueError(f"eval_{e}") from None
-        self.speculation.validate()
-        self.draft_training.validate()
-        from fastgrpo.rewards import resolve_reward_funcs
-
-        resolve_reward_funcs(self.reward_funcs)
-
-    def _check_inputs_outside_output_dir(self) -> None:
-        """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or
-        through a link): overwriting deletes the run there, a checkpoint of it included."""
-        out = Path(os.path.realpath(self.output_dir))
-        inputs = {"model": self.model, "speculation.draft": self.speculation.draft, "dataset.name": self.dataset.name}
-        for name, given in {**inputs, "dataset.path": self.dataset.path}.items():
-            if given is None or not os.path.exists(given):
-                continue
-            if Path(os.path.realpath(given)).is_relative_to(out):
-                raise ValueError(
-                    f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
-                    "overwriting deletes; copy it elsewhere first, or choose another output_dir"
-                )
-
     @property
     def evaluates(self) -> bool:
         """Whether the run evaluates on ``eval_dataset`` (``eval_strategy: steps``)."""
@@ -449,139 +333,8 @@ class GRPOConfig:
         the last step, as transformers' ``eval_strategy: steps``."""
         return self.evaluates and (step % self.eval_interval == 0 or step == self.max_steps)
 
-    def _validate_eval(self) -> None:
-        if self.eval_steps is not None and self.eval_steps > 1 and self.eval_steps != int(self.eval_steps):
-            raise ValueError(
-                f"eval_steps must be an integer when above 1 (below 1: a share of max_steps), got {self.eval_steps}"
-            )
-        if self.evaluates and self.eval_dataset is None:
-            raise ValueError(
-                "eval_strategy: steps evaluates on eval_dataset, which is not set: give eval_dataset (a mapping of "
-                "dataset.* options, e.g. {name: arithmetic, split: test}) or eval_strategy: no"
-            )
-        if self.eval_dataset is not None and not self.evaluates:
-            raise ValueError(
-                "eval_dataset is set but eval_strategy is no: set eval_strategy: steps (and eval_steps) to evaluate on "
-                "it during training, or remove eval_dataset"
-            )
 
-
-def _alias_property(name: str) -> property:
-    def get(self: GRPOConfig) -> Any:
-        return getattr(self, name)
-
-    def set_(self: GRPOConfig, value: Any) -> None:
-        setattr(self, name, value)
-
-    return property(get, set_, doc=f"TRL's name of `{name}`.")
-
-
-def _accept_aliases(init: Any) -> Any:
-    """``GRPOConfig(vllm_importance_sampling_correction=True)`` as ``importance_sampling_correction=True``."""
-
-    def __init__(self: GRPOConfig, *args: Any, **kwargs: Any) -> None:
-        for alias, name in GRPOConfig.ALIASES.items():
-            if alias in kwargs:
-                if name in kwargs:
-                    raise TypeError(f"{alias} and {name} are one option: give one of them")
-                kwargs[name] = kwargs.pop(alias)
-        init(self, *args, **kwargs)
-
-    __init__.__doc__ = init.__doc__
-    return __init__
-
-
-GRPOConfig.__init__ = _accept_aliases(GRPOConfig.__init__)  # type: ignore[method-assign]
-for _alias, _name in GRPOConfig.ALIASES.items():
-    setattr(GRPOConfig, _alias, _alias_property(_name))
-
-_VLLM = (
-    "a vLLM option: fastgrpo samples with its own lossless speculative engine on the policy's weights (speculation.*)"
-)
-_ENGINE = "fastgrpo samples with its own batched engine (speculation.*), not transformers' generate"
-_SAMPLING = (
-    "it changes the sampling distribution, which fastgrpo's speculative rollouts verify drafts against (temperature, "
-    "top_p, top_k, min_p only): a penalty that follows each tree path is not implemented, so it is refused rather "
-    "than made lossy"
-)
-_ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixed bonus"
-_REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
-_LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
-
-# TRL 1.16 GRPOConfig options fastgrpo does not have: (the values that change nothing, and are accepted and ignored;
-# why any other is refused, and what fastgrpo does instead).
-TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_vllm": ((False,), _VLLM),
-    **{
-        key: ((), _VLLM)
-        for key in (
-            "vllm_mode",
-            "vllm_model_impl",
-            "vllm_enable_sleep_mode",
-            "vllm_structured_outputs_regex",
-            "vllm_server_base_url",
-            "vllm_server_host",
-            "vllm_server_port",
-            "vllm_server_timeout",
-            "vllm_group_port",
-            "vllm_gpu_memory_utilization",
-            "vllm_max_model_length",
-            "vllm_tensor_parallel_size",
-        )
-    },
-    "vllm_importance_sampling_cap": ((None,), "deprecated by TRL: use vllm_importance_sampling_clip_max"),
-    "use_transformers_continuous_batching": ((False,), _ENGINE),
-    "transformers_continuous_batching_config": ((None, {}), _ENGINE),
-    "use_transformers_paged": ((False,), _ENGINE),
-    "cache_implementation": ((None,), _ENGINE),
-    "repetition_penalty": ((1.0, 1), _SAMPLING),
-    "generation_kwargs": ((None, {}), _SAMPLING),
-    "steps_per_generation": (
-        (),
-        "fastgrpo samples one generation batch per step (per_device_train_batch_size x gradient_accumulation_steps "
-        "completions) and trains on it num_iterations times; several optimizer steps per generation are not "
-        "implemented",
-    ),
-    "generation_batch_size": (
-        (),
-        "the generation batch is per_device_train_batch_size x gradient_accumulation_steps completions per process",
-    ),
-    "sync_ref_model": ((False,), _REF_SYNC),
-    "ref_model_mixup_alpha": ((), _REF_SYNC),
-    "ref_model_sync_steps": ((), _REF_SYNC),
-    "use_adaptive_entropy": ((False,), _ADAPTIVE),
-    "entropy_coef_min": ((), _ADAPTIVE),
-    "entropy_coef_max": ((), _ADAPTIVE),
-    "entropy_coef_delta": ((), _ADAPTIVE),
-    "entropy_target": ((), _ADAPTIVE),
-    **{
-        key: ((), "loss_type vespo is not implemented (grpo, bnpo, dr_grpo, dapo, cispo, sapo are)")
-        for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-    },
-    "model_init_kwargs": (
-        (None, {}),
-        "fastgrpo loads the model itself from `model` (a directory, a hub id or smollm2) with `dtype`",
-    ),
-    "trust_remote_code": ((False,), "fastgrpo runs only transformers' own model code"),
-    "router_aux_loss_coef": ((None,), "a mixture-of-experts load-balancing loss is not added"),
-    "max_tool_calling_iterations": ((None,), "tool calling and environments are not supported"),
-    "ds3_gather_for_generation": ((True,), "DeepSpeed is not used: fsdp: true shards the policy with FSDP2"),
-    "pad_to_multiple_of": ((None, "auto"), "fastgrpo's rollouts and update pad to shapes of their own"),
-    "log_multimodal": ((True, False), _LOGS),
-    "log_unique_prompts": ((False,), _LOGS),
-    "log_completions_hub_repo": ((None,), _LOGS),
-}
-
-
-def trl_refusal(key: str, value: Any) -> str | None:
-    """None when ``key`` is one of TRL's options that fastgrpo lacks and ``value`` changes nothing (it is ignored);
-    the one line that refuses it otherwise (None too for a key TRL does not have)."""
-    if key not in TRL_REFUSED:
-        return None
-    accepted, reason = TRL_REFUSED[key]
-    if any(value == ok and type(value) is type(ok) for ok in accepted):
-        return None
-    return f"{key}: {reason}"
+accept_trl_names(GRPOConfig)
 
 
 def train_only_hint(key: str) -> str:

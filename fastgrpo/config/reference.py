@@ -8,7 +8,8 @@ import dataclasses
 from typing import Any
 
 from fastgrpo.config.files import yaml_value
-from fastgrpo.config.grpo import TRL_REFUSED, GRPOConfig
+from fastgrpo.config.grpo import GRPOConfig
+from fastgrpo.config.trl_names import TRL_REFUSED
 
 
 def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:

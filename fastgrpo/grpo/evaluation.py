@@ -21,7 +21,8 @@ import torch
 
 from fastgrpo import distributed
 from fastgrpo.grpo.advantages import compute_advantages
-from fastgrpo.rewards import RewardLog, TrainerState, function_metrics, reward_matrix, reward_name
+from fastgrpo.reward_calls import RewardLog, TrainerState, reward_name
+from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.engine import RolloutEngine
 
 if TYPE_CHECKING:

@@ -15,17 +15,16 @@ from transformers import PreTrainedModel, get_scheduler
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
+from fastgrpo.grpo.logprobs import CompletionLogprobs, completion_logprobs
 from fastgrpo.grpo.losses import (
-    CompletionLogprobs,
-    completion_logprobs,
     entropy_threshold,
     grpo_loss_rows,
     micro_batch_loss,
     micro_batch_rows,
     off_policy_mask,
-    row_metrics,
     sampling_correction,
 )
+from fastgrpo.grpo.update_metrics import job_row_metrics, sampling_metrics, skipped_parts
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
 
@@ -266,7 +265,7 @@ class PolicyUpdate:
         grad_norms: list[float] = []
         self.model.train()
         for iteration in range(cfg.num_iterations):
-            parts = self._skipped_parts(batch, groups, start_entropies)
+            parts = skipped_parts(cfg, batch, start_entropies)
             loss_sum = 0.0
             for i in range(n_micro):
                 if self.threads is not None:
@@ -339,7 +338,7 @@ class PolicyUpdate:
                 if iteration == 0 and batch.old_logps is None:
                     old_all[rows, : mask.shape[1]] = old.detach().to(old_all.dtype).cpu()
             losses.append(loss_sum)
-            iteration_metrics.append(self._row_metrics(parts, sequence_level))
+            iteration_metrics.append(job_row_metrics(parts, sequence_level, world))
             if self.masters is not None:
                 self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
             else:
@@ -361,65 +360,9 @@ class PolicyUpdate:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
         out = {k: sum(m[k] for m in iteration_metrics) / len(iteration_metrics) for k in iteration_metrics[0]}
-        out.update(self._sampling_metrics(batch, old_all))
+        out.update(sampling_metrics(cfg, batch, old_all))
         out["loss"] = sum(losses) / cfg.num_iterations
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["learning_rate"] = self.scheduler.get_last_lr()[0]
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out
-
-    def _skipped_parts(
-        self, batch: RolloutBatch, groups: list[torch.Tensor], start_entropies: torch.Tensor | None
-    ) -> dict[str, torch.Tensor]:
-        """The per-row metric parts (`grpo_loss_rows`) of the batch before its micro-batches fill theirs: every row's
-        tokens, no clipped token, and the entropies of `fixed_logps`' pass (NaN for a row without)."""
-        cfg = self.config
-        mask = batch.completion_mask.to(torch.float64)
-        n = mask.shape[0]
-        parts = {"tokens": mask.sum(dim=-1)}
-        if cfg.loss_type == "cispo":
-            parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64)
-        elif cfg.loss_type != "sapo":
-            for name in ("clip_low", "clip_high", "clip_region"):
-                parts[name] = torch.zeros(n, dtype=torch.float64)
-        if cfg.beta > 0:
-            parts["kl"] = torch.zeros(n, dtype=torch.float64)  # every row trains: filled by the micro-batches
-        if start_entropies is not None:
-            parts["entropy"] = (start_entropies.to(torch.float64) * mask).sum(dim=-1)
-        else:
-            parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64)
-        return parts
-
-    def _row_metrics(self, parts: dict[str, torch.Tensor], sequence_level: bool) -> dict[str, float]:
-        """`row_metrics` of the whole job's rows (each process's parts gathered), the entropy over the rows that
-        have one (all but skipped rows without `fixed_logps`' pass)."""
-        if self.world_size > 1:
-            gathered = distributed.gather(parts)
-            parts = {name: torch.cat([g[name] for g in gathered]) for name in parts}
-        known = ~torch.isnan(parts["entropy"])
-        entropy = {"tokens": parts["tokens"][known], "entropy": parts["entropy"][known]}
-        out = row_metrics({k: v for k, v in parts.items() if k != "entropy"}, sequence_level)
-        out["entropy"] = row_metrics(entropy, sequence_level)["entropy"]
-        return {name: float(value) for name, value in out.items()}
-
-    def _sampling_metrics(self, batch: RolloutBatch, old_all: torch.Tensor) -> dict[str, float]:
-        """TRL's ``sampling/*`` metrics over the rows whose old log-probs are known (every row, unless the update
-        skipped some and ``score_skipped_rows`` is off), as TRL computes them over its generation batch; the ratio's
-        only when the correction applies it."""
-        if batch.sampling_logps is None:
-            return {}
-        cfg = self.config
-        known = ~torch.isnan(old_all).any(dim=1)
-        if not known.any():
-            return {}
-        _, metrics = sampling_correction(
-            old_all[known].double(),
-            batch.sampling_logps[known],
-            batch.completion_mask[known],
-            cfg.importance_sampling_mode,
-            cfg.importance_sampling_clip_min,
-            cfg.importance_sampling_clip_max,
-        )
-        if not cfg.importance_sampling_correction:  # the gap is measured, no ratio is applied
-            metrics = {k: v for k, v in metrics.items() if "importance_sampling_ratio" not in k}
-        return {name: float(value) for name, value in metrics.items()}

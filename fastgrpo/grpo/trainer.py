@@ -17,7 +17,6 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
-from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.grpo.batch import build_batch
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
@@ -40,6 +39,7 @@ from fastgrpo.grpo.run_dir import (
     resumed_options,
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
+from fastgrpo.grpo.scoring import score_completions
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -51,15 +51,7 @@ from fastgrpo.models import (
     warn_if_bf16_emulated,
 )
 from fastgrpo.precision import tf32_matmuls
-from fastgrpo.rewards import (
-    RewardLog,
-    TrainerState,
-    check_columns,
-    function_metrics,
-    resolve_reward_funcs,
-    reward_matrix,
-    reward_name,
-)
+from fastgrpo.rewards import check_columns, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.registry import check_speculation
@@ -261,48 +253,6 @@ class GRPOTrainer:
         )
         return prompt_ids, out
 
-    def score(
-        self, rows: list[dict[str, Any]], out: GenerationOutput, step: int = 0
-    ) -> tuple[torch.Tensor, dict[str, float], list[tuple[Any, str, float, dict[str, Any]]]]:
-        """Rewards of this rank's completions and their advantages within the whole job's batch, as TRL forms them
-        (`compute_advantages`: a completion no reward function scores is left out of its group's statistics and gets
-        advantage 0).
-
-        Returns ``(advantages [n], reward metrics, (prompt, completion, reward, extra columns) of each completion)``:
-        groups are whole on every rank, and every function's rewards are gathered so that the metrics and
-        ``scale_rewards: batch`` see the whole job's batch. Reward functions get TRL's ``trainer_state``,
-        ``log_metric`` and ``log_extra`` keyword arguments; the values given to ``log_metric`` are averaged into the
-        step's metrics."""
-        cfg = self.config
-        completions = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
-        full_rows = [row for row in rows for _ in range(cfg.num_generations)]
-        prompts = [r["prompt"] for r in full_rows]
-        logged = RewardLog()
-        extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps))
-        per_func, _ = reward_matrix(self.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
-        gathered = distributed.gather(per_func.tolist())
-        all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
-        weights = torch.tensor(cfg.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float64)
-        result = compute_advantages(
-            all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
-        )
-        if not torch.isfinite(result.advantages).all():
-            largest = float(all_per_func.nan_to_num(0.0).abs().max())
-            raise NonFiniteUpdate(
-                f"the rewards give advantages that are inf or nan (the largest reward's magnitude is {largest:.3g}; "
-                "group means and spreads overflow well below float64's limit): scale the rewards down"
-            )
-        metrics = {**result.metrics, **function_metrics(all_per_func, [reward_name(f) for f in self.reward_funcs])}
-        metrics.update(logged.metrics())
-        n = per_func.shape[0]
-        mine = slice(self.dist.rank * n, (self.dist.rank + 1) * n)
-        rewards = result.rewards[mine].tolist()
-        samples = [
-            (prompt, completion, reward, {column: values[i] for column, values in logged.columns.items()})
-            for i, (prompt, completion, reward) in enumerate(zip(prompts, completions, rewards, strict=True))
-        ]
-        return result.advantages[mine].to(torch.float32), metrics, samples
-
     def train_step(self, step: int) -> dict[str, float]:
         """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
         cfg = self.config
@@ -313,7 +263,9 @@ class GRPOTrainer:
         with distributed.gathered(self.update.policy):
             prompt_ids, out = self.rollout(step, rows)
             t1 = time.perf_counter()
-            advantages, reward_metrics, self._last_samples = self.score(rows, out, step)
+            advantages, reward_metrics, self._last_samples = score_completions(
+                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step
+            )
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
         memory: dict[str, float] = {}  # the allocated peak of each phase

@@ -43,7 +43,7 @@ def policy_logprobs(
 ) -> torch.Tensor:
     """``[N]`` the log-probabilities of ``tokens`` ``[N]`` under the policy's distribution at the sampling
     temperature, before top-k, top-p and min-p: what a training forward computes for them
-    (`fastgrpo.grpo.losses.completion_logprobs`), so that the sampler's and the trainer's differ by rounding alone.
+    (`fastgrpo.grpo.logprobs.completion_logprobs`), so that the sampler's and the trainer's differ by rounding alone.
     ``logprobs`` is `process_logits` of ``logits`` (both ``[N, V]``), which is that distribution unless a filter
     applies; greedy decoding scores with the plain softmax."""
     if params.greedy or not filters(params, logits.shape[-1]):

@@ -1,0 +1,145 @@
+"""The checks of a training run's options: `GRPOChecks`, a base class of `GRPOConfig` (which holds the options),
+refuses bad values and combinations (`validate`) and options set where the others leave them without effect
+(`check_given`), each naming the option and what it accepts, before any model loads."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from pathlib import Path
+from typing import Any
+
+from fastgrpo.fields import check_numbers, check_ranges
+from fastgrpo.models import check_model_source
+
+REPORT_TO = ("jsonl", "tensorboard")
+
+
+class GRPOChecks:
+    """`validate` and `check_given` of `GRPOConfig`, over the options it holds."""
+
+    def check_given(self, given: dict[str, Any]) -> None:
+        """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
+        than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
+        that does not clip (cispo, sapo), sapo's temperatures with another loss."""
+        unused = []
+        if not self.importance_sampling_correction:
+            unused += [
+                (key, "importance_sampling_correction is false (no correction is applied)")
+                for key in ("importance_sampling_mode", "importance_sampling_clip_min", "importance_sampling_clip_max")
+            ]
+        if self.loss_type in ("cispo", "sapo"):
+            unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
+        if self.loss_type != "sapo":
+            unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
+        for key, why in unused:
+            if given.get(key) is not None:
+                raise ValueError(f"{key} has no effect with {why}: remove it")
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad option."""
+        if self.eval_strategy == "epoch":
+            raise ValueError(
+                "eval_strategy: epoch is not supported: fastgrpo counts optimizer steps, not epochs; use "
+                "eval_strategy: steps with eval_steps"
+            )
+        for f in dataclasses.fields(self):
+            choices = f.metadata.get("choices")
+            if choices and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        check_numbers(self)
+        check_ranges(self)
+        if not self.output_dir.strip():
+            raise ValueError("output_dir must name a directory, got an empty string")
+        if self.generation_batch_size % self.num_generations:
+            raise ValueError(
+                f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
+                f"be a multiple of num_generations ({self.num_generations})"
+            )
+        if self.loss_type == "cispo" and self.epsilon_high is None:
+            raise ValueError(
+                "epsilon_high: loss_type cispo caps each token's weight at epsilon_high, which would default to "
+                f"epsilon ({self.epsilon}); set it (ScaleRL uses 5.0)"
+            )
+        high_clip = 1 + (self.epsilon if self.epsilon_high is None else self.epsilon_high)
+        if self.delta is not None and self.delta <= high_clip:
+            raise ValueError(f"delta ({self.delta}) must be above 1 + epsilon_high ({high_clip:g}), or None")
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        if low is not None and high is not None and low >= high:
+            raise ValueError(
+                f"importance_sampling_clip_min ({low}) must be below importance_sampling_clip_max ({high})"
+            )
+        if self.importance_sampling_mode.endswith("truncate") and low is None and high is None:
+            raise ValueError(
+                f"importance_sampling_mode {self.importance_sampling_mode} clamps the ratio: set "
+                "importance_sampling_clip_min or importance_sampling_clip_max"
+            )
+        if self.fsdp and self.use_peft:
+            raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
+        self._validate_eval()
+        if not self.reward_funcs:
+            raise ValueError("reward_funcs must name at least one reward function")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(
+                f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}"
+            )
+        for target in self.report_to:
+            if target not in REPORT_TO:
+                raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
+        if "tensorboard" in self.report_to and importlib.util.find_spec("tensorboard") is None:
+            raise ValueError("report_to: tensorboard needs the tensorboard package: pip install tensorboard")
+        if any(not s for s in self.stop):
+            raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
+        if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
+            raise ValueError(f"output_dir {self.output_dir} is a file, not a directory")
+        if Path(self.output_dir).is_symlink() and not Path(self.output_dir).exists():
+            target = os.readlink(self.output_dir)
+            raise ValueError(
+                f"output_dir {self.output_dir} is a link to {target}, which does not exist: create {target} first, "
+                "or choose another output_dir"
+            )
+        if self.overwrite_output_dir:
+            self._check_inputs_outside_output_dir()
+        check_model_source(self.model)
+        self.dataset.validate()
+        if self.eval_dataset is not None:
+            try:
+                self.eval_dataset.validate()
+            except ValueError as e:
+                raise ValueError(f"eval_{e}") from None
+        self.speculation.validate()
+        self.draft_training.validate()
+        from fastgrpo.rewards import resolve_reward_funcs
+
+        resolve_reward_funcs(self.reward_funcs)
+
+    def _check_inputs_outside_output_dir(self) -> None:
+        """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or
+        through a link): overwriting deletes the run there, a checkpoint of it included."""
+        out = Path(os.path.realpath(self.output_dir))
+        inputs = {"model": self.model, "speculation.draft": self.speculation.draft, "dataset.name": self.dataset.name}
+        for name, given in {**inputs, "dataset.path": self.dataset.path}.items():
+            if given is None or not os.path.exists(given):
+                continue
+            if Path(os.path.realpath(given)).is_relative_to(out):
+                raise ValueError(
+                    f"overwrite_output_dir: {name} {given} is inside output_dir {self.output_dir}, whose run "
+                    "overwriting deletes; copy it elsewhere first, or choose another output_dir"
+                )
+
+    def _validate_eval(self) -> None:
+        if self.eval_steps is not None and self.eval_steps > 1 and self.eval_steps != int(self.eval_steps):
+            raise ValueError(
+                f"eval_steps must be an integer when above 1 (below 1: a share of max_steps), got {self.eval_steps}"
+            )
+        if self.evaluates and self.eval_dataset is None:
+            raise ValueError(
+                "eval_strategy: steps evaluates on eval_dataset, which is not set: give eval_dataset (a mapping of "
+                "dataset.* options, e.g. {name: arithmetic, split: test}) or eval_strategy: no"
+            )
+        if self.eval_dataset is not None and not self.evaluates:
+            raise ValueError(
+                "eval_dataset is set but eval_strategy is no: set eval_strategy: steps (and eval_steps) to evaluate on "
+                "it during training, or remove eval_dataset"
+            )

@@ -1,0 +1,136 @@
+"""TRL's names in fastgrpo's options: `TRL_ALIASES`, TRL's names of options fastgrpo names otherwise (taken by
+`GRPOConfig`'s constructor and attributes, YAML and the command line), and `TRL_REFUSED`, TRL's options fastgrpo lacks:
+accepted where their value changes nothing, refused otherwise with what fastgrpo does instead (`trl_refusal`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# TRL's names of options that fastgrpo names otherwise: read from YAML, the command line and the constructor
+TRL_ALIASES: dict[str, str] = {
+    "vllm_importance_sampling_correction": "importance_sampling_correction",
+    "vllm_importance_sampling_mode": "importance_sampling_mode",
+    "vllm_importance_sampling_clip_min": "importance_sampling_clip_min",
+    "vllm_importance_sampling_clip_max": "importance_sampling_clip_max",
+}
+
+
+def _alias_property(name: str) -> property:
+    def get(self: Any) -> Any:
+        return getattr(self, name)
+
+    def set_(self: Any, value: Any) -> None:
+        setattr(self, name, value)
+
+    return property(get, set_, doc=f"TRL's name of `{name}`.")
+
+
+def _accept_aliases(init: Any) -> Any:
+    """``GRPOConfig(vllm_importance_sampling_correction=True)`` as ``importance_sampling_correction=True``."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        for alias, name in TRL_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise TypeError(f"{alias} and {name} are one option: give one of them")
+                kwargs[name] = kwargs.pop(alias)
+        init(self, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    return __init__
+
+
+def accept_trl_names(cls: type) -> None:
+    """Let ``cls`` (`GRPOConfig`) take `TRL_ALIASES` as constructor arguments, and read and set them as attributes."""
+    cls.__init__ = _accept_aliases(cls.__init__)  # type: ignore[method-assign]
+    for alias, name in TRL_ALIASES.items():
+        setattr(cls, alias, _alias_property(name))
+
+
+_VLLM = (
+    "a vLLM option: fastgrpo samples with its own lossless speculative engine on the policy's weights (speculation.*)"
+)
+_ENGINE = "fastgrpo samples with its own batched engine (speculation.*), not transformers' generate"
+_SAMPLING = (
+    "it changes the sampling distribution, which fastgrpo's speculative rollouts verify drafts against (temperature, "
+    "top_p, top_k, min_p only): a penalty that follows each tree path is not implemented, so it is refused rather "
+    "than made lossy"
+)
+_ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixed bonus"
+_REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
+_LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
+
+# TRL 1.16 GRPOConfig options fastgrpo does not have: (the values that change nothing, and are accepted and ignored;
+# why any other is refused, and what fastgrpo does instead).
+TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_vllm": ((False,), _VLLM),
+    **{
+        key: ((), _VLLM)
+        for key in (
+            "vllm_mode",
+            "vllm_model_impl",
+            "vllm_enable_sleep_mode",
+            "vllm_structured_outputs_regex",
+            "vllm_server_base_url",
+            "vllm_server_host",
+            "vllm_server_port",
+            "vllm_server_timeout",
+            "vllm_group_port",
+            "vllm_gpu_memory_utilization",
+            "vllm_max_model_length",
+            "vllm_tensor_parallel_size",
+        )
+    },
+    "vllm_importance_sampling_cap": ((None,), "deprecated by TRL: use vllm_importance_sampling_clip_max"),
+    "use_transformers_continuous_batching": ((False,), _ENGINE),
+    "transformers_continuous_batching_config": ((None, {}), _ENGINE),
+    "use_transformers_paged": ((False,), _ENGINE),
+    "cache_implementation": ((None,), _ENGINE),
+    "repetition_penalty": ((1.0, 1), _SAMPLING),
+    "generation_kwargs": ((None, {}), _SAMPLING),
+    "steps_per_generation": (
+        (),
+        "fastgrpo samples one generation batch per step (per_device_train_batch_size x gradient_accumulation_steps "
+        "completions) and trains on it num_iterations times; several optimizer steps per generation are not "
+        "implemented",
+    ),
+    "generation_batch_size": (
+        (),
+        "the generation batch is per_device_train_batch_size x gradient_accumulation_steps completions per process",
+    ),
+    "sync_ref_model": ((False,), _REF_SYNC),
+    "ref_model_mixup_alpha": ((), _REF_SYNC),
+    "ref_model_sync_steps": ((), _REF_SYNC),
+    "use_adaptive_entropy": ((False,), _ADAPTIVE),
+    "entropy_coef_min": ((), _ADAPTIVE),
+    "entropy_coef_max": ((), _ADAPTIVE),
+    "entropy_coef_delta": ((), _ADAPTIVE),
+    "entropy_target": ((), _ADAPTIVE),
+    **{
+        key: ((), "loss_type vespo is not implemented (grpo, bnpo, dr_grpo, dapo, cispo, sapo are)")
+        for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+    },
+    "model_init_kwargs": (
+        (None, {}),
+        "fastgrpo loads the model itself from `model` (a directory, a hub id or smollm2) with `dtype`",
+    ),
+    "trust_remote_code": ((False,), "fastgrpo runs only transformers' own model code"),
+    "router_aux_loss_coef": ((None,), "a mixture-of-experts load-balancing loss is not added"),
+    "max_tool_calling_iterations": ((None,), "tool calling and environments are not supported"),
+    "ds3_gather_for_generation": ((True,), "DeepSpeed is not used: fsdp: true shards the policy with FSDP2"),
+    "pad_to_multiple_of": ((None, "auto"), "fastgrpo's rollouts and update pad to shapes of their own"),
+    "log_multimodal": ((True, False), _LOGS),
+    "log_unique_prompts": ((False,), _LOGS),
+    "log_completions_hub_repo": ((None,), _LOGS),
+}
+
+
+def trl_refusal(key: str, value: Any) -> str | None:
+    """None when ``key`` is one of TRL's options that fastgrpo lacks and ``value`` changes nothing (it is ignored);
+    the one line that refuses it otherwise (None too for a key TRL does not have)."""
+    if key not in TRL_REFUSED:
+        return None
+    accepted, reason = TRL_REFUSED[key]
+    if any(value == ok and type(value) is type(ok) for ok in accepted):
+        return None
+    return f"{key}: {reason}"

@@ -1,0 +1,66 @@
+"""A training step's rewards and advantages: this rank's completions scored by every reward function (with TRL's
+``trainer_state``, ``log_metric`` and ``log_extra``), the rewards gathered from every process into group-relative
+advantages over the whole job's batch, and the reward metrics and printed samples of the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.advantages import compute_advantages
+from fastgrpo.grpo.policy_update import NonFiniteUpdate
+from fastgrpo.reward_calls import RewardFunc, RewardLog, TrainerState, reward_name
+from fastgrpo.rewards import function_metrics, reward_matrix
+from fastgrpo.rollout.sequence import GenerationOutput
+
+
+def score_completions(
+    cfg: GRPOConfig,
+    reward_funcs: list[RewardFunc],
+    tokenizer: PreTrainedTokenizerBase,
+    rank: int,
+    rows: list[dict[str, Any]],
+    out: GenerationOutput,
+    step: int = 0,
+) -> tuple[torch.Tensor, dict[str, float], list[tuple[Any, str, float, dict[str, Any]]]]:
+    """Rewards of this rank's completions (of ``rows``' prompts, ``num_generations`` each) and their advantages
+    within the whole job's batch, as TRL forms them (`compute_advantages`: a completion no reward function scores is
+    left out of its group's statistics and gets advantage 0).
+
+    Returns ``(advantages [n], reward metrics, (prompt, completion, reward, extra columns) of each completion)``:
+    groups are whole on every rank, and every function's rewards are gathered so that the metrics and
+    ``scale_rewards: batch`` see the whole job's batch. Reward functions get TRL's ``trainer_state``,
+    ``log_metric`` and ``log_extra`` keyword arguments; the values given to ``log_metric`` are averaged into the
+    step's metrics."""
+    completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    full_rows = [row for row in rows for _ in range(cfg.num_generations)]
+    prompts = [r["prompt"] for r in full_rows]
+    logged = RewardLog()
+    extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps))
+    per_func, _ = reward_matrix(reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
+    gathered = distributed.gather(per_func.tolist())
+    all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float64)
+    result = compute_advantages(
+        all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
+    )
+    if not torch.isfinite(result.advantages).all():
+        largest = float(all_per_func.nan_to_num(0.0).abs().max())
+        raise NonFiniteUpdate(
+            f"the rewards give advantages that are inf or nan (the largest reward's magnitude is {largest:.3g}; "
+            "group means and spreads overflow well below float64's limit): scale the rewards down"
+        )
+    metrics = {**result.metrics, **function_metrics(all_per_func, [reward_name(f) for f in reward_funcs])}
+    metrics.update(logged.metrics())
+    n = per_func.shape[0]
+    mine = slice(rank * n, (rank + 1) * n)
+    rewards = result.rewards[mine].tolist()
+    samples = [
+        (prompt, completion, reward, {column: values[i] for column, values in logged.columns.items()})
+        for i, (prompt, completion, reward) in enumerate(zip(prompts, completions, rewards, strict=True))
+    ]
+    return result.advantages[mine].to(torch.float32), metrics, samples

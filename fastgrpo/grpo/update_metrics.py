@@ -1,0 +1,72 @@
+"""The policy update's metrics over the whole job's batch, as TRL logs them: each row's parts (`skipped_parts`, the
+rows the update skips included), gathered from every process into ``clip_ratio/*``, ``kl`` and ``entropy``
+(`job_row_metrics`), and the ``sampling/*`` gap between the sampler's log-probs and the policy's
+(`sampling_metrics`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.batch import RolloutBatch
+from fastgrpo.grpo.losses import row_metrics, sampling_correction
+
+
+def skipped_parts(
+    cfg: GRPOConfig, batch: RolloutBatch, start_entropies: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The per-row metric parts (`grpo_loss_rows`) of the batch before its micro-batches fill theirs: every row's
+    tokens, no clipped token, and the entropies of `PolicyUpdate.fixed_logps`' pass (NaN for a row without)."""
+    mask = batch.completion_mask.to(torch.float64)
+    n = mask.shape[0]
+    parts = {"tokens": mask.sum(dim=-1)}
+    if cfg.loss_type == "cispo":
+        parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64)
+    elif cfg.loss_type != "sapo":
+        for name in ("clip_low", "clip_high", "clip_region"):
+            parts[name] = torch.zeros(n, dtype=torch.float64)
+    if cfg.beta > 0:
+        parts["kl"] = torch.zeros(n, dtype=torch.float64)  # every row trains: filled by the micro-batches
+    if start_entropies is not None:
+        parts["entropy"] = (start_entropies.to(torch.float64) * mask).sum(dim=-1)
+    else:
+        parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64)
+    return parts
+
+
+def job_row_metrics(parts: dict[str, torch.Tensor], sequence_level: bool, world_size: int) -> dict[str, float]:
+    """`row_metrics` of the whole job's rows (each process's parts gathered), the entropy over the rows that
+    have one (all but skipped rows without `PolicyUpdate.fixed_logps`' pass)."""
+    if world_size > 1:
+        gathered = distributed.gather(parts)
+        parts = {name: torch.cat([g[name] for g in gathered]) for name in parts}
+    known = ~torch.isnan(parts["entropy"])
+    entropy = {"tokens": parts["tokens"][known], "entropy": parts["entropy"][known]}
+    out = row_metrics({k: v for k, v in parts.items() if k != "entropy"}, sequence_level)
+    out["entropy"] = row_metrics(entropy, sequence_level)["entropy"]
+    return {name: float(value) for name, value in out.items()}
+
+
+def sampling_metrics(cfg: GRPOConfig, batch: RolloutBatch, old_all: torch.Tensor) -> dict[str, float]:
+    """TRL's ``sampling/*`` metrics over the rows whose old log-probs are known (every row, unless the update
+    skipped some and ``score_skipped_rows`` is off), as TRL computes them over its generation batch; the ratio's
+    only when the correction applies it."""
+    if batch.sampling_logps is None:
+        return {}
+    known = ~torch.isnan(old_all).any(dim=1)
+    if not known.any():
+        return {}
+    _, metrics = sampling_correction(
+        old_all[known].double(),
+        batch.sampling_logps[known],
+        batch.completion_mask[known],
+        cfg.importance_sampling_mode,
+        cfg.importance_sampling_clip_min,
+        cfg.importance_sampling_clip_max,
+    )
+    if not cfg.importance_sampling_correction:  # the gap is measured, no ratio is applied
+        metrics = {k: v for k, v in metrics.items() if "importance_sampling_ratio" not in k}
+    return {name: float(value) for name, value in metrics.items()}
