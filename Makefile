@@ -20,9 +20,10 @@ setup: $(VENV)/.setup-done
 train: setup
 	$(BIN)/fastgrpo train --config configs/default.yaml
 
+# Two workers, each module on one of them (its module fixtures built once), the longest modules first (conftest.py).
 test: setup
 	$(BIN)/ruff check fastgrpo tests benchmarks
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope
 
 lint: setup
 	$(BIN)/ruff check fastgrpo tests benchmarks

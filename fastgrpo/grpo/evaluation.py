@@ -15,18 +15,32 @@ import hashlib
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.reward_calls import RewardLog, TrainerState, reward_name
 from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from fastgrpo.grpo.trainer import GRPOTrainer
+
+class Trainer(Protocol):
+    """What `evaluate` reads of a `fastgrpo.grpo.trainer.GRPOTrainer`."""
+
+    config: GRPOConfig
+    eval_rows: list[dict[str, Any]]
+    dist: Any  # its processes (`fastgrpo.distributed`)
+    sampling: SamplingParams
+    rollouts: Any  # `fastgrpo.training_rollouts.TrainingRollouts`
+    update: Any  # `fastgrpo.grpo.policy_update.PolicyUpdate`
+    prompts: Any  # `fastgrpo.grpo.prompts.StepPrompts`
+    tokenizer: Any
+    reward_funcs: list[Any]
+
 
 PREFIX = "eval/"
 
@@ -64,7 +78,7 @@ def check_eval_batch(config: Any, world_size: int) -> None:
         )
 
 
-def evaluate(trainer: GRPOTrainer, step: int) -> dict[str, float]:
+def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     """The ``eval/`` metrics after optimizer step ``step``, the same on every process: ``eval/reward``,
     ``eval/reward_std``, ``eval/frac_reward_zero_std`` (TRL's definitions, over all the eval completions at once:
     TRL averages its eval batches' figures, the same with one batch), fastgrpo's ``eval/group_reward_std`` and
@@ -113,7 +127,7 @@ def evaluate(trainer: GRPOTrainer, step: int) -> dict[str, float]:
     per_func = per_func.view(-1, len(trainer.reward_funcs))
     lengths = torch.tensor([n for r in everything for n in r[2]], dtype=torch.float, device="cpu")
     truncated = torch.tensor([t for r in everything for t in r[3]], dtype=torch.bool, device="cpu")
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(trainer.reward_funcs), dtype=torch.float64)
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(trainer.reward_funcs), dtype=torch.float64, device="cpu")
     result = compute_advantages(per_func, weights, generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
     metrics = dict(result.metrics)
     if generations == 1 and (cfg.scale_rewards != "batch" or per_func.shape[0] == 1):

@@ -42,14 +42,11 @@ def group_advantages(rewards: Tensor, num_generations: int, scale_rewards: str =
             f"got shape {tuple(rewards.shape)}"
         )
     wide = rewards.double()
-    result = compute_advantages(wide.unsqueeze(1), torch.ones(1, dtype=torch.float64), num_generations, scale_rewards)
+    result = compute_advantages(
+        wide.unsqueeze(1), torch.ones(1, dtype=torch.float64, device=rewards.device), num_generations, scale_rewards
+    )
     group_std = nanstd(wide.view(-1, num_generations), dim=1).repeat_interleave(num_generations)
     return result.advantages.to(rewards.dtype), group_std.to(rewards.dtype)
-
-
-def _masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    """Mean of ``values`` over ``mask`` (both ``[B, C]``) -> scalar; 0 when the mask is empty."""
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def _aggregate(
@@ -96,7 +93,7 @@ def entropy_threshold(entropies: Tensor, mask: Tensor, top_quantile: float) -> T
     ``mask`` ``[B, C]``): their ``1 - top_quantile`` quantile, in float32 as TRL's; +inf without tokens."""
     values = entropies[mask.bool()].float()
     if values.numel() == 0:
-        return torch.tensor(math.inf)
+        return torch.tensor(math.inf, device=entropies.device)
     return torch.quantile(values, 1 - top_quantile)
 
 

@@ -158,10 +158,10 @@ class PolicyUpdate:
         rows = torch.arange(n, device="cpu") if rows is None else rows.cpu()
         chunks = list(rows.split(mb))
         forwards = distributed.max_over_ranks(len(chunks)) if self.world_size > 1 else len(chunks)
-        logps = torch.full((n, width), math.nan, dtype=torch.float32)
+        logps = torch.full((n, width), math.nan, dtype=torch.float32, device="cpu")
         entropies = None
         for i in range(forwards):
-            part_rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long)
+            part_rows = chunks[i] if i < len(chunks) else torch.zeros(1, dtype=torch.long, device="cpu")
             lp, ent = self.logps(logprobs, select_rows(batch, part_rows))
             if i >= len(chunks):
                 continue
@@ -171,7 +171,7 @@ class PolicyUpdate:
             logps[part_rows, keep:] = 0.0
             if ent is not None:
                 if entropies is None:
-                    entropies = torch.full((n, width), math.nan, dtype=ent.dtype)
+                    entropies = torch.full((n, width), math.nan, dtype=ent.dtype, device="cpu")
                 entropies[part_rows, :keep] = ent.cpu()
                 entropies[part_rows, keep:] = 0.0
         return logps, entropies
@@ -190,14 +190,18 @@ class PolicyUpdate:
         cfg = self.config
         n = batch.completion_mask.shape[0]
         groups = self.micro_batches(batch)
-        trained = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long)
+        trained = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long, device="cpu")
         every = cfg.num_iterations > 1 or cfg.top_entropy_quantile < 1
         if every:
             rows = torch.arange(n, device="cpu")
         else:
-            skipped = torch.ones(n, dtype=torch.bool)
+            skipped = torch.ones(n, dtype=torch.bool, device="cpu")
             skipped[trained.cpu()] = False
-            rows = skipped.nonzero().squeeze(-1) if cfg.score_skipped_rows else torch.zeros(0, dtype=torch.long)
+            rows = (
+                skipped.nonzero().squeeze(-1)
+                if cfg.score_skipped_rows
+                else torch.zeros(0, dtype=torch.long, device="cpu")
+            )
         busiest = distributed.max_over_ranks(int(rows.numel())) if self.world_size > 1 else int(rows.numel())
         if busiest:
             logps, entropies = self.batch_logps(self.policy, batch, rows)
@@ -259,7 +263,7 @@ class PolicyUpdate:
         start_entropies = batch.start_entropies
         # the old policy's log-probs of every row, for the sampling/* metrics: the update's own where it trains
         old_all = batch.old_logps.clone() if batch.old_logps is not None else start_logps
-        old_all = old_all.clone() if old_all is not None else torch.full((n, width), math.nan)
+        old_all = old_all.clone() if old_all is not None else torch.full((n, width), math.nan, device="cpu")
         losses: list[float] = []
         iteration_metrics: list[dict[str, float]] = []
         grad_norms: list[float] = []

@@ -44,7 +44,7 @@ def score_completions(
     per_func, _ = reward_matrix(reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
     gathered = distributed.gather(per_func.tolist())
     all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float64)
+    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float64, device="cpu")
     result = compute_advantages(
         all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
     )

@@ -24,16 +24,16 @@ def skipped_parts(
     n = mask.shape[0]
     parts = {"tokens": mask.sum(dim=-1)}
     if cfg.loss_type == "cispo":
-        parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64)
+        parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64, device="cpu")
     elif cfg.loss_type != "sapo":
         for name in ("clip_low", "clip_high", "clip_region"):
-            parts[name] = torch.zeros(n, dtype=torch.float64)
+            parts[name] = torch.zeros(n, dtype=torch.float64, device="cpu")
     if cfg.beta > 0:
-        parts["kl"] = torch.zeros(n, dtype=torch.float64)  # every row trains: filled by the micro-batches
+        parts["kl"] = torch.zeros(n, dtype=torch.float64, device="cpu")  # every row trains: filled by the micro-batches
     if start_entropies is not None:
         parts["entropy"] = (start_entropies.to(torch.float64) * mask).sum(dim=-1)
     else:
-        parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64)
+        parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64, device="cpu")
     return parts
 
 
