@@ -983,6 +983,11 @@ CASES: list[Case] = [
     train("an importance-sampling mode with the correction off", REFUSED,
           "importance_sampling_mode has no effect with importance_sampling_correction is false",
           importance_sampling_mode="token_mask"),
+    train("a masking correction whose range leaves out 1", REFUSED, "importance_sampling_clip_max 0.5 leaves out a "
+          "ratio of 1", importance_sampling_correction=True, importance_sampling_mode="token_mask",
+          importance_sampling_clip_max=0.5),
+    train("a sequence mask from a ratio above 1", REFUSED, "importance_sampling_clip_min 1.5 leaves out a ratio of 1",
+          importance_sampling_correction=True, importance_sampling_clip_min=1.5),
     train("delta with cispo", REFUSED, "delta has no effect with loss_type cispo", loss_type="cispo",
           epsilon_high=5.0, delta=10.0),
     train("delta with sapo", REFUSED, "delta has no effect with loss_type sapo", loss_type="sapo", delta=10.0),

@@ -37,6 +37,24 @@ class GRPOChecks:
             if given.get(key) is not None:
                 raise ValueError(f"{key} has no effect with {why}: remove it")
 
+    def _check_mask_range(self) -> None:
+        """Refuse a masking correction whose range leaves out a ratio of 1: the ratio of a completion the policy
+        sampled itself (the rollout engine samples with the policy's weights), so every completion would be masked
+        and the update would train nothing."""
+        if not self.importance_sampling_correction or not self.importance_sampling_mode.endswith("_mask"):
+            return
+        low, high = self.importance_sampling_clip_min, self.importance_sampling_clip_max
+        for name, value, outside in (
+            ("clip_min", low, low is not None and low > 1),
+            ("clip_max", high, high is not None and high < 1),
+        ):
+            if outside:
+                raise ValueError(
+                    f"importance_sampling_{name} {value} leaves out a ratio of 1, the ratio of every completion the "
+                    f"policy samples itself: importance_sampling_mode {self.importance_sampling_mode} would mask them "
+                    "all and train nothing; keep 1 inside [clip_min, clip_max]"
+                )
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
         if self.eval_strategy == "epoch":
@@ -57,6 +75,7 @@ class GRPOChecks:
                 f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
                 f"be a multiple of num_generations ({self.num_generations})"
             )
+        self._check_mask_range()
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError(
                 "epsilon_high: loss_type cispo caps each token's weight at epsilon_high, which would default to "
