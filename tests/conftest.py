@@ -34,6 +34,36 @@ from fastgrpo.speculative.profiler import LatencyProfile, ProbeFactory
 from fastgrpo.speculative.registry import PLUGINS
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# The modules whose tests take longest together, longest first: `make test`'s two workers (pytest-xdist, a module to a
+# worker) start them first, so that no long module is left running alone at the end.
+LONGEST_FIRST = (
+    "test_gpu_check.py",
+    "test_fsdp.py",
+    "test_bad_input_matrix.py",
+    "test_speculative.py",
+    "test_target_step.py",
+    "test_end_to_end.py",
+    "test_settled_shapes.py",
+    "test_trainer.py",
+    "test_bad_inputs.py",
+    "test_distributed.py",
+    "test_controller.py",
+    "test_fused_attention.py",
+    "test_cold_steps.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """`LONGEST_FIRST`'s modules first; every module's tests, and the other modules, in their order."""
+    place = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: place.get(item.path.name, len(place)))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test`'s two workers, each computes on one thread: the two together use the two cores, as one
+    process on both does alone."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session", autouse=True)

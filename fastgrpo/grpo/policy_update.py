@@ -156,7 +156,7 @@ class PolicyUpdate:
         mb = self.config.per_device_train_batch_size
         n, width = batch.completion_mask.shape
         rows = torch.arange(n, device="cpu") if rows is None else rows.cpu()
-        chunks = list(rows.split(mb))
+        chunks = [c for c in rows.split(mb) if c.numel()]  # none when no row is asked for
         forwards = distributed.max_over_ranks(len(chunks)) if self.world_size > 1 else len(chunks)
         logps = torch.full((n, width), math.nan, dtype=torch.float32, device="cpu")
         entropies = None

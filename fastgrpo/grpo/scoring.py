@@ -4,6 +4,7 @@ advantages over the whole job's batch, and the reward metrics and printed sample
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -48,7 +49,8 @@ def score_completions(
     result = compute_advantages(
         all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
     )
-    if not torch.isfinite(result.advantages).all():
+    overflowed = any(math.isinf(value) for value in result.metrics.values())  # a spread past float64's range
+    if overflowed or not torch.isfinite(result.advantages).all():
         largest = float(all_per_func.nan_to_num(0.0).abs().max())
         raise NonFiniteUpdate(
             f"the rewards give advantages that are inf or nan (the largest reward's magnitude is {largest:.3g}; "
