@@ -45,7 +45,7 @@ def test_rollouts_compile_only_while_settling(
     speculation: str, fake_clock: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Compiled rollouts of rows ending on EOS, prompts across extent buckets: plain steps (64 rows, five calls), or
-    trees of the EAGLE and suffix drafters chosen adaptively (16 rows, three calls, steps timed by a fake clock on
+    trees of the EAGLE and suffix drafters chosen adaptively (8 rows, two calls, steps timed by a fake clock on
     which trees win). The first call compiles the menu's graphs while it settles; no call has a cold step or
     compiles anything more. The EAGLE drafter's catch-up and the merge of its tree with the suffix drafter's run
     inside its compiled proposal: eagerly, only a long backlog (a prompt, a run of plain steps) is read first."""
@@ -53,7 +53,7 @@ def test_rollouts_compile_only_while_settling(
     model = make_tiny_model("llama")
     rows, calls, drafters, controller = 64, 5, None, None
     if speculation == "adaptive":
-        rows, calls = 16, 3
+        rows, calls = 8, 2
         torch.manual_seed(0)
         drafters = [EagleDrafter(DraftHead(model.config).double(), model, "aot_eager"), SuffixDrafter()]
         profile = flat_profile()  # trees win: every step that can draft one does
