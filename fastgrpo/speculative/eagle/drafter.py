@@ -323,12 +323,12 @@ class EagleDrafter(Drafter):
             count,
             max(state.host_len) + width,
         )
+        if not keep_last:
+            state.consumed(state.draft_len + count)
+            return root
         state.draft_len = state.draft_len + count
         state.host_len = [n + c for n, c in zip(state.host_len, read, strict=True)]
-        if keep_last:  # each row's last pair to the first column
-            rows = torch.arange(count.shape[0], device=count.device)
-            state.tokens[:, 0], state.hidden[:, 0] = state.tokens[rows, count], state.hidden[rows, count]
-            state.count, state.host_count = torch.ones_like(count), [1] * len(read)
-        else:
-            state.count, state.host_count = torch.zeros_like(count), [0] * len(read)
+        rows = torch.arange(count.shape[0], device=count.device)  # each row's last pair to the first column
+        state.tokens[:, 0], state.hidden[:, 0] = state.tokens[rows, count], state.hidden[rows, count]
+        state.count, state.host_count = torch.ones_like(count), [1] * len(read)
         return root
