@@ -131,3 +131,14 @@ def test_a_new_cache_is_a_new_shape_key_even_at_a_freed_ones_id() -> None:
         gc.collect()  # a cache's layers refer back to it
     assert reused, "CPython hands freed ids back"
     assert len(keys) == len(ids) + 1
+
+
+def test_every_graph_is_traced_once() -> None:
+    """A compiled step is traced once per graph: a module's float attributes (the attention's scale) are constants,
+    not symbols that make the compiler start its analysis over (which doubles every compile's time)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    engine = RolloutEngine(make_tiny_model("llama"), [VOCAB], backend="aot_eager")
+    engine.generate(PROMPTS, SamplingParams(max_new_tokens=4, temperature=0.0), 2)
+    attempts = torch._dynamo.utils.counters["aot_autograd"]
+    assert attempts["ok"] >= 1 and attempts["total"] == attempts["ok"], dict(attempts)

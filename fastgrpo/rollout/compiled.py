@@ -102,8 +102,12 @@ class Compiled:
         before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         t0 = time.perf_counter()
         try:
+            # floats are constants: a module's float attributes (an attention scale), traced as symbols, would make
+            # every compile start its analysis over to specialise them, tracing each graph twice
             with (
-                torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True),
+                torch._dynamo.config.patch(
+                    recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True, specialize_float=True
+                ),
                 torch.fx.experimental._config.patch(use_duck_shape=False),  # equal sizes stay distinct symbols
             ):
                 out = self._by_mode[mode](*args)
