@@ -52,13 +52,17 @@ def config_for(args, run: str) -> GRPOConfig:
         "c": SpeculationConfig(mode="adaptive", draft_vocab_size=args.scratch_vocab or None),
         "d": SpeculationConfig(mode="adaptive", draft=args.draft),
     }[run]
-    draft_training = DraftTrainConfig(
-        online=run in ("c", "d"),
-        learning_rate=args.draft_lr,
-        token_loss_weight=1.0,
-        token_budget=args.draft_token_budget,
-        epochs=1,
-        bf16=BF16,
+    draft_training = (
+        DraftTrainConfig(  # run a drafts nothing: the defaults (set options are refused there)
+            online=run in ("c", "d"),
+            learning_rate=args.draft_lr,
+            token_loss_weight=1.0,
+            token_budget=args.draft_token_budget,
+            epochs=1,
+            bf16=BF16,
+        )
+        if run != "a"
+        else DraftTrainConfig()
     )
     return GRPOConfig(
         model="smollm2",

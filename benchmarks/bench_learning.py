@@ -1,6 +1,8 @@
 """Speculation does not change learning: a task trained with speculation off and with the default adaptive
 speculation, over several seeds each; per step the reward's mean and spread over the seeds, a two-sample permutation
-test on each run's mean reward over the last five steps, and a plot.
+test on each run's mean reward over the last five steps, and a plot. ``--compare entropy`` trains the same task with
+the default options against two of TRL's entropy options: ``top_entropy_quantile: 0.2`` (only the highest-entropy
+fifth of the tokens in the loss) and an entropy bonus (``entropy_coef``), each against the default.
 
 Speculation is lossless, but a tree's forward rounds unlike a one-token one, so in float32 a speculative run and a
 plain one part at the first sampled near-tie and then go their own ways: what must not change is how well the runs
@@ -8,7 +10,7 @@ learn, which the seeds' spread measures. ``--task default`` is `configs/default.
 ``--task gsm8k`` trains it on GSM8K's training rows from ``../shared/data/gsm8k`` (`gsm8k_strict` and
 `format` rewards, 256 tokens).
 
-    python benchmarks/bench_learning.py --seeds 0,1,2 [--task gsm8k] [-- --max_steps=12 ...]
+    python benchmarks/bench_learning.py --seeds 0,1,2 [--task gsm8k] [--compare entropy] [-- --max_steps=12 ...]
 """
 
 from __future__ import annotations
@@ -30,7 +32,15 @@ from record import REPO, Record  # noqa: E402
 from fastgrpo.config.files import load_config  # noqa: E402
 from fastgrpo.grpo.trainer import GRPOTrainer  # noqa: E402
 
-MODES = ("off", "adaptive")
+# The runs compared, by what they compare: each arm's name and its options; the first arm is the baseline.
+ARMS = {
+    "speculation": {"off": ["--speculation.mode=off"], "adaptive": ["--speculation.mode=adaptive"]},
+    "entropy": {
+        "default": [],
+        "top_entropy_quantile 0.2": ["--top_entropy_quantile=0.2"],
+        "entropy_coef 0.01": ["--entropy_coef=0.01"],
+    },
+}
 LAST = 5  # steps whose rewards are compared
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 TASKS = {
@@ -45,9 +55,9 @@ TASKS = {
 }
 
 
-def rewards(config: Path, task: str, mode: str, seed: int, options: list[str], out: Path) -> list[float]:
+def rewards(config: Path, task: str, seed: int, options: list[str], out: Path) -> list[float]:
     """The reward of every step of one training run."""
-    overrides = [*TASKS[task], f"--seed={seed}", f"--speculation.mode={mode}", f"--output_dir={out}"]
+    overrides = [*TASKS[task], f"--seed={seed}", f"--output_dir={out}"]
     overrides += ["--progress_bar=false", "--log_completions=false", "--save_total_limit=1", *options]
     history = GRPOTrainer(load_config(config, overrides)).train()
     return [m["reward"] for m in history]
@@ -72,12 +82,12 @@ def permutation_p(a: list[float], b: list[float], draws: int = 20000) -> float:
     return extreme / len(splits)
 
 
-def plot(curves: dict[str, list[list[float]]], title: str, path: Path) -> None:
-    """Each mode's mean reward per step, its seeds' range shaded."""
+def plot(curves: dict[str, list[list[float]]], title: str, path: Path, label: str) -> None:
+    """Each arm's mean reward per step, its seeds' range shaded; ``label`` names an arm in the legend."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, runs in curves.items():
+    for arm, runs in curves.items():
         steps = range(1, len(runs[0]) + 1)
-        ax.plot(steps, [statistics.mean(s) for s in zip(*runs, strict=True)], label=f"speculation {mode}")
+        ax.plot(steps, [statistics.mean(s) for s in zip(*runs, strict=True)], label=label.format(arm))
         low = [min(s) for s in zip(*runs, strict=True)]
         high = [max(s) for s in zip(*runs, strict=True)]
         ax.fill_between(steps, low, high, alpha=0.2)
@@ -95,53 +105,60 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=REPO / "configs" / "default.yaml")
     parser.add_argument("--task", choices=list(TASKS), default="default")
+    parser.add_argument("--compare", choices=list(ARMS), default="speculation")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--plot", type=Path, help="where the plot goes (default: docs/learning_TASK.png)")
+    parser.add_argument("--plot", type=Path, help="where the plot goes (default: docs/learning_TASK[_COMPARE].png)")
     parser.add_argument("options", nargs="*", help="GRPOConfig options for every run, as --key=value")
     args = parser.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.task == "gsm8k" and not GSM8K.is_file():
         parser.error(f"--task gsm8k reads {GSM8K}, which is not there")
-    record = Record(f"bench_learning_{args.task}")
-    curves: dict[str, list[list[float]]] = {mode: [] for mode in MODES}
+    arms = ARMS[args.compare]
+    suffix = "" if args.compare == "speculation" else f"_{args.compare}"
+    record = Record(f"bench_learning_{args.task}{suffix}")
+    curves: dict[str, list[list[float]]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            for mode in MODES:
-                curves[mode].append(
-                    rewards(args.config, args.task, mode, seed, args.options, Path(tmp) / f"{mode}{seed}")
-                )
-                print(f"seed {seed}, speculation {mode}: rewards {curves[mode][-1]}", flush=True)
-    tails = {mode: [statistics.mean(run[-LAST:]) for run in runs] for mode, runs in curves.items()}
+            for index, (arm, options) in enumerate(arms.items()):
+                out = Path(tmp) / f"arm{index}-seed{seed}"
+                curves[arm].append(rewards(args.config, args.task, seed, [*options, *args.options], out))
+                print(f"seed {seed}, {arm}: rewards {curves[arm][-1]}", flush=True)
+    tails = {arm: [statistics.mean(run[-LAST:]) for run in runs] for arm, runs in curves.items()}
     rows = []
-    for mode in MODES:
-        first = [run[0] for run in curves[mode]]
-        spread = statistics.stdev(tails[mode]) if len(seeds) > 1 else 0.0
+    for arm in arms:
+        first = [run[0] for run in curves[arm]]
+        spread = statistics.stdev(tails[arm]) if len(seeds) > 1 else 0.0
         rows.append(
             [
-                mode,
+                arm,
                 f"{statistics.mean(first):.3f}",
-                f"{statistics.mean(tails[mode]):.3f} (sd {spread:.3f})",
-                ", ".join(f"{t:.3f}" for t in tails[mode]),
+                f"{statistics.mean(tails[arm]):.3f} (sd {spread:.3f})",
+                ", ".join(f"{t:.3f}" for t in tails[arm]),
             ]
         )
     # Per run (exact, but 3 seeds a side cannot go below p = 0.1) and per step of the last five (more values, though
     # a run's steps are not independent).
-    p = permutation_p(tails["off"], tails["adaptive"])
-    last = {mode: [r for run in runs for r in run[-LAST:]] for mode, runs in curves.items()}
-    p_steps = permutation_p(last["off"], last["adaptive"])
-    difference = statistics.mean(tails["adaptive"]) - statistics.mean(tails["off"])
-    tests = f"permutation test p = {p:.2f} over runs, {p_steps:.2f} over the last {LAST} steps' rewards"
-    rows.append(["adaptive - off", "", f"{difference:+.3f}", tests])
-    steps = len(curves["off"][0])
+    base, *others = arms
+    last = {arm: [r for run in runs for r in run[-LAST:]] for arm, runs in curves.items()}
+    tests = {}
+    for arm in others:
+        p, p_steps = permutation_p(tails[base], tails[arm]), permutation_p(last[base], last[arm])
+        tests[arm] = {"runs": p, "steps": p_steps}
+        difference = statistics.mean(tails[arm]) - statistics.mean(tails[base])
+        line = f"permutation test p = {p:.2f} over runs, {p_steps:.2f} over the last {LAST} steps' rewards"
+        rows.append([f"{arm} - {base}", "", f"{difference:+.3f}", line])
+    steps = len(curves[base][0])
+    what = "speculation off and adaptive" if args.compare == "speculation" else ", ".join(arms)
     record.table(
-        f"Learning on the {args.task} task with speculation off and adaptive, seeds {args.seeds}, {steps} steps: the "
-        f"reward at step 1 and the mean reward over the last {LAST} steps (mean over seeds)",
-        ["speculation", "step 1", f"last {LAST} steps", f"each seed's last {LAST}"],
+        f"Learning on the {args.task} task with {what}, seeds {args.seeds}, {steps} steps: the reward at step 1 and "
+        f"the mean reward over the last {LAST} steps (mean over seeds)",
+        [args.compare, "step 1", f"last {LAST} steps", f"each seed's last {LAST}"],
         rows,
     )
-    record.notes.update(rewards=curves, last_five=tails, permutation_p=p, permutation_p_steps=p_steps)
-    path = args.plot or REPO / "docs" / f"learning_{args.task}.png"
-    plot(curves, f"{args.task} task: reward per step, mean and range over seeds {args.seeds}", path)
+    record.notes.update(compare=args.compare, arms=arms, rewards=curves, last_five=tails, permutation_p=tests)
+    path = args.plot or REPO / "docs" / f"learning_{args.task}{suffix}.png"
+    label = "speculation {}" if args.compare == "speculation" else "{}"
+    plot(curves, f"{args.task} task: reward per step, mean and range over seeds {args.seeds}", path, label)
     print(f"plot: {path}")
     record.save()
 

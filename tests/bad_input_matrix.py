@@ -997,6 +997,14 @@ CASES: list[Case] = [
          "sapo_temperature_neg has no effect with loss_type grpo", config=tiny_run(loss_type="grpo")),
     train("a saved draft with speculation off", REFUSED, "speculation.draft has no effect with speculation.mode: off",
           speculation={"mode": "off", "draft": "{tmp}"}),
+    train("draft options with the suffix drafter alone", REFUSED, "draft_training.learning_rate (0.001): no effect "
+          "with speculation.drafter suffix (it learns no draft network)",
+          speculation={"mode": "static", "drafter": "suffix"}, draft_training={"learning_rate": 1e-3}),
+    train("draft options with speculation off", REFUSED, "draft_training.epochs (2), draft_training.unroll (2): no "
+          "effect with speculation.mode: off", speculation={"mode": "off"}, draft_training={"epochs": 2, "unroll": 2}),
+    Case("a dry run with draft options and the suffix drafter", ("train", "--dry-run"), REFUSED,
+         "draft_training.epochs (3): no effect with speculation.drafter suffix",
+         config=tiny_run(speculation={"drafter": "suffix"}, draft_training={"epochs": 3})),
     Case("eval with num_generations 4", ("eval", "--num_generations", "4"), WARNS,
          "num_generations (4) is not used: eval samples one completion per prompt", config=tiny_run()),
     Case("eval with num_generations 1", ("eval", "--num_generations", "1"), WARNS,

@@ -250,6 +250,26 @@ def test_options_that_do_not_apply_are_refused_only_where_given(tmp_path: Path) 
     assert (config.dataset.split, config.dataset.digits) == ("test", 2)
 
 
+def test_draft_options_are_refused_where_no_draft_learns_them() -> None:
+    """draft_training.* set with the suffix drafter alone or speculation off: refused (by the trainer, its dry run
+    and the TRL plug-in), as no draft network learns; read where the drafters include EAGLE, and by draft train
+    (which trains the EAGLE head whatever speculation.drafter names, and does not check)."""
+    from fastgrpo.speculative.registry import check_draft_training
+
+    suffix = ["--speculation.mode", "static", "--speculation.drafter", "suffix"]
+    config = load_config(None, [*suffix, "--draft_training.epochs", "2", "--draft_training.unroll", "2"])
+    with pytest.raises(ValueError, match=r"draft_training.epochs \(2\), draft_training.unroll \(2\): no effect with "):
+        check_draft_training(config.speculation, config.draft_training)
+    config = load_config(None, ["--speculation.mode", "off", "--draft_training.online", "false"])
+    with pytest.raises(ValueError, match=r"draft_training.online \(False\): no effect with speculation.mode: off"):
+        check_draft_training(config.speculation, config.draft_training)
+    for options in (suffix, ["--speculation.drafter", "suffix+eagle", "--draft_training.epochs", "2"]):
+        config = load_config(None, options)
+        check_draft_training(config.speculation, config.draft_training)
+    _, config = parse_options(COMMANDS["draft train"], None, [*suffix, "--draft_training.epochs", "2", "--output", "d"])
+    assert config.draft_training.epochs == 2
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama of a 2048-token context, saved with its tokenizer."""

@@ -54,7 +54,7 @@ from fastgrpo.precision import tf32_matmuls
 from fastgrpo.rewards import check_columns, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.registry import check_speculation
+from fastgrpo.speculative.registry import check_draft_training, check_speculation
 from fastgrpo.threads import ThreadGovernor
 from fastgrpo.training_rollouts import TrainingRollouts
 
@@ -80,6 +80,7 @@ class GRPOTrainer:
     ):
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
+        check_draft_training(config.speculation, config.draft_training)
         if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
             check_tokenizer_files(config.model)
         self.config = config

@@ -32,7 +32,7 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.registry import check_speculation
+from fastgrpo.speculative.registry import check_draft_training, check_speculation
 from fastgrpo.training_rollouts import TrainingRollouts
 
 TESTED_TRL = (Version("1.14.0"), Version("1.17.0"))  # the rollout_func hook as of these versions: [low, high)
@@ -102,6 +102,7 @@ class SpeculativeRollout:
             raise ValueError("SpeculativeRollout: speculation.mode 'off' leaves nothing to do; use TRL's generation")
         self.draft_training = draft_training or DraftTrainConfig()
         self.draft_training.validate()
+        check_draft_training(self.speculation, self.draft_training)
         self.max_prompt_length = max_prompt_length or sys.maxsize
         self.rollouts: TrainingRollouts | None = None  # built on the first call, on the trainer's model
         self.trainer: Any = None

@@ -273,15 +273,16 @@ def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -
 
 def check_before_training(config: GRPOConfig) -> PretrainedConfig:
     """What `GRPOTrainer` refuses before it loads a model, besides the dataset and the output directory, checked the
-    same way (the trainer's own functions): the drafters and a saved draft, the reward functions, the cache directory,
-    and the model's config against the options (`check_training_options`: greedy sampling, sequences beyond the
-    context). Not the model's weights or tokenizer files: a dry run plans from a model's config.json alone. Returns
-    the model's config."""
+    same way (the trainer's own functions): the drafters and a saved draft, draft options no drafter reads, the reward
+    functions, the cache directory, and the model's config against the options (`check_training_options`: greedy
+    sampling, sequences beyond the context). Not the model's weights or tokenizer files: a dry run plans from a
+    model's config.json alone. Returns the model's config."""
     from fastgrpo.models import check_cache_dir
     from fastgrpo.rewards import resolve_reward_funcs
-    from fastgrpo.speculative.registry import check_speculation
+    from fastgrpo.speculative.registry import check_draft_training, check_speculation
 
     check_speculation(config.speculation)
+    check_draft_training(config.speculation, config.draft_training)
     resolve_reward_funcs(config.reward_funcs)
     check_cache_dir()
     model_config = read_model_config(config.model)

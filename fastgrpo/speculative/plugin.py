@@ -70,7 +70,8 @@ class DrafterPlugin:
     """One drafter kind. ``build`` is all a plugin must do; the rest is optional.
 
     ``captures_hidden``: its drafters learn from the target's hidden states of the rollouts (the engine captures
-    them while one of the drafters named is built or waits to be)."""
+    them while one of the drafters named is built or waits to be), with the ``draft_training.*`` options; a run
+    none of whose drafters does refuses those options."""
 
     name: str = ""
     captures_hidden: bool = False

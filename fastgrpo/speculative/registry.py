@@ -6,9 +6,10 @@ here with `register_drafter`."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
-from fastgrpo.config import SpeculationConfig
+from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.speculative.eagle.plugin import EaglePlugin
 from fastgrpo.speculative.plugin import LEARNERS, DrafterPlugin
 from fastgrpo.speculative.suffix.plugin import SuffixPlugin
@@ -56,6 +57,28 @@ def check_speculation(speculation: SpeculationConfig) -> None:
             f"(no {LEARNERS})"
         )
     check_saved_drafts(directory, names)
+
+
+def check_draft_training(speculation: SpeculationConfig, draft_training: DraftTrainConfig) -> None:
+    """Refuse ``draft_training.*`` options set away from their defaults where the run learns no draft network:
+    speculation off, or only drafters that learn without them (the suffix drafter's memory of completions). The
+    drafters that read them are those that learn from the target's hidden states (`DrafterPlugin.captures_hidden`);
+    ``fastgrpo draft train`` trains the EAGLE head with them whatever ``speculation.drafter`` names, and does not
+    call this."""
+    default = DraftTrainConfig()
+    changed = [
+        f.name
+        for f in dataclasses.fields(draft_training)
+        if getattr(draft_training, f.name) != getattr(default, f.name)
+    ]
+    if not changed or any(plugin.captures_hidden for plugin in plugins(speculation)):
+        return
+    if speculation.mode == "off":
+        why = "speculation.mode: off (no drafter runs)"
+    else:
+        why = f"speculation.drafter {speculation.drafter} (it learns no draft network)"
+    names = ", ".join(f"draft_training.{name} ({getattr(draft_training, name)})" for name in changed)
+    raise ValueError(f"{names}: no effect with {why}; remove it, or speculate with a drafter that learns (eagle)")
 
 
 def check_saved_drafts(directory: Path, names: list[str]) -> None:
