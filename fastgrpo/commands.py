@@ -172,6 +172,7 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
         load_model,
         load_tokenizer,
     )
+    from fastgrpo.reward_model import load_reward_models
     from fastgrpo.rewards import check_columns, compute_rewards, resolve_reward_funcs
     from fastgrpo.rollout.engine import RolloutEngine
 
@@ -182,6 +183,7 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     check_columns(funcs, rows)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
+    load_reward_models(funcs, model)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     params = config.sampling_params()
     generator = torch.Generator(device="cpu").manual_seed(config.seed)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from fastgrpo.answers import (
     completion_text,
@@ -30,6 +31,7 @@ from fastgrpo.answers import (
     normalize_number,
 )
 from fastgrpo.reward_calls import RewardFunc, call_reward_funcs, reward_name, row_label
+from fastgrpo.reward_model import RewardModel
 
 logger = logging.getLogger(__name__)
 
@@ -154,21 +156,21 @@ def _import_reward(spec: str) -> RewardFunc:
 
 
 def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list[RewardFunc]:
-    """Turn registry names, ``"module.path:function"`` strings and callables into reward functions."""
+    """Turn registry names, ``"module.path:function"`` strings and callables into reward functions, and a model (a
+    directory or hub id of a sequence-classification model, or a ``PreTrainedModel``) into a `RewardModel`, checked
+    but not loaded (`fastgrpo.reward_model.load_reward_models` loads it beside the policy)."""
     funcs: list[RewardFunc] = []
     for spec in names_or_callables:
-        if callable(spec):
+        if isinstance(spec, PreTrainedModel):  # a model object, as TRL takes one
+            funcs.append(RewardModel(spec))
+        elif callable(spec):
             funcs.append(spec)
         elif spec in REWARD_FUNCS:
             funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
             funcs.append(_import_reward(spec))
         elif isinstance(spec, str) and ("/" in spec or os.path.isdir(os.path.expanduser(spec))):
-            raise ValueError(
-                f"reward_funcs: {spec!r} names a model; reward models (TRL's sequence-classification reward_funcs) are "
-                "not supported yet: score with a reward function ('module.path:function', or a callable that runs "
-                "the model)"
-            )
+            funcs.append(RewardModel(spec))  # a sequence-classification reward model, as TRL reads one
         else:
             valid = ", ".join(REWARD_FUNCS)
             raise ValueError(f"unknown reward function {spec!r}; valid names: {valid} (or 'module.path:function')")

@@ -29,6 +29,7 @@ LAYERS = [
     [
         "fastgrpo.answers",
         "fastgrpo.rewards",
+        "fastgrpo.reward_model",
         "fastgrpo.reward_calls",
         "fastgrpo.data",
         "fastgrpo.config",

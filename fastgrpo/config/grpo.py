@@ -85,7 +85,9 @@ class GRPOConfig(GRPOChecks):
     dataset: DataConfig = option(default_factory=DataConfig, help="where the prompts come from (`dataset.*`)")
     reward_funcs: list[str] = option(
         default_factory=lambda: ["accuracy"],
-        help="built-in names (`accuracy`, `gsm8k_strict`, `math_accuracy`, `format`) or `module:function`",
+        help="built-in names (`accuracy`, `gsm8k_strict`, `math_accuracy`, `format`), `module:function`, or a reward "
+        "model: the directory (or hub id) of a sequence-classification model, scored on the policy's device as TRL "
+        "scores one",
     )
     reward_weights: list[float] | None = option(None, help="one weight per reward function (None: all 1)")
     shuffle_dataset: bool = option(

@@ -51,6 +51,7 @@ from fastgrpo.models import (
     warn_if_bf16_emulated,
 )
 from fastgrpo.precision import tf32_matmuls
+from fastgrpo.reward_model import load_reward_models
 from fastgrpo.rewards import check_columns, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
@@ -133,6 +134,7 @@ class GRPOTrainer:
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
+        load_reward_models(self.reward_funcs, self.model)
         if config.disable_dropout:
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Dropout):

@@ -1,0 +1,123 @@
+"""Reward models as reward functions: a sequence-classification model (transformers'
+``AutoModelForSequenceClassification`` with one label) scores each prompt with its completion, as TRL's
+``GRPOTrainer`` scores a ``reward_funcs`` entry that names a model: a conversation (prompt and completion messages)
+through the reward tokenizer's chat template, plain text as prompt + completion, padded on the right, the reward the
+first logit.
+
+A `RewardModel` named by a path is checked when it is made (a directory with a ``config.json`` and tokenizer files)
+and loaded by `load`, which the trainer calls once the policy is on its device: the reward model is a model of its
+own on that device, scored without gradients in batches of ``batch_size`` completions."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+
+from fastgrpo.models import check_model_source, check_tokenizer_files
+from fastgrpo.paths import expand_user
+
+
+def assistant(text: str) -> dict[str, str]:
+    return {"role": "assistant", "content": text}
+
+
+def load_reward_models(funcs: Sequence[Any], policy: PreTrainedModel) -> None:
+    """Load every `RewardModel` of ``funcs`` onto the policy's device, in its dtype."""
+    param = next(policy.parameters())
+    for func in funcs:
+        if isinstance(func, RewardModel):
+            func.load(param.device, param.dtype)
+
+
+class RewardModel:
+    """A reward function that scores with a sequence-classification model.
+
+    Args:
+        model: a directory saved by ``save_pretrained`` (with its tokenizer), or a loaded
+            ``PreTrainedModel`` (its tokenizer ``tokenizer``, or read from ``model.name_or_path``).
+        tokenizer: the reward model's tokenizer (TRL's ``reward_processing_classes``); default: the model's own.
+        batch_size: completions scored per forward.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        batch_size: int = 16,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"RewardModel: batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.model: PreTrainedModel | None = None
+        self.path: str | None = None
+        if isinstance(model, PreTrainedModel):
+            self.model = model.eval()
+            self.path = model.name_or_path or None
+        else:
+            self.path = expand_user(str(model), "reward_funcs")
+            check_model_source(self.path, "reward_funcs")  # a directory with a config.json, or a hub id
+            check_tokenizer_files(self.path, "reward_funcs")
+        if tokenizer is None and self.path is None:
+            raise ValueError("RewardModel: a model without a name_or_path needs its tokenizer")
+        self.tokenizer = tokenizer
+        # the name of its metrics (rewards/<name>/...), as TRL names a reward model: the last part of its path
+        self.__name__ = Path(self.path).name if self.path else type(self.model).__name__
+
+    def load(self, device: torch.device, dtype: torch.dtype) -> None:
+        """Load the model (named by a path) onto ``device`` in ``dtype``, and its tokenizer; a loaded model is moved
+        there. Its pad token is the tokenizer's (the score is read at each row's last token that is not padding)."""
+        from transformers import AutoTokenizer
+
+        if self.model is None:
+            try:
+                self.model = AutoModelForSequenceClassification.from_pretrained(
+                    self.path, num_labels=1, dtype=dtype, device_map=device
+                ).eval()
+            except (OSError, ValueError) as e:
+                raise ValueError(
+                    f"reward_funcs: cannot load {self.path} as a sequence-classification model: {e}"
+                ) from None
+        else:
+            self.model.to(device)
+        if self.tokenizer is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model.config.get_text_config().pad_token_id = self.tokenizer.pad_token_id
+
+    def texts(self, prompts: Sequence[Any], completions: Sequence[Any]) -> list[str]:
+        """What the model reads: each conversation (the prompt's messages and the completion, a message list or the
+        assistant's text) through the tokenizer's chat template, or each plain prompt followed by its completion."""
+        if not prompts or not isinstance(prompts[0], list):
+            return [p + c for p, c in zip(prompts, completions, strict=True)]
+        if self.tokenizer.chat_template is None:
+            raise ValueError(
+                f"reward model {self.__name__}: the prompts are conversations and its tokenizer has no chat template; "
+                "give a tokenizer that has one"
+            )
+        return [
+            self.tokenizer.apply_chat_template(p + (c if isinstance(c, list) else [assistant(c)]), tokenize=False)
+            for p, c in zip(prompts, completions, strict=True)
+        ]
+
+    def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
+        """The first logit of the model for each prompt with its completion, in batches of ``batch_size``."""
+        if self.model is None:
+            self.load(torch.device("cpu"), torch.float32)
+        device = next(self.model.parameters()).device
+        texts, scores = self.texts(prompts, completions), []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(
+                texts[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                padding_side="right",
+                add_special_tokens=False,
+            ).to(device)
+            with torch.inference_mode():
+                scores += self.model(**batch).logits[:, 0].float().tolist()
+        return scores

@@ -1,0 +1,89 @@
+"""Reward models as TRL reads them: a ``reward_funcs`` entry naming a sequence-classification model scores each
+prompt with its completion (TRL's text: the conversation through the reward tokenizer's chat template), the first
+logit of the last token that is not padding, whatever the batch; a GRPO run trains on its rewards, logged under the
+model directory's name; a path that is not a model is refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import _COMMON, save_tiny_llama
+from test_trainer import make_config
+from transformers import LlamaConfig, LlamaForSequenceClassification
+from trl.data_utils import apply_chat_template
+
+from fastgrpo.config import SpeculationConfig, load_config
+from fastgrpo.data import DataConfig
+from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.models import load_tokenizer
+from fastgrpo.reward_model import RewardModel
+from fastgrpo.rewards import resolve_reward_funcs
+
+PROMPTS = [
+    [{"role": "user", "content": "What is 2 + 2?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+    [{"role": "user", "content": "Count to three."}],
+]
+COMPLETIONS = ["4", "Blue, or perhaps a longer answer than the others.", "1, 2, 3"]
+
+
+@pytest.fixture(scope="module")
+def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with a one-label classification head, saved with the SmolLM2 tokenizer."""
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**_COMMON, "vocab_size": len(tokenizer)}, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    path = tmp_path_factory.mktemp("rm") / "tiny-scorer"
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_reward_model_scores_what_trl_scores_in_any_batch(scorer_dir: Path) -> None:
+    (scorer,) = resolve_reward_funcs([str(scorer_dir)])
+    assert isinstance(scorer, RewardModel) and scorer.__name__ == "tiny-scorer" and scorer.model is None
+    scorer.load(torch.device("cpu"), torch.float32)
+    trl_texts = [
+        apply_chat_template({"messages": p + [{"role": "assistant", "content": c}]}, scorer.tokenizer)["text"]
+        for p, c in zip(PROMPTS, COMPLETIONS, strict=True)
+    ]
+    assert scorer.texts(PROMPTS, COMPLETIONS) == trl_texts
+    each = []
+    for text in trl_texts:  # one at a time: no padding
+        ids = scorer.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            each.append(float(scorer.model(**ids).logits[0, 0]))
+    scorer.batch_size = 2  # a batch padded on the right, and one alone
+    torch.testing.assert_close(scorer(PROMPTS, COMPLETIONS), each, rtol=1e-5, atol=1e-5)
+    assert len(set(each)) == 3
+    plain = RewardModel(scorer.model, scorer.tokenizer)  # a loaded model, as TRL takes one
+    assert plain(["2 + 2 = "], ["4"]) == scorer(["2 + 2 = "], ["4"])
+
+
+def test_a_grpo_run_trains_on_a_reward_model(scorer_dir: Path, tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "policy", seed=0, tie_word_embeddings=True)
+    config = make_config(
+        model_dir,
+        tmp_path / "run",
+        reward_funcs=[str(scorer_dir)],
+        dataset=DataConfig(num_examples=8),
+        max_steps=1,
+        save_steps=1,
+        gradient_accumulation_steps=1,
+        speculation=SpeculationConfig(mode="off"),
+    )
+    history = GRPOTrainer(config).train()
+    assert history[0]["rewards/tiny-scorer/std"] > 0 and "rewards/tiny-scorer/mean" in history[0]
+    logged = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert logged["reward"] == pytest.approx(history[0]["rewards/tiny-scorer/mean"])
+
+
+def test_a_path_that_is_not_a_model_is_refused_before_loading(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="reward_funcs: ./no/such/scorer does not exist"):
+        load_config(None, ["--reward_funcs", "[./no/such/scorer]"])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"reward_funcs: .*empty is not a Hugging Face model directory"):
+        load_config(None, ["--reward_funcs", f"[{tmp_path / 'empty'}]"])
