@@ -10,14 +10,16 @@ own on that device, scored without gradients in batches of ``batch_size`` comple
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastgrpo.models import check_model_source, check_tokenizer_files
+from fastgrpo.models import check_model_source, check_tokenizer_files, weight_files
 from fastgrpo.paths import expand_user
 
 
@@ -66,6 +68,18 @@ class RewardModel:
         self.tokenizer = tokenizer
         # the name of its metrics (rewards/<name>/...), as TRL names a reward model: the last part of its path
         self.__name__ = Path(self.path).name if self.path else type(self.model).__name__
+
+    def parameter_count(self) -> int | None:
+        """Its parameters: the loaded model's, or those a local directory's safetensors headers list (None: weights
+        in another format, or a hub id)."""
+        if self.model is not None:
+            return sum(p.numel() for p in self.model.parameters())
+        files = weight_files(Path(self.path)) if Path(self.path).is_dir() else []
+        count = 0
+        for file in files:
+            with safe_open(file, "pt") as weights:
+                count += sum(math.prod(weights.get_slice(key).get_shape()) for key in weights.keys())  # noqa: SIM118
+        return count or None
 
     def load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Load the model (named by a path) onto ``device`` in ``dtype``, and its tokenizer; a loaded model is moved

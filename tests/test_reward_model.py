@@ -87,3 +87,20 @@ def test_a_path_that_is_not_a_model_is_refused_before_loading(tmp_path: Path) ->
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"reward_funcs: .*empty is not a Hugging Face model directory"):
         load_config(None, ["--reward_funcs", f"[{tmp_path / 'empty'}]"])
+
+
+def test_the_memory_plan_counts_a_reward_model_at_the_runs_dtype(scorer_dir: Path) -> None:
+    """A reward model is a model of its own on the policy's device: the plan holds its weights (their count read
+    from the directory's safetensors headers) at the run's dtype, at every moment."""
+    from fastgrpo.config import GRPOConfig
+    from fastgrpo.memory_plan.plan import estimate_memory
+
+    scorer = LlamaForSequenceClassification.from_pretrained(scorer_dir)
+    params = sum(p.numel() for p in scorer.parameters())
+    assert RewardModel(scorer_dir).parameter_count() == params == RewardModel(scorer, object()).parameter_count()
+    for dtype, width in (("float32", 4), ("bfloat16", 2)):
+        plan = estimate_memory(GRPOConfig(reward_funcs=["accuracy", str(scorer_dir)], dtype=dtype), scorer.config)
+        (item,) = [i for i in plan.items if i.name.startswith("reward model")]
+        assert item.name == f"reward model tiny-scorer ({dtype})" and item.bytes == (params * width,) * 4
+    plain = estimate_memory(GRPOConfig(reward_funcs=["accuracy"]), scorer.config)
+    assert not [i for i in plain.items if i.name.startswith("reward model")]

@@ -13,7 +13,7 @@ A GRPO step has two phases whose peaks are separate, each in two moments:
   float32 gradients of the master weights).
 
 The weights (under FSDP2 the shards and the full copy the rollouts compute with), the optimizer state, the reference
-model, the LoRA adapters and the drafters' networks are resident in all four moments, and so are the rollout's KV
+model, reward models, the LoRA adapters and the drafters' networks are resident in all four moments, and so are the rollout's KV
 caches (the target's and the draft's): the first rollout allocates them for the run's largest rollout, and they stay
 through every policy update, so that compiled steps meet the same addresses in every rollout. A rollout compiled on
 a GPU also keeps, from its first step on, the memory pool of its CUDA graphs (`graph_pool_bytes`), which the allocator
@@ -43,6 +43,8 @@ from fastgrpo.memory.items import GIB, MOMENTS, PHASE_OF, MemoryItem, MemoryItem
 from fastgrpo.memory.shapes import LoraShape, ModelShape, lora_shape
 from fastgrpo.models import DTYPES, resolve_dtype
 from fastgrpo.precision import fused_adamw
+from fastgrpo.reward_model import RewardModel
+from fastgrpo.rewards import resolve_reward_funcs
 from fastgrpo.rollout.cache import cache_bytes, call_length
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.target_step import step_rows
@@ -243,6 +245,10 @@ def estimate_memory(
         items.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
     if config.beta > 0 and not lora:
         items.resident(f"reference model ({dtype})", params * w)
+    for scorer in (f for f in resolve_reward_funcs(config.reward_funcs) if isinstance(f, RewardModel)):
+        count = scorer.parameter_count()  # a hub id not downloaded yet: unknown, left out
+        if count is not None:
+            items.resident(f"reward model {scorer.__name__} ({dtype})", count * w)
 
     _rollout_items(items, run, lora)
     if device.type == "cuda" and compile_backend(config.compile, device) == "inductor":
