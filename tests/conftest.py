@@ -16,6 +16,7 @@ import torch
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    LlamaForSequenceClassification,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -168,6 +169,17 @@ def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale
     with torch.no_grad():
         model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def save_tiny_scorer(path: Path, seed: int = 0) -> Path:
+    """A tiny random Llama with a one-label classification head (a reward model), saved with the SmolLM2
+    tokenizer."""
+    tokenizer = load_tokenizer("smollm2")
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**_COMMON, "vocab_size": len(tokenizer)}, num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    LlamaForSequenceClassification(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import save_tiny_llama
+from conftest import save_tiny_llama, save_tiny_scorer
 from test_bad_inputs import refused
 
 from fastgrpo.cli import main
@@ -359,19 +359,23 @@ def test_trl_options_fastgrpo_lacks_are_refused_one_line_each(capsys: pytest.Cap
 
 
 def test_the_trl_example_config_runs(tmp_path: Path) -> None:
-    """configs/trl_example.yaml trains as it is (only sized down to a tiny model and step here), and the step's
-    metrics hold TRL's figures."""
+    """configs/trl_example.yaml trains as it is (only sized down to a tiny model and step here), its second reward
+    function a reward model as a TRL user names one (a model's directory), and the step's metrics hold TRL's
+    figures."""
     model_dir = save_tiny_llama(tmp_path / "tiny", seed=0, tie_word_embeddings=True)
+    scorer = save_tiny_scorer(tmp_path / "scorer")
     out = tmp_path / "run"
     sizes = {"model": str(model_dir), "max_steps": 1, "save_steps": 1, "output_dir": str(out), "progress_bar": False}
     sizes |= {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
     sizes |= {"num_generations": 4, "max_completion_length": 8, "log_completions": False}
     sizes["mask_truncated_completions"] = False  # a random tiny model's 8 tokens are all cut: none would be trained
+    sizes["reward_funcs"] = f"[accuracy, {scorer}]"
     main(["train", "--config", str(TRL_EXAMPLE), *[f"--{k}={v}" for k, v in sizes.items()]])
     metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     for name in ("reward_std", "frac_group_zero_std", "clip_ratio/low_min", "clip_ratio/high_max", "entropy"):
         assert math.isfinite(metrics[name]), name
     assert "sampling/importance_sampling_ratio/mean" in metrics
+    assert math.isfinite(metrics["rewards/scorer/mean"]) and metrics["rewards/scorer/std"] > 0
 
 
 @pytest.mark.parametrize(

@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _COMMON, save_tiny_llama
+from conftest import save_tiny_llama, save_tiny_scorer
 from test_trainer import make_config
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaForSequenceClassification
 from trl.data_utils import apply_chat_template
 
 from fastgrpo.config import SpeculationConfig, load_config
 from fastgrpo.data import DataConfig
 from fastgrpo.grpo.trainer import GRPOTrainer
-from fastgrpo.models import load_tokenizer
 from fastgrpo.reward_model import RewardModel
 from fastgrpo.rewards import resolve_reward_funcs
 
@@ -32,14 +31,7 @@ COMPLETIONS = ["4", "Blue, or perhaps a longer answer than the others.", "1, 2, 
 
 @pytest.fixture(scope="module")
 def scorer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama with a one-label classification head, saved with the SmolLM2 tokenizer."""
-    tokenizer = load_tokenizer("smollm2")
-    torch.manual_seed(0)
-    config = LlamaConfig(**{**_COMMON, "vocab_size": len(tokenizer)}, num_labels=1, pad_token_id=tokenizer.pad_token_id)
-    path = tmp_path_factory.mktemp("rm") / "tiny-scorer"
-    LlamaForSequenceClassification(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_scorer(tmp_path_factory.mktemp("rm") / "tiny-scorer")
 
 
 def test_a_reward_model_scores_what_trl_scores_in_any_batch(scorer_dir: Path) -> None:
