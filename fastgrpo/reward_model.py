@@ -19,20 +19,21 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastgrpo.models import check_model_source, check_tokenizer_files, weight_files
+from fastgrpo.models import DTYPES, check_model_source, check_tokenizer_files, resolve_dtype, weight_files
 from fastgrpo.paths import expand_user
 
 
 def assistant(text: str) -> dict[str, str]:
+    """A completion's text as the assistant's message."""
     return {"role": "assistant", "content": text}
 
 
-def load_reward_models(funcs: Sequence[Any], policy: PreTrainedModel) -> None:
-    """Load every `RewardModel` of ``funcs`` onto the policy's device, in its dtype."""
-    param = next(policy.parameters())
+def load_reward_models(funcs: Sequence[Any], device: torch.device, dtype: str) -> None:
+    """Load every `RewardModel` of ``funcs`` onto ``device`` in the run's ``dtype`` option (``auto`` resolved as
+    the policy's is, `fastgrpo.models.resolve_dtype`)."""
     for func in funcs:
         if isinstance(func, RewardModel):
-            func.load(param.device, param.dtype)
+            func.load(device, DTYPES[resolve_dtype(dtype, device)])
 
 
 class RewardModel:

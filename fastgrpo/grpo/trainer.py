@@ -134,7 +134,7 @@ class GRPOTrainer:
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
-        load_reward_models(self.reward_funcs, self.model)
+        load_reward_models(self.reward_funcs, self.device, config.dtype)
         if config.disable_dropout:
             for module in self.model.modules():
                 if isinstance(module, torch.nn.Dropout):

@@ -13,12 +13,13 @@ A GRPO step has two phases whose peaks are separate, each in two moments:
   float32 gradients of the master weights).
 
 The weights (under FSDP2 the shards and the full copy the rollouts compute with), the optimizer state, the reference
-model, reward models, the LoRA adapters and the drafters' networks are resident in all four moments, and so are the rollout's KV
-caches (the target's and the draft's): the first rollout allocates them for the run's largest rollout, and they stay
-through every policy update, so that compiled steps meet the same addresses in every rollout. A rollout compiled on
-a GPU also keeps, from its first step on, the memory pool of its CUDA graphs (`graph_pool_bytes`), which the allocator
-cannot give back. The peak is the largest moment. Every prompt is taken at ``max_prompt_length`` and every
-completion at ``max_completion_length``: the estimate bounds a run whose rows are shorter.
+model, reward models, the LoRA adapters and the drafters' networks are resident in all four moments, and so are the
+rollout's KV caches (the target's and the draft's): the first rollout allocates them for the run's largest rollout,
+and they stay through every policy update, so that compiled steps meet the same addresses in every rollout. A
+rollout compiled on a GPU also keeps, from its first step on, the memory pool of its CUDA graphs (`graph_pool_bytes`),
+which the allocator cannot give back. The peak is the largest moment. Every prompt is taken at
+``max_prompt_length`` and every completion at ``max_completion_length``: the estimate bounds a run whose rows are
+shorter.
 
 The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
 drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
