@@ -377,7 +377,8 @@ def checkpoint_state(checkpoint: Path) -> dict[str, object]:
 
 @dataclass
 class Forked:
-    """How a forked run ended: its exit code (minus the signal that killed it) and what it wrote to stderr."""
+    """How a forked run ended: its exit code (the negated signal number when a signal killed it) and what it wrote
+    to stderr."""
 
     returncode: int
     stderr: str
@@ -386,7 +387,7 @@ class Forked:
 def forked(function: Callable[..., object], args: tuple, env: dict[str, str], log: Path) -> Forked:
     """``function(*args)`` in a child forked from this process, with ``env`` as its environment and one torch thread,
     its stdout and stderr written to ``log``: a run as a new process would run it, without starting an interpreter
-    and importing torch again (seconds each). Exit code 0 when it returns, a `SystemExit`'s code, 1 on an exception
+    and importing torch and transformers again. Exit code 0 when it returns, a `SystemExit`'s code, 1 on an exception
     (its traceback in the log)."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest

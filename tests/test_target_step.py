@@ -100,7 +100,7 @@ def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_
     optimizer step writes them so) the compiled steps compute with the new weights, without compiling again. (Its
     log-probabilities differ from the eager ones in float32's last digits: the model's RMSNorm computes in float32,
     which inductor fuses differently.) Inductor's C++ kernels are built without SIMD vectorisation: the same graphs,
-    lowerings and fusions, compiled in about two thirds of the time."""
+    lowerings and fusions, in simpler C++ for the compiler to build."""
     with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
         inductor_steps_follow_the_weights(model, draft)
 
