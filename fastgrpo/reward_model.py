@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.models import DTYPES, check_model_source, check_tokenizer_files, resolve_dtype, weight_files
 from fastgrpo.paths import expand_user
@@ -85,8 +85,6 @@ class RewardModel:
     def load(self, device: torch.device, dtype: torch.dtype) -> None:
         """Load the model (named by a path) onto ``device`` in ``dtype``, and its tokenizer; a loaded model is moved
         there. Its pad token is the tokenizer's (the score is read at each row's last token that is not padding)."""
-        from transformers import AutoTokenizer
-
         if self.model is None:
             try:
                 self.model = AutoModelForSequenceClassification.from_pretrained(
