@@ -3,16 +3,18 @@ Llama saved to disk with the SmolLM2 tokenizer for trainer runs, and a two-proce
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -189,6 +191,20 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _forked_rank(rank: int, fn: Callable[..., None], *args: object) -> None:
+    torch.set_num_threads(1)
+    torch._dynamo.reset()  # the graphs this process compiled are the child's own to compile
+    logging.getLogger().handlers.clear()  # pytest's capture handlers belong to the parent's reports
+    fn(rank, *args)
+
+
+def fork_ranks(fn: Callable[..., None], args: tuple, nprocs: int = 2) -> None:
+    """``fn(rank, *args)`` in ``nprocs`` processes forked from this one, as ``torch.multiprocessing.spawn`` runs
+    them (an exception in one is raised here) but without starting interpreters that import torch and transformers
+    again; each computes on one thread, with no graph compiled yet."""
+    mp.start_processes(_forked_rank, args=(fn, *args), nprocs=nprocs, join=True, start_method="fork")
 
 
 def torchrun_two(

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import yaml
-from conftest import free_port, save_tiny_llama, torchrun_two
+from conftest import fork_ranks, free_port, save_tiny_llama, torchrun_two
 from safetensors.torch import load_file
 
 from fastgrpo import distributed
@@ -80,7 +79,7 @@ def spawn_run(model_dir: Path, root: Path, **overrides) -> Path:
     """A 2-process run of 2 steps, launched with torch.multiprocessing: 1 prompt per process, its 4 completions
     trained in 2 micro-batches of 2 (gradients are synchronised at the second only)."""
     run_config(model_dir, root / "run", per_device=2, gradient_accumulation_steps=2, **overrides)
-    mp.spawn(_worker, args=(2, free_port(), str(root / "run.yaml"), str(root / "drafts")), nprocs=2, join=True)
+    fork_ranks(_worker, (2, free_port(), str(root / "run.yaml"), str(root / "drafts")))
     return root
 
 

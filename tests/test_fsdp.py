@@ -3,8 +3,9 @@ process with float32 master weights learns, and rollouts that gather the paramet
 every rollout (a captured CUDA graph keeps its parameters' addresses), and run compiled. In one process the master
 weights' write-backs and the LoRA merges keep those addresses too.
 
-Compiled with the ``aot_eager`` backend, which captures the same graphs as inductor without generating code: a graph
-break (FSDP2's hooks are excluded from tracing) is an error under ``fullgraph`` with either.
+Compiled with the ``aot_eager`` backend, which captures the same graphs as inductor without generating code (the
+float32 comparison with the eager steps with Dynamo's capture alone, `BACKENDS`): a graph break (FSDP2's hooks are
+excluded from tracing) is an error under ``fullgraph`` with any backend. The ranks are forked from the test's process.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from conftest import free_port, save_tiny_llama
+from conftest import fork_ranks, free_port, save_tiny_llama
 from safetensors.torch import load_file
 from test_distributed import run_config
 
@@ -91,7 +91,7 @@ def _update_worker(rank: int, world: int, port: int, model_dir: str, out: str) -
 
 
 def fsdp_update(model_dir: Path, out: Path) -> dict:
-    mp.spawn(_update_worker, args=(2, free_port(), str(model_dir), str(out)), nprocs=2, join=True)
+    fork_ranks(_update_worker, (2, free_port(), str(model_dir), str(out)))
     return torch.load(out)
 
 
@@ -144,6 +144,10 @@ def test_fsdp_float32_shards_learn_what_one_process_with_master_weights_learns(m
 
 # -- rollouts under FSDP2 -----------------------------------------------------------------------------------------
 RUNS = (("bfloat16", True), ("float32", True), ("float32", False))  # (dtype, compiled) of the sharded runs
+# The bfloat16 run compiles as a GPU run does (`aot_eager`: the graphs inductor receives). The float32 run, which only
+# compares the compiled steps' tokens with the eager steps', runs Dynamo's graphs as captured (``eager``): the same
+# capture and the same parameters read, without AOT's second trace of every graph.
+BACKENDS = {"bfloat16": "aot_eager", "float32": "eager"}
 STEPS_OF = {("bfloat16", True): 3}  # GRPO steps of each run (2 unless given): 3 rollouts, 2 updates between them
 
 
@@ -198,7 +202,8 @@ def _rollout_worker(rank: int, world: int, port: int, root: str) -> None:
     try:
         for dtype, compiled in RUNS:
             name = f"{dtype}-{'compiled' if compiled else 'eager'}"
-            trainer_module.compile_backend = (lambda choice, device: "aot_eager") if compiled else compile_backend
+            backend = BACKENDS[dtype]
+            trainer_module.compile_backend = (lambda choice, device, b=backend: b) if compiled else compile_backend
             calls[0] = 0
             rollouts.clear()
             weights.clear()
@@ -233,7 +238,7 @@ def sharded_root(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
             speculation={"mode": "static", "drafter": "eagle", "nodes": 4, "k_max": 2, "depth": 2},
             max_steps=STEPS_OF.get((dtype, compiled), 2),
         )
-    mp.spawn(_rollout_worker, args=(2, free_port(), str(root)), nprocs=2, join=True)
+    fork_ranks(_rollout_worker, (2, free_port(), str(root)))
     return root
 
 
@@ -266,9 +271,9 @@ def test_sharded_bfloat16_rollouts_gather_once_and_run_compiled(sharded_runs) ->
 
 
 def test_sharded_rollouts_compiled_emit_what_they_emit_eagerly(sharded_runs) -> None:
-    """Under FSDP2 the compiled decoding steps emit the eager steps' completions, step for step. In float32: in
-    bfloat16 a compiled graph rounds otherwise than the eager kernels, with or without FSDP2, and a sampled token
-    may differ where two are nearly tied."""
+    """Under FSDP2 the compiled decoding steps (Dynamo's capture, run as captured) emit the eager steps'
+    completions, step for step. In float32: in bfloat16 a compiled graph rounds otherwise than the eager kernels,
+    with or without FSDP2, and a sampled token may differ where two are nearly tied."""
     compiled, eager = sharded_runs["float32", True], sharded_runs["float32", False]
     assert_compiled_and_gathered_once(compiled)
     for mine, theirs in zip(compiled, eager, strict=True):
