@@ -24,6 +24,9 @@ from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
 
 PROMPTS = [[5, 17, 3], [40, 2, 9, 11, 60, 7], [1, 90]]  # 3 prompts x 2 generations: 6 rows, padded to 8
+# The tree of every test that verifies one shape: a test meets the graphs an earlier one compiled for the same
+# sampling setting and caches of the same size (Dynamo's cache is the module's) and compiles only what is new to it.
+TREE = TreeShape(6, 3, 3)
 MAX_NEW = 12
 PARAMS = {
     "greedy": SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0),
@@ -78,7 +81,7 @@ def same_outputs(eager, compiled, params: SamplingParams, seed: int = 3, atol: f
 
 
 @pytest.mark.parametrize("sampling", PARAMS)
-@pytest.mark.parametrize("shape", [None, TreeShape(6, 3, 3)], ids=["plain", "tree"])
+@pytest.mark.parametrize("shape", [None, TREE], ids=["plain", "tree"])
 def test_the_compiled_step_is_one_graph_with_the_eager_tokens(
     model, draft, shape: TreeShape | None, sampling: str
 ) -> None:
@@ -107,7 +110,7 @@ def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_
 
 def inductor_steps_follow_the_weights(model, draft) -> None:
     params = PARAMS["top-p"]
-    eager, compiled = engines(model, draft, TreeShape(6, 3, 3), "inductor")
+    eager, compiled = engines(model, draft, TREE, "inductor")
     same_outputs(eager, compiled, params, atol=1e-5)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     before = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
@@ -128,7 +131,7 @@ def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, dra
     params = PARAMS["top-p"]
     eos = eos_midway(model)
     eager, compiled = (
-        RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TreeShape(4, 2, 3), backend=compile)
+        RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TREE, backend=compile)
         for compile in (None, "aot_eager")
     )
     same_outputs(eager, compiled, params)
@@ -179,7 +182,7 @@ def test_the_eagle_expansion_compiles_for_bucketed_row_counts_only(model, draft,
     """As rows finish (6 live rows, then fewer), the compiled expansion is only ever called with a power-of-two
     number of rows, at least 2, and the compiled engine's tokens are the eager one's."""
     seen: list[int] = []
-    eager, compiled = engines(model, draft, TreeShape(4, 2, 2), "aot_eager")
+    eager, compiled = engines(model, draft, TREE, "aot_eager")
     expansion, call = compiled.drafters["eagle"]._step, Compiled.__call__
 
     def counted(self: Compiled, device: torch.device, *args):
