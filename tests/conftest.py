@@ -246,11 +246,14 @@ COLD = 100.0  # how much longer a step that compiles takes
 
 @pytest.fixture
 def fake_clock(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
-    """The engine's clock, advanced by the target's compiled steps alone (`STEP_SECONDS`, times `COLD` for a call
-    that compiled or warmed up a graph), so that what the adaptive controller measures does not depend on the
-    machine."""
+    """The clocks the adaptive controller's prices are read from (the engine's steps, and the drafters' own timing
+    of their proposals), advanced by the target's compiled steps alone (`STEP_SECONDS`, times `COLD` for a call
+    that compiled or warmed up a graph), so that what the controller measures does not depend on the machine: a
+    proposal takes no time."""
     clock = SimpleNamespace(now=0.0)
-    monkeypatch.setattr("fastgrpo.rollout.engine.time", SimpleNamespace(perf_counter=lambda: clock.now))
+    fake = SimpleNamespace(perf_counter=lambda: clock.now)
+    for module in ("rollout.engine", "speculative.suffix.drafter", "speculative.eagle.drafter"):
+        monkeypatch.setattr(f"fastgrpo.{module}.time", fake)
     call = Compiled.__call__
 
     def timed(self: Compiled, device: torch.device, *args):

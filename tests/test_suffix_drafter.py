@@ -14,9 +14,9 @@ from fastgrpo.rollout.tree import SCORE_FLOOR, DraftTree, TreeShape, ancestor_ma
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.profiler import LatencyProfile
-from fastgrpo.speculative.suffix.drafter import Price, PromptMemory, SuffixMemory
+from fastgrpo.speculative.suffix.drafter import Price, PromptMemory, SuffixDrafter, SuffixMemory
 from fastgrpo.speculative.suffix.search import Matches
-from fastgrpo.speculative.suffix.trees import draft_tree
+from fastgrpo.speculative.suffix.trees import draft_tree, log_shares
 
 
 def test_the_longest_match_comes_first_and_a_place_counts_once_a_token_follows_it() -> None:
@@ -89,6 +89,14 @@ def test_a_proposal_is_priced_as_a_part_per_step_and_a_part_per_row() -> None:
     for _ in range(3):
         alone.observe(16, 1.6e-3)
     assert alone.seconds(32) == pytest.approx(3.2e-3), "a single row count: the mean time per row"
+
+
+def test_the_first_proposal_builds_no_table() -> None:
+    """The trees' score table, which takes tens of proposals' time to build, is built when the drafter is made: the
+    first proposal, timed into the price, would otherwise price the drafter's trees out of the controller's choice."""
+    log_shares.cache_clear()
+    SuffixDrafter()
+    assert log_shares.cache_info().currsize == 1
 
 
 def tree(tokens: list[int], parents: list[int], scores: list[float]) -> DraftTree:

@@ -32,7 +32,7 @@ from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.suffix.search import KEY, POS, SHIFT, Queries, search
 from fastgrpo.speculative.suffix.store import TokenStore
-from fastgrpo.speculative.suffix.trees import draft_tree
+from fastgrpo.speculative.suffix.trees import draft_tree, log_shares
 
 PREFIX = 8  # prompt tokens kept before each completion, so that a completion's first tokens can be matched
 ROW_CELLS = 128  # completion tokens a row's sequence has room for at first (it moves to a larger run past them)
@@ -228,6 +228,7 @@ class SuffixDrafter(Drafter):
         self.max_depth = max_depth
         self.rows: list[_Row] = []  # the live rows, in the engine's order
         self.price = Price()  # measured seconds per proposal (see `cost`)
+        log_shares()  # the trees' score table, before the first proposal is timed
 
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         self.learner.read_rows()

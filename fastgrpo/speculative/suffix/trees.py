@@ -84,7 +84,7 @@ def _trees(matches: Matches, nodes: int, depth: int) -> tuple[tuple[np.ndarray, 
     is_new = ((level >= shared[:, :, None]) & (level < ahead[:, :, None])).reshape(f, cells)
     number = is_new.cumsum(1)  # [F, C * D] a new node's number (the root is 0)
     width = max(nodes, 1 + int(number[:, -1].max()))
-    shares = _TOTALS * (1 + length.sum(1))  # each row's row of `_log_shares`, flat
+    shares = _TOTALS * (1 + length.sum(1))  # each row's row of `log_shares`, flat
     # The new nodes in the order of their numbers, as `best_subtree` ranks them, each row padded to ``width``.
     new = np.flatnonzero(is_new)
     new_row, new_cell = np.divmod(new, cells)
@@ -92,7 +92,7 @@ def _trees(matches: Matches, nodes: int, depth: int) -> tuple[tuple[np.ndarray, 
     at = new_row * (width - 1) + number.ravel().take(new) - 1
     weight = runs.weight(new_row, new_candidate, new_depth)
     rank = np.full((f, width - 1), _PADDING)
-    rank.ravel()[at] = _log_shares().take(shares.take(new_row) + weight) - _deeper(depth).take(new_depth)
+    rank.ravel()[at] = log_shares().take(shares.take(new_row) + weight) - _deeper(depth).take(new_depth)
     node_of = np.full(f * (width - 1), len(new))  # the new node of each number (past them: padding)
     node_of[at] = np.arange(len(new))
     chosen, place = torch.from_numpy(rank).topk(keep, dim=1).indices.sort()
@@ -113,7 +113,7 @@ def _trees(matches: Matches, nodes: int, depth: int) -> tuple[tuple[np.ndarray, 
     out[1] = (ancestors & (reach[:, None, :] == reach[:, :, None] - 1)).argmax(2)[:, 1:]
     out[2] = np.where(real, node_depth + 1, 1)
     out[3] = place.numpy() + 1
-    score = np.where(real, _log_shares().take(shares.take(row) + weight.take(node)), SCORE_FLOOR)
+    score = np.where(real, log_shares().take(shares.take(row) + weight.take(node)), SCORE_FLOOR)
     return (out, ancestors, score), width
 
 
@@ -212,9 +212,10 @@ def _padding_ranks(nodes: int, width: int) -> np.ndarray:
 
 
 @cache
-def _log_shares() -> np.ndarray:
+def log_shares() -> np.ndarray:
     """``[T, T]`` float64 ``log(w / t)`` at ``[t, w]`` (``math.log``'s, bit for bit; `SCORE_FLOOR` for a weight of
-    0), for the totals of a trie's weights (``T``: `_TOTALS`)."""
+    0), for the totals of a trie's weights (``T``: `_TOTALS`). Built once per process, by the first `SuffixDrafter`
+    made: built by a proposal, it would take tens of times a proposal's time, which the drafter's price times."""
     shares = np.array(
         [[math.log(w / t) if 0 < w <= t else SCORE_FLOOR for w in range(_TOTALS)] for t in range(_TOTALS)]
     )
