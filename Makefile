@@ -20,10 +20,11 @@ setup: $(VENV)/.setup-done
 train: setup
 	$(BIN)/fastgrpo train --config configs/default.yaml
 
-# Two workers, each module on one of them (its module fixtures built once), the longest modules first (conftest.py).
+# Two workers, each module on one of them (its module fixtures built once), the longest modules first (conftest.py;
+# xdist would otherwise order modules by their number of tests).
 test: setup
 	$(BIN)/ruff check fastgrpo tests benchmarks
-	$(BIN)/python -m pytest -q -n 2 --dist loadscope
+	$(BIN)/python -m pytest -q -n 2 --dist loadscope --no-loadscope-reorder
 
 lint: setup
 	$(BIN)/ruff check fastgrpo tests benchmarks
