@@ -67,21 +67,20 @@ def four_rollouts(
     entries: list[dict[str, Any]],
     saved: Callable[[], None],
 ) -> None:
-    """Four rollouts through `TrainingRollouts` (compiled with `compile_backend_for` the device, online draft learning
-    on), built and reserved as `GRPOTrainer` builds them (`TrainingRollouts.reserve` where the rollouts have it),
-    of prompts of a different length each, with what `GRPOTrainer.train_step` does between rollouts: the drafters
-    learn, the captured hidden states are dropped and `TrainingRollouts.release` is called (the trainer releases on a
-    GPU only; here on every device). Per rollout: the graphs
-    compiled, the CUDA graphs recorded (None: not counted), the compiled graphs run without CUDA graphs, and on CUDA
-    the memory reserved after it, at its peak and after the release (MiB), appended to ``entries``; ``saved()`` is
-    called after each."""
+    """Four rollouts through `TrainingRollouts` (compiled with `compile_backend_for` the device, on a CPU without AOT's
+    trace, which the decode section checks for plain steps and the suite's FSDP2 bfloat16 run for tree steps; online
+    draft learning on), built and reserved as `GRPOTrainer` builds them (`TrainingRollouts.reserve` where the rollouts
+    have it), of prompts of a different length each, with what `GRPOTrainer.train_step` does between rollouts: the
+    drafters learn, the captured hidden states are dropped and `TrainingRollouts.release` is called (the trainer
+    releases on a GPU only; here on every device). Per rollout: the graphs compiled, the CUDA graphs recorded (None: not
+    counted), the compiled graphs run without CUDA graphs, and on CUDA the memory reserved after it, at its peak and
+    after the release (MiB), appended to ``entries``; ``saved()`` is called after each."""
     dev = check.device
     lengths = [6, 12, 3, 9] if check.quick else [32, 96, 16, 64]
     prompts, copies = (2, 2) if check.quick else (4, 4)
     params = SamplingParams(max_new_tokens=8 if check.quick else 32, temperature=1.0)
-    rollouts = TrainingRollouts(
-        model, None, [], speculation, DraftTrainConfig(), "gpu-check-rollouts", backend=compile_backend_for(dev)
-    )
+    backend = compile_backend_for(dev, aot=False)
+    rollouts = TrainingRollouts(model, None, [], speculation, DraftTrainConfig(), "gpu-check-rollouts", backend=backend)
     if hasattr(rollouts, "reserve"):
         rollouts.reserve(prompts * copies, max(lengths), params.max_new_tokens)
     cuda = dev.type == "cuda"
