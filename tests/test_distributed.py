@@ -60,6 +60,9 @@ def _worker(rank: int, world: int, port: int, config: str, draft_dir: str) -> No
         trainer = GRPOTrainer(load_config(config))
         trainer.train()
         trainer.rollouts.drafter("eagle").draft.save(Path(draft_dir) / f"rank{rank}")
+        # Freed while the group is up: freed after `shutdown`, its DDP reducer would hold the group's last reference,
+        # whose gloo destructor, run with the GIL held, can wait for ever on a worker thread that waits for the GIL.
+        del trainer
     finally:
         distributed.shutdown()
 
