@@ -39,9 +39,10 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.grpo.checkpoint import latest_checkpoint
     from fastgrpo.grpo.trainer import GRPOTrainer
 
+    trainer = None
     try:
         trainer = GRPOTrainer(config, resume=args.resume)
-        history = trainer.train()
+        history, is_main = trainer.train(), trainer.dist.is_main
     except KeyboardInterrupt as e:
         from fastgrpo.errors import exit_code, interruption
 
@@ -50,8 +51,9 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         print(f"fastgrpo train: {interruption(e)}; {kept}", file=sys.stderr)
         sys.exit(exit_code(e))
     finally:
+        trainer = None  # freed while the process group is up (`distributed.shutdown`)
         distributed.shutdown()
-    if history and trainer.dist.is_main:
+    if history and is_main:
         last = history[-5:]
         mean = sum(m["reward"] for m in last) / len(last)
         print(

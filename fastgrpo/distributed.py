@@ -86,6 +86,9 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistIn
 
 
 def shutdown() -> None:
+    """Destroy the process group. Free the modules wrapped in DistributedDataParallel first: a DDP reducer freed after
+    this holds the group's last reference, and on gloo the group's destructor, run by the reducer's with the GIL held,
+    waits for a worker thread that waits for the GIL (the process hangs)."""
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -7,6 +7,7 @@ import math
 import re
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -358,10 +359,21 @@ def test_trl_options_fastgrpo_lacks_are_refused_one_line_each(capsys: pytest.Cap
     assert load_config(None, ["--reward_funcs", f"[accuracy, {hub_model}]"]).reward_funcs[1] == hub_model
 
 
-def test_the_trl_example_config_runs(tmp_path: Path) -> None:
+def test_the_trl_example_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """configs/trl_example.yaml trains as it is (only sized down to a tiny model and step here), its second reward
     function a reward model as a TRL user names one (a model's directory), and the step's metrics hold TRL's
-    figures."""
+    figures. The command frees its trainer before it destroys the process group (`distributed.shutdown`)."""
+    from fastgrpo import distributed
+    from fastgrpo.grpo.trainer import GRPOTrainer
+
+    trainers, alive_at_shutdown = [], []
+    init, shutdown = GRPOTrainer.__init__, distributed.shutdown
+    monkeypatch.setattr(
+        GRPOTrainer, "__init__", lambda self, *a, **k: trainers.append(weakref.ref(self)) or init(self, *a, **k)
+    )
+    monkeypatch.setattr(
+        distributed, "shutdown", lambda: alive_at_shutdown.extend(t for t in trainers if t()) or shutdown()
+    )
     model_dir = save_tiny_llama(tmp_path / "tiny", seed=0, tie_word_embeddings=True)
     scorer = save_tiny_scorer(tmp_path / "scorer")
     out = tmp_path / "run"
@@ -376,6 +388,7 @@ def test_the_trl_example_config_runs(tmp_path: Path) -> None:
         assert math.isfinite(metrics[name]), name
     assert "sampling/importance_sampling_ratio/mean" in metrics
     assert math.isfinite(metrics["rewards/scorer/mean"]) and metrics["rewards/scorer/std"] > 0
+    assert len(trainers) == 1 and not alive_at_shutdown, "the trainer was freed before the group was destroyed"
 
 
 @pytest.mark.parametrize(
