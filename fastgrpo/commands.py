@@ -39,7 +39,6 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
     from fastgrpo.grpo.checkpoint import latest_checkpoint
     from fastgrpo.grpo.trainer import GRPOTrainer
 
-    trainer = None
     try:
         trainer = GRPOTrainer(config, resume=args.resume)
         history, is_main = trainer.train(), trainer.dist.is_main
