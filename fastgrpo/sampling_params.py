@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,3 +34,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def noise(
+        self, rows: int, generator: torch.Generator | None, uniforms: torch.Tensor | None, device: torch.device
+    ) -> torch.Tensor | None:
+        """``[rows, max_new_tokens]`` float64 on ``device``: one uniform per (completion, position) that picks its
+        sampled token (`fastgrpo.rollout.sampling.sample`), ``uniforms`` or drawn from ``generator``; None when
+        greedy."""
+        if self.greedy:
+            return None
+        if uniforms is None:
+            where = generator.device if generator is not None else torch.device("cpu")
+            uniforms = torch.rand((rows, self.max_new_tokens), generator=generator, dtype=torch.float64, device=where)
+        return uniforms.to(device=device, dtype=torch.float64)

@@ -82,12 +82,12 @@ class RowLayer(CacheLayerMixin):
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write ``[B, H, T, D]`` states at the owner's slots; return ``[B, H, kv_len, D]`` views."""
-        b = key_states.shape[0]
+        b, first = key_states.shape[0], self.owner.plan["first"]
         rows, slots = self.owner.rows, self.owner.slots
         self.keys[rows, :, slots] = key_states.transpose(1, 2)  # [B, T, H, D] at (row, slot)
         self.values[rows, :, slots] = value_states.transpose(1, 2)
         kv_len = self.owner.kv_len
-        return self.keys[:b, :, :kv_len], self.values[:b, :, :kv_len]
+        return self.keys[first : first + b, :, :kv_len], self.values[first : first + b, :, :kv_len]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.owner.kv_len, 0
@@ -142,6 +142,7 @@ class RowCache(Cache):
             "rows": torch.zeros(0, 1, dtype=torch.long, device=device),
             "slots": torch.zeros(0, 0, dtype=torch.long, device=device),
             "kv_len": 0,
+            "first": 0,
         }
 
     @property
@@ -163,14 +164,16 @@ class RowCache(Cache):
         """Whether it has room for ``rows`` rows of ``slots`` slots (a call that needs more gets a new cache)."""
         return self.max_rows >= rows and self.max_len >= slots
 
-    def prepare(self, slots: torch.Tensor, kv_len: int) -> None:
+    def prepare(self, slots: torch.Tensor, kv_len: int, first: int = 0) -> None:
         """Set where the next forward writes (``slots``: ``[B, T]`` slot per new token, each below ``kv_len``) and how
-        much it reads; checked on the host, without reading ``slots``."""
+        much it reads, in rows ``first`` to ``first + B`` (decoding steps: the first ``B`` rows; a row resuming
+        after a tool call: its own row past them); checked on the host, without reading ``slots``."""
         if kv_len > self.max_len:
             raise ValueError(f"cache overflow: a row needs more than max_len={self.max_len} slots")
-        self.plan["rows"] = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.plan["rows"] = first + torch.arange(slots.shape[0], device=slots.device)[:, None]
         self.plan["slots"] = slots
         self.plan["kv_len"] = kv_len
+        self.plan["first"] = first
 
     def select_rows(self, rows: list[int], upto: int | None = None) -> None:
         """Keep (or replicate) rows: row ``i`` becomes old row ``rows[i]``, for ``i < len(rows)``.

@@ -29,7 +29,8 @@ class Decoding:
 
     @property
     def done(self) -> bool:
-        return not self.rows.size
+        """No row is live and none waits on a tool."""
+        return not self.rows.size and (self.call.parking is None or not self.call.parking.rows)
 
     def step(self) -> None:
         self.rows = self._step(self.rows, self.call)

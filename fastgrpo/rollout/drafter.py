@@ -144,6 +144,16 @@ class Drafter:
         device)."""
         raise NotImplementedError
 
+    def park(self, positions: list[int]) -> list[Any]:
+        """The rows at ``positions`` wait on tools (`fastgrpo.rollout.turns`; called before the `select` that drops
+        them): returns its state of each, which `rejoin` takes back."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} drafter cannot draft for rows with tools")
+
+    def rejoin(self, state: Any, emitted: Emitted) -> None:
+        """A parked row (``state``: what `park` returned) rejoins as the last row, the tool turn's tokens fed to the
+        target (``emitted``, one row: the tokens and the hidden states they follow, as a step's)."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} drafter cannot draft for rows with tools")
+
     def release(self) -> None:
         """Free the caches kept between calls (the next `begin` allocates them again)."""
 

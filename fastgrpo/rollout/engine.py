@@ -31,10 +31,11 @@ from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
-from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
+from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, fill_holes
 from fastgrpo.rollout.shape_menu import depth_bucket, settle_engine
 from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.turns import Parking, Turns
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.threads import ThreadGovernor
 
@@ -131,13 +132,16 @@ class RolloutEngine:
         generator: torch.Generator | None = None,
         capture_hidden: bool = False,
         uniforms: torch.Tensor | None = None,
+        turns: Turns | None = None,
     ) -> GenerationOutput:
         """Sample ``num_generations`` completions for each prompt (token id lists, no padding).
 
         ``capture_hidden`` also returns the target's hidden states (for draft training). When sampling, the token at
         each (completion, position) is chosen by one uniform: ``uniforms`` ``[len(prompt_ids) * num_generations,
-        max_new_tokens]`` gives them, otherwise they are drawn from ``generator``."""
-        with self.decoding(prompt_ids, params, num_generations, generator, capture_hidden, uniforms) as run:
+        max_new_tokens]`` gives them, otherwise they are drawn from ``generator``. With ``turns`` (the call's tools,
+        `fastgrpo.rollout.turns`), a completion goes on after the tool calls its turns end with: its rows wait on
+        their tools aside while the others decode."""
+        with self.decoding(prompt_ids, params, num_generations, generator, capture_hidden, uniforms, turns) as run:
             run.finish()
         return run.output()
 
@@ -150,6 +154,7 @@ class RolloutEngine:
         generator: torch.Generator | None = None,
         capture_hidden: bool = False,
         uniforms: torch.Tensor | None = None,
+        turns: Turns | None = None,
     ) -> Iterator[Decoding]:
         """`generate` one step at a time: the call, prefilled, to `Decoding.step` until `Decoding.done` inside the
         block, then `Decoding.output`. Each step runs inside the block's setup (inference mode, the rollout's
@@ -173,7 +178,11 @@ class RolloutEngine:
                 rollout_attention(self.model, *extra),
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
-                call = self._call(len(prompt_ids) * num_generations, params, generator, capture_hidden, uniforms)
+                rows = len(prompt_ids) * num_generations
+                noise = params.noise(rows, generator, uniforms, self.device)
+                parking = None if turns is None else Parking(turns)
+                eos = self.eos.to(self.device)
+                call = Generation.start(rows, params, eos, noise, self.tokenizer, capture_hidden, parking)
                 compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
                 self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
                 rows = self.prefill(prompt_ids, num_generations, call)
@@ -191,26 +200,6 @@ class RolloutEngine:
         drafters = self.drafters.values()
         seconds = self.target.compile_seconds + sum(d.compile_seconds for d in drafters)
         return seconds, self.target.compile_graphs + sum(d.compile_graphs for d in drafters)
-
-    def _call(
-        self,
-        n_rows: int,
-        params: SamplingParams,
-        generator: torch.Generator | None,
-        capture: bool,
-        uniforms: torch.Tensor | None,
-    ) -> Generation:
-        """The call's state; when sampling, one uniform per (completion, position), see `sample`."""
-        noise = None
-        if not params.greedy:
-            noise = uniforms
-            if noise is None:
-                where = generator.device if generator is not None else torch.device("cpu")
-                shape = (n_rows, params.max_new_tokens)
-                noise = torch.rand(shape, generator=generator, dtype=torch.float64, device=where)
-            noise = noise.to(device=self.device, dtype=torch.float64)
-        seqs = [Sequence(i, 0, hidden=[] if capture else None) for i in range(n_rows)]
-        return Generation(params, seqs, self.eos.to(self.device), noise, self.tokenizer, capture)
 
     def _begin(self, call: Generation, length: int) -> None:
         """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at
@@ -270,7 +259,13 @@ class RolloutEngine:
         return active
 
     def step(self, rows: ActiveRows, call: Generation) -> ActiveRows:
-        """One decoding step over the active rows; returns those still active after it."""
+        """One decoding step over the active rows (and those that rejoin them after their tools returned); returns
+        those still active after it."""
+        if call.parking is not None:
+            rows = call.parking.resume(self.model, self.cache, list(self.drafters.values()), rows, call)
+            call.stats.waiting.append(len(call.parking.rows))
+            if not rows.size:
+                return rows
         start, cold = time.perf_counter(), self.cold_calls()
         shape = self.schedule(rows)
         proposal = self.propose(rows, shape, call)
@@ -375,14 +370,17 @@ class RolloutEngine:
 
     def _append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:
         """Append the first ``count[b]`` emitted tokens to each row's sequence and drop the rows that ended, moving
-        kept rows into the freed cache rows (`fill_holes`)."""
-        keep = []
+        kept rows into the freed cache rows (`fill_holes`) and rows whose turn called tools past them
+        (`fastgrpo.rollout.turns`)."""
+        keep, paused = [], []
         for pos, (seq, toks, lps, eos, n) in enumerate(
             zip(rows.seqs, host.tokens, host.logprobs, host.eos, host.count, strict=True)
         ):
             before = len(seq.completion_ids)
             if not seq.append(toks[:n], lps[:n], eos[:n], call):
                 keep.append(pos)
+            elif call.parking is not None and call.parking.pauses(seq):
+                paused.append(pos)
             call.stats.tokens_emitted += len(seq.completion_ids) - before
         count = verified.count
         rows.pending = verified.tokens.gather(1, (count - 1).clamp(min=0)[:, None]).squeeze(1)
@@ -391,8 +389,12 @@ class RolloutEngine:
             return rows
         order = fill_holes(keep)
         index = host_to_device(order, rows.ids.device)
-        if keep:
-            self.cache.select_rows(order, upto=max(rows.host_len))
+        moves = order
+        if paused:
+            drafted = [drafter.park(paused) for drafter in self.drafters.values()]
+            moves = call.parking.park(rows, order, paused, drafted, self.cache.max_rows)
+        if keep or paused:
+            self.cache.select_rows(moves, upto=max(rows.host_len))
             for drafter in self.drafters.values():
                 drafter.select(order, index)
         return rows.select(order, index)

@@ -122,6 +122,7 @@ def forward_block(
     inputs_embeds: torch.Tensor | None = None,
     extent: int | None = None,
     equal_lengths: bool = False,
+    first: int = 0,
 ) -> torch.Tensor:
     """One decoder forward over ``T`` new tokens per row.
 
@@ -145,7 +146,7 @@ def forward_block(
     t, w = positions.shape[-1], window_mask.shape[-1]
     if extent is None:
         extent = int(base_len.max()) + w
-    cache.prepare(base_len[:, None] + offsets.expand(b, t), extent)
+    cache.prepare(base_len[:, None] + offsets.expand(b, t), extent, first)
     if t == 1 and w == 1 and equal_lengths:
         # One token per row and equal lengths: every query sees every slot. Without a mask SDPA runs grouped-query
         # attention directly instead of repeating the key/value heads.
@@ -176,11 +177,12 @@ def forward_chain(
     position_offset: int = 0,
     extent: int | None = None,
     equal_lengths: bool = False,
+    first: int = 0,
 ) -> torch.Tensor:
     """A causal block of ``T`` tokens per row appended after ``base_len`` (prefill, AR step, draft catch-up).
 
     Token ``t`` of row ``b`` goes to slot ``base_len[b] + t`` at position ``base_len[b] + t + position_offset``;
-    ``extent`` and ``equal_lengths`` as in `forward_block`.
+    ``extent``, ``equal_lengths`` and ``first`` as in `forward_block`.
     """
     ref = input_ids if input_ids is not None else inputs_embeds
     t = ref.shape[1]
@@ -188,5 +190,5 @@ def forward_chain(
     causal = torch.ones(t, t, dtype=torch.bool, device=ref.device).tril()
     positions = base_len[:, None] + steps[None, :] + position_offset
     return forward_block(
-        decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds, extent, equal_lengths
+        decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds, extent, equal_lengths, first
     )

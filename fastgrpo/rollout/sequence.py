@@ -4,6 +4,7 @@ tensor is cache row ``i``), and the call's `Generation` (sampling parameters, no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -15,7 +16,8 @@ from fastgrpo.sampling_params import SamplingParams
 @dataclass
 class Sequence:
     """One completion: its tokens, their log-probs, why it ended and, when captured, the target's hidden states of
-    the tokens fed to it (``[n, H]`` pieces, prompt first)."""
+    the tokens fed to it (``[n, H]`` pieces, prompt first). In a call with tools, ``tool_mask`` is 0 on the tokens
+    of tool results (which the policy did not sample: their log-probs are 0) and 1 elsewhere."""
 
     index: int
     prompt_len: int
@@ -23,6 +25,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str = "length"
     hidden: list[torch.Tensor] | None = None
+    tool_mask: list[int] | None = None
 
     def append(self, tokens: list[int], logprobs: list[float], is_eos: list[bool], call: Generation) -> bool:
         """Append tokens until one ends the completion (EOS, a stop string or the length limit, even inside an
@@ -30,12 +33,21 @@ class Sequence:
         for token, logprob, eos in zip(tokens, logprobs, is_eos, strict=True):
             self.completion_ids.append(token)
             self.logprobs.append(logprob)
+            if self.tool_mask is not None:
+                self.tool_mask.append(1)
             if eos or call.hit_stop(self.completion_ids):
                 self.finish_reason = "stop"
                 return True
             if len(self.completion_ids) >= call.params.max_new_tokens:
                 return True
         return False
+
+    def append_tool_result(self, tokens: list[int]) -> None:
+        """Append the tokens of a tool turn (not sampled: log-prob 0, ``tool_mask`` 0); the completion goes on."""
+        self.finish_reason = "length"
+        self.completion_ids += tokens
+        self.logprobs += [0.0] * len(tokens)
+        self.tool_mask += [0] * len(tokens)
 
 
 @dataclass
@@ -70,6 +82,18 @@ class ActiveRows:
             self.emitted[index],
         )
 
+    def extend(self, other: ActiveRows) -> ActiveRows:
+        """These rows followed by ``other``'s (rows resuming after a tool call join after the live ones)."""
+        cat = torch.cat
+        return ActiveRows(
+            self.seqs + other.seqs,
+            cat([self.ids, other.ids]),
+            cat([self.row_len, other.row_len]),
+            self.host_len + other.host_len,
+            cat([self.pending, other.pending]),
+            cat([self.emitted, other.emitted]),
+        )
+
 
 def fill_holes(keep: list[int]) -> list[int]:
     """New order of the rows after dropping finished ones (``keep``: the kept positions, ascending): a kept row
@@ -90,6 +114,8 @@ class GenerationOutput:
     hidden_states: list[torch.Tensor] | None = None
     """With ``capture_hidden``: per row ``[prompt + completion - 1, H]`` target final hidden states of every token
     that was fed to the target (all but the last), from the forwards the decoding ran anyway."""
+    tool_masks: list[list[int]] | None = None
+    """In a call with tools: per row, 0 on the tokens of tool results and 1 on the policy's (`Sequence.tool_mask`)."""
 
 
 @dataclass
@@ -106,6 +132,24 @@ class Generation:
     tokenizer: PreTrainedTokenizerBase | None
     capture: bool
     stats: GenerationStats = field(default_factory=GenerationStats)
+    parking: Any = None  # with tools: the rows waiting on them, a `fastgrpo.rollout.turns.Parking`
+
+    @classmethod
+    def start(
+        cls,
+        n_rows: int,
+        params: SamplingParams,
+        eos: torch.Tensor,
+        noise: torch.Tensor | None,
+        tokenizer: PreTrainedTokenizerBase | None,
+        capture: bool,
+        parking: Any = None,
+    ) -> Generation:
+        """A call of ``n_rows`` completions, none begun (with ``parking``, a call with tools: each masks their
+        results, `Sequence.tool_mask`)."""
+        mask = None if parking is None else list
+        seqs = [Sequence(i, 0, hidden=[] if capture else None, tool_mask=mask and mask()) for i in range(n_rows)]
+        return cls(params, seqs, eos, noise, tokenizer, capture, parking=parking)
 
     def uniforms(self, rows: ActiveRows, width: int) -> torch.Tensor | None:
         """``[B, width]`` uniforms of each row's next ``width`` completion positions (None when greedy)."""
@@ -133,4 +177,5 @@ class Generation:
             [s.finish_reason for s in self.seqs],
             self.stats,
             hidden,
+            None if self.parking is None else [s.tool_mask for s in self.seqs],
         )

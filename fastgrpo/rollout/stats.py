@@ -31,6 +31,9 @@ class GenerationStats:
     drafter_rows: dict[str, int] = field(default_factory=dict)  # ... the rows of those steps
     drafter_accepted: dict[str, int] = field(default_factory=dict)  # ... and the draft tokens they accepted
     drafter_trees: dict[str, int] = field(default_factory=dict)  # per drafter: steps it drafted, alone or merged
+    waiting: list[int] = field(default_factory=list)  # with tools: rows waiting on them at each step
+    tool_prefill_tokens: int = 0  # tokens of tool turns fed to the rows' caches (`fastgrpo.rollout.turns`)
+    tool_wait_time: float = 0.0  # seconds spent waiting on tools while no row was live
 
     @property
     def total_time(self) -> float:

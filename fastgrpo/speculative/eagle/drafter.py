@@ -17,6 +17,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -82,6 +83,22 @@ class PendingPairs:
             self.count[index],
             [self.host_len[p] for p in order],
             [self.host_count[p] for p in order],
+        )
+
+    def joined(self, other: PendingPairs) -> PendingPairs:
+        """These rows followed by ``other``'s (capacities widened to the larger one)."""
+        cap = max(self.tokens.shape[1], other.tokens.shape[1])
+
+        def widen(t: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t, t.new_zeros(t.shape[0], cap - t.shape[1], *t.shape[2:])], 1)
+
+        return PendingPairs(
+            torch.cat([self.draft_len, other.draft_len]),
+            torch.cat([widen(self.tokens), widen(other.tokens)]),
+            torch.cat([widen(self.hidden), widen(other.hidden)]),
+            torch.cat([self.count, other.count]),
+            self.host_len + other.host_len,
+            self.host_count + other.host_count,
         )
 
     def window(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,6 +233,26 @@ class EagleDrafter(Drafter):
     def select(self, order: list[int], index: torch.Tensor) -> None:
         self.cache.select_rows(order, upto=max(self.state.host_len))
         self.state = self.state.select(order, index)
+
+    def park(self, positions: list[int]) -> list[Any]:
+        """Each row's pending pairs and a copy of its filled draft cache slots (the draft is small: a copy is cheaper
+        than keeping its cache rows in step with the target's)."""
+        parked = []
+        for p in positions:
+            index = torch.tensor([p], device=self.state.draft_len.device)
+            n = self.state.host_len[p]
+            slots = [(layer.keys[p, :, :n].clone(), layer.values[p, :, :n].clone()) for layer in self.cache.layers]
+            parked.append((self.state.select([p], index), slots))
+        return parked
+
+    def rejoin(self, state: Any, emitted: Emitted) -> None:
+        pairs, slots = state
+        row = len(self.state.host_len)
+        for layer, (keys, values) in zip(self.cache.layers, slots, strict=True):
+            layer.keys[row, :, : keys.shape[1]] = keys
+            layer.values[row, :, : values.shape[1]] = values
+        pairs.push(emitted.tokens, emitted.hidden, emitted.count, emitted.host_count)
+        self.state = self.state.joined(pairs)
 
     def release(self) -> None:
         """Free the draft's KV cache (`begin` makes it again)."""

@@ -267,6 +267,12 @@ class SuffixDrafter(Drafter):
                 row.catch_up()
         self.rows = [self.rows[i] for i in order]
 
+    def park(self, positions: list[int]) -> list[Any]:
+        return [self.rows[p] for p in positions]
+
+    def rejoin(self, state: Any, emitted: Emitted) -> None:
+        self.rows.append(state)  # the tool turn is read from its completion, as any of its tokens
+
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Per row, the trie of the continuations of its longest matches, cut to its best ``N - 1`` nodes
         (`draft_tree`). Each row reads its new tokens, then searches: a row sees the tokens its siblings before it

@@ -1,0 +1,171 @@
+"""Rows that wait on tools and resume in their own cache (`fastgrpo.rollout.turns`): multi-turn completions equal a
+reference that feeds the whole conversation to transformers' ``generate`` turn by turn, speculation stays lossless
+across turns, nothing before a tool turn is computed again, and a slow tool holds up only its own row."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
+from transformers import PreTrainedModel
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.eagle.head import DraftHead
+
+MAX_NEW = 40
+
+
+@dataclass
+class ScriptedTurns:
+    """Every turn that ends with the EOS calls a tool, up to ``calls`` per row; its result is ``[20 + turn, 21, row %
+    7 + 30]`` (``length`` tokens of it). A row in ``held`` waits until the event is set."""
+
+    calls: int = 2
+    length: int = 3
+    held: dict[int, threading.Event] = field(default_factory=dict)
+    waiting: dict[int, list[int]] = field(default_factory=dict)
+    turns: Counter = field(default_factory=Counter)
+    blocked: int = 0  # `ready` calls that had to wait
+
+    def result(self, row: int, turn: int) -> list[int]:
+        return [20 + turn, 21, row % 7 + 30, 22, 23][: self.length]
+
+    def ended(self, row: int, completion: list[int]) -> bool:
+        if self.turns[row] >= self.calls:
+            return False
+        self.waiting[row] = self.result(row, self.turns[row])
+        self.turns[row] += 1
+        return True
+
+    def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
+        def done() -> list[int]:
+            return [r for r in self.waiting if r not in self.held or self.held[r].is_set()]
+
+        if block and not done():
+            self.blocked += 1
+            while not done():
+                threading.Event().wait(0.001)
+        out = [(r, self.waiting.pop(r)) for r in done()]
+        return out
+
+
+def choose_eos(model: PreTrainedModel) -> int:
+    """A token the model's greedy continuations of `PROMPTS` hold in most rows, early (so that turns end)."""
+    free = RolloutEngine(model, [], None).generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))
+    rows_with = Counter(t for c in free.completion_ids for t in set(c))
+    return max(rows_with, key=lambda t: (rows_with[t], -t))
+
+
+def reference_turns(model: PreTrainedModel, prompt: list[int], eos: int, turns: ScriptedTurns, row: int) -> list[int]:
+    """Greedy multi-turn completion: the whole conversation re-fed to ``generate`` at every turn."""
+    completion: list[int] = []
+    for turn in range(turns.calls + 1):
+        ids = torch.tensor([prompt + completion])
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_NEW - len(completion),
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=0,
+        )
+        completion += out[0, ids.shape[1] :].tolist()
+        if completion[-1] != eos or turn == turns.calls:
+            return completion
+        result = turns.result(row, turn)
+        if len(completion) + len(result) >= MAX_NEW:
+            return completion
+        completion += result
+    return completion
+
+
+@pytest.fixture(scope="module")
+def model_eos() -> tuple[PreTrainedModel, int, DraftHead]:
+    model = tiny_model("llama")
+    return model, choose_eos(model), trained_draft(model, epochs=10)
+
+
+def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos) -> None:
+    model, eos, _ = model_eos
+    turns = ScriptedTurns()
+    out = RolloutEngine(model, [eos]).generate(
+        PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 1, turns=turns
+    )
+    assert sum(turns.turns.values()) >= 3, "the test needs rows that call tools"
+    for row, prompt in enumerate(PROMPTS):
+        expected = reference_turns(model, prompt, eos, ScriptedTurns(), row)
+        assert out.completion_ids[row] == expected
+        assert out.finish_reasons[row] == ("stop" if expected[-1] == eos else "length")
+    assert set(out.finish_reasons) == {"stop", "length"}
+    for ids, mask, logprobs in zip(out.completion_ids, out.tool_masks, out.logprobs, strict=True):
+        assert len(mask) == len(ids) == len(logprobs)
+        assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
+    assert out.stats.tool_prefill_tokens == 3 * sum(turns.turns.values())
+    assert sum(1 - m for mask in out.tool_masks for m in mask) == out.stats.tool_prefill_tokens
+
+
+@pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix"])
+def test_sampled_turns_with_speculation_equal_plain_sampling(model_eos, drafter: str) -> None:
+    model, eos, draft = model_eos
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
+    uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=ScriptedTurns())
+    engine = speculative_engine(model, [eos], drafter, draft, TreeShape(8, 3, 4))
+    turns = ScriptedTurns()
+    out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=turns)
+    assert sum(turns.turns.values()) >= 3
+    assert out.completion_ids == plain.completion_ids
+    assert out.tool_masks == plain.tool_masks
+    torch.testing.assert_close(torch.tensor(sum(out.logprobs, [])), torch.tensor(sum(plain.logprobs, [])))
+    assert out.stats.accept_length > 1.0
+
+
+def test_a_tool_turn_is_fed_once_and_the_slots_before_it_stay(model_eos, monkeypatch) -> None:
+    """The forwards of a call feed each token once: the prompts, then per step the pending tokens, then the tool
+    turns' tokens; and the cache slots a row filled before its tool turn are the same after it."""
+    model, eos, _ = model_eos
+    engine = RolloutEngine(model, [eos])
+    seen: list[torch.Tensor] = []
+    decoder = model.get_decoder()
+    original = type(decoder).forward
+
+    def counting(self, *args, **kwargs):
+        seen.append(kwargs["input_ids"])
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(decoder), "forward", counting)
+    turns = ScriptedTurns(calls=1)
+    out = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 1, turns=turns)
+    assert turns.turns[0] == 1 and out.stats.tool_prefill_tokens == 3
+    fed = [t.shape[1] for t in seen]
+    # the prompt, then one token per step, and one forward of the EOS and two of the three tool tokens
+    assert fed[0] == len(PROMPTS[0]) and sorted(fed[1:]) == [1] * (len(fed) - 2) + [3]
+    assert sum(fed) == len(PROMPTS[0]) + len(out.completion_ids[0]) - 1
+
+
+def test_a_slow_tool_holds_up_only_its_own_row(model_eos) -> None:
+    """Row 0's tool waits until the other rows have decoded on for several steps: they never wait for it, and the
+    call waits on it only when no row is left to decode."""
+    model, eos, _ = model_eos
+    gate = threading.Event()
+    turns = ScriptedTurns(calls=1, held={0: gate})
+    engine = RolloutEngine(model, [eos])
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    steps_while_held = 0
+    with engine.decoding(PROMPTS, params, 1, turns=turns) as run:
+        while not run.done:
+            if 0 in run.call.parking.rows and run.rows.size:
+                steps_while_held += 1
+                if steps_while_held == 5:
+                    gate.set()
+            run.step()
+        out = run.output()
+    assert steps_while_held >= 5
+    assert out.completion_ids[0] == reference_turns(model, PROMPTS[0], eos, ScriptedTurns(calls=1), 0)
+    assert max(out.stats.waiting) >= 1
