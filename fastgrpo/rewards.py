@@ -134,9 +134,9 @@ def _named(func: RewardFunc, name: str) -> RewardFunc:
     return reward
 
 
-def _import_reward(spec: str) -> RewardFunc:
-    """Import a reward function given as ``"module.path:function"``; a module in the current directory is found, as
-    ``python -m`` finds it."""
+def import_function(spec: str, kind: str = "reward function") -> Callable[..., Any]:
+    """Import a function given as ``"module.path:function"`` (a ``kind``: a reward function, a tool); a module in
+    the current directory is found, as ``python -m`` finds it."""
     module_name, _, attribute = spec.partition(":")
     cwd = os.getcwd()
     searched = cwd not in sys.path and "" not in sys.path
@@ -145,13 +145,13 @@ def _import_reward(spec: str) -> RewardFunc:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_name!r} for reward function {spec!r}: {exc}") from exc
+        raise ValueError(f"cannot import module {module_name!r} for {kind} {spec!r}: {exc}") from exc
     finally:
         if searched:
             sys.path.remove(cwd)
     func = getattr(module, attribute, None)
     if not callable(func):
-        raise ValueError(f"reward function {spec!r}: module {module_name!r} has no callable {attribute!r}")
+        raise ValueError(f"{kind} {spec!r}: module {module_name!r} has no callable {attribute!r}")
     return func
 
 
@@ -168,7 +168,7 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
         elif spec in REWARD_FUNCS:
             funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
-            funcs.append(_import_reward(spec))
+            funcs.append(import_function(spec))
         elif isinstance(spec, str) and ("/" in spec or os.path.isdir(os.path.expanduser(spec))):
             funcs.append(RewardModel(spec))  # a sequence-classification reward model, as TRL reads one
         else:

@@ -22,6 +22,7 @@ from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.rollout.turns import Turns
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.configured import controller_from_config
 from fastgrpo.speculative.plugin import LEARNERS, DrafterContext, DrafterPlugin, cost_probes
@@ -146,10 +147,11 @@ class TrainingRollouts:
         step: int,
         rank: int = 0,
         world_size: int = 1,
+        turns: Turns | None = None,
     ) -> GenerationOutput:
         """``num_generations`` completions of each prompt at training step ``step`` (sampled with `step_uniforms`),
-        keeping what online learning needs for `learn`."""
-        with self.decoding(prompt_ids, params, num_generations, step, rank, world_size) as run:
+        keeping what online learning needs for `learn`; with ``turns``, the completions call tools."""
+        with self.decoding(prompt_ids, params, num_generations, step, rank, world_size, turns) as run:
             run.finish()
         return run.output()
 
@@ -162,6 +164,7 @@ class TrainingRollouts:
         step: int,
         rank: int = 0,
         world_size: int = 1,
+        turns: Turns | None = None,
     ) -> Iterator[Decoding]:
         """`generate` one step at a time (`RolloutEngine.decoding`): what online learning needs is kept when the
         block ends with every row done."""
@@ -174,7 +177,7 @@ class TrainingRollouts:
         capture = any(learner.captures_hidden for learner in learners)
         capture |= self.draft_training.online and any(p.captures_hidden for p in waiting)
         engine = self.engine
-        with engine.decoding(prompt_ids, params, num_generations, capture_hidden=capture, uniforms=uniforms) as run:
+        with engine.decoding(prompt_ids, params, num_generations, None, capture, uniforms, turns) as run:
             yield run
         if not run.done:
             return

@@ -34,6 +34,7 @@ LAYERS = [
         "fastgrpo.data",
         "fastgrpo.config",
         "fastgrpo.memory",
+        "fastgrpo.tools",
     ],
     ["fastgrpo.rollout"],
     ["fastgrpo.speculative"],

@@ -438,7 +438,7 @@ def test_a_fresh_draft_with_a_reduced_vocabulary_takes_it_from_the_first_rollout
     config = replace(config, speculation=replace(config.speculation, draft_vocab_size=6))
     first = make_trainer(config)
     assert first.rollouts.drafter("eagle") is None and [p.name for p in first.rollouts.waiting] == ["eagle"]
-    _, out = first.rollout(0, first.prompts.rows(0))
+    _, out, _ = first.rollout(0, first.prompts.rows(0))
     expected = frequent_tokens(out.completion_ids, 6, first.eos)
     first.close()
 

@@ -134,6 +134,21 @@ class GRPOConfig(GRPOChecks):
         0.0, help="drop tokens below this share of the most likely one's probability", valid=Range(0, 1, high_open=True)
     )
     stop: list[str] = option(default_factory=list, help="strings that end a completion")
+    # tools (agents)
+    tools: list[str] = option(
+        default_factory=list,
+        help="tools completions may call: built-in names (`calculator`) or `module:function` (a typed, documented "
+        "function, plain or async); a turn that calls one waits for its result, which the completion goes on from",
+    )
+    max_tool_calling_iterations: int | None = option(
+        None,
+        help="turns of tool calls per completion at most, as TRL (None: no limit but max_completion_length)",
+        valid=Range(1),
+    )
+    tool_timeout: float = option(
+        30.0, help="seconds a tool call may run; a later result is an error message", valid=Range(0, low_open=True)
+    )
+    tool_workers: int = option(4, help="tool calls running at once", valid=Range(1))
     speculation: SpeculationConfig = option(
         default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
     )

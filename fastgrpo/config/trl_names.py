@@ -116,7 +116,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "trust_remote_code": ((False,), "fastgrpo runs only transformers' own model code"),
     "router_aux_loss_coef": ((None,), "a mixture-of-experts load-balancing loss is not added"),
-    "max_tool_calling_iterations": ((None,), "tool calling and environments are not supported"),
     "ds3_gather_for_generation": ((True,), "DeepSpeed is not used: fsdp: true shards the policy with FSDP2"),
     "pad_to_multiple_of": ((None, "auto"), "fastgrpo's rollouts and update pad to shapes of their own"),
     "log_multimodal": ((True, False), _LOGS),

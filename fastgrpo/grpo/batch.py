@@ -55,6 +55,13 @@ def build_batch(
     return batch
 
 
+def mask_tool_results(batch: RolloutBatch, tool_masks: list[list[int]]) -> None:
+    """Train on no token of a tool's result: ``completion_mask`` times each completion's tool mask (1 on the policy's
+    tokens, 0 on the results'), TRL's ``completion_mask * tool_mask``."""
+    for i, mask in enumerate(tool_masks):
+        batch.completion_mask[i, : len(mask)] *= torch.tensor(mask, dtype=batch.completion_mask.dtype, device="cpu")
+
+
 def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
     """Some rows of a batch (``rows``: ``[n]`` indices), trimmed to the prompt and completion columns they use."""
     attn = batch.attention_mask[rows]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ class StepPrompts:
         max_prompt_length: int,
         shuffle: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        render: Callable[[Any], tuple[Any, dict[str, Any]]] | None = None,
     ):
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -38,6 +40,7 @@ class StepPrompts:
         self.max_prompt_length = max_prompt_length
         self.shuffle = shuffle
         self.chat_template_kwargs = chat_template_kwargs
+        self.render = render  # with tools: a prompt's messages and the chat-template keywords that show them
         self.encoded: dict[int, list[int]] = {}
         self._warned_truncation = False
 
@@ -67,7 +70,11 @@ class StepPrompts:
         for row in rows:
             key = id(row)
             if key not in self.encoded:
-                ids = encode_prompts(self.tokenizer, [row["prompt"]], limit + 1, self.chat_template_kwargs)[0]
+                prompt, kwargs = row["prompt"], self.chat_template_kwargs
+                if self.render is not None:
+                    prompt, shown = self.render(prompt)
+                    kwargs = {**(kwargs or {}), **shown}
+                ids = encode_prompts(self.tokenizer, [prompt], limit + 1, kwargs)[0]
                 if len(ids) > limit and not self._warned_truncation:
                     self._warned_truncation = True
                     logger.warning(

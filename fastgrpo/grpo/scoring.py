@@ -27,6 +27,7 @@ def score_completions(
     rows: list[dict[str, Any]],
     out: GenerationOutput,
     step: int = 0,
+    conversations: list[list[dict[str, Any]]] | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], list[tuple[Any, str, float, dict[str, Any]]]]:
     """Rewards of this rank's completions (of ``rows``' prompts, ``num_generations`` each) and their advantages
     within the whole job's batch, as TRL forms them (`compute_advantages`: a completion no reward function scores is
@@ -36,8 +37,9 @@ def score_completions(
     groups are whole on every rank, and every function's rewards are gathered so that the metrics and
     ``scale_rewards: batch`` see the whole job's batch. Reward functions get TRL's ``trainer_state``,
     ``log_metric`` and ``log_extra`` keyword arguments; the values given to ``log_metric`` are averaged into the
-    step's metrics."""
-    completions = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    step's metrics. With tools, ``conversations`` are the completions as TRL hands them: each a list of messages
+    (the assistant's turns and the tools' results)."""
+    completions = conversations or tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
     full_rows = [row for row in rows for _ in range(cfg.num_generations)]
     prompts = [r["prompt"] for r in full_rows]
     logged = RewardLog()

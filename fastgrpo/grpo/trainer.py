@@ -17,7 +17,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
-from fastgrpo.grpo.batch import build_batch
+from fastgrpo.grpo.batch import build_batch, mask_tool_results
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -40,6 +40,7 @@ from fastgrpo.grpo.run_dir import (
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
+from fastgrpo.grpo.tool_use import RunTools
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -57,6 +58,8 @@ from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.speculative.registry import check_draft_training, check_speculation
 from fastgrpo.threads import ThreadGovernor
+from fastgrpo.tools.functions import resolve_tools
+from fastgrpo.tools.turns import ToolTurns
 from fastgrpo.training_rollouts import TrainingRollouts
 
 logger = logging.getLogger(__name__)
@@ -88,6 +91,7 @@ class GRPOTrainer:
         self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
+        tools = resolve_tools(config.tools)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
         check_columns(self.reward_funcs, self.dataset)
         self.eval_rows: list[dict[str, Any]] = []
@@ -131,6 +135,7 @@ class GRPOTrainer:
             check_disk_space(self.output_dir, disk, self._checkpoints(0), freed)
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
+        self.tools = RunTools(tools, self.tokenizer, config) if tools else None
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
@@ -180,6 +185,7 @@ class GRPOTrainer:
             config.max_prompt_length,
             config.shuffle_dataset,
             config.chat_template_kwargs,
+            self.tools.render if self.tools is not None else None,
         )
         if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
             with distributed.main_first(self.dist):
@@ -247,14 +253,18 @@ class GRPOTrainer:
             logger.warning("--resume: the checkpoint's float32 master weights are not used (master_weights: false)")
 
     # -- one step -----------------------------------------------------------------------------------------
-    def rollout(self, step: int, rows: list[dict[str, Any]]) -> tuple[list[list[int]], GenerationOutput]:
+    def rollout(
+        self, step: int, rows: list[dict[str, Any]]
+    ) -> tuple[list[list[int]], GenerationOutput, ToolTurns | None]:
         """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same completions
-        whatever the number of processes sharing the step)."""
+        whatever the number of processes sharing the step), with the run's tools their turns call."""
         prompt_ids = self.prompts.encode(rows)
+        generations = self.config.num_generations
+        turns = self.tools.turns(len(prompt_ids) * generations) if self.tools is not None else None
         out = self.rollouts.generate(
-            prompt_ids, self.sampling, self.config.num_generations, step, self.dist.rank, self.dist.world_size
+            prompt_ids, self.sampling, generations, step, self.dist.rank, self.dist.world_size, turns
         )
-        return prompt_ids, out
+        return prompt_ids, out, turns
 
     def train_step(self, step: int) -> dict[str, float]:
         """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
@@ -264,10 +274,11 @@ class GRPOTrainer:
         reset_peak_memory(self.device)
         # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
         with distributed.gathered(self.update.policy):
-            prompt_ids, out = self.rollout(step, rows)
+            prompt_ids, out, turns = self.rollout(step, rows)
             t1 = time.perf_counter()
+            conversations = None if turns is None else [row.messages for row in turns.rows]
             advantages, reward_metrics, self._last_samples = score_completions(
-                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step
+                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step, conversations
             )
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
@@ -283,6 +294,8 @@ class GRPOTrainer:
         prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages, out.logprobs)
         truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
+        if out.tool_masks is not None:  # tool results: no loss, KL or token metric, as TRL's tool_mask
+            mask_tool_results(batch, out.tool_masks)
         if cfg.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
         self.update.fixed_logps(batch)
@@ -309,6 +322,7 @@ class GRPOTrainer:
             "time/train": t3 - t_policy,
             "time/step": t3 - t0,
             **out.stats.metrics(),
+            **(turns.metrics() if turns is not None else {}),
             "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
             **memory,
             **reserved,
@@ -321,6 +335,8 @@ class GRPOTrainer:
         """Give the output directory's lock back (`train` does when it ends); another run may then use it."""
         if self.lock is not None:
             self.lock.release()
+        if self.tools is not None:
+            self.tools.close()
 
     # -- the loop -----------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:

@@ -98,20 +98,31 @@ class GenerationStats:
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and with compiled steps
         ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took, and
-        ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes)."""
+        ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes; with
+        tools, ``tools/rows_waiting`` on them per step, ``tools/prefill_tokens`` of their results fed to the caches
+        and ``tools/wait_seconds`` spent with no row to decode)."""
         compiled = {
             "compile/graphs": self.compile_graphs,
             "compile/seconds": self.compile_time,
             "compile/cold_steps": self.cold_steps,
         }
-        return (compiled if self.compiled else {}) | {
-            "rollout/tokens_per_second": self.tokens_per_second,
-            "rollout/target_forwards": self.target_forwards,
-            "spec/accept_length": self.accept_length,
-            "spec/tree_accept_length": self.tree_accept_length,
-            "spec/n_verify_mean": self.n_verify_mean,
-            "spec/concurrency_mean": self.concurrency_mean,
-            "spec/draft_time": self.draft_time,
-            "spec/verify_time": self.verify_time,
-            **self.drafter_metrics(),
+        tools = {
+            "tools/rows_waiting": sum(self.waiting) / max(len(self.waiting), 1),  # per step, mean
+            "tools/prefill_tokens": self.tool_prefill_tokens,
+            "tools/wait_seconds": self.tool_wait_time,
         }
+        return (
+            (compiled if self.compiled else {})
+            | (tools if self.waiting else {})
+            | {
+                "rollout/tokens_per_second": self.tokens_per_second,
+                "rollout/target_forwards": self.target_forwards,
+                "spec/accept_length": self.accept_length,
+                "spec/tree_accept_length": self.tree_accept_length,
+                "spec/n_verify_mean": self.n_verify_mean,
+                "spec/concurrency_mean": self.concurrency_mean,
+                "spec/draft_time": self.draft_time,
+                "spec/verify_time": self.verify_time,
+                **self.drafter_metrics(),
+            }
+        )

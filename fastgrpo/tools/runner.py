@@ -1,0 +1,128 @@
+"""Where tools run: a bounded set of worker threads (async tools on an event loop of their own), each call with a
+deadline. A call that raises (anything, ``SystemExit`` included), outlives its deadline or returns something other
+than a string ends as an error message, the tool's result; the run goes on. A call past its deadline is given up:
+its thread is left to finish on its own (Python cannot stop a thread) and its worker slot is freed for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastgrpo.tools.functions import Tool
+
+
+@dataclass
+class Result:
+    """A finished call: ``key`` as submitted, the ``content`` the conversation gets, whether it ``failed``, and the
+    ``seconds`` it ran."""
+
+    key: Any
+    content: str
+    failed: bool
+    seconds: float
+
+
+@dataclass
+class _Call:
+    key: Any
+    tool: Tool
+    arguments: dict[str, Any]
+    started: float | None = None  # when a worker took it (its deadline runs from then)
+    settled: bool = False  # its result (or its timeout) was handed out
+
+
+class ToolRunner:
+    """Runs tool calls on at most ``workers`` threads at once, each for at most ``timeout`` seconds, results of at
+    most ``max_result_chars`` characters; ``clock`` measures the deadlines (tests give a fake one)."""
+
+    def __init__(
+        self,
+        workers: int = 4,
+        timeout: float = 30.0,
+        max_result_chars: int = 4000,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.timeout, self.max_result_chars, self.clock = timeout, max_result_chars, clock
+        self._slots = threading.Semaphore(workers)
+        self._done: queue.Queue[Result] = queue.Queue()
+        self._calls: list[_Call] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def submit(self, key: Any, tool: Tool, arguments: dict[str, Any]) -> None:
+        """Run ``tool(**arguments)``; its `Result` comes out of `results` under ``key``."""
+        call = _Call(key, tool, arguments)
+        with self._lock:
+            self._calls.append(call)
+        threading.Thread(target=self._work, args=(call,), daemon=True, name=f"tool {tool.name}").start()
+
+    def _work(self, call: _Call) -> None:
+        self._slots.acquire()
+        call.started = start = self.clock()
+        try:
+            if call.tool.is_async:
+                future = asyncio.run_coroutine_threadsafe(call.tool.function(**call.arguments), self._event_loop())
+                value = future.result()
+            else:
+                value = call.tool.function(**call.arguments)
+            content, failed = self._checked(call.tool, value)
+        except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
+            content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {exc}", True
+        self._finish(call, content, failed, self.clock() - start)
+
+    def _checked(self, tool: Tool, value: Any) -> tuple[str, bool]:
+        if not isinstance(value, str):
+            return f"error: tool {tool.name!r} returned {type(value).__name__}, not a string", True
+        if len(value) > self.max_result_chars:
+            limit = self.max_result_chars
+            return f"error: tool {tool.name!r} returned {len(value)} characters, more than {limit}", True
+        return value, False
+
+    def _finish(self, call: _Call, content: str, failed: bool, seconds: float) -> None:
+        with self._lock:
+            if call.settled:  # given up at its deadline: its slot was freed then
+                return
+            call.settled = True
+            self._calls.remove(call)
+        self._slots.release()
+        self._done.put(Result(call.key, content, failed, seconds))
+
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, daemon=True, name="async tools").start()
+            return self._loop
+
+    def _expire(self) -> None:
+        """Give up the calls past their deadline."""
+        now = self.clock()
+        with self._lock:
+            late = [c for c in self._calls if c.started is not None and now - c.started > self.timeout]
+        for call in late:
+            message = f"error: tool {call.tool.name!r} did not return within {self.timeout:g} seconds"
+            self._finish(call, message, True, now - call.started)
+
+    def results(self, block: bool = False, poll: float = 0.01) -> list[Result]:
+        """The calls finished since the last call; ``block``: wait until there is one (checking deadlines every
+        ``poll`` seconds)."""
+        out: list[Result] = []
+        while True:
+            self._expire()
+            try:
+                out.append(self._done.get(block=block and not out, timeout=poll))
+            except queue.Empty:
+                if out or not block:
+                    return out
+
+    def close(self) -> None:
+        """Stop the async tools' event loop (calls still running are left to their threads)."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._loop = None

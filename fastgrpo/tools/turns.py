@@ -1,0 +1,151 @@
+"""The tools of one generation call, as the engine asks for them (`fastgrpo.rollout.turns.Turns`): when a row's turn
+ends, its text is parsed for calls, which run on the `ToolRunner`; when all of a row's calls have returned, the tool
+turn's tokens continue the row. Each row keeps its conversation (the assistant's turns and the tools' results, as
+TRL hands completions with tools to reward functions) and what its tools cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo.tools.format import ToolFormat
+from fastgrpo.tools.functions import Tool
+from fastgrpo.tools.runner import Result, ToolRunner
+
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "array": (list,),
+    "object": (dict,),
+}
+
+
+def argument_error(tool: Tool, arguments: dict[str, Any]) -> str | None:
+    """Why ``arguments`` do not fit ``tool``'s schema (missing, unknown or wrongly typed ones), None when they do."""
+    parameters = tool.schema["function"].get("parameters", {})
+    properties = parameters.get("properties", {})
+    missing = [name for name in parameters.get("required", []) if name not in arguments]
+    unknown = [name for name in arguments if name not in properties]
+    if missing or unknown:
+        return f"error: tool {tool.name!r} takes {sorted(properties)}; missing {missing}, unknown {unknown}"
+    for name, value in arguments.items():
+        kinds = properties[name].get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        allowed = tuple(t for kind in kinds for t in _JSON_TYPES.get(kind, (object,)))
+        wrong = allowed and (not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed))
+        if wrong:
+            return f"error: argument {name!r} of tool {tool.name!r} must be {'/'.join(kinds)}, got {value!r}"
+    return None
+
+
+@dataclass
+class ToolRow:
+    """One completion's conversation so far: its ``messages`` (assistant turns and tool results), where its current
+    turn starts in the completion, its calls so far, their failures, the results it waits for and its tool time."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turn_start: int = 0
+    iterations: int = 0
+    calls: int = 0
+    failures: int = 0
+    overlong: int = 0  # results that would not fit, rolled back
+    seconds: float = 0.0
+    length: int = 0  # completion tokens when its turn ended
+    waiting: dict[int, Result | None] = field(default_factory=dict)  # its calls' results by call number
+    names: list[str] = field(default_factory=list)
+
+
+class ToolTurns:
+    """A generation call's tools: ``tools`` by name, called as ``fmt`` shows and reads them, on ``runner``; each row
+    calls tools in at most ``max_iterations`` turns; a completion holds at most ``max_tokens`` tokens."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        fmt: ToolFormat,
+        runner: ToolRunner,
+        rows: int,
+        max_tokens: int,
+        max_iterations: int | None = None,
+    ):
+        self.tokenizer, self.format, self.runner = tokenizer, fmt, runner
+        self.tools = {tool.name: tool for tool in fmt.tools}
+        self.max_tokens, self.max_iterations = max_tokens, max_iterations
+        self.rows = [ToolRow() for _ in range(rows)]
+
+    def _text(self, row: ToolRow, completion: list[int]) -> str:
+        return self.tokenizer.decode(completion[row.turn_start :], skip_special_tokens=True)
+
+    def ended(self, index: int, completion: list[int]) -> bool:
+        row = self.rows[index]
+        message = self.format.parse(self._text(row, completion))
+        row.messages.append(message)
+        calls = message.get("tool_calls") or []
+        if not calls or (self.max_iterations is not None and row.iterations >= self.max_iterations):
+            return False
+        row.iterations += 1
+        row.length, row.waiting, row.names = len(completion), {}, []
+        for k, call in enumerate(calls):
+            row.calls += 1
+            function = call.get("function") or {}
+            name = function.get("name", "unknown")
+            row.names.append(name)
+            row.waiting[k] = None
+            tool = self.tools.get(name)
+            error = call.get("error")
+            if error is None and tool is None:
+                error = f"error: unknown tool {name!r}; the tools are {sorted(self.tools)}"
+            if error is None:
+                error = argument_error(tool, function.get("arguments", {}))
+            if error is not None:
+                row.waiting[k] = Result((index, k), error, True, 0.0)
+            else:
+                self.runner.submit((index, k), tool, function.get("arguments", {}))
+        return True
+
+    def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
+        out = []
+        waiting = [i for i, row in enumerate(self.rows) if row.waiting]
+        done = [i for i in waiting if all(r is not None for r in self.rows[i].waiting.values())]
+        results = self.runner.results(block=block and not done) if len(done) < len(waiting) else []
+        for result in results:
+            index, k = result.key
+            self.rows[index].waiting[k] = result
+            if index not in done and all(r is not None for r in self.rows[index].waiting.values()):
+                done.append(index)
+        for index in done:
+            out.append((index, self._continue(self.rows[index])))
+        return out
+
+    def _continue(self, row: ToolRow) -> list[int] | None:
+        """The tokens of a row's tool turn, or None when they would leave no room in the completion (TRL's rollback:
+        the results are dropped and the row ends as it is)."""
+        results = [row.waiting[k] for k in sorted(row.waiting)]
+        row.waiting = {}
+        row.failures += sum(r.failed for r in results)
+        row.seconds += sum(r.seconds for r in results)
+        messages = [{"role": "tool", "name": n, "content": r.content} for n, r in zip(row.names, results, strict=True)]
+        tokens = self.format.suffix_ids(messages)
+        if row.length + len(tokens) >= self.max_tokens:
+            row.overlong += 1
+            return None
+        row.messages += messages
+        row.turn_start = row.length + len(tokens)
+        return tokens
+
+    def metrics(self) -> dict[str, float]:
+        """The call's tool metrics: TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` (per completion, as
+        TRL averages them) and fastgrpo's tool seconds and rolled-back results."""
+        n = max(len(self.rows), 1)
+        calls = sum(r.calls for r in self.rows)
+        return {
+            "tools/call_frequency": calls / n,
+            "tools/failure_frequency": sum(r.failures for r in self.rows) / max(calls, 1),
+            "tools/seconds": sum(r.seconds for r in self.rows),
+            "tools/overlong": sum(r.overlong for r in self.rows) / n,
+        }

@@ -1,0 +1,230 @@
+"""Tools: resolved and refused before a model loads, shown and read in the fallback format of the embedded model's
+template, run with deadlines, every fault ending as an error message in the conversation, and tool results masked
+out of training."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.grpo.batch import build_batch, mask_tool_results
+from fastgrpo.models import resolve_model_path
+from fastgrpo.tools.format import ToolFormat
+from fastgrpo.tools.functions import calculator, resolve_tools
+from fastgrpo.tools.runner import ToolRunner
+from fastgrpo.tools.turns import ToolTurns
+
+
+def add(a: int, b: int) -> str:
+    """Add two integers.
+
+    Args:
+        a: the first.
+        b: the second.
+    """
+    return str(a + b)
+
+
+def undocumented(a: int) -> str:
+    return str(a)
+
+
+def untyped(a):
+    """No hints.
+
+    Args:
+        a: a value.
+    """
+    return a
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+
+
+def test_calculator() -> None:
+    assert calculator("12 * (3 + 4)") == "84"
+    assert calculator("7 / 2") == "3.5"
+    with pytest.raises(ValueError, match="not arithmetic"):
+        calculator("__import__('os')")
+    with pytest.raises(ValueError, match="exponent"):
+        calculator("2 ** 1000")
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        (["nowhere_module:f"], "cannot import module 'nowhere_module' for tools entry"),
+        (["json:no_such_function"], "module 'json' has no callable 'no_such_function'"),
+        ([undocumented], "tool 'undocumented' cannot be described to the model"),
+        ([untyped], "tool 'untyped' cannot be described to the model"),
+        ([add, add], "two tools are named 'add'"),
+        (["abacus"], "unknown tool 'abacus'"),
+    ],
+)
+def test_bad_tools_are_refused_naming_them(specs, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        resolve_tools(specs)
+
+
+def test_bad_tools_are_refused_before_the_model_loads(tmp_path, no_model_loads) -> None:
+    from fastgrpo.grpo.trainer import GRPOTrainer
+
+    config = GRPOConfig(model="smollm2", tools=["abacus"], output_dir=str(tmp_path / "run"))
+    with pytest.raises(ValueError, match="unknown tool 'abacus'"):
+        GRPOTrainer(config)
+
+
+def test_the_fallback_format_shows_reads_and_continues(tokenizer) -> None:
+    fmt = ToolFormat(tokenizer, resolve_tools(["calculator", add]))
+    assert not fmt.native and "fallback" in fmt.name
+    messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
+    assert kwargs == {} and messages[0]["role"] == "system" and '"name": "calculator"' in messages[0]["content"]
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    call = fmt.parse(text)["tool_calls"][0]
+    assert call == {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    assert "error" in fmt.parse('<tool_call>{"name": add}</tool_call>')["tool_calls"][0]
+    assert "tool_calls" not in fmt.parse("The answer is 5.")
+    suffix = fmt.suffix_ids([{"role": "tool", "name": "add", "content": "5"}])
+    assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def hangs(x: str) -> str:
+    """Never returns until released.
+
+    Args:
+        x: anything.
+    """
+    RELEASE.wait()
+    return x
+
+
+RELEASE = threading.Event()
+
+
+def raises(x: str) -> str:
+    """Raises.
+
+    Args:
+        x: anything.
+    """
+    raise RuntimeError("broken tool")
+
+
+def exits(x: str) -> str:
+    """Exits its thread.
+
+    Args:
+        x: anything.
+    """
+    raise SystemExit(3)
+
+
+def number(x: str) -> str:
+    """Returns a number.
+
+    Args:
+        x: anything.
+    """
+    return 5  # type: ignore[return-value]
+
+
+def huge(x: str) -> str:
+    """Returns too much.
+
+    Args:
+        x: anything.
+    """
+    return "y" * 10_000
+
+
+async def later(x: str) -> str:
+    """An async tool.
+
+    Args:
+        x: anything.
+    """
+    await asyncio.sleep(0)
+    return x.upper()
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def turn(tokenizer, call: dict) -> list[int]:
+    """A completion whose turn calls ``call`` and ends with the EOS."""
+    text = f"<tool_call>{json.dumps(call)}</tool_call>"
+    return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+
+
+FAULTS = {
+    "raises": ({"name": "raises", "arguments": {"x": "a"}}, "raised RuntimeError: broken tool"),
+    "kills its worker": ({"name": "exits", "arguments": {"x": "a"}}, "raised SystemExit"),
+    "times out": ({"name": "hangs", "arguments": {"x": "a"}}, "did not return within 5 seconds"),
+    "returns a non-string": ({"name": "number", "arguments": {"x": "a"}}, "returned int, not a string"),
+    "returns a huge result": ({"name": "huge", "arguments": {"x": "a"}}, "returned 10000 characters, more than 4000"),
+    "is unknown": ({"name": "abacus", "arguments": {}}, "unknown tool 'abacus'"),
+    "has malformed arguments": ({"name": "add", "arguments": {"a": 1}}, "missing ['b']"),
+    "has wrongly typed arguments": ({"name": "add", "arguments": {"a": "1", "b": 2}}, "'a' of tool 'add' must be"),
+    "has an unknown argument": ({"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}, "unknown ['c']"),
+}
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_every_fault_is_an_error_message_and_the_others_go_on(tokenizer, fault: str) -> None:
+    """Row 0 meets the fault, row 1 calls a working tool in the same call: both rows go on, only row 0's call is
+    counted as failed, and its result in the conversation is the error."""
+    clock = FakeClock()
+    tools = resolve_tools([add, raises, exits, hangs, number, huge, later])
+    runner = ToolRunner(workers=2, timeout=5.0, clock=clock)
+    turns = ToolTurns(tokenizer, ToolFormat(tokenizer, tools), runner, rows=2, max_tokens=400)
+    call, message = FAULTS[fault]
+    assert turns.ended(0, turn(tokenizer, call))
+    assert turns.ended(1, turn(tokenizer, {"name": "later", "arguments": {"x": "ok"}}))
+    ready: dict[int, list[int] | None] = {}
+    while len(ready) < 2:
+        ready.update(turns.ready(block=False))
+        if 1 in ready:  # the clock runs on once the working tool has returned: a hung call then times out
+            clock.now += 1.0
+        else:
+            threading.Event().wait(0.001)
+    assert all(tokens is not None for tokens in ready.values())
+    assert message in turns.rows[0].messages[-1]["content"]
+    assert turns.rows[1].messages[-1]["content"] == "OK"
+    metrics = turns.metrics()
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.5
+    runner.close()
+
+
+def test_a_result_that_leaves_no_room_is_rolled_back_and_iterations_are_bounded(tokenizer) -> None:
+    tools = resolve_tools([add])
+    runner = ToolRunner()
+    completion = turn(tokenizer, {"name": "add", "arguments": {"a": 1, "b": 2}})
+    short = ToolTurns(tokenizer, ToolFormat(tokenizer, tools), runner, rows=1, max_tokens=len(completion) + 5)
+    assert short.ended(0, completion)
+    assert short.ready(block=True) == [(0, None)]
+    assert short.metrics()["tools/overlong"] == 1.0 and len(short.rows[0].messages) == 1
+    bounded = ToolTurns(tokenizer, ToolFormat(tokenizer, tools), runner, rows=1, max_tokens=400, max_iterations=1)
+    assert bounded.ended(0, completion)
+    ((index, tokens),) = bounded.ready(block=True)
+    assert tokenizer.decode(tokens) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
+    assert not bounded.ended(0, completion + tokens + completion), "a second turn of calls is past the limit"
+    assert [m["role"] for m in bounded.rows[0].messages] == ["assistant", "tool", "assistant"]
+
+
+def test_tool_results_are_masked_out_of_training() -> None:
+    batch = build_batch([[1, 2], [3]], [[4, 5, 6, 7], [8, 9]], 0, torch.zeros(2), [[-1.0] * 4, [-1.0] * 2])
+    mask_tool_results(batch, [[1, 0, 0, 1], [1, 1]])
+    assert batch.completion_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
