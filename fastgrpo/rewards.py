@@ -178,12 +178,13 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
 
 
 def required_columns(func: RewardFunc) -> list[str]:
-    """The dataset columns ``func`` takes without a default (besides prompts, completions and completion_ids)."""
+    """The dataset columns ``func`` takes without a default (besides prompts, completions, completion_ids and the
+    keyword arguments the trainer passes)."""
     try:
         parameters = inspect.signature(func).parameters.values()
     except (TypeError, ValueError):  # a callable without an inspectable signature
         return []
-    given = {"prompts", "completions", "completion_ids"}
+    given = {"prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra", "environments"}
     return [
         p.name
         for p in parameters

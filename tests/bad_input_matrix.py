@@ -12,6 +12,7 @@ Signals, a disk that fills mid-save, concurrent runs and resumed runs have tests
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import io
 import json
@@ -20,6 +21,8 @@ import math
 import os
 import shutil
 import sys
+import tempfile
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -74,6 +77,112 @@ def exit_zero_reward(completions: list, **kwargs: Any) -> list[float]:
 
 def huge_reward(completions: list, **kwargs: Any) -> list[float]:
     return [1e308 * (-1) ** i for i in range(len(completions))]
+
+
+def tool_result_reward(completions: list, **kwargs: Any) -> list[float]:
+    """1 for a completion (a list of messages, with tools) in which a tool returned ``5``."""
+    return [float(any(m["role"] == "tool" and m["content"] == "5" for m in c)) for c in completions]
+
+
+def _add_tool(body: Callable[[int, int], Any]) -> Callable[..., Any]:
+    """A tool named ``add``, with one schema whatever ``body`` does (so that the prompt is the one the tool caller
+    learnt to answer with a call)."""
+
+    def add(a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: the first number.
+            b: the second number.
+        """
+        return body(a, b)
+
+    return add
+
+
+# Tools the cases name as bad_input_matrix:NAME: `add` that works, and `add` with each fault a tool can have.
+add_works = _add_tool(lambda a, b: str(a + b))
+add_raises = _add_tool(lambda a, b: str(a / (b - b)))
+add_exits = _add_tool(lambda a, b: sys.exit(3))
+add_hangs = _add_tool(lambda a, b: str(threading.Event().wait(30)))
+add_number = _add_tool(lambda a, b: a + b)
+add_huge = _add_tool(lambda a, b: "5" * 10_000)
+
+
+def untyped_tool(a):  # noqa: ANN001, ANN201 - the fault is the missing hints
+    """A tool without type hints.
+
+    Args:
+        a: a value.
+    """
+    return a
+
+
+def undocumented_tool(a: int) -> str:
+    return str(a)
+
+
+class NoResetEnvironment:
+    """An environment without ``reset``."""
+
+    def add(self, a: int) -> str:
+        """Add.
+
+        Args:
+            a: a number.
+        """
+        return str(a)
+
+
+class Calculator:
+    """An environment with a calculator and no reward of its own."""
+
+    def reset(self, **row: Any) -> None:
+        pass
+
+    def add(self, a: int, b: int) -> str:
+        """Add two numbers.
+
+        Args:
+            a: the first number.
+            b: the second number.
+        """
+        return str(a + b)
+
+
+_CALLER: list[Path] = []  # the tool caller, trained once per process
+
+
+def tool_caller(tmp: Path) -> None:
+    """``{tmp}/caller``: a tiny Llama that answers the question of `tool_run` by calling ``add(a=2, b=3)``
+    (`conftest.save_tool_caller`, trained once per process)."""
+    from conftest import save_tool_caller
+
+    from fastgrpo.config import GRPOConfig
+
+    if not _CALLER:
+        directory = Path(tempfile.mkdtemp(prefix="fastgrpo-caller-"))
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        config = GRPOConfig(model="smollm2", tools=["bad_input_matrix:add_works"])
+        _CALLER.append(save_tool_caller(directory / "caller", config, {"prompt": QUESTION}))
+    shutil.copytree(_CALLER[0], tmp / "caller")
+
+
+QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
+
+
+def tool_run(name: str, expect: str, says: str, tool: str, **options: Any) -> Case:
+    """A run of the tool caller on its question, with ``tool`` as its only tool."""
+    config = tiny_run(
+        model="{tmp}/caller",
+        dataset={"name": "{tmp}/question.jsonl"},
+        tools=[f"bad_input_matrix:{tool}"],
+        reward_funcs=["bad_input_matrix:tool_result_reward"],
+        max_completion_length=64,
+        **options,
+    )
+    files = {"question.jsonl": json.dumps({"prompt": QUESTION[0]["content"], "answer": "5"}) + "\n"}
+    return Case(name, ("train",), expect, says, config=config, files=files, setup=tool_caller)
 
 
 def tiny_run(**options: Any) -> dict[str, Any]:
@@ -572,6 +681,34 @@ CASES: list[Case] = [
     train("a prompt longer than max_prompt_length", WARNS, "a prompt is longer than max_prompt_length (8 tokens)",
           max_prompt_length=8),
     train("more threads than cores", WARNS, "cpu_threads", cpu_threads=1000),
+    # -- tools and environments: refused before a model loads, or every fault of a call an error message ------------
+    train("a tool that does not import", REFUSED, "cannot import module 'nowhere_module' for tools entry",
+          tools=["nowhere_module:f"]),
+    train("a tool without type hints", REFUSED, "tool 'untyped_tool' cannot be described to the model",
+          tools=["bad_input_matrix:untyped_tool"]),
+    train("a tool without a docstring", REFUSED, "tool 'undocumented_tool' cannot be described to the model",
+          tools=["bad_input_matrix:undocumented_tool"]),
+    train("two tools of one name", REFUSED, "two tools are named 'calculator'",
+          tools=["calculator", "fastgrpo.tools.functions:calculator"]),
+    train("an unknown built-in tool", REFUSED, "unknown tool 'abacus'", tools=["abacus"]),
+    train("no tool timeout", REFUSED, "tool_timeout", tools=["calculator"], tool_timeout=0),
+    train("no tool workers", REFUSED, "tool_workers", tools=["calculator"], tool_workers=0),
+    train("no tool-calling iterations", REFUSED, "max_tool_calling_iterations", tools=["calculator"],
+          max_tool_calling_iterations=0),
+    train("an environment without reset", REFUSED, "NoResetEnvironment has no reset method",
+          environment_factory="bad_input_matrix:NoResetEnvironment"),
+    train("an environment method clashing with a tool", REFUSED, "Calculator's methods ['add'] have the names",
+          environment_factory="bad_input_matrix:Calculator", tools=["bad_input_matrix:add_works"]),
+    train("a row naming no environment", REFUSED, "dataset row 0: environment None is not among the environments",
+          environment_factory={"calc": "bad_input_matrix:Calculator"}),
+    train("no reward source", REFUSED, "no reward source", reward_funcs=[],
+          environment_factory="bad_input_matrix:Calculator"),
+    tool_run("a tool that works", RUNS, "mean reward of the last 1: 1.000", "add_works"),
+    tool_run("a tool that raises", RUNS, "a call of tool 'add' failed", "add_raises"),
+    tool_run("a tool that kills its worker", RUNS, "raised SystemExit", "add_exits"),
+    tool_run("a tool that hangs", RUNS, "did not return within 0.2 seconds", "add_hangs", tool_timeout=0.2),
+    tool_run("a tool that returns a non-string", RUNS, "returned int, not a string", "add_number"),
+    tool_run("a tool that returns a huge result", RUNS, "returned 10000 characters", "add_huge"),
     # -- places it writes ---------------------------------------------------------------------------------------------
     Case("output_dir is a file", ("train",), REFUSED, "is a file, not a directory",
          config=tiny_run(output_dir="{tmp}/f"), files={"f": ""}),

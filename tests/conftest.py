@@ -175,6 +175,49 @@ def save_tiny_llama(path: Path, seed: int, tie_word_embeddings: bool, head_scale
     return path
 
 
+def tool_call_conversation(config: object, row: dict) -> tuple[list[int], list[int], list[int]]:
+    """The prompt ids of ``row`` as a run with ``config``'s tools renders it, and a completion that calls
+    ``add(a=2, b=3)``, reads the result ``5`` and answers: its ids and its tool mask."""
+    from fastgrpo.grpo.prompts import StepPrompts
+    from fastgrpo.grpo.tool_use import RunTools, resolve_run_tools
+
+    tokenizer = load_tokenizer("smollm2")
+    run = RunTools(*resolve_run_tools(config, [], [row]), tokenizer, config)
+    prompt = StepPrompts([], tokenizer, 1, 0, 1, 0, 1024, render=run.render).encode([row])[0]
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    call_ids = tokenizer(call, add_special_tokens=False)["input_ids"]
+    result = run.formats[run.environment(row)].suffix_ids([{"role": "tool", "name": "add", "content": "5"}])
+    answer = tokenizer("The answer is 5.", add_special_tokens=False)["input_ids"]
+    run.close()
+    eos = tokenizer.eos_token_id
+    completion = call_ids + [eos] + result + answer + [eos]
+    mask = [1] * (len(call_ids) + 1) + [0] * len(result) + [1] * (len(answer) + 1)
+    return prompt, completion, mask
+
+
+def save_tool_caller(path: Path, config: object, row: dict, steps: int = 120) -> Path:
+    """A tiny Llama trained until it writes `tool_call_conversation`'s completion after ``row``'s prompt (the call,
+    then the answer after the tool's result), its LM head then scaled up so that sampling at temperature 1 writes
+    it too; saved at ``path`` with the SmolLM2 tokenizer."""
+    save_tiny_llama(path, seed=0, tie_word_embeddings=False)
+    prompt, completion, _ = tool_call_conversation(config, row)
+    model = LlamaForCausalLM.from_pretrained(path)
+    ids = torch.tensor([prompt + completion], device="cpu")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    for _ in range(steps):
+        logits = model(ids).logits[0, len(prompt) - 1 : -1]
+        loss = torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.05, loss.item()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return path
+
+
 def save_tiny_scorer(path: Path, seed: int = 0) -> Path:
     """A tiny random Llama with a one-label classification head (a reward model), saved with the SmolLM2
     tokenizer."""

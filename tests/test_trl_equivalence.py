@@ -21,7 +21,7 @@ trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 
 from fastgrpo.config import GRPOConfig  # noqa: E402
 from fastgrpo.grpo.advantages import compute_advantages  # noqa: E402
-from fastgrpo.grpo.batch import build_batch  # noqa: E402
+from fastgrpo.grpo.batch import build_batch, mask_tool_results  # noqa: E402
 from fastgrpo.grpo.policy_update import PolicyUpdate  # noqa: E402
 from fastgrpo.rewards import function_metrics, reward_matrix  # noqa: E402
 
@@ -33,6 +33,14 @@ LENGTHS = [5, 3, 6, 2, 4, 6, 1, 3, 5, 0, 6, 2]
 CORRECT = [1.0, None, None, 0.5, 1.0, 1.0, 1.0, 1.0, 0.25, 1.0, None, 0.0]
 FORMAT = [0.5, 0.0, None, 0.5, 0.5, 0.5, 0.5, 0.5, 0.0, 0.5, 0.25, None]
 N, C = len(LENGTHS), max(LENGTHS)
+# A tool's result tokens (0) inside completions, as multi-turn rollouts with tools give them.
+TOOL_MASK = {
+    0: [1, 1, 0, 0, 1],
+    2: [1, 0, 0, 1, 1, 1],
+    5: [1, 1, 1, 0, 1, 1],
+    8: [1, 0, 0, 0, 1],
+    10: [1, 0, 1, 0, 1, 1],
+}
 BASE = 100  # a prompt's last token is BASE + its row: the stand-in policy reads which row it scores from it
 
 
@@ -101,7 +109,8 @@ def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dic
         completion_ids = [[5] * LENGTHS[i] for i in rows]
         sampling = [t["sampling"][i, : LENGTHS[i]].tolist() for i in rows]
         prompt_ids = [[1] * (1 + i % 3) + [BASE + i] for i in rows]
-        return prompt_ids, completion_ids, None, [str(i) for i in rows], sampling, {}, None, None
+        tool_mask = [TOOL_MASK.get(i, [1] * LENGTHS[i]) for i in rows] if options.get("tool_mask") else None
+        return prompt_ids, completion_ids, tool_mask, [str(i) for i in rows], sampling, {}, None, None
 
     beta = options.get("beta", 0.0)
     args = SimpleNamespace(
@@ -236,6 +245,8 @@ class TablePolicy(nn.Module):
 def run_fastgrpo(options: dict[str, Any], t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, float, dict, dict]:
     """fastgrpo's rewards, advantages, and policy update in its own micro-batches; the gradient is read before the
     optimizer step."""
+    options = dict(options)
+    tool_mask = options.pop("tool_mask", False)
     config = GRPOConfig(
         num_generations=G,
         max_completion_length=C,
@@ -250,6 +261,8 @@ def run_fastgrpo(options: dict[str, Any], t: dict[str, torch.Tensor]) -> tuple[t
     prompts = [[1] * (1 + i % 3) + [BASE + i] for i in range(N)]
     sampling = [t["sampling"][i, : LENGTHS[i]].tolist() for i in range(N)]
     batch = build_batch(prompts, [[5] * n for n in LENGTHS], 0, result.advantages, sampling)
+    if tool_mask:
+        mask_tool_results(batch, [TOOL_MASK.get(i, [1] * n) for i, n in enumerate(LENGTHS)])
     batch.old_logps = t["old"].clone()
     if config.beta > 0:
         batch.ref_logps = t["ref"].clone()
@@ -326,6 +339,16 @@ CASES = {
     "batch scaling weights": {"scale_rewards": "batch", "reward_weights": [2.0, 0.5]},
     "no scaling": {"scale_rewards": "none"},
     "normalize_then_sum": {"multi_objective_aggregation": "normalize_then_sum", "reward_weights": [1.0, 3.0]},
+    "tool mask dapo beta token_truncate": {
+        "tool_mask": True,
+        "beta": 0.04,
+        "importance_sampling_correction": True,
+        "importance_sampling_mode": "token_truncate",
+        "importance_sampling_clip_max": 1.5,
+        "top_entropy_quantile": 0.5,
+    },
+    "tool mask grpo sequence level": {"tool_mask": True, "loss_type": "grpo", "importance_sampling_level": "sequence"},
+    "tool mask dr_grpo": {"tool_mask": True, "loss_type": "dr_grpo", "epsilon_high": 0.28},
 }
 
 

@@ -149,6 +149,13 @@ class GRPOConfig(GRPOChecks):
         30.0, help="seconds a tool call may run; a later result is an error message", valid=Range(0, low_open=True)
     )
     tool_workers: int = option(4, help="tool calls running at once", valid=Range(1))
+    environment_factory: str | dict[str, str] | None = option(
+        None,
+        help="`module:Class` (or a mapping of names to them, chosen by each row's `environment` column) making "
+        "environments as TRL: each completion gets an instance, reset(**row) before its rollout (a returned string "
+        "is appended to the prompt), whose public methods are its tools and whose get_reward(), when defined, is a "
+        "reward logged under the class's name",
+    )
     speculation: SpeculationConfig = option(
         default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
     )

@@ -97,8 +97,11 @@ class GRPOChecks:
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
         self._validate_eval()
-        if not self.reward_funcs:
-            raise ValueError("reward_funcs must name at least one reward function")
+        if not self.reward_funcs and not self.environment_factory:
+            raise ValueError(
+                "reward_funcs must name at least one reward function (or environment_factory an environment with "
+                "get_reward)"
+            )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
             raise ValueError(
                 f"reward_weights has {len(self.reward_weights)} entries but reward_funcs has {len(self.reward_funcs)}"

@@ -83,3 +83,8 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         ref_logps=cut(batch.ref_logps),
         sampling_logps=cut(batch.sampling_logps),
     )
+
+
+def completion_lengths(completion_ids: list[list[int]], tool_masks: list[list[int]] | None) -> list[int]:
+    """Each completion's length as TRL logs it: the tokens the model sampled (a tool's results are not counted)."""
+    return [sum(mask) for mask in tool_masks] if tool_masks is not None else [len(c) for c in completion_ids]

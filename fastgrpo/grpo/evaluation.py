@@ -22,6 +22,8 @@ import torch
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.advantages import compute_advantages
+from fastgrpo.grpo.batch import completion_lengths
+from fastgrpo.grpo.scoring import reward_inputs, reward_weights
 from fastgrpo.reward_calls import RewardLog, TrainerState, reward_name
 from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.engine import RolloutEngine
@@ -40,6 +42,7 @@ class Trainer(Protocol):
     prompts: Any  # `fastgrpo.grpo.prompts.StepPrompts`
     tokenizer: Any
     reward_funcs: list[Any]
+    tools: Any  # `fastgrpo.grpo.tool_use.RunTools` or None
 
 
 PREFIX = "eval/"
@@ -100,17 +103,18 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
         for start in range(0, len(mine), per_call):
             indices = mine[start : start + per_call]
             part = [rows[i] for i in indices]
-            prompt_ids = trainer.prompts.encode(part)
+            prompt_ids, per_prompt, turns = trainer.prompts.encode(part), generations, None
+            if trainer.tools is not None:  # `fastgrpo.grpo.tool_use.RunTools`
+                prompt_ids, per_prompt, turns = trainer.tools.start(part, generations, trainer.prompts)
             uniforms = None
             if not params.greedy:
                 width = params.max_new_tokens
                 uniforms = torch.cat([eval_uniforms(cfg.seed, step, i, generations, width) for i in indices])
-            out = engine.generate(prompt_ids, params, generations, uniforms=uniforms)
-            completions = trainer.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+            out = engine.generate(prompt_ids, params, per_prompt, uniforms=uniforms, turns=turns)
             full_rows = [row for row in part for _ in range(generations)]
-            prompts = [row["prompt"] for row in full_rows]
+            prompts, completions, given = reward_inputs(turns, full_rows, out, trainer.tokenizer)
             per_func, _ = reward_matrix(
-                trainer.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra
+                trainer.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra | given
             )
             for j, index in enumerate(indices):
                 group = slice(j * generations, (j + 1) * generations)
@@ -118,7 +122,7 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
                     (
                         index,
                         per_func[group].tolist(),
-                        [len(c) for c in out.completion_ids[group]],
+                        completion_lengths(out.completion_ids, out.tool_masks)[group],
                         [r == "length" for r in out.finish_reasons[group]],
                     )
                 )
@@ -127,7 +131,7 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
     per_func = per_func.view(-1, len(trainer.reward_funcs))
     lengths = torch.tensor([n for r in everything for n in r[2]], dtype=torch.float, device="cpu")
     truncated = torch.tensor([t for r in everything for t in r[3]], dtype=torch.bool, device="cpu")
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(trainer.reward_funcs), dtype=torch.float64, device="cpu")
+    weights = torch.tensor(reward_weights(cfg, len(trainer.reward_funcs)), dtype=torch.float64, device="cpu")
     result = compute_advantages(per_func, weights, generations, cfg.scale_rewards, cfg.multi_objective_aggregation)
     metrics = dict(result.metrics)
     if generations == 1 and (cfg.scale_rewards != "batch" or per_func.shape[0] == 1):

@@ -29,7 +29,7 @@ class StepPrompts:
         max_prompt_length: int,
         shuffle: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
-        render: Callable[[Any], tuple[Any, dict[str, Any]]] | None = None,
+        render: Callable[[dict[str, Any]], tuple[Any, dict[str, Any]]] | None = None,
     ):
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -40,7 +40,7 @@ class StepPrompts:
         self.max_prompt_length = max_prompt_length
         self.shuffle = shuffle
         self.chat_template_kwargs = chat_template_kwargs
-        self.render = render  # with tools: a prompt's messages and the chat-template keywords that show them
+        self.render = render  # with tools: a row's prompt messages and the chat-template keywords that show them
         self.encoded: dict[int, list[int]] = {}
         self._warned_truncation = False
 
@@ -64,26 +64,30 @@ class StepPrompts:
         return rows
 
     def encode(self, rows: list[dict[str, Any]]) -> list[list[int]]:
-        """Token ids of the rows' prompts (chat template applied), keeping the last ``max_prompt_length``."""
+        """Token ids of the rows' prompts (chat template applied, with ``render``'s tools shown), keeping the last
+        ``max_prompt_length``."""
         out = []
-        limit = self.max_prompt_length
         for row in rows:
             key = id(row)
             if key not in self.encoded:
-                prompt, kwargs = row["prompt"], self.chat_template_kwargs
-                if self.render is not None:
-                    prompt, shown = self.render(prompt)
-                    kwargs = {**(kwargs or {}), **shown}
-                ids = encode_prompts(self.tokenizer, [prompt], limit + 1, kwargs)[0]
-                if len(ids) > limit and not self._warned_truncation:
-                    self._warned_truncation = True
-                    logger.warning(
-                        "a prompt is longer than max_prompt_length (%d tokens): it keeps its last %d tokens and loses "
-                        "its beginning, the chat template's header included; raise max_prompt_length (later prompts "
-                        "are cut without another warning)",
-                        limit,
-                        limit,
-                    )
-                self.encoded[key] = ids[-limit:]
+                prompt, shown = self.render(row) if self.render is not None else (row["prompt"], {})
+                self.encoded[key] = self.encode_prompt(prompt, shown)
             out.append(self.encoded[key])
         return out
+
+    def encode_prompt(self, prompt: Any, shown: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of one prompt, with ``shown`` beside the run's chat-template keywords, keeping the last
+        ``max_prompt_length``."""
+        limit = self.max_prompt_length
+        kwargs = {**(self.chat_template_kwargs or {}), **shown} if shown else self.chat_template_kwargs
+        ids = encode_prompts(self.tokenizer, [prompt], limit + 1, kwargs)[0]
+        if len(ids) > limit and not self._warned_truncation:
+            self._warned_truncation = True
+            logger.warning(
+                "a prompt is longer than max_prompt_length (%d tokens): it keeps its last %d tokens and loses "
+                "its beginning, the chat template's header included; raise max_prompt_length (later prompts "
+                "are cut without another warning)",
+                limit,
+                limit,
+            )
+        return ids[-limit:]

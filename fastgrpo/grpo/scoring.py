@@ -17,6 +17,27 @@ from fastgrpo.grpo.policy_update import NonFiniteUpdate
 from fastgrpo.reward_calls import RewardFunc, RewardLog, TrainerState, reward_name
 from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.tools.turns import ToolTurns
+
+
+def reward_inputs(
+    turns: ToolTurns | None, full_rows: list[dict[str, Any]], out: GenerationOutput, tokenizer: PreTrainedTokenizerBase
+) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """``(prompts, completions, keyword arguments)`` for the reward functions of one completion per ``full_rows``
+    entry: the completions' text, or with tools as TRL hands them: each a list of messages (the assistant's turns and
+    the tools' results), each prompt with its environment's reset text, and the environments as ``environments``."""
+    prompts = [r["prompt"] for r in full_rows]
+    if turns is None:
+        return prompts, tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True), {}
+    given = {"environments": turns.environments} if turns.environments is not None else {}
+    return turns.prompts or prompts, [row.messages for row in turns.rows], given
+
+
+def reward_weights(cfg: GRPOConfig, funcs: int) -> list[float]:
+    """One weight per reward function: ``reward_weights`` (all 1 when unset), and 1 for each environment's
+    ``get_reward`` after them, as TRL weighs it."""
+    given = cfg.reward_weights or [1.0] * len(cfg.reward_funcs)
+    return [*given, *[1.0] * (funcs - len(given))]
 
 
 def score_completions(
@@ -27,7 +48,7 @@ def score_completions(
     rows: list[dict[str, Any]],
     out: GenerationOutput,
     step: int = 0,
-    conversations: list[list[dict[str, Any]]] | None = None,
+    turns: ToolTurns | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], list[tuple[Any, str, float, dict[str, Any]]]]:
     """Rewards of this rank's completions (of ``rows``' prompts, ``num_generations`` each) and their advantages
     within the whole job's batch, as TRL forms them (`compute_advantages`: a completion no reward function scores is
@@ -37,17 +58,15 @@ def score_completions(
     groups are whole on every rank, and every function's rewards are gathered so that the metrics and
     ``scale_rewards: batch`` see the whole job's batch. Reward functions get TRL's ``trainer_state``,
     ``log_metric`` and ``log_extra`` keyword arguments; the values given to ``log_metric`` are averaged into the
-    step's metrics. With tools, ``conversations`` are the completions as TRL hands them: each a list of messages
-    (the assistant's turns and the tools' results)."""
-    completions = conversations or tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+    step's metrics. With tools (``turns``), completions are handed as TRL hands them (`reward_inputs`)."""
     full_rows = [row for row in rows for _ in range(cfg.num_generations)]
-    prompts = [r["prompt"] for r in full_rows]
+    prompts, completions, given = reward_inputs(turns, full_rows, out, tokenizer)
     logged = RewardLog()
-    extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps))
+    extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps)) | given
     per_func, _ = reward_matrix(reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
     gathered = distributed.gather(per_func.tolist())
     all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
-    weights = torch.tensor(cfg.reward_weights or [1.0] * len(reward_funcs), dtype=torch.float64, device="cpu")
+    weights = torch.tensor(reward_weights(cfg, len(reward_funcs)), dtype=torch.float64, device="cpu")
     result = compute_advantages(
         all_per_func, weights, cfg.num_generations, cfg.scale_rewards, cfg.multi_objective_aggregation
     )

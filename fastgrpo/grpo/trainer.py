@@ -17,7 +17,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
-from fastgrpo.grpo.batch import build_batch, mask_tool_results
+from fastgrpo.grpo.batch import build_batch, completion_lengths, mask_tool_results
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -40,7 +40,7 @@ from fastgrpo.grpo.run_dir import (
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
-from fastgrpo.grpo.tool_use import RunTools
+from fastgrpo.grpo.tool_use import RunTools, ToolTurns, check_tool_rows, resolve_run_tools
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -56,10 +56,8 @@ from fastgrpo.reward_model import load_reward_models
 from fastgrpo.rewards import check_columns, resolve_reward_funcs
 from fastgrpo.rollout.compiled import compile_backend
 from fastgrpo.rollout.sequence import GenerationOutput
-from fastgrpo.speculative.registry import check_draft_training, check_speculation
+from fastgrpo.speculative.registry import check_draft_training, check_speculation, check_tools
 from fastgrpo.threads import ThreadGovernor
-from fastgrpo.tools.functions import resolve_tools
-from fastgrpo.tools.turns import ToolTurns
 from fastgrpo.training_rollouts import TrainingRollouts
 
 logger = logging.getLogger(__name__)
@@ -84,6 +82,7 @@ class GRPOTrainer:
     ):
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
+        check_tools(config.speculation, bool(config.tools or config.environment_factory))
         check_draft_training(config.speculation, config.draft_training)
         if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
             check_tokenizer_files(config.model)
@@ -91,8 +90,8 @@ class GRPOTrainer:
         self.dist = distributed.init(config.device, config.ddp_timeout)
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
-        tools = resolve_tools(config.tools)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
+        tools, environments = resolve_run_tools(config, self.reward_funcs, self.dataset)
         check_columns(self.reward_funcs, self.dataset)
         self.eval_rows: list[dict[str, Any]] = []
         if config.evaluates:
@@ -100,6 +99,7 @@ class GRPOTrainer:
             self.eval_rows = load_dataset(config.eval_dataset)
             try:
                 check_columns(self.reward_funcs, self.eval_rows)
+                check_tool_rows(bool(tools), environments, self.eval_rows)
             except ValueError as e:
                 raise ValueError(f"eval_dataset: {e}") from None
         global_prompts = config.prompts_per_step * self.dist.world_size
@@ -135,7 +135,7 @@ class GRPOTrainer:
             check_disk_space(self.output_dir, disk, self._checkpoints(0), freed)
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
-        self.tools = RunTools(tools, self.tokenizer, config) if tools else None
+        self.tools = RunTools(tools, environments, self.tokenizer, config) if tools or environments else None
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
@@ -258,9 +258,9 @@ class GRPOTrainer:
     ) -> tuple[list[list[int]], GenerationOutput, ToolTurns | None]:
         """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same completions
         whatever the number of processes sharing the step), with the run's tools their turns call."""
-        prompt_ids = self.prompts.encode(rows)
-        generations = self.config.num_generations
-        turns = self.tools.turns(len(prompt_ids) * generations) if self.tools is not None else None
+        prompt_ids, generations, turns = self.prompts.encode(rows), self.config.num_generations, None
+        if self.tools is not None:  # with environments, the prompts may be each completion's own
+            prompt_ids, generations, turns = self.tools.start(rows, generations, self.prompts)
         out = self.rollouts.generate(
             prompt_ids, self.sampling, generations, step, self.dist.rank, self.dist.world_size, turns
         )
@@ -276,9 +276,8 @@ class GRPOTrainer:
         with distributed.gathered(self.update.policy):
             prompt_ids, out, turns = self.rollout(step, rows)
             t1 = time.perf_counter()
-            conversations = None if turns is None else [row.messages for row in turns.rows]
             advantages, reward_metrics, self._last_samples = score_completions(
-                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step, conversations
+                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step, turns
             )
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
@@ -291,7 +290,7 @@ class GRPOTrainer:
             self.rollouts.release()
             reset_peak_memory(self.device)
         t_policy = time.perf_counter()
-        prompts_per_row = [p for p in prompt_ids for _ in range(cfg.num_generations)]
+        prompts_per_row = [p for p in prompt_ids for _ in range(len(out.completion_ids) // len(prompt_ids))]
         batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages, out.logprobs)
         truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
         if out.tool_masks is not None:  # tool results: no loss, KL or token metric, as TRL's tool_mask
@@ -305,7 +304,7 @@ class GRPOTrainer:
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
             reserved["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
         t3 = time.perf_counter()
-        lengths = torch.tensor([len(c) for c in out.completion_ids], dtype=torch.float, device="cpu")
+        lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
         terminated = lengths[~truncated]
         metrics = {
             "step": step + 1,

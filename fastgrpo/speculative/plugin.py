@@ -71,10 +71,12 @@ class DrafterPlugin:
 
     ``captures_hidden``: its drafters learn from the target's hidden states of the rollouts (the engine captures
     them while one of the drafters named is built or waits to be), with the ``draft_training.*`` options; a run
-    none of whose drafters does refuses those options."""
+    none of whose drafters does refuses those options. ``parks_rows``: its drafters keep a row's state aside while
+    the row waits on tools (`Drafter.park`, `Drafter.rejoin`); a run with tools refuses a drafter that does not."""
 
     name: str = ""
     captures_hidden: bool = False
+    parks_rows: bool = False
 
     def build(self, ctx: DrafterContext, saved: Path | None = None) -> Drafter | None:
         """A drafter for the run, from the files `save` wrote in ``saved`` when given (and there); None while it

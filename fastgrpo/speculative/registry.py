@@ -59,6 +59,19 @@ def check_speculation(speculation: SpeculationConfig) -> None:
     check_saved_drafts(directory, names)
 
 
+def check_tools(speculation: SpeculationConfig, tools: bool) -> None:
+    """Refuse, before any model loads, a run with tools whose drafters cannot keep a waiting row's state aside
+    (`DrafterPlugin.parks_rows`)."""
+    if not tools or speculation.mode == "off":
+        return
+    cannot = [n for n in drafter_names(speculation.drafter) if not PLUGINS[n].parks_rows]
+    if cannot:
+        raise ValueError(
+            f"speculation.drafter: {', '.join(cannot)} cannot draft for rows that wait on tools (its plugin does not "
+            "set parks_rows); with tools or environment_factory, choose drafters that can, or speculation.mode: off"
+        )
+
+
 def check_draft_training(speculation: SpeculationConfig, draft_training: DraftTrainConfig) -> None:
     """Refuse ``draft_training.*`` options set away from their defaults where the run learns no draft network:
     speculation off, or only drafters that learn without them (the suffix drafter's memory of completions). The

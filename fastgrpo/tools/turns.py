@@ -6,6 +6,7 @@ TRL hands completions with tools to reward functions) and what its tools cost.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +15,8 @@ from transformers import PreTrainedTokenizerBase
 from fastgrpo.tools.format import ToolFormat
 from fastgrpo.tools.functions import Tool
 from fastgrpo.tools.runner import Result, ToolRunner
+
+logger = logging.getLogger(__name__)
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
@@ -61,8 +64,11 @@ class ToolRow:
 
 
 class ToolTurns:
-    """A generation call's tools: ``tools`` by name, called as ``fmt`` shows and reads them, on ``runner``; each row
-    calls tools in at most ``max_iterations`` turns; a completion holds at most ``max_tokens`` tokens."""
+    """A generation call's tools, called as ``fmt`` shows and reads them, on ``runner``: ``fmt``'s tools, or each
+    row's own (``row_tools``, by name: an environment's methods bound to the row's instance); each row calls tools in
+    at most ``max_iterations`` turns; a completion holds at most ``max_tokens`` tokens. A tool's first failure is
+    logged (``warned`` holds the tools already logged). With environments,
+    ``environments`` and ``prompts`` are each completion's instance and prompt (its reset's text appended)."""
 
     def __init__(
         self,
@@ -72,11 +78,17 @@ class ToolTurns:
         rows: int,
         max_tokens: int,
         max_iterations: int | None = None,
+        warned: set[str] | None = None,
+        row_tools: list[dict[str, Tool]] | None = None,
     ):
         self.tokenizer, self.format, self.runner = tokenizer, fmt, runner
-        self.tools = {tool.name: tool for tool in fmt.tools}
+        self.row_tools = row_tools or [{tool.name: tool for tool in fmt.tools}] * rows
+        self.known = {name for tools in self.row_tools for name in tools}
         self.max_tokens, self.max_iterations = max_tokens, max_iterations
+        self.warned = warned if warned is not None else set()  # tools whose failure was logged (shared by a run)
         self.rows = [ToolRow() for _ in range(rows)]
+        self.environments: list[Any] | None = None
+        self.prompts: list[Any] | None = None
 
     def _text(self, row: ToolRow, completion: list[int]) -> str:
         return self.tokenizer.decode(completion[row.turn_start :], skip_special_tokens=True)
@@ -96,10 +108,10 @@ class ToolTurns:
             name = function.get("name", "unknown")
             row.names.append(name)
             row.waiting[k] = None
-            tool = self.tools.get(name)
+            tool = self.row_tools[index].get(name)
             error = call.get("error")
             if error is None and tool is None:
-                error = f"error: unknown tool {name!r}; the tools are {sorted(self.tools)}"
+                error = f"error: unknown tool {name!r}; the tools are {sorted(self.row_tools[index])}"
             if error is None:
                 error = argument_error(tool, function.get("arguments", {}))
             if error is not None:
@@ -128,6 +140,18 @@ class ToolTurns:
         results = [row.waiting[k] for k in sorted(row.waiting)]
         row.waiting = {}
         row.failures += sum(r.failed for r in results)
+        for name, result in zip(row.names, results, strict=True):
+            known = name in self.known  # made-up names share one warning
+            key = repr(name) if known else "unknown tools"
+            if result.failed and key not in self.warned:
+                self.warned.add(key)
+                logger.warning(
+                    "%s failed: the conversation gets the error as the call's result, counted in "
+                    "tools/failure_frequency (later failures of %s are not logged): %s",
+                    f"a call of tool {name!r}" if known else "a call of an unknown tool",
+                    key,
+                    result.content,
+                )
         row.seconds += sum(r.seconds for r in results)
         messages = [{"role": "tool", "name": n, "content": r.content} for n, r in zip(row.names, results, strict=True)]
         tokens = self.format.suffix_ids(messages)

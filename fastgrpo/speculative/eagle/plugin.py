@@ -41,6 +41,7 @@ def fresh_head(model: PreTrainedModel, model_name: str, seed: int, vocab: torch.
 class EaglePlugin(DrafterPlugin):
     name = NAME
     captures_hidden = True
+    parks_rows = True
 
     def saved_in(self, directory: Path) -> bool:
         return (directory / DRAFT_CONFIG).is_file()

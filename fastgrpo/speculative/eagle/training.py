@@ -41,11 +41,14 @@ class DraftSample:
     tokens: ``[T + 1]`` token ids ``x_0 .. x_T`` (prompt then completion).
     hidden: ``[T, H]`` the target's final hidden states ``h_0 .. h_{T-1}`` (the last token was never fed).
     prompt_len: tokens of the prompt; positions predicting completion tokens are trained.
+    targets: ``[T + 1]`` bool, which tokens the draft learns to predict (False on a tool's results, which the draft
+        reads as context only); None: every completion token.
     """
 
     tokens: torch.Tensor
     hidden: torch.Tensor
     prompt_len: int
+    targets: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,13 +96,15 @@ def budget_samples(samples: list[DraftSample], tree_share: float, min_share: flo
 
 def rollout_samples(prompt_ids: list[list[int]], out: GenerationOutput, num_generations: int) -> list[DraftSample]:
     """One sample per completion of a rollout (a `GenerationOutput` made with ``capture_hidden``): row ``i`` is a
-    completion of prompt ``i // num_generations``."""
-    return [
-        DraftSample(
-            torch.tensor(prompt_ids[i // num_generations] + c, device="cpu"), h, len(prompt_ids[i // num_generations])
-        )
-        for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True))
-    ]
+    completion of prompt ``i // num_generations``; a tool's result tokens are not targets."""
+    samples = []
+    for i, (c, h) in enumerate(zip(out.completion_ids, out.hidden_states, strict=True)):
+        prompt = prompt_ids[i // num_generations]
+        targets = None
+        if out.tool_masks is not None and not all(out.tool_masks[i]):
+            targets = torch.tensor([1] * len(prompt) + out.tool_masks[i], dtype=torch.bool, device="cpu")
+        samples.append(DraftSample(torch.tensor(prompt + c, device="cpu"), h, len(prompt), targets))
+    return samples
 
 
 def pack_by_budget(lengths: list[int], budget: int) -> list[list[int]]:
@@ -165,6 +170,8 @@ class DraftTrainer:
             attn[i, :t] = 1
             # Pair j predicts h_{j+1} (known for j < t - 1), whose LM head gives x_{j+2}: train on completions.
             train[i, max(s.prompt_len - 2, 0) : t - 1] = True
+            if s.targets is not None:  # not on a tool's results
+                train[i, : t - 1] &= s.targets[2 : t + 1].to(dev)
         return nxt, hid, attn, train
 
     def loss(self, samples: list[DraftSample]) -> tuple[torch.Tensor, torch.Tensor]:

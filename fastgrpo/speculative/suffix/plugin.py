@@ -13,6 +13,7 @@ from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 class SuffixPlugin(DrafterPlugin):
     name = SuffixDrafter.name
+    parks_rows = True
 
     def build(self, ctx: DrafterContext, saved: Path | None = None) -> Drafter:
         return SuffixDrafter(ctx.speculation.suffix_memory_tokens)
