@@ -110,13 +110,15 @@ def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos) -> Non
     assert sum(1 - m for mask in out.tool_masks for m in mask) == out.stats.tool_prefill_tokens
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix"])
+@pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix", "suffix without tool results"])
 def test_sampled_turns_with_speculation_equal_plain_sampling(model_eos, drafter: str) -> None:
     model, eos, draft = model_eos
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
     uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=ScriptedTurns())
-    engine = speculative_engine(model, [eos], drafter, draft, TreeShape(8, 3, 4))
+    engine = speculative_engine(model, [eos], drafter.split()[0], draft, TreeShape(8, 3, 4))
+    if drafter.endswith("without tool results"):
+        engine.drafters["suffix"].reads_tool_results = False
     turns = ScriptedTurns()
     out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=turns)
     assert sum(turns.turns.values()) >= 3

@@ -106,6 +106,14 @@ class RunTools:
         """A rollout's prompts and tools: ``(prompt ids, completions per prompt id, the turns)``. With environments,
         each completion's instance is reset with its row; when a reset returns text, the prompts are the
         completions' own (one per completion, unless each group's are the same)."""
+        ids, per_prompt, turns = self._start(rows, generations, prompts)
+        turns.prompt_ids = [ids[i // per_prompt] for i in range(len(rows) * generations)]
+        return ids, per_prompt, turns
+
+    def _start(
+        self, rows: list[dict[str, Any]], generations: int, prompts: StepPrompts
+    ) -> tuple[list[list[int]], int, ToolTurns]:
+        """`start`, but for the rows' prompts the turns' parser reads."""
         cfg, n = self.config, len(rows) * generations
         names = [self.environment(row) for row in rows for _ in range(generations)]
         fmt = self.formats[names[0]]  # parsing and the tool turn's tokens are the template's, whatever the tools

@@ -2,7 +2,7 @@
 
 A template that renders tools (``apply_chat_template(tools=...)`` shows them, and a conversation of a call and its
 result keeps the call's name, its arguments and the result) is used as it is, and calls are parsed by transformers'
-``parse_response`` where the tokenizer has a response schema. Other templates, the embedded SmolLM2's among them,
+``parse_response`` where the tokenizer has a ``response_template``. Other templates, the embedded SmolLM2's among them,
 get the fallback format: the tools' JSON schemas in the system message, a call written as
 ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in the assistant's turn, and each result a message of
 role ``tool``. Either way the tool turn's tokens are the template's own: those a conversation gains from the tool
@@ -47,6 +47,22 @@ def renders_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     return shown != plain and all(s in exchange for s in kept)
 
 
+def written_calls(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's ``tool_calls`` written into its content in the fallback format (a template without
+    tool support drops them), other messages as they are."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return message
+    written = "".join(
+        "<tool_call>"
+        + json.dumps({"name": c["function"]["name"], "arguments": c["function"].get("arguments", {})})
+        + "</tool_call>"
+        for c in calls
+    )
+    rest = {k: v for k, v in message.items() if k != "tool_calls"}
+    return {**rest, "content": (message.get("content") or "") + written}
+
+
 class ToolFormat:
     """The tools of a run, shown to the model and read back from its turns by ``tokenizer``'s chat template (or the
     fallback format, `name` tells which)."""
@@ -54,7 +70,7 @@ class ToolFormat:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool]):
         self.tokenizer, self.tools = tokenizer, tools
         self.native = renders_tools(tokenizer)
-        self.parses = self.native and getattr(tokenizer, "response_schema", None) is not None
+        self.parses = self.native and getattr(tokenizer, "response_template", None) is not None
         self.name = "the chat template's tool format" if self.native else "the fallback tool format (<tool_call>)"
 
     def conversation(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -67,16 +83,23 @@ class ToolFormat:
         listed = FALLBACK_SYSTEM.format(
             schemas="\n".join(json.dumps(s["function"]) for s in schemas), first=first.name, example=json.dumps(example)
         )
-        if prompt and prompt[0]["role"] == "system":
-            return [{"role": "system", "content": prompt[0]["content"] + "\n\n" + listed}, *prompt[1:]], {}
-        return [{"role": "system", "content": listed}, *prompt], {}
+        shown = [written_calls(m) for m in prompt]  # worked examples in the prompt keep their calls
+        if shown and shown[0]["role"] == "system":
+            return [{"role": "system", "content": shown[0]["content"] + "\n\n" + listed}, *shown[1:]], {}
+        return [{"role": "system", "content": listed}, *shown], {}
 
-    def parse(self, text: str) -> dict[str, Any]:
-        """An assistant message from a turn's text: ``content`` and, when it calls tools, ``tool_calls`` in
-        transformers' form (``{"type": "function", "function": {"name", "arguments"}}``); a call that cannot be read
-        has ``"error"`` instead of ``"function"``."""
+    def parse(self, turn: list[int], prefix: list[int], tools: list[Tool]) -> dict[str, Any]:
+        """An assistant message from a turn's tokens (``prefix``: the tokens before it): ``content`` and, when it
+        calls ``tools``, ``tool_calls`` in transformers' form (``{"type": "function", "function": {"name",
+        "arguments"}}``); a call that cannot be read has ``"error"`` instead of ``"function"``."""
+        text = self.tokenizer.decode(turn, skip_special_tokens=True)
         if self.parses:
-            message = dict(self.tokenizer.parse_response(text))
+            schemas = [tool.schema for tool in tools]
+            try:
+                message = dict(self.tokenizer.parse_response(turn, prefix=prefix, tools=schemas))
+            except Exception as exc:  # the template's parser raises its own errors on a malformed call
+                error = f"error: the turn's tool calls cannot be read: {exc}"
+                return {"role": "assistant", "content": text, "tool_calls": [{"type": "function", "error": error}]}
             message.setdefault("role", "assistant")
             return message
         calls = []

@@ -89,13 +89,12 @@ class ToolTurns:
         self.rows = [ToolRow() for _ in range(rows)]
         self.environments: list[Any] | None = None
         self.prompts: list[Any] | None = None
-
-    def _text(self, row: ToolRow, completion: list[int]) -> str:
-        return self.tokenizer.decode(completion[row.turn_start :], skip_special_tokens=True)
+        self.prompt_ids: list[list[int]] | None = None  # each row's prompt, which the template's parser reads
 
     def ended(self, index: int, completion: list[int]) -> bool:
         row = self.rows[index]
-        message = self.format.parse(self._text(row, completion))
+        prefix = (self.prompt_ids[index] if self.prompt_ids else []) + completion[: row.turn_start]
+        message = self.format.parse(completion[row.turn_start :], prefix, list(self.row_tools[index].values()))
         row.messages.append(message)
         calls = message.get("tool_calls") or []
         if not calls or (self.max_iterations is not None and row.iterations >= self.max_iterations):

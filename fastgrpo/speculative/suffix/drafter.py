@@ -219,13 +219,18 @@ class SuffixMemory:
 
 class SuffixDrafter(Drafter):
     """Drafts trees of up to ``max_depth`` levels from each row's `PromptMemory` (see the module); the memory of
-    earlier completions, its `learner`, holds at most ``memory_tokens`` tokens."""
+    earlier completions, its `learner`, holds at most ``memory_tokens`` tokens. With ``reads_tool_results`` (the
+    default) a tool's results enter the memory with the completion around them; without, the memory keeps the
+    model's turns only, each turn after a tool's results a sequence of its own."""
 
     name = "suffix"
 
-    def __init__(self, memory_tokens: int = DEFAULT_MEMORY_TOKENS, max_depth: int = 16):
+    def __init__(
+        self, memory_tokens: int = DEFAULT_MEMORY_TOKENS, max_depth: int = 16, reads_tool_results: bool = True
+    ):
         self.learner = SuffixMemory(memory_tokens)
         self.max_depth = max_depth
+        self.reads_tool_results = reads_tool_results
         self.rows: list[_Row] = []  # the live rows, in the engine's order
         self.price = Price()  # measured seconds per proposal (see `cost`)
         log_shares()  # the trees' score table, before the first proposal is timed
@@ -268,10 +273,15 @@ class SuffixDrafter(Drafter):
         self.rows = [self.rows[i] for i in order]
 
     def park(self, positions: list[int]) -> list[Any]:
-        return [self.rows[p] for p in positions]
+        parked = [self.rows[p] for p in positions]
+        for row in parked:
+            row.catch_up()  # its turn, up to the EOS, for its siblings while it waits
+        return parked
 
-    def rejoin(self, state: Any, emitted: Emitted) -> None:
-        self.rows.append(state)  # the tool turn is read from its completion, as any of its tokens
+    def rejoin(self, state: _Row, emitted: Emitted) -> None:
+        if not self.reads_tool_results:  # the next turn starts a sequence of its own, after the results
+            state.sid, state.read = state.memory.add([], prefix=0, room=ROW_CELLS), len(state.completion)
+        self.rows.append(state)  # otherwise the tool turn is read from its completion, as any of its tokens
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """Per row, the trie of the continuations of its longest matches, cut to its best ``N - 1`` nodes
