@@ -160,6 +160,11 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     """Mean reward (accuracy for 0/1 rewards) of ``config.model`` on ``config.dataset``, one sample per prompt."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if config.tools or config.environment_factory:
+        raise ValueError(
+            "fastgrpo eval generates without tools: to evaluate with tools or environment_factory, evaluate during "
+            "training (eval_strategy: steps, with an eval_dataset)"
+        )
     import torch
     from tqdm.auto import tqdm
 

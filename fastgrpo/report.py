@@ -4,7 +4,9 @@ profile (``fastgrpo profile``).
 ``curves.png`` draws reward (dashed: the in-training evaluation's, ``eval/reward``), completion length, accepted
 length (over all decoding steps, and dashed over tree steps only), rollout tokens/s, and the online draft's held-out
 accuracy and loss against step (one line per run, so two runs, e.g. plain GRPO and FastGRPO, are overlaid);
-``phases.png`` the mean time per step of each phase (rollout, draft update, policy update, rewards) per run.
+``phases.png`` the mean time per step of each phase (rollout, draft update, policy update, rewards) per run; and for
+runs with tools ``tools.png``: tool calls per completion, the share that failed, the rows waiting on a tool per
+decoding step and the tool-result tokens fed per step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ CURVES = (  # metric, panel title, y-axis label
     ("rollout/tokens_per_second", "Rollout throughput", "tokens/s"),
     ("draft/accuracy", "Draft accuracy (before training on the step)", "share of tokens"),
     ("draft/loss", "Draft loss", "loss"),
+)
+TOOL_CURVES = (  # drawn into tools.png by a run with tools
+    ("tools/call_frequency", "Tool calls per completion", "calls"),
+    ("tools/failure_frequency", "Share of tool calls that failed", "share of calls"),
+    ("tools/rows_waiting", "Rows waiting on a tool, per decoding step", "rows"),
+    ("tools/prefill_tokens", "Tool-result tokens fed", "tokens per step"),
 )
 REQUIRED = ("step", "reward", "time/step")  # what every line of a run's metrics.jsonl holds
 # drawn dashed in the same panel and colour
@@ -104,17 +112,44 @@ def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
 
 
 def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -> list[Path]:
-    """Write ``curves.png`` and ``phases.png`` into ``output_dir``; returns their paths."""
+    """Write ``curves.png``, ``phases.png`` and, where a run used tools, ``tools.png`` into ``output_dir``; returns
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7.5), layout="constrained")
-    for ax, (key, title, ylabel) in zip(axes.flat, CURVES, strict=True):
+    written = [_panels(runs, CURVES, (2, 3), out / "curves.png")]
+    if any(key in r for rows in runs.values() for r in rows for key, _, _ in TOOL_CURVES):
+        written.append(_panels(runs, TOOL_CURVES, (2, 2), out / "tools.png"))
+
+    names = list(runs)
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2) + 2.2, 4), layout="constrained")
+    bottom = [0.0] * len(names)
+    for _, label in PHASES:
+        values = [phase_seconds(runs[n])[label] for n in names]
+        ax.bar(names, values, bottom=bottom, label=label, width=0.6)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_ylabel("mean seconds per step")
+    ax.set_title("Time per step, by phase")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the bars, covering none
+    phases = out / "phases.png"
+    fig.savefig(phases, dpi=110)
+    plt.close(fig)
+    return [written[0], phases, *written[1:]]
+
+
+def _panels(
+    runs: dict[str, list[dict[str, float]]], panels: tuple[tuple[str, str, str], ...], grid: tuple[int, int], path: Path
+) -> Path:
+    """One panel per ``(metric, title, y label)`` of ``panels`` against step, one line per run; written to ``path``."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    fig, axes = plt.subplots(*grid, figsize=(5 * grid[1], 3.75 * grid[0]), layout="constrained")
+    for ax, (key, title, ylabel) in zip(axes.flat, panels, strict=True):
         for i, (name, rows) in enumerate(runs.items()):
             points = [(r["step"], r[key]) for r in rows if key in r]
             if points:  # one colour per run in every panel, also where earlier runs have no such metric
@@ -131,24 +166,9 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
         ax.grid(True, alpha=0.3)
     if len(runs) > 1:
         fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside upper center", ncol=len(runs))
-    curves = out / "curves.png"
-    fig.savefig(curves, dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-
-    names = list(runs)
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2) + 2.2, 4), layout="constrained")
-    bottom = [0.0] * len(names)
-    for _, label in PHASES:
-        values = [phase_seconds(runs[n])[label] for n in names]
-        ax.bar(names, values, bottom=bottom, label=label, width=0.6)
-        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_ylabel("mean seconds per step")
-    ax.set_title("Time per step, by phase")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)  # beside the bars, covering none
-    phases = out / "phases.png"
-    fig.savefig(phases, dpi=110)
-    plt.close(fig)
-    return [curves, phases]
+    return path
 
 
 def plot_profile(profile: LatencyProfile, path: str | Path) -> Path:

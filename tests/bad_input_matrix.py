@@ -704,7 +704,7 @@ CASES: list[Case] = [
     train("no reward source", REFUSED, "no reward source", reward_funcs=[],
           environment_factory="bad_input_matrix:Calculator"),
     tool_run("a tool that works", RUNS, "mean reward of the last 1: 1.000", "add_works"),
-    tool_run("a tool that raises", RUNS, "a call of tool 'add' failed", "add_raises"),
+    tool_run("a tool that raises", RUNS, "a call of tool 'add' ended in an error", "add_raises"),
     tool_run("a tool that kills its worker", RUNS, "raised SystemExit", "add_exits"),
     tool_run("a tool that hangs", RUNS, "did not return within 0.2 seconds", "add_hangs", tool_timeout=0.2),
     tool_run("a tool that returns a non-string", RUNS, "returned int, not a string", "add_number"),
@@ -846,6 +846,8 @@ CASES: list[Case] = [
     # -- eval and draft train ---------------------------------------------------------------------------------------
     Case("eval a batch of 0", ("eval", "--batch_size", "0"), REFUSED, "batch_size must be >= 1, got 0",
          config=tiny_run()),
+    Case("eval with tools", ("eval",), REFUSED, "fastgrpo eval generates without tools",
+         config=tiny_run(tools=["calculator"])),
     Case("eval without the answer column", ("eval",), REFUSED, "'accuracy' needs the dataset column 'answer'",
          config=tiny_run(dataset={"name": "{tmp}/d.jsonl"}, reward_funcs=["accuracy"]),
          files={"d.jsonl": '{"prompt": "2 + 2?"}\n'}),

@@ -249,3 +249,25 @@ def test_a_drafter_that_cannot_park_rows_is_refused_with_tools(tmp_path, monkeyp
         GRPOTrainer(config, dataset=[{"prompt": QUESTION, "answer": "5"}])
     config.speculation.drafter = "eagle+suffix"
     registry.check_tools(config.speculation, tools=True)
+
+
+def test_a_run_with_an_environment_resumes_as_it_would_have_gone_on(caller_dir: Path, tmp_path) -> None:
+    """Checkpoints hold nothing of the environments (each rollout resets its own): a resumed run's next step is the
+    uninterrupted run's."""
+    from test_trainer import make_config
+
+    from fastgrpo.grpo.trainer import GRPOTrainer
+
+    rows = [{"prompt": QUESTION, "answer": "5"}] * 2
+
+    def run(out: Path, steps: int, resume: bool = False) -> list[dict[str, float]]:
+        options = dict(reward_funcs=[], environment_factory="test_environments:Tally", max_completion_length=64)
+        config = make_config(caller_dir, out, max_steps=steps, save_steps=1, max_prompt_length=512, **options)
+        return GRPOTrainer(config, dataset=rows, resume=resume).train()
+
+    full = run(tmp_path / "full", 2)
+    run(tmp_path / "cut", 1)
+    (again,) = run(tmp_path / "cut", 2, resume=True)
+    for key in ("step", "reward", "tools/call_frequency", "completions/mean_length"):
+        assert again[key] == full[1][key], key
+    assert again["loss"] == pytest.approx(full[1]["loss"], rel=1e-6, abs=1e-9)

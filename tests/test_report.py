@@ -41,6 +41,7 @@ def test_report_overlays_runs_and_summarises_them(tmp_path: Path, capsys: pytest
     main(["report", str(plain), str(fast), "--output", str(tmp_path / "out")])
     for name in ("curves.png", "phases.png"):
         assert (tmp_path / "out" / name).read_bytes()[:8] == PNG
+    assert not (tmp_path / "out" / "tools.png").exists(), "no tool plots for runs without tools"
     table = capsys.readouterr().out
     assert "| plain | 6 | 0.400 | 1.40 |" in table
     assert "| fast | 6 | 0.400 | 2.40 |" in table
@@ -66,6 +67,17 @@ def test_report_shows_the_in_training_evaluation(tmp_path: Path, capsys: pytest.
     )
     assert table.split("| plain |")[1].split("\n")[0].endswith(" - |")
     assert (tmp_path / "out" / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_report_plots_the_tools_of_a_run_with_tools(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "agent", 3, 1.5, draft=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row |= {"tools/call_frequency": 0.1 * row["step"], "tools/failure_frequency": 0.5, "tools/rows_waiting": 1.0}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    main(["report", str(run), "--output", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "tools.png").read_bytes()[:8] == PNG
+    assert "tools.png" in capsys.readouterr().out
 
 
 def test_report_of_a_single_run_writes_into_it(tmp_path: Path) -> None:

@@ -171,3 +171,24 @@ def test_a_slow_tool_holds_up_only_its_own_row(model_eos) -> None:
     assert steps_while_held >= 5
     assert out.completion_ids[0] == reference_turns(model, PROMPTS[0], eos, ScriptedTurns(calls=1), 0)
     assert max(out.stats.waiting) >= 1
+
+
+def test_a_suffix_memory_without_tool_results_keeps_the_models_turns_only(model_eos) -> None:
+    """``reads_tool_results=False``: no result of the scripted tools is in the memory, which is saved and restored
+    (each turn after a tool's results a sequence of its own)."""
+    from fastgrpo.speculative.suffix.drafter import SuffixMemory
+
+    model, eos, draft = model_eos
+    engine = speculative_engine(model, [eos], "suffix", draft, TreeShape(8, 3, 4))
+    engine.drafters["suffix"].reads_tool_results = False
+    turns = ScriptedTurns()
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 2, turns=turns)
+    assert sum(turns.turns.values()) >= 3
+    memory = engine.drafters["suffix"].learner
+    memory.learn([])
+    state = memory.state_dict()
+    kept = [c for _, completions, _ in state["prompts"] for c in completions]
+    assert sum(len(c) for c in kept) == sum(sum(m) for m in out.tool_masks), "the model's tokens, no tool's"
+    restored = SuffixMemory()
+    restored.load_state_dict(state)
+    assert restored.state_dict()["prompts"] == state["prompts"]

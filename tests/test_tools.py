@@ -83,17 +83,52 @@ def test_bad_tools_are_refused_before_the_model_loads(tmp_path, no_model_loads) 
 
 
 def test_the_fallback_format_shows_reads_and_continues(tokenizer) -> None:
-    fmt = ToolFormat(tokenizer, resolve_tools(["calculator", add]))
+    tools = resolve_tools(["calculator", add])
+    fmt = ToolFormat(tokenizer, tools)
     assert not fmt.native and "fallback" in fmt.name
-    messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 1}}}
+    example = [
+        {"role": "user", "content": "What is 1 + 1?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "name": "add", "content": "2"},
+    ]
+    messages, kwargs = fmt.conversation([*example, {"role": "user", "content": "What is 2 + 3?"}])
     assert kwargs == {} and messages[0]["role"] == "system" and '"name": "calculator"' in messages[0]["content"]
-    text = 'Sure. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
-    call = fmt.parse(text)["tool_calls"][0]
+    written = '<tool_call>{"name": "add", "arguments": {"a": 1, "b": 1}}</tool_call>'
+    assert messages[2] == {"role": "assistant", "content": written}, "a worked example keeps its call"
+
+    def parse(text: str) -> dict:
+        return fmt.parse(tokenizer(text, add_special_tokens=False)["input_ids"], [], tools)
+
+    call = parse('Sure. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')["tool_calls"][0]
     assert call == {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
-    assert "error" in fmt.parse('<tool_call>{"name": add}</tool_call>')["tool_calls"][0]
-    assert "tool_calls" not in fmt.parse("The answer is 5.")
+    assert "error" in parse('<tool_call>{"name": add}</tool_call>')["tool_calls"][0]
+    assert "tool_calls" not in parse("The answer is 5.")
     suffix = fmt.suffix_ids([{"role": "tool", "name": "add", "content": "5"}])
     assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_template_with_tool_support_shows_and_parses_its_own_format(tokenizer) -> None:
+    """The Qwen2.5 template (ChatML, with tools) on SmolLM2's tokenizer, with TRL's response template: the tools go
+    to the template, calls are read by transformers' parse_response (arguments cast by the schema), and the tool
+    turn is the template's."""
+    chat_templates = pytest.importorskip("trl.chat_template_utils")
+    native = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    native.chat_template = chat_templates.qwen2_5_chat_template
+    chat_templates.add_response_schema(native)
+    tools = resolve_tools([add])
+    fmt = ToolFormat(native, tools)
+    assert fmt.native and fmt.parses and "chat template" in fmt.name
+    messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
+    assert kwargs == {"tools": [tools[0].schema]} and len(messages) == 1
+    prompt = native.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kwargs)
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call><|im_end|>'
+    message = fmt.parse(native(call, add_special_tokens=False)["input_ids"], list(prompt), tools)
+    assert message["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
+    broken = fmt.parse(native('<tool_call>\n{"name": add}\n</tool_call>')["input_ids"], list(prompt), tools)
+    assert broken["tool_calls"][0]["error"].startswith("error: the turn's tool calls cannot be read: json parser")
+    suffix = native.decode(fmt.suffix_ids([{"role": "tool", "name": "add", "content": "5"}]))
+    assert suffix == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
 
 
 def hangs(x: str) -> str:
@@ -228,3 +263,86 @@ def test_tool_results_are_masked_out_of_training() -> None:
     batch = build_batch([[1, 2], [3]], [[4, 5, 6, 7], [8, 9]], 0, torch.zeros(2), [[-1.0] * 4, [-1.0] * 2])
     mask_tool_results(batch, [[1, 0, 0, 1], [1, 1]])
     assert batch.completion_mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]
+
+
+def test_the_tools_example_config_shows_its_worked_calls(tokenizer, monkeypatch) -> None:
+    """configs/tools.yaml (run from the repository's root, as the README says): valid, its rows load, and each prompt
+    shows the four worked calls in the fallback format before its question."""
+    from pathlib import Path
+
+    from fastgrpo.config import load_config
+    from fastgrpo.data import load_dataset
+    from fastgrpo.grpo.tool_use import RunTools, resolve_run_tools
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)
+    config = load_config(root / "configs" / "tools.yaml")
+    config.validate()
+    rows = load_dataset(config.dataset)
+    assert len(rows) >= config.max_steps * 2
+    run = RunTools(*resolve_run_tools(config, [], rows), tokenizer, config)
+    messages, shown = run.render(rows[0])
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **shown)
+    # the form and the example call of the system message, and the four worked calls
+    assert text.count("<tool_call>{") == 6 and text.rstrip().endswith("<|im_start|>assistant")
+    assert len(tokenizer(text)["input_ids"]) <= config.max_prompt_length
+    run.close()
+
+
+def test_a_call_the_template_reads_with_odd_types_is_an_error_message(tokenizer) -> None:
+    """A template's parser may hand back a name that is not a string or arguments that are not an object: the call's
+    result is an error, the step goes on."""
+    tools = resolve_tools([add])
+    fmt = ToolFormat(tokenizer, tools)
+    odd = [{"type": "function", "function": {"name": ["add"], "arguments": None}}]
+    fmt.parse = lambda turn, prefix, tools: {"role": "assistant", "content": "", "tool_calls": odd}
+    turns = ToolTurns(tokenizer, fmt, ToolRunner(), rows=1, max_tokens=400)
+    assert turns.ended(0, turn(tokenizer, {"name": "add", "arguments": {}}))
+    ((_, tokens),) = turns.ready(block=True)
+    assert (
+        tokens is not None
+        and "a call needs a tool name and an object of arguments" in turns.rows[0].messages[-1]["content"]
+    )
+    assert turns.metrics()["tools/failure_frequency"] == 1.0
+
+
+class Slow:
+    """An environment whose tool waits until released."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def reset(self, **row) -> None:
+        pass
+
+    def wait(self, x: str) -> str:
+        """Wait.
+
+        Args:
+            x: anything.
+        """
+        self.release.wait(30)
+        return x
+
+
+def test_an_environment_whose_call_outlived_its_deadline_is_not_handed_out_again() -> None:
+    from fastgrpo.tools.environments import Environments
+
+    clock = FakeClock()
+    runner = ToolRunner(timeout=5.0, clock=clock)
+    environments = Environments(Slow)
+    (first,) = environments.draw([None])
+    tool = environments.bind(first, None)["wait"]
+    runner.submit("k", tool, {"x": "a"})
+    while runner._calls and runner._calls[0].started is None:  # a worker has taken it: its deadline runs
+        threading.Event().wait(0.001)
+    clock.now = 10.0
+    (result,) = runner.results(block=True)
+    assert result.failed and "did not return within 5 seconds" in result.content
+    assert runner.busy_owners() == {id(first)}
+    (second,) = environments.draw([None], busy=runner.busy_owners())
+    assert second is not first and first not in environments.pool[None]
+    first.release.set()
+    while runner.busy_owners():
+        threading.Event().wait(0.001)
+    assert environments.draw([None], busy=runner.busy_owners()) == [second]

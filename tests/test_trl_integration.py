@@ -116,6 +116,10 @@ def test_unsupported_trl_options_are_refused_before_generating(model_dir: Path, 
     trainer.args.repetition_penalty = 1.1
     with pytest.raises(ValueError, match="repetition_penalty"):
         trainer.train()
+    trainer.args.repetition_penalty = 1.0
+    trainer.tools = [len]
+    with pytest.raises(ValueError, match="TRL runs its own tool loop after rollout_func"):
+        trainer.train()
     assert recorder.returned == []
 
 

@@ -116,13 +116,14 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
             per_func, _ = reward_matrix(
                 trainer.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra | given
             )
+            lengths_of = completion_lengths(out.completion_ids, out.tool_masks)
             for j, index in enumerate(indices):
                 group = slice(j * generations, (j + 1) * generations)
                 results.append(
                     (
                         index,
                         per_func[group].tolist(),
-                        completion_lengths(out.completion_ids, out.tool_masks)[group],
+                        lengths_of[group],
                         [r == "length" for r in out.finish_reasons[group]],
                     )
                 )

@@ -21,16 +21,18 @@ __all__ = ["RunTools", "ToolTurns", "check_tool_rows", "resolve_run_tools", "wit
 logger = logging.getLogger(__name__)
 
 
-def check_tool_rows(tools: bool, environments: Environments | None, rows: list[dict[str, Any]]) -> None:
+def check_tool_rows(
+    tools: bool, environments: Environments | None, rows: list[dict[str, Any]], label: str = "dataset"
+) -> None:
     """With tools or environments, refuse a row whose prompt is a plain string, or (with a dict of environments)
-    whose ``environment`` names none."""
+    whose ``environment`` names none; ``label`` names the rows' dataset."""
     if not tools and environments is None:
         return
     plain = next((i for i, row in enumerate(rows) if isinstance(row.get("prompt"), str)), None)
     if plain is not None:
-        raise ValueError(f"dataset row {plain}: its prompt is a plain string; tools need chat prompts (message lists)")
+        raise ValueError(f"{label} row {plain}: its prompt is a plain string; tools need chat prompts (message lists)")
     if environments is not None:
-        environments.check_rows(rows)
+        environments.check_rows(rows, label)
 
 
 def reset(instance: Any, row: dict[str, Any], index: int) -> str | None:
@@ -113,16 +115,17 @@ class RunTools:
     def _start(
         self, rows: list[dict[str, Any]], generations: int, prompts: StepPrompts
     ) -> tuple[list[list[int]], int, ToolTurns]:
-        """`start`, but for the rows' prompts the turns' parser reads."""
+        """`start`'s prompts and turns, without each row's prompt ids (which `start` gives the turns' parser)."""
         cfg, n = self.config, len(rows) * generations
         names = [self.environment(row) for row in rows for _ in range(generations)]
         fmt = self.formats[names[0]]  # parsing and the tool turn's tokens are the template's, whatever the tools
         limits = (cfg.max_completion_length, cfg.max_tool_calling_iterations, self.warned)
         if self.environments is None:
             return prompts.encode(rows), generations, ToolTurns(self.tokenizer, fmt, self.runner, n, *limits)
-        instances = self.environments.draw(names)
+        instances = self.environments.draw(names, busy=self.runner.busy_owners())
         expanded = [row for row in rows for _ in range(generations)]
-        observations = [reset(instances[k], row, k) for k, row in enumerate(expanded)]
+        keywords = [self.environments.reset_keywords(row) for row in expanded]
+        observations = [reset(instances[k], row, k) for k, row in enumerate(keywords)]
         row_tools = [self.environments.bind(i, name) for i, name in zip(instances, names, strict=True)]
         turns = ToolTurns(self.tokenizer, fmt, self.runner, n, *limits, row_tools=row_tools)
         turns.environments = instances

@@ -99,9 +99,9 @@ class GRPOTrainer:
             self.eval_rows = load_dataset(config.eval_dataset)
             try:
                 check_columns(self.reward_funcs, self.eval_rows)
-                check_tool_rows(bool(tools), environments, self.eval_rows)
             except ValueError as e:
                 raise ValueError(f"eval_dataset: {e}") from None
+            check_tool_rows(bool(tools), environments, self.eval_rows, "eval_dataset")
         global_prompts = config.prompts_per_step * self.dist.world_size
         if len(self.dataset) < global_prompts:
             raise ValueError(
@@ -256,8 +256,8 @@ class GRPOTrainer:
     def rollout(
         self, step: int, rows: list[dict[str, Any]]
     ) -> tuple[list[list[int]], GenerationOutput, ToolTurns | None]:
-        """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same completions
-        whatever the number of processes sharing the step), with the run's tools their turns call."""
+        """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same whatever the number
+        of processes); with tools their calls run, and the prompt ids may be each completion's own (environments)."""
         prompt_ids, generations, turns = self.prompts.encode(rows), self.config.num_generations, None
         if self.tools is not None:  # with environments, the prompts may be each completion's own
             prompt_ids, generations, turns = self.tools.start(rows, generations, self.prompts)

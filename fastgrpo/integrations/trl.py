@@ -176,9 +176,13 @@ class SpeculativeRollout:
             "generation_kwargs": bool(args.generation_kwargs),
             "chat_template_kwargs": bool(getattr(args, "chat_template_kwargs", None)),
             "use_vllm": args.use_vllm,
-            "environment_factory / tools": bool(getattr(trainer, "tools", None))
-            or getattr(trainer, "environment_factories", None) is not None,
         }
+        if getattr(trainer, "tools", None) or getattr(trainer, "environment_factories", None) is not None:
+            raise ValueError(
+                "SpeculativeRollout does not serve tools or environment_factory: TRL runs its own tool loop after "
+                "rollout_func, re-feeding every conversation to its own generate; fastgrpo's GRPOTrainer runs them "
+                "in its engine (the tools and environment_factory options)"
+            )
         bad = [name for name, on in unsupported.items() if on]
         if bad:
             raise ValueError(f"SpeculativeRollout does not support these GRPOConfig/GRPOTrainer options: {bad}")

@@ -58,9 +58,10 @@ class Environments:
             raise ValueError(f"{option} is an empty mapping; name at least one environment")
         self.factories: dict[str | None, Callable[[], Any]] = {}
         self.tools: dict[str | None, list[Tool]] = {}  # what each environment's prompts show: standalone + methods
-        self.methods: dict[str | None, set[str]] = {}
+        self.methods: dict[str | None, dict[str, str]] = {}  # each environment's tools: tool name -> attribute
         self.pool: dict[str | None, list[Any]] = {}
         self.reward_funcs: list[Callable[..., list[float | None]]] = []
+        rewarded: list[type] = []
         for name, entry in specs.items():
             label = option if name is None else f"{option}[{name!r}]"
             factory = _factory(entry, label)
@@ -72,21 +73,27 @@ class Environments:
             members = [n for n, _ in inspect.getmembers(cls, predicate=inspect.isfunction)]  # on the class: no property
             if "reset" not in members:
                 raise ValueError(f"{label}: {cls.__name__} has no reset method; an environment needs reset(**row)")
-            methods = [getattr(instance, n) for n in members if n not in _NOT_TOOLS and not n.startswith("_")]
-            own = resolve_tools(methods, f"{label} ({cls.__name__})")
+            attributes = [n for n in members if n not in _NOT_TOOLS and not n.startswith("_")]
+            own = resolve_tools([getattr(instance, n) for n in attributes], f"{label} ({cls.__name__})")
             clash = {t.name for t in own} & {t.name for t in standalone}
             if clash:
                 raise ValueError(f"{label}: {cls.__name__}'s methods {sorted(clash)} have the names of tools in tools")
             if not own and not standalone:
                 raise ValueError(f"{label}: {cls.__name__} has no public methods to call and tools is empty")
             self.factories[name], self.pool[name] = factory, [instance]
-            self.tools[name], self.methods[name] = [*standalone, *own], {t.name for t in own}
-            if "get_reward" in members and cls.__name__ not in {f.__name__ for f in self.reward_funcs}:
+            self.tools[name] = [*standalone, *own]
+            self.methods[name] = {t.name: n for t, n in zip(own, attributes, strict=True)}
+            if "get_reward" in members and cls not in rewarded:  # one reward per class, as TRL
+                rewarded.append(cls)
                 self.reward_funcs.append(_reward(cls))
 
     def name(self, row: dict[str, Any]) -> str | None:
         """The environment of a dataset row (None with a single factory)."""
         return row.get("environment") if self.routed else None
+
+    def reset_keywords(self, row: dict[str, Any]) -> dict[str, Any]:
+        """What ``reset`` is called with: the row, without the ``environment`` column that routes it (as TRL)."""
+        return {k: v for k, v in row.items() if k != "environment"} if self.routed else row
 
     def check_rows(self, rows: Sequence[dict[str, Any]], label: str = "dataset") -> None:
         """Refuse a row whose ``environment`` column is missing or names no environment (with a dict of factories)."""
@@ -100,8 +107,12 @@ class Environments:
                     "'environment' column"
                 )
 
-    def draw(self, names: Sequence[str | None]) -> list[Any]:
-        """One instance per completion, by environment name: the pool's, made anew only when it holds too few."""
+    def draw(self, names: Sequence[str | None], busy: set[int] = frozenset()) -> list[Any]:
+        """One instance per completion, by environment name: the pool's, made anew only when it holds too few. An
+        instance whose id is in ``busy`` (a call given up at its deadline still runs on it) is dropped from the
+        pool."""
+        for name, pool in self.pool.items():
+            self.pool[name] = [instance for instance in pool if id(instance) not in busy]
         handed: dict[str | None, int] = {}
         out = []
         for name in names:
@@ -116,6 +127,6 @@ class Environments:
         """The tools a completion with environment ``instance`` calls: its methods and the standalone tools."""
         own = self.methods[name]
         return {
-            t.name: dataclasses.replace(t, function=getattr(instance, t.name)) if t.name in own else t
+            t.name: dataclasses.replace(t, function=getattr(instance, own[t.name])) if t.name in own else t
             for t in self.tools[name]
         }

@@ -71,7 +71,11 @@ class ToolFormat:
         self.tokenizer, self.tools = tokenizer, tools
         self.native = renders_tools(tokenizer)
         self.parses = self.native and getattr(tokenizer, "response_template", None) is not None
-        self.name = "the chat template's tool format" if self.native else "the fallback tool format (<tool_call>)"
+        if not self.native:
+            self.name = "the fallback tool format (<tool_call>)"
+        else:  # a template without a response template: its calls are read as the fallback's
+            how = "parse_response" if self.parses else "<tool_call> JSON, as the tokenizer has no response_template"
+            self.name = f"the chat template's tool format, calls read by {how}"
 
     def conversation(self, prompt: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """A prompt's messages and the chat-template keywords that show the tools."""

@@ -1,7 +1,9 @@
 """Where tools run: a bounded set of worker threads (async tools on an event loop of their own), each call with a
 deadline. A call that raises (anything, ``SystemExit`` included), outlives its deadline or returns something other
 than a string ends as an error message, the tool's result; the run goes on. A call past its deadline is given up:
-its thread is left to finish on its own (Python cannot stop a thread) and its worker slot is freed for the others.
+its worker slot is freed for the others, an async tool's coroutine is cancelled, a plain tool's thread is left to
+finish on its own (Python cannot stop a thread), and the object whose method it is (an environment) is not handed to
+another rollout while it runs (`ToolRunner.busy_owners`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ class _Call:
     arguments: dict[str, Any]
     started: float | None = None  # when a worker took it (its deadline runs from then)
     settled: bool = False  # its result (or its timeout) was handed out
+    returned: bool = False  # the tool itself has returned (or raised)
+    future: Any = None  # an async tool's, cancelled at its deadline
 
 
 class ToolRunner:
@@ -52,6 +56,7 @@ class ToolRunner:
         self._slots = threading.Semaphore(workers)
         self._done: queue.Queue[Result] = queue.Queue()
         self._calls: list[_Call] = []
+        self._given_up: list[_Call] = []  # past their deadline, maybe still running
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -67,13 +72,15 @@ class ToolRunner:
         call.started = start = self.clock()
         try:
             if call.tool.is_async:
-                future = asyncio.run_coroutine_threadsafe(call.tool.function(**call.arguments), self._event_loop())
-                value = future.result()
+                coroutine = call.tool.function(**call.arguments)
+                call.future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
+                value = call.future.result()
             else:
                 value = call.tool.function(**call.arguments)
             content, failed = self._checked(call.tool, value)
         except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
             content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {exc}", True
+        call.returned = True
         self._finish(call, content, failed, self.clock() - start)
 
     def _checked(self, tool: Tool, value: Any) -> tuple[str, bool]:
@@ -107,7 +114,19 @@ class ToolRunner:
             late = [c for c in self._calls if c.started is not None and now - c.started > self.timeout]
         for call in late:
             message = f"error: tool {call.tool.name!r} did not return within {self.timeout:g} seconds"
+            if call.future is not None:
+                call.future.cancel()
+            with self._lock:
+                self._given_up.append(call)
             self._finish(call, message, True, now - call.started)
+
+    def busy_owners(self) -> set[int]:
+        """The ids of the objects (environments) whose method, called as a tool, was given up at its deadline and
+        still runs: they are not handed to another rollout."""
+        with self._lock:
+            self._given_up = [c for c in self._given_up if not c.returned]
+            owners = (getattr(c.tool.function, "__self__", None) for c in self._given_up)
+            return {id(owner) for owner in owners if owner is not None}
 
     def results(self, block: bool = False, poll: float = 0.01) -> list[Result]:
         """The calls finished since the last call; ``block``: wait until there is one (checking deadlines every

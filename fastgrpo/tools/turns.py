@@ -68,7 +68,8 @@ class ToolTurns:
     row's own (``row_tools``, by name: an environment's methods bound to the row's instance); each row calls tools in
     at most ``max_iterations`` turns; a completion holds at most ``max_tokens`` tokens. A tool's first failure is
     logged (``warned`` holds the tools already logged). With environments,
-    ``environments`` and ``prompts`` are each completion's instance and prompt (its reset's text appended)."""
+    ``environments`` holds each completion's instance, and ``prompts`` each completion's prompt with its reset's text
+    appended (None where no reset returned text)."""
 
     def __init__(
         self,
@@ -104,19 +105,22 @@ class ToolTurns:
         for k, call in enumerate(calls):
             row.calls += 1
             function = call.get("function") or {}
-            name = function.get("name", "unknown")
+            name, arguments = function.get("name"), function.get("arguments", {})
+            error = call.get("error")
+            if error is None and not (isinstance(name, str) and isinstance(arguments, dict)):
+                error = f"error: a call needs a tool name and an object of arguments, got {function!r}"[:400]
+            name = name if isinstance(name, str) else "unreadable"
             row.names.append(name)
             row.waiting[k] = None
             tool = self.row_tools[index].get(name)
-            error = call.get("error")
             if error is None and tool is None:
                 error = f"error: unknown tool {name!r}; the tools are {sorted(self.row_tools[index])}"
             if error is None:
-                error = argument_error(tool, function.get("arguments", {}))
+                error = argument_error(tool, arguments)
             if error is not None:
                 row.waiting[k] = Result((index, k), error, True, 0.0)
             else:
-                self.runner.submit((index, k), tool, function.get("arguments", {}))
+                self.runner.submit((index, k), tool, arguments)
         return True
 
     def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
@@ -141,13 +145,13 @@ class ToolTurns:
         row.failures += sum(r.failed for r in results)
         for name, result in zip(row.names, results, strict=True):
             known = name in self.known  # made-up names share one warning
-            key = repr(name) if known else "unknown tools"
+            key = repr(name) if known else "unknown or unreadable calls"
             if result.failed and key not in self.warned:
                 self.warned.add(key)
                 logger.warning(
-                    "%s failed: the conversation gets the error as the call's result, counted in "
-                    "tools/failure_frequency (later failures of %s are not logged): %s",
-                    f"a call of tool {name!r}" if known else "a call of an unknown tool",
+                    "%s ended in an error: the conversation gets the error as the call's result, counted in "
+                    "tools/failure_frequency (later errors of %s are not logged): %s",
+                    f"a call of tool {name!r}" if known else "a call of an unknown tool, or one that cannot be read,",
                     key,
                     result.content,
                 )

@@ -221,7 +221,8 @@ class SuffixDrafter(Drafter):
     """Drafts trees of up to ``max_depth`` levels from each row's `PromptMemory` (see the module); the memory of
     earlier completions, its `learner`, holds at most ``memory_tokens`` tokens. With ``reads_tool_results`` (the
     default) a tool's results enter the memory with the completion around them; without, the memory keeps the
-    model's turns only, each turn after a tool's results a sequence of its own."""
+    model's turns only, each turn after a tool's results a sequence of its own, after the prompt's end as a
+    completion is."""
 
     name = "suffix"
 
@@ -279,8 +280,8 @@ class SuffixDrafter(Drafter):
         return parked
 
     def rejoin(self, state: _Row, emitted: Emitted) -> None:
-        if not self.reads_tool_results:  # the next turn starts a sequence of its own, after the results
-            state.sid, state.read = state.memory.add([], prefix=0, room=ROW_CELLS), len(state.completion)
+        if not self.reads_tool_results:  # the next turn starts a sequence of its own (as a completion does)
+            state.sid, state.read = state.memory.add([], room=ROW_CELLS), len(state.completion)
         self.rows.append(state)  # otherwise the tool turn is read from its completion, as any of its tokens
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
