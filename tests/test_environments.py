@@ -185,7 +185,9 @@ def caller_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tool_caller(tmp_path_factory.mktemp("caller"), config, {"prompt": QUESTION})
 
 
-def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results(caller_dir: Path, tmp_path) -> None:
+def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results(
+    caller_dir: Path, tmp_path, capsys
+) -> None:
     from test_trainer import make_config
 
     from fastgrpo.grpo.trainer import GRPOTrainer
@@ -199,6 +201,8 @@ def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results
         max_prompt_length=512,
         max_steps=1,
         save_steps=1,
+        log_completions=True,
+        log_completions_steps=1,
     )
     rows = [{"prompt": QUESTION, "answer": "5"}] * 2
     trainer = GRPOTrainer(config, dataset=rows)
@@ -208,11 +212,13 @@ def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results
     assert all(e.total == 5 for e in turns.environments)
     assert [m["role"] for m in turns.rows[0].messages] == ["assistant", "tool", "assistant"]
     assert all(lp == 0.0 for lp, m in zip(out.logprobs[0], mask, strict=True) if not m)
-    metrics = trainer.train_step(0)
+    (metrics,) = trainer.train()
     assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.0
     assert metrics["rewards/Tally/mean"] == 5.0
     assert metrics["completions/mean_length"] == sum(mask)
     trainer.close()
+    printed = capsys.readouterr()
+    assert "[add returned] 5" in printed.out + printed.err and "The answer is 5." in printed.out + printed.err
 
 
 def test_a_tools_results_are_not_the_drafts_targets() -> None:

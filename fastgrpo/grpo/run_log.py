@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 from tqdm.auto import tqdm
 
+from fastgrpo.answers import content_text
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.paths import read_text, write_atomically
 
@@ -34,6 +35,22 @@ def logged_lines(path: Path, warn: bool = True) -> list[str]:
                 return lines[:-1]
             raise ValueError(f"{path}, line {number}: not a line of metrics ({e}); remove or repair it") from None
     return lines
+
+
+def completion_shown(completion: Any) -> str:
+    """A completion as printed: its text, or with tools its turns, one per line, a tool's result marked as such (a
+    call the turn's text does not show is written out)."""
+    if isinstance(completion, str):
+        return completion.strip()
+    lines = []
+    for message in completion:
+        text = content_text(message.get("content")).strip()
+        if message.get("role") == "tool":
+            lines.append(f"[{message.get('name', 'tool')} returned] {text}")
+        elif text or message.get("tool_calls"):
+            calls = [json.dumps(c["function"]) for c in message.get("tool_calls") or [] if "function" in c]
+            lines.append(text or " ".join(f"[calls {call}]" for call in calls))
+    return "\n    ".join(lines)
 
 
 class RunLog:
@@ -80,9 +97,8 @@ class RunLog:
         for prompt, completion, reward, extra in shown:
             text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
             columns = "".join(f"\n  {column}: {value}" for column, value in extra.items())
-            tqdm.write(
-                f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {completion.strip()}{columns}"
-            )
+            written = completion_shown(completion)
+            tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {written}{columns}")
 
     def close(self) -> None:
         self.file.close()

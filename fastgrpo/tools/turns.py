@@ -67,9 +67,9 @@ class ToolTurns:
     """A generation call's tools, called as ``fmt`` shows and reads them, on ``runner``: ``fmt``'s tools, or each
     row's own (``row_tools``, by name: an environment's methods bound to the row's instance); each row calls tools in
     at most ``max_iterations`` turns; a completion holds at most ``max_tokens`` tokens. A tool's first failure is
-    logged (``warned`` holds the tools already logged). With environments,
-    ``environments`` holds each completion's instance, and ``prompts`` each completion's prompt with its reset's text
-    appended (None where no reset returned text)."""
+    logged (``warned`` holds the tools already logged). With environments, ``environments`` holds each completion's
+    instance, and ``prompts`` each completion's prompt with its reset's text appended (None where no reset returned
+    text)."""
 
     def __init__(
         self,
