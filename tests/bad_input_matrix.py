@@ -109,6 +109,42 @@ add_number = _add_tool(lambda a, b: a + b)
 add_huge = _add_tool(lambda a, b: "5" * 10_000)
 
 
+def subtract(a: int, b: int) -> str:
+    """Subtract two numbers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return str(a - b)
+
+
+def _add_text(a: str, b: int) -> str:
+    """Add two numbers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+    """
+    return a + str(b)
+
+
+def _add_three(a: int, b: int, c: int) -> str:
+    """Add two numbers.
+
+    Args:
+        a: the first number.
+        b: the second number.
+        c: a third number.
+    """
+    return str(a + b + c)
+
+
+# `add` as the caller calls it (a=2, b=3) fits neither: a string `a`, a required `c`.
+add_text, add_three = _add_text, _add_three
+add_text.__name__ = add_three.__name__ = "add"
+
+
 def untyped_tool(a):  # noqa: ANN001, ANN201 - the fault is the missing hints
     """A tool without type hints.
 
@@ -163,8 +199,9 @@ def tool_caller(tmp: Path) -> None:
     if not _CALLER:
         directory = Path(tempfile.mkdtemp(prefix="fastgrpo-caller-"))
         atexit.register(shutil.rmtree, directory, ignore_errors=True)
-        config = GRPOConfig(model="smollm2", tools=["bad_input_matrix:add_works"])
-        _CALLER.append(save_tool_caller(directory / "caller", config, {"prompt": QUESTION}))
+        names = ("add_works", "subtract", "add_text", "add_three")  # each run's prompt shows one of them
+        configs = [GRPOConfig(model="smollm2", tools=[f"bad_input_matrix:{name}"]) for name in names]
+        _CALLER.append(save_tool_caller(directory / "caller", configs, {"prompt": QUESTION}))
     shutil.copytree(_CALLER[0], tmp / "caller")
 
 
@@ -709,6 +746,10 @@ CASES: list[Case] = [
     tool_run("a tool that hangs", RUNS, "did not return within 0.2 seconds", "add_hangs", tool_timeout=0.2),
     tool_run("a tool that returns a non-string", RUNS, "returned int, not a string", "add_number"),
     tool_run("a tool that returns a huge result", RUNS, "returned 10000 characters", "add_huge"),
+    tool_run("a call of an unknown tool", RUNS, "unknown tool 'add'; the tools are ['subtract']", "subtract"),
+    tool_run("a call missing an argument", RUNS, "missing ['c']", "add_three"),
+    tool_run("a call with an argument of the wrong type", RUNS, "argument 'a' of tool 'add' must be string",
+             "add_text"),
     # -- places it writes ---------------------------------------------------------------------------------------------
     Case("output_dir is a file", ("train",), REFUSED, "is a file, not a directory",
          config=tiny_run(output_dir="{tmp}/f"), files={"f": ""}),

@@ -195,21 +195,24 @@ def tool_call_conversation(config: object, row: dict) -> tuple[list[int], list[i
     return prompt, completion, mask
 
 
-def save_tool_caller(path: Path, config: object, row: dict, steps: int = 120) -> Path:
-    """A tiny Llama trained until it writes `tool_call_conversation`'s completion after ``row``'s prompt (the call,
-    then the answer after the tool's result), its LM head then scaled up so that sampling at temperature 1 writes
-    it too; saved at ``path`` with the SmolLM2 tokenizer."""
+def save_tool_caller(path: Path, configs: object | list, row: dict, steps: int = 120) -> Path:
+    """A tiny Llama trained until it writes `tool_call_conversation`'s completion after ``row``'s prompt as each of
+    ``configs`` renders it (the call, then the answer after the tool's result), its LM head then scaled up so that
+    sampling at temperature 1 writes it too; saved at ``path`` with the SmolLM2 tokenizer."""
     save_tiny_llama(path, seed=0, tie_word_embeddings=False)
-    prompt, completion, _ = tool_call_conversation(config, row)
+    conversations = [tool_call_conversation(c, row) for c in (configs if isinstance(configs, list) else [configs])]
     model = LlamaForCausalLM.from_pretrained(path)
-    ids = torch.tensor([prompt + completion], device="cpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     torch.manual_seed(0)
     for _ in range(steps):
-        logits = model(ids).logits[0, len(prompt) - 1 : -1]
-        loss = torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :])
         optimizer.zero_grad()
-        loss.backward()
+        losses = []
+        for prompt, completion, _ in conversations:
+            ids = torch.tensor([prompt + completion], device="cpu")
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            losses.append(torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :]))
+        loss = torch.stack(losses).max()
+        torch.stack(losses).sum().backward()
         optimizer.step()
     assert loss.item() < 0.05, loss.item()
     with torch.no_grad():
