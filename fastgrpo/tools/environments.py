@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from fastgrpo.rewards import import_function
@@ -107,7 +107,7 @@ class Environments:
                     "'environment' column"
                 )
 
-    def draw(self, names: Sequence[str | None], busy: set[int] = frozenset()) -> list[Any]:
+    def draw(self, names: Sequence[str | None], busy: Collection[int] = ()) -> list[Any]:
         """One instance per completion, by environment name: the pool's, made anew only when it holds too few. An
         instance whose id is in ``busy`` (a call given up at its deadline still runs on it) is dropped from the
         pool."""
