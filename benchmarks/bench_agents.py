@@ -27,7 +27,6 @@ import json
 import os
 import random
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +36,7 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 import datasets  # noqa: E402
 import trl  # noqa: E402
+from bench_trl import StepTimer  # noqa: E402
 from record import REPO, Record  # noqa: E402
 from transformers import PreTrainedTokenizerBase, TrainerCallback  # noqa: E402
 from trl.chat_template_utils import add_response_schema, qwen2_5_chat_template  # noqa: E402
@@ -80,19 +80,6 @@ def tool_tokenizer() -> PreTrainedTokenizerBase:
     tokenizer = load_tokenizer("smollm2")
     tokenizer.chat_template = qwen2_5_chat_template
     return add_response_schema(tokenizer)
-
-
-class StepTimer(TrainerCallback):
-    """Wall time of every optimizer step (rollout, tools, rewards, update)."""
-
-    def __init__(self) -> None:
-        self.seconds: list[float] = []
-
-    def on_step_begin(self, args, state, control, **kwargs) -> None:
-        self.start = time.perf_counter()
-
-    def on_step_end(self, args, state, control, **kwargs) -> None:
-        self.seconds.append(time.perf_counter() - self.start)
 
 
 def run_trl(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, float]]:
