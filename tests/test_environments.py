@@ -196,7 +196,7 @@ def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results
         caller_dir,
         tmp_path / "run",
         reward_funcs=[],
-        environment_factory="test_environments:Tally",
+        environment_factory=Tally,  # a class, as Python gives it: config.yaml names it
         max_completion_length=64,
         max_prompt_length=512,
         max_steps=1,
@@ -219,6 +219,7 @@ def test_a_grpo_step_with_an_environment_calls_its_tools_and_masks_their_results
     trainer.close()
     printed = capsys.readouterr()
     assert "[add returned] 5" in printed.out + printed.err and "The answer is 5." in printed.out + printed.err
+    assert "environment_factory: test_environments:Tally" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 def test_a_tools_results_are_not_the_drafts_targets() -> None:

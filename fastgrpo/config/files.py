@@ -347,14 +347,23 @@ def read_options(
     return _merge(_canonical_names(classes, values), parse_overrides(overrides or [], classes))
 
 
+def _named(f: Any) -> Any:
+    """A callable (a reward function, a tool, an environment's class) as ``module:name``; anything else as it is."""
+    if isinstance(f, str) or f is None:
+        return f
+    return f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__name__)}"
+
+
 def config_to_dict(config: GRPOConfig) -> dict[str, Any]:
-    """The options as plain data (what ``config.yaml`` holds); a reward function given as a callable is written as
-    ``module:name``."""
+    """The options as plain data (what ``config.yaml`` holds); a reward function, tool or environment factory given
+    as a callable is written as ``module:name``."""
     values = dataclasses.asdict(config)
-    values["reward_funcs"] = [
-        f if isinstance(f, str) else f"{getattr(f, '__module__', '?')}:{getattr(f, '__qualname__', type(f).__name__)}"
-        for f in config.reward_funcs
-    ]
+    values["reward_funcs"] = [_named(f) for f in config.reward_funcs]
+    values["tools"] = [_named(f) for f in config.tools]
+    factory = config.environment_factory
+    values["environment_factory"] = (
+        {name: _named(f) for name, f in factory.items()} if isinstance(factory, dict) else _named(factory)
+    )
     return values
 
 
