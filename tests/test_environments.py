@@ -138,6 +138,12 @@ def test_no_reward_source_is_refused() -> None:
         resolve_run_tools(config, [], [{"prompt": QUESTION}])
 
 
+def test_tools_refuse_plain_string_prompts_before_the_model_loads() -> None:
+    config = GRPOConfig(model="smollm2", tools=["calculator"])
+    with pytest.raises(ValueError, match="dataset row 1: its prompt is a plain string; tools need chat prompts"):
+        resolve_run_tools(config, [], [{"prompt": QUESTION}, {"prompt": "What is 2 + 3?"}])
+
+
 def prompts_for(tokenizer, tools: RunTools) -> StepPrompts:
     return StepPrompts([], tokenizer, 1, 0, 1, 0, 512, render=tools.render)
 

@@ -24,6 +24,7 @@ from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.grpo.batch import completion_lengths
 from fastgrpo.grpo.scoring import reward_inputs, reward_weights
+from fastgrpo.grpo.tool_use import rollout_prompts
 from fastgrpo.reward_calls import RewardLog, TrainerState, reward_name
 from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.engine import RolloutEngine
@@ -103,9 +104,7 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
         for start in range(0, len(mine), per_call):
             indices = mine[start : start + per_call]
             part = [rows[i] for i in indices]
-            prompt_ids, per_prompt, turns = trainer.prompts.encode(part), generations, None
-            if trainer.tools is not None:  # `fastgrpo.grpo.tool_use.RunTools`
-                prompt_ids, per_prompt, turns = trainer.tools.start(part, generations, trainer.prompts)
+            prompt_ids, per_prompt, turns = rollout_prompts(trainer.tools, part, generations, trainer.prompts)
             uniforms = None
             if not params.greedy:
                 width = params.max_new_tokens

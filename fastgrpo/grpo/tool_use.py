@@ -16,7 +16,7 @@ from fastgrpo.tools.functions import Tool, resolve_tools
 from fastgrpo.tools.runner import ToolRunner
 from fastgrpo.tools.turns import ToolTurns
 
-__all__ = ["RunTools", "ToolTurns", "check_tool_rows", "resolve_run_tools", "with_observation"]
+__all__ = ["RunTools", "ToolTurns", "check_tool_rows", "resolve_run_tools", "rollout_prompts", "with_observation"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,16 @@ def resolve_run_tools(
     return tools, environments
 
 
+def rollout_prompts(
+    tools: RunTools | None, rows: list[dict[str, Any]], generations: int, prompts: StepPrompts
+) -> tuple[list[list[int]], int, ToolTurns | None]:
+    """A rollout's ``(prompt ids, completions per prompt id, turns)``: the rows' prompts, or with tools
+    `RunTools.start`'s."""
+    if tools is None:
+        return prompts.encode(rows), generations, None
+    return tools.start(rows, generations, prompts)
+
+
 class RunTools:
     """``tools`` (and ``environments``' methods) as ``tokenizer``'s chat template shows them (or the fallback
     format), run on one `ToolRunner`."""
@@ -97,9 +107,7 @@ class RunTools:
     def render(self, row: dict[str, Any], prompt: Any = None) -> tuple[Any, dict[str, Any]]:
         """A row's prompt messages (or ``prompt``) with its tools shown, and the chat-template keywords that show
         them."""
-        prompt = row["prompt"] if prompt is None else prompt
-        if isinstance(prompt, str):
-            raise ValueError("tools need chat prompts (lists of messages); a prompt is a plain string")
+        prompt = row["prompt"] if prompt is None else prompt  # chat messages: `check_tool_rows` refused strings
         return self.formats[self.environment(row)].conversation(prompt)
 
     def start(

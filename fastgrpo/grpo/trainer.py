@@ -40,7 +40,7 @@ from fastgrpo.grpo.run_dir import (
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
-from fastgrpo.grpo.tool_use import RunTools, ToolTurns, check_tool_rows, resolve_run_tools
+from fastgrpo.grpo.tool_use import RunTools, ToolTurns, check_tool_rows, resolve_run_tools, rollout_prompts
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -258,9 +258,8 @@ class GRPOTrainer:
     ) -> tuple[list[list[int]], GenerationOutput, ToolTurns | None]:
         """Sample ``num_generations`` completions per prompt (`TrainingRollouts.generate`: the same whatever the number
         of processes); with tools their calls run, and the prompt ids may be each completion's own (environments)."""
-        prompt_ids, generations, turns = self.prompts.encode(rows), self.config.num_generations, None
-        if self.tools is not None:  # with environments, the prompts may be each completion's own
-            prompt_ids, generations, turns = self.tools.start(rows, generations, self.prompts)
+        generations = self.config.num_generations  # with environments the prompts may be each completion's own
+        prompt_ids, generations, turns = rollout_prompts(self.tools, rows, generations, self.prompts)
         out = self.rollouts.generate(
             prompt_ids, self.sampling, generations, step, self.dist.rank, self.dist.world_size, turns
         )

@@ -147,8 +147,8 @@ class Generation:
     ) -> Generation:
         """A call of ``n_rows`` completions, none begun (with ``parking``, a call with tools: each masks their
         results, `Sequence.tool_mask`)."""
-        mask = None if parking is None else list
-        seqs = [Sequence(i, 0, hidden=[] if capture else None, tool_mask=mask and mask()) for i in range(n_rows)]
+        tools = parking is not None
+        seqs = [Sequence(i, 0, hidden=[] if capture else None, tool_mask=[] if tools else None) for i in range(n_rows)]
         return cls(params, seqs, eos, noise, tokenizer, capture, parking=parking)
 
     def uniforms(self, rows: ActiveRows, width: int) -> torch.Tensor | None:

@@ -59,8 +59,8 @@ class ToolRow:
     overlong: int = 0  # results that would not fit, rolled back
     seconds: float = 0.0
     length: int = 0  # completion tokens when its turn ended
-    waiting: dict[int, Result | None] = field(default_factory=dict)  # its calls' results by call number
-    names: list[str] = field(default_factory=list)
+    waiting: list[Result | None] = field(default_factory=list)  # its calls' results by call number (None: running)
+    names: list[str] = field(default_factory=list)  # its calls' tools by call number
 
 
 class ToolTurns:
@@ -101,7 +101,7 @@ class ToolTurns:
         if not calls or (self.max_iterations is not None and row.iterations >= self.max_iterations):
             return False
         row.iterations += 1
-        row.length, row.waiting, row.names = len(completion), {}, []
+        row.length, row.waiting, row.names = len(completion), [], []
         for k, call in enumerate(calls):
             row.calls += 1
             function = call.get("function") or {}
@@ -111,7 +111,7 @@ class ToolTurns:
                 error = f"error: a call needs a tool name and an object of arguments, got {function!r}"[:400]
             name = name if isinstance(name, str) else "unreadable"
             row.names.append(name)
-            row.waiting[k] = None
+            row.waiting.append(None)
             tool = self.row_tools[index].get(name)
             if error is None and tool is None:
                 error = f"error: unknown tool {name!r}; the tools are {sorted(self.row_tools[index])}"
@@ -126,12 +126,12 @@ class ToolTurns:
     def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
         out = []
         waiting = [i for i, row in enumerate(self.rows) if row.waiting]
-        done = [i for i in waiting if all(r is not None for r in self.rows[i].waiting.values())]
+        done = [i for i in waiting if None not in self.rows[i].waiting]
         results = self.runner.results(block=block and not done) if len(done) < len(waiting) else []
         for result in results:
             index, k = result.key
             self.rows[index].waiting[k] = result
-            if index not in done and all(r is not None for r in self.rows[index].waiting.values()):
+            if index not in done and None not in self.rows[index].waiting:
                 done.append(index)
         for index in done:
             out.append((index, self._continue(self.rows[index])))
@@ -140,8 +140,7 @@ class ToolTurns:
     def _continue(self, row: ToolRow) -> list[int] | None:
         """The tokens of a row's tool turn, or None when they would leave no room in the completion (TRL's rollback:
         the results are dropped and the row ends as it is)."""
-        results = [row.waiting[k] for k in sorted(row.waiting)]
-        row.waiting = {}
+        results, row.waiting = row.waiting, []
         row.failures += sum(r.failed for r in results)
         for name, result in zip(row.names, results, strict=True):
             known = name in self.known  # made-up names share one warning
