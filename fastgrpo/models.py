@@ -75,26 +75,40 @@ def embedded_gguf_path() -> Path:
 
 
 def convert_embedded(target: Path) -> Path:
-    """Convert the embedded GGUF once to a safetensors directory at ``target`` (atomic: temp dir + rename)."""
-    gguf = embedded_gguf_path()
-    logger.info("Converting %s to a safetensors cache at %s (once)", gguf.name, target)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # A GGUF-loaded model is marked as quantized and refuses save_pretrained; its weights are already
-    # de-quantized to float32, so the marker is dropped.
-    model.hf_quantizer = None
-    model.config.quantization_config = None
-    del model.config.quantization_config
+    """Convert the embedded GGUF to a safetensors directory at ``target``, once: under a lock file beside it, so
+    that processes converting at once (two runs, torchrun's ranks, test workers) wait for the first, and take the
+    directory it completed; written to a temporary directory renamed into place, so that no process ever reads a
+    half-written model. A directory left without its ``config.json`` is converted again."""
+    from filelock import FileLock
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with FileLock(target.parent / f"{target.name}.lock"):
+        if converted(target):
+            return target
+        gguf = embedded_gguf_path()
+        logger.info("Converting %s to a safetensors cache at %s (once)", gguf.name, target)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # A GGUF-loaded model is marked as quantized and refuses save_pretrained; its weights are already
+        # de-quantized to float32, so the marker is dropped.
+        model.hf_quantizer = None
+        model.config.quantization_config = None
+        del model.config.quantization_config
+        tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(target, ignore_errors=True)  # an incomplete directory (its config.json deleted)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return target
+
+
+def converted(target: Path) -> bool:
+    """Whether ``target`` holds a completed conversion (`convert_embedded` writes ``config.json`` with the rest)."""
+    return (target / "config.json").is_file()
 
 
 def resolve_model_path(name: str) -> str:
@@ -102,7 +116,7 @@ def resolve_model_path(name: str) -> str:
     if name != EMBEDDED_MODEL:
         return name
     target = cache_root() / "SmolLM2-135M-Instruct"
-    if not (target / "config.json").is_file():
+    if not converted(target):
         convert_embedded(target)
     return str(target)
 
