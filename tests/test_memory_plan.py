@@ -347,7 +347,8 @@ def test_items_add_up_to_the_moments_and_phases() -> None:
 @pytest.mark.parametrize("mode", ["off", "static", "adaptive"])
 def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
     """layers x 2 x rows x KV heads x slots x head dim x bytes, with the engine's slots (prompt + completion + 1 +
-    the largest tree, 1 without speculation) and rows (a compiled step's, on a GPU, padded to a power of two)."""
+    the largest tree, 1 without speculation) and rows (a compiled step's, on a GPU, padded to a power of two, and its
+    scratch row)."""
     config = GRPOConfig(
         speculation=dataclasses.replace(GRPOConfig().speculation, mode=mode),
         max_prompt_length=300,
@@ -361,11 +362,11 @@ def test_kv_cache_item_is_the_row_cache_tensor(mode: str) -> None:
     for name in ("qwen2.5-7b", "qwen3-0.6b"):
         shape = ModelShape.from_config(CONFIGS[name])
         plan = estimate_memory(config, CONFIGS[name], "cuda")
-        expected = shape.num_layers * 2 * 32 * shape.num_kv_heads * slots * shape.head_dim * 2  # 24 rows -> 32
-        assert plan.kv_slots == slots and plan.rows == 32
-        assert plan.item("KV cache").bytes == (expected,) * 4  # kept through the update
+        row_bytes = shape.num_layers * 2 * shape.num_kv_heads * slots * shape.head_dim * 2
+        assert plan.kv_slots == slots and plan.rows == 32  # 24 rows -> 32
+        assert plan.item("KV cache").bytes == (33 * row_bytes,) * 4  # kept through the update; the scratch row
     cpu = estimate_memory(config, CONFIGS["qwen3-0.6b"], "cpu")  # eager, float32
-    assert cpu.rows == 24 and set(cpu.item("KV cache").bytes) == {2 * expected * 24 // 32}
+    assert cpu.rows == 24 and set(cpu.item("KV cache").bytes) == {2 * 24 * row_bytes}
 
 
 def test_a_gpu_rollout_compiled_keeps_the_pool_of_its_cuda_graphs_through_the_update() -> None:
@@ -482,7 +483,8 @@ def test_lora_and_fewer_generations_lower_the_peak() -> None:
         smaller = estimate_memory(fewer, CONFIGS[name], "cuda")
         assert smaller.moments[0] < full.moments[0] and smaller.moments[2] < full.moments[2]
         assert full.peak_moment == "update: backward" and smaller.peak_bytes < full.peak_bytes
-        assert smaller.item("KV cache").bytes[0] == full.item("KV cache").bytes[0] // 2
+        row = full.item("KV cache").bytes[0] // (full.rows + 1)  # a compiled step's cache: the scratch row
+        assert smaller.item("KV cache").bytes[0] == (full.rows // 2 + 1) * row
 
 
 def test_check_fits_accepts_a_large_device_and_names_what_fits_a_small_one() -> None:
@@ -591,7 +593,7 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     if not torch.cuda.is_available():  # planned for a GPU this machine lacks, in bfloat16
         planned = printed["--device cuda"]
         assert "bfloat16 on cuda" in planned and "80 GB card" in planned
-        assert "fits: no: the run needs about 177.9 GiB" in planned and "fsdp: true on 17 processes" in planned
+        assert "fits: no: the run needs about 178.0 GiB" in planned and "fsdp: true on 17 processes" in planned
         assert "recommended on 1 process of 79.6 GiB: gradient_checkpointing: true, use_peft: true" in planned
         planned = printed[" ".join(checkpointed_lora)]
         assert "layers checkpointed" in planned and "recomputed layer activations" in planned

@@ -13,10 +13,14 @@ import torch
 from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
 from transformers import PreTrainedModel
 
+from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.turns import Parking
 from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 MAX_NEW = 40
 
@@ -192,3 +196,101 @@ def test_a_suffix_memory_without_tool_results_keeps_the_models_turns_only(model_
     restored = SuffixMemory()
     restored.load_state_dict(state)
     assert restored.state_dict()["prompts"] == state["prompts"]
+
+
+@dataclass
+class LateTurns(ScriptedTurns):
+    """`ScriptedTurns` whose results come ``delay`` decoding steps after the call (each `ready` call is a step; one
+    that must block moves on to the first result)."""
+
+    delay: int = 4
+    clock: int = 0
+    due: dict[int, int] = field(default_factory=dict)
+
+    def ended(self, row: int, completion: list[int]) -> bool:
+        calls = super().ended(row, completion)
+        if calls:
+            self.due[row] = self.clock + self.delay
+        return calls
+
+    def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
+        self.clock += 1
+        if block and self.waiting:
+            self.clock = max(self.clock, min(self.due[r] for r in self.waiting))
+        done = [r for r in self.waiting if self.due[r] <= self.clock]
+        return [(r, self.waiting.pop(r)) for r in done]
+
+
+class ParkedKV:
+    """Snapshots of each parked row's filled cache slots taken when it parks, compared with its cache row when it
+    resumes: ``changed`` lists the resumes that found their keys or values written over."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine: RolloutEngine):
+        self.saved: dict[int, list[torch.Tensor]] = {}
+        self.resumed = 0
+        self.changed: list[tuple[int, int]] = []  # (completion, slot index)
+        append, rejoin = RolloutEngine._append, Parking._rejoin
+
+        def rows_of(slot: int, length: int) -> list[torch.Tensor]:
+            return [
+                buf[slot, :, :length].clone() for layer in engine.cache.layers for buf in (layer.keys, layer.values)
+            ]
+
+        def snapshot(this, rows, verified, host, call):
+            out = append(this, rows, verified, host, call)
+            for index, parked in (call.parking.rows if call.parking is not None else {}).items():
+                self.saved.setdefault(index, rows_of(parked.slot, parked.length))
+            return out
+
+        def check(this, model, cache, drafters, rows, parked, tokens):
+            before = self.saved.pop(parked.seq.index)
+            after = rows_of(parked.slot, parked.length)
+            self.resumed += 1
+            for a, b in zip(before, after, strict=True):
+                if not torch.equal(a, b):
+                    self.changed.append((parked.seq.index, parked.slot))
+                    break
+            return rejoin(this, model, cache, drafters, rows, parked, tokens)
+
+        monkeypatch.setattr(RolloutEngine, "_append", snapshot)
+        monkeypatch.setattr(Parking, "_rejoin", check)
+
+
+@pytest.fixture(scope="module")
+def compiled(model_eos) -> tuple[RolloutEngine, dict[str, Drafter]]:
+    """An engine whose target steps and EAGLE proposals run compiled (``aot_eager``), and its drafters: the tests
+    switch drafters on the same engine, whose compiled steps are then traced once for the module (the cases are
+    ordered so that each traces little that an earlier one did not)."""
+    model, eos, draft = model_eos
+    drafters = {"eagle": EagleDrafter(draft, model, "aot_eager"), "suffix": SuffixDrafter()}
+    return RolloutEngine(model, [eos], backend="aot_eager"), drafters
+
+
+@pytest.mark.parametrize(
+    ("drafter", "temperature"),
+    [("", 0.0), ("eagle+suffix", 0.0), ("suffix", 1.0), ("eagle+suffix", 1.0)],
+)
+def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monkeypatch, drafter, temperature):
+    """Compiled steps run over rows padded to a power of two; with tools answering four steps late, rows wait parked
+    past the live ones while the padded rows are computed: every resumed row finds its keys and values as it left
+    them, and the completions equal eager decoding's, token for token (8-node trees of ``drafter``, or none)."""
+    model, eos, _ = model_eos
+    engine, drafters = compiled
+    if drafter:
+        tree = TreeShape(8, 3, 4, drafter=drafter)
+        engine.speculate([drafters[name] for name in drafter.split("+")], tree=tree)
+    else:
+        engine.speculate(None)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
+    uniforms = None
+    if temperature:
+        uniforms = torch.rand(
+            len(PROMPTS) * 3, MAX_NEW, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+        )
+    eager = RolloutEngine(model, [eos]).generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
+    parked = ParkedKV(monkeypatch, engine)
+    out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
+    assert parked.resumed >= 4 and max(out.stats.waiting) >= 2, "the test needs rows that wait while others decode"
+    assert parked.changed == []
+    assert out.completion_ids == eager.completion_ids
+    assert out.tool_masks == eager.tool_masks

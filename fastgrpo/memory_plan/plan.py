@@ -169,6 +169,7 @@ def planned_run(
         rows=step_rows(config.generation_batch_size, compiled),
         length=call_length(config.max_prompt_length, config.max_completion_length),
         bound=tree_bound(config.speculation),
+        compiled=compiled,
     )
 
 
@@ -337,7 +338,7 @@ def _rollout_items(items: MemoryItems, run: PlannedRun, lora: LoraShape | None) 
     rows, p_len, c_len = run.rows, config.max_prompt_length, config.max_completion_length
     prompts = config.generation_batch_size // config.num_generations
     h = shape.hidden_size
-    items.resident("KV cache", cache_bytes(shape.kv_dims, rows, run.kv_slots, w))
+    items.resident("KV cache", cache_bytes(shape.kv_dims, run.cache_rows, run.kv_slots, w))
     if lora and w == 2:  # `merged_lora` keeps each adapted 16-bit weight to restore it exactly
         items.add("LoRA merge copies", lora.adapted * w)
     if config.draft_training.online and any(p.captures_hidden for p in plugins(config.speculation)):

@@ -58,6 +58,12 @@ def read_slots(max_len: int) -> int:
     return max_len - SLOT_ALIGN
 
 
+def physical_rows(rows: int, compiled: bool) -> int:
+    """Rows a `RowCache` of ``rows`` rows allocates: one more when ``compiled``, the scratch row that the padded rows
+    of a compiled step write (`RowCache.scratch`)."""
+    return rows + int(compiled)
+
+
 def cache_bytes(dims: tuple[int, int, int], rows: int, slots: int, itemsize: int) -> int:
     """Bytes of a `RowCache` of ``rows`` x ``slots`` for a decoder of ``dims`` (`kv_dims`): keys and values of
     ``[rows, kv heads, slots, head dim]`` per layer."""
@@ -107,6 +113,10 @@ class RowCache(Cache):
         max_rows: rows the buffers hold.
         max_len: slots per row (prompt + completion + draft tree).
 
+    A cache for compiled steps holds one row more, ``scratch``, past the ``max_rows`` rows: a compiled step's rows are
+    padded up to a bucket (`fastgrpo.rollout.compiled.RowPadding`), and its padded rows write there, never into a row
+    past the live ones, where a row waiting on its tools keeps its keys and values (`fastgrpo.rollout.turns`).
+
     ``serial`` numbers the caches made in this process: two caches never share one, whereas a new cache may reuse a
     freed one's ``id`` (what compiled steps met, and what was settled, is keyed by it).
     """
@@ -121,7 +131,7 @@ class RowCache(Cache):
         compiled: bool = False,
     ):
         n_layers, heads, head_dim = kv_dims(config)
-        shape = (max_rows, heads, max_len, head_dim)
+        shape = (physical_rows(max_rows, compiled), heads, max_len, head_dim)
         self.kv: torch.Tensor | None = None
         if compiled:  # keys and values of each layer in tensors of their own, at addresses a CUDA graph keeps
             pairs = [[torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)] for _ in range(n_layers)]
@@ -134,6 +144,7 @@ class RowCache(Cache):
         super().__init__(layers=[RowLayer(self, keys, values) for keys, values in pairs])
         self.max_rows = max_rows
         self.max_len = max_len
+        self.scratch: int | None = max_rows if compiled else None
         self.serial = next(_SERIALS)
         # What the next forward writes and reads (`prepare`), in a dict rather than in attributes: torch.compile (2.13)
         # loses an attribute written both before and after a flex-attention call within one graph, as a draft's
@@ -164,13 +175,17 @@ class RowCache(Cache):
         """Whether it has room for ``rows`` rows of ``slots`` slots (a call that needs more gets a new cache)."""
         return self.max_rows >= rows and self.max_len >= slots
 
-    def prepare(self, slots: torch.Tensor, kv_len: int, first: int = 0) -> None:
+    def prepare(self, slots: torch.Tensor, kv_len: int, first: int = 0, rows: torch.Tensor | None = None) -> None:
         """Set where the next forward writes (``slots``: ``[B, T]`` slot per new token, each below ``kv_len``) and how
         much it reads, in rows ``first`` to ``first + B`` (decoding steps: the first ``B`` rows; a row resuming
-        after a tool call: its own row past them); checked on the host, without reading ``slots``."""
+        after a tool call: its own row past them); checked on the host, without reading ``slots``. ``rows`` ``[B]``
+        (default: those rows) is the row each one writes: a compiled step's padded rows write `scratch`
+        (`fastgrpo.rollout.compiled.RowPadding.cache_rows`)."""
         if kv_len > self.max_len:
             raise ValueError(f"cache overflow: a row needs more than max_len={self.max_len} slots")
-        self.plan["rows"] = first + torch.arange(slots.shape[0], device=slots.device)[:, None]
+        if rows is None:
+            rows = first + torch.arange(slots.shape[0], device=slots.device)
+        self.plan["rows"] = rows[:, None]
         self.plan["slots"] = slots
         self.plan["kv_len"] = kv_len
         self.plan["first"] = first
@@ -192,12 +207,13 @@ class RowCache(Cache):
             for buf in (layer.keys, layer.values):
                 buf[changed, :, :upto] = buf[src, :, :upto]
 
-    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Within each of the first ``B`` rows, copy slot ``src[b, j]`` to slot ``dst[b, j]`` (both ``[B, J]``).
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Within cache row ``rows[b]`` (``[B]``, default the first ``B`` rows), copy slot ``src[b, j]`` to slot
+        ``dst[b, j]`` (both ``[B, J]``).
 
         Used to compact accepted tree tokens into contiguous positions after a verification.
         """
-        rows = torch.arange(src.shape[0], device=src.device)[:, None]
+        rows = (torch.arange(src.shape[0], device=src.device) if rows is None else rows)[:, None]
         if self.kv is not None:
             self.kv[:, :, rows, :, dst] = self.kv[:, :, rows, :, src]  # [B, J, layers, 2, H, D] on both sides
             return

@@ -153,13 +153,21 @@ def shape_key(value: object) -> object:
 
 class RowPadding:
     """The rows of a compiled call padded up to their bucket (`row_bucket`): padded rows repeat the last live row, and
-    only the live rows of the outputs are kept. A padded row writes only into cache rows no live row uses (finished
-    rows are compacted away), so its results are simply dropped."""
+    only the live rows of the outputs are kept. A target step's padded rows write their keys and values into the
+    cache's scratch row (`cache_rows`), never into the rows past the live ones, where rows waiting on tools keep
+    theirs; a draft's may write those rows (a drafter keeps a waiting row's draft state aside, `Drafter.park`)."""
 
     def __init__(self, live: int, device: torch.device):
         self.live = live
-        rows = row_bucket(live)
-        self.index = None if rows == live else host_to_device(list(range(live)) + [live - 1] * (rows - live), device)
+        self.rows = row_bucket(live)
+        self.device = device
+        pads = self.rows - live
+        self.index = None if not pads else host_to_device(list(range(live)) + [live - 1] * pads, device)
+
+    def cache_rows(self, cache: RowCache) -> torch.Tensor:
+        """``[row_bucket(live)]`` the cache row each padded row writes: its own for the live rows, ``cache``'s
+        scratch row (`RowCache.scratch`) for the others."""
+        return host_to_device(list(range(self.live)) + [cache.scratch] * (self.rows - self.live), self.device)
 
     def pad(self, t: torch.Tensor | None) -> torch.Tensor | None:
         """``t`` ``[live, ...]`` -> ``[row_bucket(live), ...]`` (None stays None)."""

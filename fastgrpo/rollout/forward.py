@@ -123,6 +123,7 @@ def forward_block(
     extent: int | None = None,
     equal_lengths: bool = False,
     first: int = 0,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decoder forward over ``T`` new tokens per row.
 
@@ -138,6 +139,8 @@ def forward_block(
         positions: ``[B, T]`` position ids.
         window_mask: ``[B, T, W]`` or ``[T, W]`` bool, see `window_attention_mask`.
         input_ids / inputs_embeds: ``[B, T]`` ids or ``[B, T, hidden]`` embeddings (exactly one).
+        first / rows: the cache rows the forward reads (``first`` to ``first + B``) and writes (``rows`` ``[B]``,
+            default the same), see `RowCache.prepare`.
 
     Returns:
         ``[B, T, hidden]`` final hidden states.
@@ -146,7 +149,7 @@ def forward_block(
     t, w = positions.shape[-1], window_mask.shape[-1]
     if extent is None:
         extent = int(base_len.max()) + w
-    cache.prepare(base_len[:, None] + offsets.expand(b, t), extent, first)
+    cache.prepare(base_len[:, None] + offsets.expand(b, t), extent, first, rows)
     if t == 1 and w == 1 and equal_lengths:
         # One token per row and equal lengths: every query sees every slot. Without a mask SDPA runs grouped-query
         # attention directly instead of repeating the key/value heads.
@@ -178,11 +181,12 @@ def forward_chain(
     extent: int | None = None,
     equal_lengths: bool = False,
     first: int = 0,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A causal block of ``T`` tokens per row appended after ``base_len`` (prefill, AR step, draft catch-up).
 
     Token ``t`` of row ``b`` goes to slot ``base_len[b] + t`` at position ``base_len[b] + t + position_offset``;
-    ``extent``, ``equal_lengths`` and ``first`` as in `forward_block`.
+    ``extent``, ``equal_lengths``, ``first`` and ``rows`` as in `forward_block`.
     """
     ref = input_ids if input_ids is not None else inputs_embeds
     t = ref.shape[1]
@@ -190,5 +194,5 @@ def forward_chain(
     causal = torch.ones(t, t, dtype=torch.bool, device=ref.device).tril()
     positions = base_len[:, None] + steps[None, :] + position_offset
     return forward_block(
-        decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds, extent, equal_lengths, first
+        decoder, cache, base_len, steps, positions, causal, input_ids, inputs_embeds, extent, equal_lengths, first, rows
     )

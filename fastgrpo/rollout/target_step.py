@@ -34,14 +34,16 @@ def plain_step(
     params: SamplingParams,
     extent: int,
     equal_lengths: bool,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Feed each row its ``pending`` ``[B]`` token after its ``row_len`` ``[B]`` cached ones and draw the next token
-    with ``uniforms`` ``[B]`` (None when greedy); ``extent`` and ``equal_lengths`` as in `forward_block`.
+    with ``uniforms`` ``[B]`` (None when greedy); ``extent``, ``equal_lengths`` and ``rows`` (the cache row each row
+    writes) as in `forward_block`.
 
     Returns ``[B]`` tokens, ``[B]`` their log-probabilities (`policy_logprobs`) and ``[B, 1, H]`` the hidden states
     they were drawn from."""
     hidden = forward_chain(
-        decoder, cache, row_len, input_ids=pending[:, None], extent=extent, equal_lengths=equal_lengths
+        decoder, cache, row_len, input_ids=pending[:, None], extent=extent, equal_lengths=equal_lengths, rows=rows
     )
     logits = head(hidden[:, -1])
     logprobs = process_logits(logits, params)
@@ -58,10 +60,11 @@ def tree_step(
     uniforms: torch.Tensor | None,
     params: SamplingParams,
     extent: int,
+    rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Verify each row's ``tree`` (``N`` nodes) after its ``row_len`` ``[B]`` cached tokens in one forward, accept a
     path with ``uniforms`` ``[B, D]`` (``D = tree.levels + 1``; None when greedy), and move the path's cache entries
-    to the slots right after the row's context.
+    to the slots right after the row's context (in cache row ``rows[b]``, default ``b``).
 
     Returns ``[B, D]`` emitted tokens and their log-probabilities, ``[B]`` how many each row emits, ``[B, D, H]`` the
     hidden states they were drawn from, ``[B, D - 1]`` the score rank of each accepted draft node (``N`` past the
@@ -70,12 +73,12 @@ def tree_step(
     offsets = torch.arange(n, device=tree.tokens.device)
     positions = row_len[:, None] + tree.node_depth
     hidden = forward_block(
-        decoder, cache, row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens, extent=extent
+        decoder, cache, row_len, offsets, positions, tree.ancestors, input_ids=tree.tokens, extent=extent, rows=rows
     )
     result = accept(tree, head(hidden), params, uniforms)
     path = result.path
     steps = torch.arange(path.shape[1], device=path.device)[None, :]
-    cache.move_slots(row_len[:, None] + torch.where(path >= 0, path, steps), row_len[:, None] + steps)
+    cache.move_slots(row_len[:, None] + torch.where(path >= 0, path, steps), row_len[:, None] + steps, rows)
     path_hidden = hidden.gather(1, path.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[-1]))
     drafted = path[:, 1:]
     path_rank = torch.where(drafted >= 0, tree.rank.gather(1, drafted.clamp(min=0)), n)
@@ -142,7 +145,8 @@ class TargetStep:
         rows = RowPadding(len(lengths), pending.device)
         args = [rows.pad(t) for t in (pending, row_len, uniforms)]
         extent = extent_bucket(longest + 1, read_slots(cache.max_len))
-        return rows.cut(self._plain(pending.device, decoder, head, cache, *args, params, extent, False))
+        step = self._plain(pending.device, decoder, head, cache, *args, params, extent, False, rows.cache_rows(cache))
+        return rows.cut(step)
 
     def tree(
         self,
@@ -163,5 +167,6 @@ class TargetStep:
         padded = DraftTree(
             *(rows.pad(t) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
-        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent_bucket(extent, read_slots(cache.max_len)))
+        extent = extent_bucket(extent, read_slots(cache.max_len))
+        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent, rows.cache_rows(cache))
         return rows.cut(self._tree(row_len.device, decoder, head, cache, *args))

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from fastgrpo.config import DraftTrainConfig, GRPOConfig, SpeculationConfig
 from fastgrpo.memory.items import MemoryItem
 from fastgrpo.memory.shapes import ModelShape
-from fastgrpo.rollout.cache import cache_slots
+from fastgrpo.rollout.cache import cache_slots, physical_rows
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
@@ -49,7 +49,7 @@ class PlannedRun:
     """What a memory estimate is made from (`fastgrpo.memory_plan.plan`): the run's options, the model's shape, the
     bytes of an element of its dtype, the processes in the job, whether on a GPU, and the rollout's sizes as the
     engine makes them: ``rows`` cache rows, ``length`` tokens per row of a call, ``bound`` the largest tree (None:
-    plain)."""
+    plain), ``compiled`` whether the steps run compiled (its caches hold a scratch row more, `cache_rows`)."""
 
     config: GRPOConfig
     shape: ModelShape
@@ -59,6 +59,12 @@ class PlannedRun:
     rows: int
     length: int
     bound: TreeShape | None
+    compiled: bool = False
+
+    @property
+    def cache_rows(self) -> int:
+        """Rows a KV cache of the rollout allocates (`fastgrpo.rollout.cache.physical_rows`)."""
+        return physical_rows(self.rows, self.compiled)
 
     @property
     def kv_slots(self) -> int:

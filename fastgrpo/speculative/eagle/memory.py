@@ -40,7 +40,7 @@ def eagle_memory(run: PlannedRun) -> list[MemoryItem]:
     items.resident("draft head", total * w)
     _, kv_heads, head_dim = shape.kv_dims
     slots = EagleDrafter.cache_slots(run.length, run.bound)
-    items.resident("draft KV cache", cache_bytes((1, kv_heads, head_dim), run.rows, slots, w))  # kept for the run
+    items.resident("draft KV cache", cache_bytes((1, kv_heads, head_dim), run.cache_rows, slots, w))  # kept for the run
     # Per tree level the draft's logits over the top-k frontier (raw and float32), and the pending pairs it reads.
     h, v = shape.hidden_size, shape.vocab_size
     pending = 2 * run.rows * (config.max_prompt_length + 1) * h * w
