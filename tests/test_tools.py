@@ -346,3 +346,79 @@ def test_an_environment_whose_call_outlived_its_deadline_is_not_handed_out_again
     while runner.busy_owners():
         threading.Event().wait(0.001)
     assert environments.draw([None], busy=runner.busy_owners()) == [second]
+
+
+def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it() -> None:
+    """Three completions on the native Qwen2.5 template, the same tokens on both sides: one cut in its first turn,
+    one cut after a tool's result, one that ends. fastgrpo's messages for the reward functions equal what TRL 1.16's
+    ``_tool_call_loop`` hands them (run here with its generation replaced by the same tokens)."""
+    from types import SimpleNamespace
+
+    chat_templates = pytest.importorskip("trl.chat_template_utils")
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import parse_response
+
+    native = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    native.chat_template = chat_templates.qwen2_5_chat_template
+    chat_templates.add_response_schema(native)
+    tools = resolve_tools([add])
+    fmt = ToolFormat(native, tools)
+    messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
+    prompt = list(native.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kwargs))
+
+    def ids(text: str) -> list[int]:
+        return native(text, add_special_tokens=False)["input_ids"]
+
+    call = ids('<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>')
+    after_tool = {0: ids("The sum is"), 2: ids("The sum is 5.<|im_end|>")}
+    first_turns = [call, ids("Let me think about"), call]
+    budget = 64
+
+    # fastgrpo: the engine's side of the turns, played by hand
+    turns = ToolTurns(native, fmt, ToolRunner(), rows=3, max_tokens=budget)
+    turns.prompt_ids = [prompt] * 3
+    completions = [list(t) for t in first_turns]
+    for row in (0, 2):
+        assert turns.ended(row, completions[row])
+    for row, tokens in turns.ready(block=True) + turns.ready(block=True):
+        completions[row] += tokens + after_tool[row]
+    assert not turns.ended(2, completions[2])
+    ours = turns.messages(completions)
+
+    # TRL 1.16: its first turns parsed as `_generate` does, then its tool loop, whose generation after the tools'
+    # results gives the same tokens
+    generated: list[list[list[int]]] = []
+
+    def generate_single_turn(prompt_ids, images, fields, num_generations, has_tool_images=False):
+        generated.append(prompt_ids)
+        return [after_tool[0], after_tool[2]], None
+
+    trl_self = SimpleNamespace(
+        max_tool_calling_iterations=5,
+        _sync_tool_dicts=[{"add": add}] * 3,
+        _async_tool_dicts=[{}] * 3,
+        _is_vlm=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        processing_class=native,
+        _tokenizer=native,
+        use_vllm=False,
+        vllm_mode="server",
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)),
+        max_completion_length=budget,
+        tools=[add],
+        environment_factories=None,
+        async_loop=None,
+    )
+    trl_self._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids.__get__(trl_self)
+    trl_self._generate_single_turn = generate_single_turn
+    trl_completions = [[parse_response(native, t, prefix=prompt, tools=[add])] for t in first_turns]
+    prompts = [[{"role": "user", "content": "What is 2 + 3?"}] for _ in range(3)]
+    out = GRPOTrainer._tool_call_loop(
+        trl_self, prompts, [prompt] * 3, [list(t) for t in first_turns], trl_completions, None, None, {}
+    )
+    theirs, trl_ids = out[1], out[2]
+    assert len(generated) == 1 and trl_ids == completions, "both sides hold the same tokens"
+    assert ours == theirs
+    assert [m["role"] for m in ours[0]] == ["assistant", "tool", "assistant"] and ours[0][-1]["content"] == "The sum is"
+    assert ours[1] == [{"role": "assistant", "content": "Let me think about"}]

@@ -25,12 +25,13 @@ def reward_inputs(
 ) -> tuple[list[Any], list[Any], dict[str, Any]]:
     """``(prompts, completions, keyword arguments)`` for the reward functions of one completion per ``full_rows``
     entry: the completions' text, or with tools as TRL hands them: each a list of messages (the assistant's turns and
-    the tools' results), each prompt with its environment's reset text, and the environments as ``environments``."""
+    the tools' results, and the turn the token budget cut off), each prompt with its environment's reset text, and the
+    environments as ``environments``."""
     prompts = [r["prompt"] for r in full_rows]
     if turns is None:
         return prompts, tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True), {}
     given = {"environments": turns.environments} if turns.environments is not None else {}
-    return turns.prompts or prompts, [row.messages for row in turns.rows], given
+    return turns.prompts or prompts, turns.messages(out.completion_ids), given
 
 
 def reward_weights(cfg: GRPOConfig, funcs: int) -> list[float]:

@@ -105,6 +105,9 @@ class ToolFormat:
                 error = f"error: the turn's tool calls cannot be read: {exc}"
                 return {"role": "assistant", "content": text, "tool_calls": [{"type": "function", "error": error}]}
             message.setdefault("role", "assistant")
+            # as TRL hands a turn to reward functions: content always a string, without an EOS the parser kept
+            content = message.get("content")
+            message["content"] = content.removesuffix(self.tokenizer.eos_token) if isinstance(content, str) else ""
             return message
         calls = []
         for body in CALL.findall(text):

@@ -59,6 +59,7 @@ class ToolRow:
     overlong: int = 0  # results that would not fit, rolled back
     seconds: float = 0.0
     length: int = 0  # completion tokens when its turn ended
+    parsed: int = 0  # completion tokens its messages' turns cover (the last turn an EOS ended)
     waiting: list[Result | None] = field(default_factory=list)  # its calls' results by call number (None: running)
     names: list[str] = field(default_factory=list)  # its calls' tools by call number
 
@@ -97,6 +98,7 @@ class ToolTurns:
         prefix = (self.prompt_ids[index] if self.prompt_ids else []) + completion[: row.turn_start]
         message = self.format.parse(completion[row.turn_start :], prefix, list(self.row_tools[index].values()))
         row.messages.append(message)
+        row.parsed = len(completion)
         calls = message.get("tool_calls") or []
         if not calls or (self.max_iterations is not None and row.iterations >= self.max_iterations):
             return False
@@ -163,6 +165,20 @@ class ToolTurns:
         row.messages += messages
         row.turn_start = row.length + len(tokens)
         return tokens
+
+    def messages(self, completions: list[list[int]]) -> list[list[dict[str, Any]]]:
+        """Each completion's messages, as TRL hands them to reward functions: its turns and the tools' results, and
+        last the turn that the token budget cut off (no EOS ended it, so `ended` never read it), read as any turn is
+        (`ToolFormat.parse`). ``completions``: the call's completion tokens, by completion."""
+        out = []
+        for index, (row, completion) in enumerate(zip(self.rows, completions, strict=True)):
+            messages = list(row.messages)
+            if len(completion) > row.turn_start and len(completion) != row.parsed:
+                prefix = (self.prompt_ids[index] if self.prompt_ids else []) + completion[: row.turn_start]
+                tools = list(self.row_tools[index].values())
+                messages.append(self.format.parse(completion[row.turn_start :], prefix, tools))
+            out.append(messages)
+        return out
 
     def metrics(self) -> dict[str, float]:
         """The call's tool metrics: TRL's ``tools/call_frequency`` and ``tools/failure_frequency`` (per completion, as
