@@ -125,7 +125,7 @@ def check_model_source(name: str, option: str = "model") -> None:
     """Raise ``ValueError`` naming ``option`` when ``name`` can be told not to be a loadable model without loading
     anything: a path that does not exist, a directory with neither ``config.json`` nor a peft adapter's
     ``adapter_config.json``, or weights that cannot be what the config describes (`check_model_weights`). A name
-    like ``org/model`` is taken for a hub id."""
+    like ``org/model`` is taken for a hub id, unless ``org`` is a local directory."""
     if name == EMBEDDED_MODEL:
         return
     path = Path(name).expanduser()
@@ -137,6 +137,11 @@ def check_model_source(name: str, option: str = "model") -> None:
     looks_like_path = name.startswith(("/", ".", "~")) or name.count("/") > 1 or "\\" in name
     if looks_like_path:
         raise ValueError(f"{option}: {name} does not exist")
+    parent = path.parent
+    if parent != Path(".") and parent.is_dir():  # `runs/rm` where runs/ is here: a path, not a hub id
+        raise ValueError(
+            f"{option}: {name} does not exist ({parent}/ is a local directory, which holds no {path.name})"
+        )
 
 
 def weight_files(directory: Path) -> list[Path]:

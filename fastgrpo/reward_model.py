@@ -36,6 +36,33 @@ def load_reward_models(funcs: Sequence[Any], device: torch.device, dtype: str) -
             func.load(device, DTYPES[resolve_dtype(dtype, device)])
 
 
+def check_scorer_config(path: str) -> None:
+    """Raise ``ValueError`` naming ``reward_funcs`` when the local model directory ``path`` is not a reward model by
+    its ``config.json`` alone (nothing loaded): an architecture that is not a sequence classifier (a causal LM's
+    directory would load with a score head at random), or a classifier of more than one label (TRL and fastgrpo
+    score with one logit)."""
+    import json
+
+    config_file = Path(path).expanduser() / "config.json"
+    if not config_file.is_file():
+        return  # a hub id: checked as it loads
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError as e:
+        raise ValueError(f"reward_funcs: {config_file} is not JSON ({e})") from None
+    architectures = config.get("architectures") or []
+    if architectures and not any(a.endswith("ForSequenceClassification") for a in architectures):
+        raise ValueError(
+            f"reward_funcs: {path} is a {architectures[0]}, not a sequence-classification model: its score head would "
+            "start at random; give a reward model (saved by AutoModelForSequenceClassification with one label)"
+        )
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)  # none written: transformers' two
+    if labels != 1:
+        raise ValueError(
+            f"reward_funcs: {path} classifies into {labels} labels; a reward model scores with one (num_labels=1)"
+        )
+
+
 class RewardModel:
     """A reward function that scores with a sequence-classification model.
 
@@ -64,6 +91,7 @@ class RewardModel:
             self.path = expand_user(str(model), "reward_funcs")
             check_model_source(self.path, "reward_funcs")  # a directory with a config.json, or a hub id
             check_tokenizer_files(self.path, "reward_funcs")
+            check_scorer_config(self.path)
         if tokenizer is None and self.path is None:
             raise ValueError("RewardModel: a model without a name_or_path needs its tokenizer")
         self.tokenizer = tokenizer
@@ -87,13 +115,22 @@ class RewardModel:
         there. Its pad token is the tokenizer's (the score is read at each row's last token that is not padding)."""
         if self.model is None:
             try:
-                self.model = AutoModelForSequenceClassification.from_pretrained(
-                    self.path, num_labels=1, dtype=dtype, device_map=device
-                ).eval()
+                model, info = AutoModelForSequenceClassification.from_pretrained(
+                    self.path, num_labels=1, dtype=dtype, device_map=device, output_loading_info=True
+                )
             except (OSError, ValueError) as e:
                 raise ValueError(
                     f"reward_funcs: cannot load {self.path} as a sequence-classification model: {e}"
                 ) from None
+            missing = sorted(info.get("missing_keys") or [])
+            if missing:
+                raise ValueError(
+                    f"reward_funcs: {self.path} lacks {missing[0]}"
+                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                    + ", which would start at random and score at random: it is not a reward model saved by "
+                    "AutoModelForSequenceClassification"
+                )
+            self.model = model.eval()
         else:
             self.model.to(device)
         if self.tokenizer is None:

@@ -107,6 +107,7 @@ add_exits = _add_tool(lambda a, b: sys.exit(3))
 add_hangs = _add_tool(lambda a, b: str(threading.Event().wait(30)))
 add_number = _add_tool(lambda a, b: a + b)
 add_huge = _add_tool(lambda a, b: "5" * 10_000)
+add_surrogate = _add_tool(lambda a, b: "5\ud800")
 
 
 def subtract(a: int, b: int) -> str:
@@ -220,6 +221,19 @@ def tool_run(name: str, expect: str, says: str, tool: str, **options: Any) -> Ca
     )
     files = {"question.jsonl": json.dumps({"prompt": QUESTION[0]["content"], "answer": "5"}) + "\n"}
     return Case(name, ("train",), expect, says, config=config, files=files, setup=tool_caller)
+
+
+def save_two_label_scorer(tmp: Path) -> None:
+    """``{tmp}/rm2``: a sequence classifier of two labels, with the SmolLM2 tokenizer."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from fastgrpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer("smollm2")
+    size = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config = LlamaConfig(vocab_size=len(tokenizer), num_labels=2, pad_token_id=tokenizer.pad_token_id, **size)
+    LlamaForSequenceClassification(config).save_pretrained(tmp / "rm2")
+    tokenizer.save_pretrained(tmp / "rm2")
 
 
 def tiny_run(**options: Any) -> dict[str, Any]:
@@ -746,6 +760,16 @@ CASES: list[Case] = [
     tool_run("a tool that hangs", RUNS, "did not return within 0.2 seconds", "add_hangs", tool_timeout=0.2),
     tool_run("a tool that returns a non-string", RUNS, "returned int, not a string", "add_number"),
     tool_run("a tool that returns a huge result", RUNS, "returned 10000 characters", "add_huge"),
+    tool_run("a tool that returns a lone surrogate", RUNS, "returned text that holds a lone surrogate (U+D800)",
+             "add_surrogate"),
+    train("the policy's own directory as a reward model", REFUSED,
+          "reward_funcs: {model} is a LlamaForCausalLM, not a sequence-classification model",
+          reward_funcs=["bad_input_matrix:length_reward", "{model}"]),
+    Case("a reward model of two labels", ("train",), REFUSED, "reward_funcs: {tmp}/rm2 classifies into 2 labels",
+         config=tiny_run(reward_funcs=["bad_input_matrix:length_reward", "{tmp}/rm2"]), setup=save_two_label_scorer),
+    train("a reward model's path with a typo", REFUSED,
+          "reward_funcs: tests/no_such_reward_model does not exist (tests/ is a local directory",
+          reward_funcs=["bad_input_matrix:length_reward", "tests/no_such_reward_model"]),
     tool_run("a call of an unknown tool", RUNS, "unknown tool 'add'; the tools are ['subtract']", "subtract"),
     tool_run("a call missing an argument", RUNS, "missing ['c']", "add_three"),
     tool_run("a call with an argument of the wrong type", RUNS, "argument 'a' of tool 'add' must be string",

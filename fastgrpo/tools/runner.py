@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from fastgrpo.paths import unicode_problem
 from fastgrpo.tools.functions import Tool
 
 
@@ -79,7 +80,8 @@ class ToolRunner:
                 value = call.tool.function(**call.arguments)
             content, failed = self._checked(call.tool, value)
         except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
-            content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {exc}", True
+            message = f"{exc}".encode("utf-8", "replace").decode()  # no lone surrogate reaches the tokenizer
+            content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {message}", True
         call.returned = True
         self._finish(call, content, failed, self.clock() - start)
 
@@ -89,6 +91,9 @@ class ToolRunner:
         if len(value) > self.max_result_chars:
             limit = self.max_result_chars
             return f"error: tool {tool.name!r} returned {len(value)} characters, more than {limit}", True
+        problem = unicode_problem(value)
+        if problem is not None:
+            return f"error: tool {tool.name!r} returned text that {problem}", True
         return value, False
 
     def _finish(self, call: _Call, content: str, failed: bool, seconds: float) -> None:
