@@ -245,6 +245,12 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
 
 def draft_train(args: argparse.Namespace, overrides: list[str]) -> None:
     opts, config = parse_command_options("draft train", args, overrides)
+    if config.tools or config.environment_factory:
+        raise ValueError(
+            "fastgrpo draft train generates without tools, so its draft would learn from completions unlike a tools "
+            "run's: remove tools and environment_factory, or let the draft learn online during training "
+            "(draft_training.online)"
+        )
     from fastgrpo.data import load_dataset
     from fastgrpo.distributed import resolve_device
     from fastgrpo.memory_plan.fitting import check_sequence_length, read_model_config

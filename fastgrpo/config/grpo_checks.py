@@ -22,7 +22,7 @@ class GRPOChecks:
     def check_given(self, given: dict[str, Any]) -> None:
         """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
         than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
-        that does not clip (cispo, sapo), sapo's temperatures with another loss."""
+        that does not clip (cispo, sapo), sapo's temperatures with another loss, the tools' options without tools."""
         unused = []
         if not self.importance_sampling_correction:
             unused += [
@@ -33,6 +33,11 @@ class GRPOChecks:
             unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
         if self.loss_type != "sapo":
             unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
+        if not self.tools and not self.environment_factory:
+            unused += [
+                (key, "no tools and no environment_factory (nothing is called)")
+                for key in ("max_tool_calling_iterations", "tool_timeout", "tool_workers")
+            ]
         for key, why in unused:
             if given.get(key) is not None:
                 raise ValueError(f"{key} has no effect with {why}: remove it")
