@@ -138,6 +138,8 @@ def import_function(spec: str, kind: str = "reward function") -> Callable[..., A
     """Import a function given as ``"module.path:function"`` (a ``kind``: a reward function, a tool); a module in
     the current directory is found, as ``python -m`` finds it."""
     module_name, _, attribute = spec.partition(":")
+    if not module_name.strip() or not attribute.strip():
+        raise ValueError(f"{kind} {spec!r} must be 'module.path:function' (a module and a name, both given)")
     cwd = os.getcwd()
     searched = cwd not in sys.path and "" not in sys.path
     if searched:
@@ -146,6 +148,11 @@ def import_function(spec: str, kind: str = "reward function") -> Callable[..., A
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ValueError(f"cannot import module {module_name!r} for {kind} {spec!r}: {exc}") from exc
+    except Exception as exc:  # the module's own code failed as it ran (a SyntaxError names its file and line)
+        raise ValueError(
+            f"cannot import module {module_name!r} for {kind} {spec!r}: importing it raised {type(exc).__name__}: "
+            f"{exc}"
+        ) from exc
     finally:
         if searched:
             sys.path.remove(cwd)
