@@ -837,6 +837,10 @@ CASES: list[Case] = [
          "report is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("report")),
     Case("resuming a run whose config.yaml is a link", ("train", "--resume", "--max_steps", "2"), REFUSED,
          "config.yaml is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("config.yaml")),
+    Case("resuming a run whose config.yaml has an unknown key", ("train", "--resume", "--max_steps", "2"), REFUSED,
+         "config.yaml holds learning_rat, which no fastgrpo option is named", config=tiny_run(), first=("train",),
+         setup=lambda tmp: (tmp / "run" / "config.yaml").write_text(
+             (tmp / "run" / "config.yaml").read_text() + "learning_rat: 0.5\n")),
     Case("resuming a run whose checkpoint is a link", ("train", "--resume", "--max_steps", "2"), REFUSED,
          "checkpoint-1 is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("checkpoint-1")),
     Case("overwriting a run whose metrics.jsonl is a link", ("train", "--overwrite_output_dir", "true"), REFUSED,

@@ -297,8 +297,9 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
     the run was started with: ``saved``, those its checkpoint was written with, else (a checkpoint of an older
     fastgrpo) its ``out/config.yaml``. Raise ``ValueError`` listing every option that differs and may not change
     (with its saved and given value); return a line for each that may (`SAFE_TO_CHANGE`), and one where
-    ``config.yaml`` is missing, empty or unreadable (the run rewrites it). Options the saved ones do not hold (added
-    to fastgrpo since) are taken as they are given; ``output_dir`` is not compared: the run is the one whose run file
+    ``config.yaml`` is missing, empty or unreadable (the run rewrites it); refuse a ``config.yaml`` key that names no
+    option (a typo added to it would be dropped). Options the saved ones do not hold (added to fastgrpo since) are
+    taken as they are given; ``output_dir`` is not compared: the run is the one whose run file
     the directory holds, however it is spelt and wherever it moved."""
     path = out / "config.yaml"
     notes = []
@@ -307,6 +308,13 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
         problem = None if isinstance(on_disk, dict) else "missing" if not path.is_file() else "empty or not options"
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8 text
         on_disk, problem = None, f"unreadable ({type(e).__name__})"
+    now = _flatten(given)
+    unknown = sorted(_flatten(on_disk).keys() - now.keys()) if problem is None else []
+    if unknown:
+        raise ValueError(
+            f"--resume: {path} holds {', '.join(unknown)}, which no fastgrpo option is named: a resumed run would drop "
+            "it and write config.yaml over; remove it from config.yaml (or give the option it was meant to be)"
+        )
     if saved is None:
         if problem == "missing":
             return []
@@ -319,7 +327,7 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
     elif problem is not None:
         notes.append(f"{path} is {problem}: it is written again with this run's options (the checkpoint's, and the "
                      "changes listed here)")  # fmt: skip
-    saved, now = _flatten(saved or {}), _flatten(given)
+    saved = _flatten(saved or {})
     compared = sorted(saved.keys() & now.keys() - {"output_dir"})
     changed = {k: (saved[k], now[k]) for k in compared if saved[k] != now[k]}
     refused = {k: v for k, v in changed.items() if k not in SAFE_TO_CHANGE and not k.startswith(SAFE_PREFIXES)}
