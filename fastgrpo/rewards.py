@@ -150,8 +150,7 @@ def import_function(spec: str, kind: str = "reward function") -> Callable[..., A
         raise ValueError(f"cannot import module {module_name!r} for {kind} {spec!r}: {exc}") from exc
     except Exception as exc:  # the module's own code failed as it ran (a SyntaxError names its file and line)
         raise ValueError(
-            f"cannot import module {module_name!r} for {kind} {spec!r}: importing it raised {type(exc).__name__}: "
-            f"{exc}"
+            f"cannot import module {module_name!r} for {kind} {spec!r}: importing it raised {type(exc).__name__}: {exc}"
         ) from exc
     finally:
         if searched:
@@ -220,6 +219,19 @@ def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None)
     if not isinstance(values, (list, tuple)) or len(values) != size:
         got = f"length {len(values)}" if isinstance(values, (list, tuple)) else type(values).__name__
         raise ValueError(f"reward function {name!r} must return a list of {size} floats or None, got {got}")
+    for index, value in enumerate(values):
+        if isinstance(value, (str, bytes)):
+            raise ValueError(
+                f"reward function {name!r} returned the text {value!r} for {row_label(prompts, index)}; rewards are "
+                "numbers (or None for a row the function cannot score), not text"
+            )
+    _warn_once(name, "True/False", any(isinstance(v, bool) for v in values), "read as 1/0, as TRL reads them")
+    _warn_once(
+        name,
+        "NaN",
+        any(isinstance(v, float) and math.isnan(v) for v in values),
+        "read as None (the row unscored by it), as TRL reads it; return None where a row cannot be scored",
+    )
     try:
         floats = [math.nan if value is None else float(value) for value in values]
     except (TypeError, ValueError) as exc:
@@ -231,6 +243,19 @@ def _as_tensor(name: str, values: Any, size: int, prompts: Sequence[Any] | None)
                 "numbers, or None for a row the function cannot score. The run stopped before this step's update."
             )
     return torch.tensor(floats, dtype=torch.float64, device="cpu")
+
+
+_WARNED: set[tuple[str, str]] = set()  # (reward function, what it returned) already logged in this process
+_WARNED_LOCK = threading.Lock()
+
+
+def _warn_once(name: str, what: str, returned: bool, meaning: str) -> None:
+    """Log, the first time reward function ``name`` ``returned`` ``what``, how it is read (``meaning``)."""
+    with _WARNED_LOCK:
+        if not returned or (name, what) in _WARNED:
+            return
+        _WARNED.add((name, what))
+    logger.warning("reward function %r returned %s: %s (said once)", name, what, meaning)
 
 
 def _nan_mean_std(values: torch.Tensor) -> tuple[float, float]:

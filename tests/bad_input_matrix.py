@@ -55,6 +55,18 @@ def nan_reward(completions: list, **kwargs: Any) -> list[float]:
     return [math.nan] * len(completions)
 
 
+def text_reward(completions: list, **kwargs: Any) -> list[str]:
+    return ["1"] * len(completions)
+
+
+def bool_reward(completions: list, **kwargs: Any) -> list[bool]:
+    return [len(c) % 2 == 0 for c in completions]
+
+
+def half_nan_reward(completions: list, **kwargs: Any) -> list[float]:
+    return [math.nan if i % 2 else 1.0 for i in range(len(completions))]
+
+
 def raising_reward(completions: list, **kwargs: Any) -> list[float]:
     return [1.0 / (len(c) - len(c)) for c in completions]
 
@@ -729,6 +741,13 @@ CASES: list[Case] = [
           reward_funcs=["bad_input_matrix:scalar_reward"]),
     train("rewards all None", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:none_reward"]),
     train("rewards all NaN", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:nan_reward"]),
+    train("rewards as text", REFUSED, "reward function 'text_reward' returned the text '1' for",
+          needs_model=True, reward_funcs=["bad_input_matrix:text_reward"]),
+    train("rewards as True/False", WARNS, "reward function 'bool_reward' returned True/False: read as 1/0",
+          reward_funcs=["bad_input_matrix:bool_reward"]),
+    train("a NaN reward beside another function's", WARNS,
+          "reward function 'half_nan_reward' returned NaN: read as None",
+          reward_funcs=["bad_input_matrix:length_reward", "bad_input_matrix:half_nan_reward"]),
     train("a prompt longer than max_prompt_length", WARNS, "a prompt is longer than max_prompt_length (8 tokens)",
           max_prompt_length=8),
     train("more threads than cores", WARNS, "cpu_threads", cpu_threads=1000),

@@ -268,7 +268,7 @@ def test_compute_rewards_checks_lengths() -> None:
     def not_numbers(completions: list, **kwargs: object) -> list[object]:
         return ["high", "low"]
 
-    with pytest.raises(ValueError, match="'not_numbers' returned a value that is not a number"):
+    with pytest.raises(ValueError, match="'not_numbers' returned the text 'high' for row 0; rewards are numbers"):
         compute_rewards([not_numbers], None, None, ["a", "b"], None, rows)
 
 
