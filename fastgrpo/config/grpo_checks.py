@@ -116,6 +116,15 @@ class GRPOChecks:
                 raise ValueError(f"report_to entries must be among {list(REPORT_TO)}, got {target!r}")
         if "tensorboard" in self.report_to and importlib.util.find_spec("tensorboard") is None:
             raise ValueError("report_to: tensorboard needs the tensorboard package: pip install tensorboard")
+        owned = {
+            "add_generation_prompt": "fastgrpo adds the generation prompt to every prompt",
+            "tokenize": "fastgrpo tokenizes the rendered prompts itself",
+            "return_dict": "fastgrpo reads the rendered prompts' tokens itself",
+            "tools": "give tools in the tools option, which also calls them",
+            "conversation": "the conversation is each dataset row's prompt",
+        }
+        for key in sorted(set(self.chat_template_kwargs or {}) & owned.keys()):
+            raise ValueError(f"chat_template_kwargs: {key} is fastgrpo's to set ({owned[key]}): remove it")
         if any(not s for s in self.stop):
             raise ValueError(f"stop strings must not be empty, got {self.stop!r}")
         if Path(self.output_dir).exists() and not Path(self.output_dir).is_dir():
