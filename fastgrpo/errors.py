@@ -9,6 +9,11 @@ class RewardFunctionError(RuntimeError):
     """A reward function raised; the message names the function and the first row it fails on."""
 
 
+class EnvironmentFault(RuntimeError):
+    """An environment's own code (its factory, ``reset``) failed during a run; the message names the environment and
+    the completion."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what ``kill`` and job schedulers send) received by a ``fastgrpo`` command: it unwinds as Ctrl-C does,
     so that what is half written is removed, and the command exits with 143."""

@@ -199,6 +199,38 @@ class Calculator:
         return str(a + b)
 
 
+class RaisingReset(Calculator):
+    """An environment whose reset raises."""
+
+    def reset(self, **row: Any) -> None:
+        raise RuntimeError("no episode today")
+
+
+class NumberReset(Calculator):
+    """An environment whose reset returns a number, not text."""
+
+    def reset(self, **row: Any) -> int:
+        return 3
+
+
+class PromptOnlyReset(Calculator):
+    """An environment whose reset takes the prompt column alone."""
+
+    def reset(self, prompt: Any) -> None:
+        pass
+
+
+class SecondFails(Calculator):
+    """An environment whose second instance (of the process) cannot be made."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        SecondFails.made += 1
+        if SecondFails.made > 1:
+            raise RuntimeError("only one sandbox")
+
+
 _CALLER: list[Path] = []  # the tool caller, trained once per process
 
 
@@ -773,6 +805,22 @@ CASES: list[Case] = [
           environment_factory={"calc": "bad_input_matrix:Calculator"}),
     train("no reward source", REFUSED, "no reward source", reward_funcs=[],
           environment_factory="bad_input_matrix:Calculator"),
+    train("an environment whose reset raises", REFUSED,
+          "RaisingReset.reset raised on completion 0: RuntimeError: no episode today", needs_model=True,
+          environment_factory="bad_input_matrix:RaisingReset"),
+    train("an environment whose reset returns a number", REFUSED,
+          "NumberReset.reset returned int on completion 0", needs_model=True,
+          environment_factory="bad_input_matrix:NumberReset"),
+    train("an environment whose reset takes no **row", REFUSED,
+          "dataset row 0: PromptOnlyReset.reset cannot take the row's columns",
+          environment_factory="bad_input_matrix:PromptOnlyReset"),
+    Case("a dataset column named self with an environment", ("train",), REFUSED,
+         "dataset row 0: Calculator.reset cannot take the row's columns ['answer', 'prompt', 'self']",
+         config=tiny_run(dataset={"name": "{tmp}/data.jsonl"}, environment_factory="bad_input_matrix:Calculator"),
+         files={"data.jsonl": '{"prompt": "What is 2 + 3?", "answer": "5", "self": 1}\n'}),
+    train("an environment whose second instance cannot be made", REFUSED,
+          "environment_factory: making environment 2 raised RuntimeError: only one sandbox", needs_model=True,
+          environment_factory="bad_input_matrix:SecondFails"),
     tool_run("a tool that works", RUNS, "mean reward of the last 1: 1.000", "add_works"),
     tool_run("a tool that raises", RUNS, "a call of tool 'add' ended in an error", "add_raises"),
     tool_run("a tool that kills its worker", RUNS, "raised SystemExit", "add_exits"),

@@ -9,6 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from fastgrpo.config import GRPOConfig
+from fastgrpo.errors import EnvironmentFault
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.tools.environments import Environments
 from fastgrpo.tools.format import ToolFormat
@@ -37,12 +38,16 @@ def check_tool_rows(
 
 def reset(instance: Any, row: dict[str, Any], index: int) -> str | None:
     """``instance.reset(**row)`` for completion ``index``: None or the text appended to its prompt."""
+    name = type(instance).__name__
     try:
         observation = instance.reset(**row)
     except Exception as exc:  # user code: named with its environment and completion
-        raise RuntimeError(f"{type(instance).__name__}.reset raised on completion {index}: {exc!r}") from exc
+        raise EnvironmentFault(f"{name}.reset raised on completion {index}: {type(exc).__name__}: {exc}") from exc
     if observation is not None and not isinstance(observation, str):
-        raise TypeError(f"{type(instance).__name__}.reset returned {type(observation).__name__}, not a str or None")
+        raise EnvironmentFault(
+            f"{name}.reset returned {type(observation).__name__} on completion {index}: it returns the text appended "
+            "to the prompt, or None"
+        )
     return observation
 
 

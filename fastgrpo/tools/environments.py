@@ -11,6 +11,7 @@ import inspect
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
+from fastgrpo.errors import EnvironmentFault
 from fastgrpo.rewards import import_function
 from fastgrpo.tools.functions import Tool, resolve_tools
 
@@ -96,16 +97,24 @@ class Environments:
         return {k: v for k, v in row.items() if k != "environment"} if self.routed else row
 
     def check_rows(self, rows: Sequence[dict[str, Any]], label: str = "dataset") -> None:
-        """Refuse a row whose ``environment`` column is missing or names no environment (with a dict of factories)."""
-        if not self.routed:
-            return
+        """Refuse a row whose ``environment`` column is missing or names no environment (with a dict of factories),
+        and one whose columns its environment's ``reset`` cannot take as keywords (no ``**row``, a column named
+        ``self``), naming the row."""
         for index, row in enumerate(rows):
-            if row.get("environment") not in self.factories:
+            if self.routed and row.get("environment") not in self.factories:
                 raise ValueError(
                     f"{label} row {index}: environment {row.get('environment')!r} is not among the environments of "
                     f"environment_factory ({', '.join(map(str, self.factories))}); each row names one in its "
                     "'environment' column"
                 )
+            instance = self.pool[self.name(row)][0]
+            try:
+                inspect.signature(type(instance).reset).bind(instance, **self.reset_keywords(row))
+            except TypeError as exc:
+                raise ValueError(
+                    f"{label} row {index}: {type(instance).__name__}.reset cannot take the row's columns "
+                    f"{sorted(self.reset_keywords(row))} as keywords ({exc}); define it as reset(self, **row)"
+                ) from None
 
     def draw(self, names: Sequence[str | None], busy: Collection[int] = ()) -> list[Any]:
         """One instance per completion, by environment name: the pool's, made anew only when it holds too few. An
@@ -118,7 +127,13 @@ class Environments:
         for name in names:
             pool, index = self.pool[name], handed.get(name, 0)
             if index == len(pool):
-                pool.append(self.factories[name]())
+                try:
+                    pool.append(self.factories[name]())
+                except Exception as exc:  # user code: named with its environment
+                    label = "environment_factory" if name is None else f"environment_factory[{name!r}]"
+                    raise EnvironmentFault(
+                        f"{label}: making environment {index + 1} raised {type(exc).__name__}: {exc}"
+                    ) from exc
             handed[name] = index + 1
             out.append(pool[index])
         return out
