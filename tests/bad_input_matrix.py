@@ -827,6 +827,8 @@ CASES: list[Case] = [
     tool_run("a tool that hangs", RUNS, "did not return within 0.2 seconds", "add_hangs", tool_timeout=0.2),
     tool_run("a tool that returns a non-string", RUNS, "returned int, not a string", "add_number"),
     tool_run("a tool that returns a huge result", RUNS, "returned 10000 characters", "add_huge"),
+    tool_run("a tool timeout shorter than any call", RUNS, "did not return within 1e-09 seconds", "add_works",
+             tool_timeout=1e-9),
     tool_run("a tool that returns a lone surrogate", RUNS, "returned text that holds a lone surrogate (U+D800)",
              "add_surrogate"),
     train("the policy's own directory as a reward model", REFUSED,

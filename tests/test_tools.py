@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import build_batch, mask_tool_results
 from fastgrpo.models import resolve_model_path
 from fastgrpo.tools.format import ToolFormat
-from fastgrpo.tools.functions import calculator, resolve_tools
+from fastgrpo.tools.functions import calculator, concurrent, resolve_tools
 from fastgrpo.tools.runner import ToolRunner
 from fastgrpo.tools.turns import ToolTurns
 
@@ -422,3 +423,45 @@ def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it() ->
     assert ours == theirs
     assert [m["role"] for m in ours[0]] == ["assistant", "tool", "assistant"] and ours[0][-1]["content"] == "The sum is"
     assert ours[1] == [{"role": "assistant", "content": "Let me think about"}]
+
+
+_COUNTER = [0]
+
+
+def bump() -> str:
+    """Count one more call: the count so far, read, then written back a moment later (a race if two run at once)."""
+    seen = _COUNTER[0]
+    time.sleep(0.005)
+    _COUNTER[0] = seen + 1
+    return str(seen + 1)
+
+
+_MEETING = threading.Barrier(2, timeout=10)
+
+
+@concurrent
+def meet() -> str:
+    """Wait until a second call of this tool runs at the same time."""
+    _MEETING.wait()
+    return "met"
+
+
+def test_a_plain_tool_runs_one_call_at_a_time_unless_declared_concurrent() -> None:
+    """Eight rows call a tool that keeps a count: each sees the calls before it (1 to 8, as TRL's loop gives), not
+    the same count on every worker; a tool declared concurrent runs two calls at once."""
+    runner = ToolRunner(workers=4, timeout=30.0)
+    (counting,) = resolve_tools([bump])
+    for key in range(8):
+        runner.submit(key, counting, {})
+    results = []
+    while len(results) < 8:
+        results += runner.results(block=True)
+    assert sorted(int(r.content) for r in results) == list(range(1, 9))
+    (meeting,) = resolve_tools([meet])
+    for key in range(2):
+        runner.submit(key, meeting, {})
+    results = []
+    while len(results) < 2:
+        results += runner.results(block=True)
+    assert [r.content for r in results] == ["met", "met"]
+    runner.close()

@@ -28,6 +28,21 @@ _OPERATORS: dict[type, Callable[..., Any]] = {
 }
 
 
+def concurrent(function: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare a plain tool safe to run in several calls at once (it keeps no state, or guards its own): the runner
+    then calls it on up to ``tool_workers`` threads at once. Other plain tools run one call at a time (per
+    environment instance, for an environment's methods), as TRL's loop calls them; async tools run concurrently on
+    one event loop, as TRL gathers them."""
+    function.fastgrpo_concurrent = True
+    return function
+
+
+def is_concurrent(function: Callable[..., Any]) -> bool:
+    """Whether ``function`` (or the function of a bound method) was declared `concurrent`."""
+    return bool(getattr(getattr(function, "__func__", function), "fastgrpo_concurrent", False))
+
+
+@concurrent
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression of numbers, + - * / // % ** and parentheses.
 

@@ -9,6 +9,7 @@ another rollout while it runs (`ToolRunner.busy_owners`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 import time
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastgrpo.paths import unicode_problem
-from fastgrpo.tools.functions import Tool
+from fastgrpo.tools.functions import Tool, is_concurrent
 
 
 @dataclass
@@ -44,7 +45,10 @@ class _Call:
 
 class ToolRunner:
     """Runs tool calls on at most ``workers`` threads at once, each for at most ``timeout`` seconds, results of at
-    most ``max_result_chars`` characters; ``clock`` measures the deadlines (tests give a fake one)."""
+    most ``max_result_chars`` characters; ``clock`` measures the deadlines (tests give a fake one). A plain tool runs
+    one call at a time (an environment's method, one per instance) unless declared
+    `fastgrpo.tools.functions.concurrent`: a tool that keeps state sees its calls one after another, as in TRL's
+    loop."""
 
     def __init__(
         self,
@@ -59,6 +63,7 @@ class ToolRunner:
         self._calls: list[_Call] = []
         self._given_up: list[_Call] = []  # past their deadline, maybe still running
         self._lock = threading.Lock()
+        self._serial_locks: dict[int, threading.Lock] = {}  # `_serial`'s, by the function or instance they guard
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def submit(self, key: Any, tool: Tool, arguments: dict[str, Any]) -> None:
@@ -68,17 +73,32 @@ class ToolRunner:
             self._calls.append(call)
         threading.Thread(target=self._work, args=(call,), daemon=True, name=f"tool {tool.name}").start()
 
+    def _serial(self, tool: Tool) -> threading.Lock | None:
+        """The lock that lets ``tool`` run one call at a time: one per function, or per instance for an environment's
+        method; None for async tools and those declared `concurrent`."""
+        if tool.is_async or is_concurrent(tool.function):
+            return None
+        owner = id(getattr(tool.function, "__self__", tool.function))
+        with self._lock:
+            return self._serial_locks.setdefault(owner, threading.Lock())
+
     def _work(self, call: _Call) -> None:
         self._slots.acquire()
-        call.started = start = self.clock()
+        call.started = start = self.clock()  # a call waiting for its tool's earlier call is within its deadline
         try:
             if call.tool.is_async:
                 coroutine = call.tool.function(**call.arguments)
                 call.future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
                 value = call.future.result()
             else:
-                value = call.tool.function(**call.arguments)
+                with self._serial(call.tool) or contextlib.nullcontext():
+                    if call.settled:  # given up while it waited: the tool is not run after its deadline
+                        call.returned = True
+                        return
+                    value = call.tool.function(**call.arguments)
             content, failed = self._checked(call.tool, value)
+            if self.clock() - start > self.timeout:  # returned late, before `results` checked its deadline
+                content, failed = self._late(call.tool), True
         except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
             message = f"{exc}".encode("utf-8", "replace").decode()  # no lone surrogate reaches the tokenizer
             content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {message}", True
@@ -112,13 +132,16 @@ class ToolRunner:
                 threading.Thread(target=self._loop.run_forever, daemon=True, name="async tools").start()
             return self._loop
 
+    def _late(self, tool: Tool) -> str:
+        return f"error: tool {tool.name!r} did not return within {self.timeout:g} seconds"
+
     def _expire(self) -> None:
         """Give up the calls past their deadline."""
         now = self.clock()
         with self._lock:
             late = [c for c in self._calls if c.started is not None and now - c.started > self.timeout]
         for call in late:
-            message = f"error: tool {call.tool.name!r} did not return within {self.timeout:g} seconds"
+            message = self._late(call.tool)
             if call.future is not None:
                 call.future.cancel()
             with self._lock:
