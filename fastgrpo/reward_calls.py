@@ -123,10 +123,14 @@ def is_async(func: RewardFunc) -> bool:
     return inspect.iscoroutinefunction(func) or inspect.iscoroutinefunction(type(func).__call__)
 
 
-def call_reward_funcs(funcs: Sequence[RewardFunc], batch: dict[str, Any], size: int) -> list[Any]:
+def call_reward_funcs(
+    funcs: Sequence[RewardFunc], batch: dict[str, Any], size: int, timeout: float | None = None
+) -> list[Any]:
     """Every function's output on ``batch``: the synchronous ones one after another, then the async ones
-    concurrently (``asyncio.gather`` in an event loop of their own, as TRL runs them). A failing async function is
-    named with its first failing row as a synchronous one is (`_call_reward`)."""
+    concurrently (``asyncio.gather`` in an event loop of their own, as TRL runs them), each within ``timeout``
+    seconds (None: no deadline; past it, a `RewardFunctionError` naming the function and the ``reward_timeout``
+    option). A failing async function is named with its first failing row as a synchronous one is
+    (`_call_reward`)."""
     outputs: list[Any] = [None] * len(funcs)
     waiting = []
     for i, func in enumerate(funcs):
@@ -138,7 +142,9 @@ def call_reward_funcs(funcs: Sequence[RewardFunc], batch: dict[str, Any], size: 
 
         async def run(i: int) -> Any:
             try:
-                return await funcs[i](**batch)
+                return await asyncio.wait_for(funcs[i](**batch), timeout)
+            except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
+                return _TimedOut()
             except (Exception, SystemExit):
                 return _CallFailed()
 
@@ -146,8 +152,13 @@ def call_reward_funcs(funcs: Sequence[RewardFunc], batch: dict[str, Any], size: 
             return await asyncio.gather(*(run(i) for i in waiting))
 
         for i, output in zip(waiting, asyncio.run(run_all()), strict=True):
+            if isinstance(output, _TimedOut):
+                raise RewardFunctionError(
+                    f"reward function {reward_name(funcs[i])!r} did not return within reward_timeout ({timeout:g} s) "
+                    f"on a batch of {size} completions; raise reward_timeout if it needs longer"
+                )
             if isinstance(output, _CallFailed):  # called again one row at a time, to name the row that fails
-                output = _call_reward(_synchronous(funcs[i]), batch, size)
+                output = _call_reward(_synchronous(funcs[i], timeout), batch, size)
             outputs[i] = output
     return outputs
 
@@ -156,12 +167,17 @@ class _CallFailed:
     """The result of an async reward function that raised on the whole batch."""
 
 
-def _synchronous(func: RewardFunc) -> RewardFunc:
-    """An async reward function as a synchronous one (each call runs to completion), named as it is."""
+class _TimedOut:
+    """The result of an async reward function that outlived its deadline."""
+
+
+def _synchronous(func: RewardFunc, timeout: float | None = None) -> RewardFunc:
+    """An async reward function as a synchronous one (each call runs to completion, or to ``timeout``), named as it
+    is."""
 
     @functools.wraps(func)
     def call(**kwargs: Any) -> Any:
-        return asyncio.run(func(**kwargs))
+        return asyncio.run(asyncio.wait_for(func(**kwargs), timeout))
 
     call.__name__ = reward_name(func)
     return call

@@ -299,8 +299,9 @@ def reward_matrix(
     completion_ids: Sequence[Any] | None,
     rows: Sequence[dict[str, Any]],
     extra: dict[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Score completions with every reward function.
+    """Score completions with every reward function (async ones within ``timeout`` seconds, `call_reward_funcs`).
 
     Each function is called with ``prompts``, ``completions``, ``completion_ids``, every dataset column but
     ``prompt`` (`_columns`) and ``extra`` (the trainer passes TRL's ``trainer_state``, ``log_metric`` and
@@ -321,7 +322,7 @@ def reward_matrix(
         **_columns(rows),
         **(extra or {}),
     }
-    outputs = call_reward_funcs(funcs, batch, size)
+    outputs = call_reward_funcs(funcs, batch, size, timeout)
     names = [reward_name(f) for f in funcs]
     per_func = torch.stack(
         [_as_tensor(name, output, size, prompts) for name, output in zip(names, outputs, strict=True)], dim=1

@@ -12,6 +12,7 @@ Signals, a disk that fills mid-save, concurrent runs and resumed runs have tests
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import io
@@ -65,6 +66,11 @@ def bool_reward(completions: list, **kwargs: Any) -> list[bool]:
 
 def half_nan_reward(completions: list, **kwargs: Any) -> list[float]:
     return [math.nan if i % 2 else 1.0 for i in range(len(completions))]
+
+
+async def never_reward(completions: list, **kwargs: Any) -> list[float]:
+    await asyncio.Event().wait()
+    return [1.0] * len(completions)
 
 
 def raising_reward(completions: list, **kwargs: Any) -> list[float]:
@@ -773,6 +779,9 @@ CASES: list[Case] = [
           reward_funcs=["bad_input_matrix:scalar_reward"]),
     train("rewards all None", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:none_reward"]),
     train("rewards all NaN", WARNS, "4 of 4 completions got no reward", reward_funcs=["bad_input_matrix:nan_reward"]),
+    train("an async reward function that never returns", REFUSED,
+          "reward function 'never_reward' did not return within reward_timeout (0.5 s)", needs_model=True,
+          reward_funcs=["bad_input_matrix:never_reward"], reward_timeout=0.5),
     train("rewards as text", REFUSED, "reward function 'text_reward' returned the text '1' for",
           needs_model=True, reward_funcs=["bad_input_matrix:text_reward"]),
     train("rewards as True/False", WARNS, "reward function 'bool_reward' returned True/False: read as 1/0",

@@ -149,6 +149,12 @@ class GRPOConfig(GRPOChecks):
         30.0, help="seconds a tool call may run; a later result is an error message", valid=Range(0, low_open=True)
     )
     tool_workers: int = option(4, help="tool calls running at once", valid=Range(1))
+    reward_timeout: float | None = option(
+        600.0,
+        help="seconds an async reward function (an environment's async get_reward too) may take on a step's "
+        "completions before the run stops naming it; None: no deadline",
+        valid=Range(0, low_open=True),
+    )
     environment_factory: str | dict[str, str] | None = option(
         None,
         help="`module:Class` (or a mapping of names to them, chosen by each row's `environment` column) making "

@@ -113,7 +113,13 @@ def evaluate(trainer: Trainer, step: int) -> dict[str, float]:
             full_rows = [row for row in part for _ in range(generations)]
             prompts, completions, given = reward_inputs(turns, full_rows, out, trainer.tokenizer)
             per_func, _ = reward_matrix(
-                trainer.reward_funcs, prompts, completions, out.completion_ids, full_rows, extra | given
+                trainer.reward_funcs,
+                prompts,
+                completions,
+                out.completion_ids,
+                full_rows,
+                extra | given,
+                cfg.reward_timeout,
             )
             lengths_of = completion_lengths(out.completion_ids, out.tool_masks)
             for j, index in enumerate(indices):

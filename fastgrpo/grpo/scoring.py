@@ -64,7 +64,8 @@ def score_completions(
     prompts, completions, given = reward_inputs(turns, full_rows, out, tokenizer)
     logged = RewardLog()
     extra = logged.keywords(TrainerState(global_step=step, max_steps=cfg.max_steps)) | given
-    per_func, _ = reward_matrix(reward_funcs, prompts, completions, out.completion_ids, full_rows, extra)
+    ids = out.completion_ids
+    per_func, _ = reward_matrix(reward_funcs, prompts, completions, ids, full_rows, extra, cfg.reward_timeout)
     gathered = distributed.gather(per_func.tolist())
     all_per_func = torch.cat([torch.tensor(part, dtype=torch.float64, device="cpu") for part in gathered])
     weights = torch.tensor(reward_weights(cfg, len(reward_funcs)), dtype=torch.float64, device="cpu")
