@@ -226,6 +226,21 @@ class PromptOnlyReset(Calculator):
         pass
 
 
+class HangingReset(Calculator):
+    """An environment whose reset never returns."""
+
+    def reset(self, **row: Any) -> None:
+        threading.Event().wait()
+
+
+class HangingReward(Calculator):
+    """An environment whose async get_reward never returns."""
+
+    async def get_reward(self) -> float:
+        await asyncio.Event().wait()
+        return 1.0
+
+
 class SecondFails(Calculator):
     """An environment whose second instance (of the process) cannot be made."""
 
@@ -827,6 +842,12 @@ CASES: list[Case] = [
          "dataset row 0: Calculator.reset cannot take the row's columns ['answer', 'prompt', 'self']",
          config=tiny_run(dataset={"name": "{tmp}/data.jsonl"}, environment_factory="bad_input_matrix:Calculator"),
          files={"data.jsonl": '{"prompt": "What is 2 + 3?", "answer": "5", "self": 1}\n'}),
+    train("an environment whose reset never returns", REFUSED,
+          "HangingReset.reset did not return within tool_timeout (0.5 s) on completion 0", needs_model=True,
+          environment_factory="bad_input_matrix:HangingReset", tool_timeout=0.5),
+    train("an environment whose async get_reward never returns", REFUSED,
+          "reward function 'HangingReward' did not return within reward_timeout (0.5 s)", needs_model=True,
+          environment_factory="bad_input_matrix:HangingReward", reward_timeout=0.5),
     train("an environment whose second instance cannot be made", REFUSED,
           "environment_factory: making environment 2 raised RuntimeError: only one sandbox", needs_model=True,
           environment_factory="bad_input_matrix:SecondFails"),

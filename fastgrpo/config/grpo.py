@@ -146,7 +146,10 @@ class GRPOConfig(GRPOChecks):
         valid=Range(1),
     )
     tool_timeout: float = option(
-        30.0, help="seconds a tool call may run; a later result is an error message", valid=Range(0, low_open=True)
+        30.0,
+        help="seconds a tool call may run (a later result is an error message), and an environment's reset (past it "
+        "the run stops naming it)",
+        valid=Range(0, low_open=True),
     )
     tool_workers: int = option(4, help="tool calls running at once", valid=Range(1))
     reward_timeout: float | None = option(

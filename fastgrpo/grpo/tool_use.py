@@ -4,6 +4,7 @@ every prompt, run for every rollout (`fastgrpo.tools.turns.ToolTurns`) and logge
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -36,13 +37,30 @@ def check_tool_rows(
         environments.check_rows(rows, label)
 
 
-def reset(instance: Any, row: dict[str, Any], index: int) -> str | None:
-    """``instance.reset(**row)`` for completion ``index``: None or the text appended to its prompt."""
+def reset(instance: Any, row: dict[str, Any], index: int, timeout: float) -> str | None:
+    """``instance.reset(**row)`` for completion ``index``, on a thread of its own (as the environment's methods run,
+    called as tools), within ``timeout`` seconds (``tool_timeout``): None or the text appended to its prompt."""
     name = type(instance).__name__
-    try:
-        observation = instance.reset(**row)
-    except Exception as exc:  # user code: named with its environment and completion
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = instance.reset(**row)
+        except BaseException as exc:  # noqa: BLE001 - user code: any failure, SystemExit too, is named below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True, name=f"{name}.reset")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise EnvironmentFault(
+            f"{name}.reset did not return within tool_timeout ({timeout:g} s) on completion {index}; raise "
+            "tool_timeout if it needs longer"
+        )
+    if "error" in outcome:
+        exc = outcome["error"]
         raise EnvironmentFault(f"{name}.reset raised on completion {index}: {type(exc).__name__}: {exc}") from exc
+    observation = outcome["value"]
     if observation is not None and not isinstance(observation, str):
         raise EnvironmentFault(
             f"{name}.reset returned {type(observation).__name__} on completion {index}: it returns the text appended "
@@ -138,7 +156,7 @@ class RunTools:
         instances = self.environments.draw(names, busy=self.runner.busy_owners())
         expanded = [row for row in rows for _ in range(generations)]
         keywords = [self.environments.reset_keywords(row) for row in expanded]
-        observations = [reset(instances[k], row, k) for k, row in enumerate(keywords)]
+        observations = [reset(instances[k], row, k, cfg.tool_timeout) for k, row in enumerate(keywords)]
         row_tools = [self.environments.bind(i, name) for i, name in zip(instances, names, strict=True)]
         turns = ToolTurns(self.tokenizer, fmt, self.runner, n, *limits, row_tools=row_tools)
         turns.environments = instances
