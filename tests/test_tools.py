@@ -109,14 +109,20 @@ def test_the_fallback_format_shows_reads_and_continues(tokenizer) -> None:
     assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
 
 
-def test_a_template_with_tool_support_shows_and_parses_its_own_format(tokenizer) -> None:
+@pytest.fixture
+def native():
+    """SmolLM2's tokenizer with the Qwen2.5 template (ChatML, with tools) and TRL's response template."""
+    chat_templates = pytest.importorskip("trl.chat_template_utils")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
+    tokenizer.chat_template = chat_templates.qwen2_5_chat_template
+    chat_templates.add_response_schema(tokenizer)
+    return tokenizer
+
+
+def test_a_template_with_tool_support_shows_and_parses_its_own_format(native) -> None:
     """The Qwen2.5 template (ChatML, with tools) on SmolLM2's tokenizer, with TRL's response template: the tools go
     to the template, calls are read by transformers' parse_response (arguments cast by the schema), and the tool
     turn is the template's."""
-    chat_templates = pytest.importorskip("trl.chat_template_utils")
-    native = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
-    native.chat_template = chat_templates.qwen2_5_chat_template
-    chat_templates.add_response_schema(native)
     tools = resolve_tools([add])
     fmt = ToolFormat(native, tools)
     assert fmt.native and fmt.parses and "chat template" in fmt.name
@@ -349,19 +355,15 @@ def test_an_environment_whose_call_outlived_its_deadline_is_not_handed_out_again
     assert environments.draw([None], busy=runner.busy_owners()) == [second]
 
 
-def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it() -> None:
+def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it(native) -> None:
     """Three completions on the native Qwen2.5 template, the same tokens on both sides: one cut in its first turn,
     one cut after a tool's result, one that ends. fastgrpo's messages for the reward functions equal what TRL 1.16's
     ``_tool_call_loop`` hands them (run here with its generation replaced by the same tokens)."""
     from types import SimpleNamespace
 
-    chat_templates = pytest.importorskip("trl.chat_template_utils")
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
-    native = AutoTokenizer.from_pretrained(resolve_model_path("smollm2"))
-    native.chat_template = chat_templates.qwen2_5_chat_template
-    chat_templates.add_response_schema(native)
     tools = resolve_tools([add])
     fmt = ToolFormat(native, tools)
     messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
