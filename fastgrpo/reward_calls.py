@@ -140,13 +140,19 @@ def call_reward_funcs(
             outputs[i] = _call_reward(func, batch, size)
     if waiting:
 
-        async def run(i: int) -> Any:
+        async def guarded(i: int) -> Any:
             try:
-                return await asyncio.wait_for(funcs[i](**batch), timeout)
-            except asyncio.TimeoutError:  # TimeoutError from Python 3.11 on
-                return _TimedOut()
-            except (Exception, SystemExit):
+                return await funcs[i](**batch)
+            except (Exception, SystemExit):  # a TimeoutError of its own too: not ours
                 return _CallFailed()
+
+        async def run(i: int) -> Any:
+            task = asyncio.ensure_future(guarded(i))
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+            if not done:
+                task.cancel()
+                return _TimedOut()
+            return task.result()
 
         async def run_all() -> list[Any]:
             return await asyncio.gather(*(run(i) for i in waiting))

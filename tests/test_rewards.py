@@ -340,3 +340,25 @@ def test_a_completion_no_function_scores_is_nan_and_warned_about_by_name(caplog:
     assert total[0] == 2.0 and math.isnan(total[1])
     assert "1 of 2 completions got no reward from any reward function ('never', 'partial'" in caplog.text
     assert "the first is row 1 (prompt: 'p1')" in caplog.text
+
+
+def test_an_async_reward_past_reward_timeout_is_named_and_its_own_timeout_error_is_its_failure() -> None:
+    """``reward_timeout`` stops a function that never returns, naming the option; a function that itself raises
+    TimeoutError (its HTTP client's) fails as any raising function does, named with its row."""
+    import asyncio
+
+    from fastgrpo.errors import RewardFunctionError
+    from fastgrpo.reward_calls import call_reward_funcs
+
+    async def never(completions: list, **kwargs: object) -> list[float]:
+        await asyncio.Event().wait()
+        return [1.0] * len(completions)
+
+    async def client_timeout(completions: list, **kwargs: object) -> list[float]:
+        raise TimeoutError("the judge did not answer")
+
+    batch = {"prompts": ["p", "q"], "completions": ["a", "b"]}
+    with pytest.raises(RewardFunctionError, match=r"'never' did not return within reward_timeout \(0.05 s\)"):
+        call_reward_funcs([never], batch, 2, timeout=0.05)
+    with pytest.raises(RewardFunctionError, match="'client_timeout' failed on row 0.*TimeoutError: the judge"):
+        call_reward_funcs([client_timeout], batch, 2, timeout=30)

@@ -467,3 +467,29 @@ def test_a_plain_tool_runs_one_call_at_a_time_unless_declared_concurrent() -> No
         results += runner.results(block=True)
     assert [r.content for r in results] == ["met", "met"]
     runner.close()
+
+
+_HELD = threading.Event()
+
+
+def held() -> str:
+    """Wait until the test lets it return."""
+    _HELD.wait(30)
+    return "done"
+
+
+def test_a_call_waiting_behind_a_hung_call_of_its_tool_ends_at_its_deadline() -> None:
+    """A plain tool whose first call hangs: that call times out, and the next one, waiting for it, ends with an
+    error at its own deadline instead of waiting on; neither holds up the runner."""
+    runner = ToolRunner(workers=4, timeout=0.2)
+    (tool,) = resolve_tools([held])
+    runner.submit("first", tool, {})
+    runner.submit("second", tool, {})
+    results = {}
+    while len(results) < 2:
+        results.update((r.key, r) for r in runner.results(block=True))
+    _HELD.set()
+    assert all(r.failed for r in results.values())
+    hung, waited = sorted(results.values(), key=lambda r: "runs one call at a time" in r.content)  # either order
+    assert "did not return within 0.2 seconds" in hung.content and "runs one call at a time" in waited.content
+    runner.close()

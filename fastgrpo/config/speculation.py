@@ -105,19 +105,11 @@ class SpeculationConfig:
         return ControllerLimits(self.n_max, self.k_max, self.l_min, self.l_max, self.alpha)
 
     def check_given(self, given: dict) -> None:
-        """Refuse a saved draft (``speculation.draft``) the user set that ``mode: off`` leaves unused, and a draft
-        vocabulary (``speculation.draft_vocab_size``) where no EAGLE draft is made."""
+        """Refuse a saved draft (``speculation.draft``) the user set that ``mode: off`` leaves unused."""
         if self.mode == "off" and given.get("draft") is not None:
             raise ValueError(
                 "speculation.draft has no effect with speculation.mode: off (nothing is drafted, no draft is read): "
                 "remove it, or choose a mode that speculates"
-            )
-        eagle = self.mode != "off" and "eagle" in self.drafter.split("+")
-        if not eagle and given.get("draft_vocab_size") is not None:
-            why = "speculation.mode: off" if self.mode == "off" else f"speculation.drafter: {self.drafter}"
-            raise ValueError(
-                f"speculation.draft_vocab_size has no effect with {why} (it sizes the EAGLE draft's vocabulary): "
-                "remove it"
             )
 
     def validate(self) -> None:

@@ -277,8 +277,9 @@ SAFE_TO_CHANGE = {
     "max_steps", "save_steps", "save_total_limit", "save_only_model", "logging_steps", "log_completions",
     "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to", "overwrite_output_dir",
     "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing", "dtype",
-    "master_weights", "logprob_chunk_tokens", "compile",
+    "master_weights", "logprob_chunk_tokens", "compile", "reward_timeout", "tool_timeout", "tool_workers",
 }  # fmt: skip
+OPTION_GROUPS = ("dataset", "eval_dataset", "speculation", "draft_training")  # options of their own, `name.option`
 SAFE_PREFIXES = ("speculation.", "draft_training.")
 
 
@@ -290,6 +291,18 @@ def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[prefix + key] = value
     return out
+
+
+def _unknown_options(on_disk: dict[str, Any], given: dict[str, Any]) -> list[str]:
+    """The keys of ``on_disk`` (a run's config.yaml) that name no option of ``given`` (all the options): at the top,
+    and within the option groups (`OPTION_GROUPS`); the keys of an option whose value is a mapping of the user's
+    (``chat_template_kwargs``) are not options."""
+    unknown = [key for key in on_disk if key not in given]
+    for group in OPTION_GROUPS:
+        inner, known = on_disk.get(group), given.get(group)
+        if isinstance(inner, dict) and isinstance(known, dict):
+            unknown += [f"{group}.{key}" for key in inner if key not in known]
+    return sorted(unknown)
 
 
 def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | None = None) -> list[str]:
@@ -309,7 +322,7 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
     except (OSError, ValueError, yaml.YAMLError) as e:  # ValueError: not UTF-8 text
         on_disk, problem = None, f"unreadable ({type(e).__name__})"
     now = _flatten(given)
-    unknown = sorted(_flatten(on_disk).keys() - now.keys()) if problem is None else []
+    unknown = _unknown_options(on_disk, given) if problem is None else []
     if unknown:
         raise ValueError(
             f"--resume: {path} holds {', '.join(unknown)}, which no fastgrpo option is named: a resumed run would drop "

@@ -262,7 +262,14 @@ def check_sequence_length(model_config: PretrainedConfig, max_prompt_length: int
 
 def check_training_options(config: GRPOConfig, model_config: PretrainedConfig) -> None:
     """Refuse, before any weight is read, settings that are valid options but cannot train: greedy sampling (every
-    completion of a group the same) and sequences longer than the model's context."""
+    completion of a group the same) and sequences longer than the model's context; and a draft vocabulary where the
+    run makes no EAGLE draft (`fastgrpo draft train` makes one whatever the speculation options)."""
+    spec = config.speculation
+    if spec.draft_vocab_size is not None and (spec.mode == "off" or "eagle" not in spec.drafter.split("+")):
+        why = "speculation.mode: off" if spec.mode == "off" else f"speculation.drafter: {spec.drafter}"
+        raise ValueError(
+            f"speculation.draft_vocab_size has no effect with {why} (it sizes the EAGLE draft's vocabulary): remove it"
+        )
     if config.temperature == 0:
         raise ValueError(
             "temperature: 0 samples greedily, so every completion of a group is the same, every advantage is 0 and "

@@ -107,7 +107,8 @@ class ToolFormat:
             message.setdefault("role", "assistant")
             # as TRL hands a turn to reward functions: content always a string, without an EOS the parser kept
             content = message.get("content")
-            message["content"] = content.removesuffix(self.tokenizer.eos_token) if isinstance(content, str) else ""
+            eos = self.tokenizer.eos_token or ""
+            message["content"] = content.removesuffix(eos) if isinstance(content, str) else ""
             return message
         calls = []
         for body in CALL.findall(text):

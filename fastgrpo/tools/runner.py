@@ -9,7 +9,6 @@ another rollout while it runs (`ToolRunner.busy_owners`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import queue
 import threading
 import time
@@ -83,25 +82,31 @@ class ToolRunner:
             return self._serial_locks.setdefault(owner, threading.Lock())
 
     def _work(self, call: _Call) -> None:
+        serial = self._serial(call.tool)
+        if serial is not None and not serial.acquire(timeout=self.timeout):  # its earlier call outlived its deadline
+            self._slots.acquire()  # `_finish` gives it back
+            call.started, call.returned = self.clock(), True
+            message = f"error: tool {call.tool.name!r} runs one call at a time, and an earlier call still runs"
+            self._finish(call, f"{message} after {self.timeout:g} seconds", True, 0.0)
+            return
         self._slots.acquire()
-        call.started = start = self.clock()  # a call waiting for its tool's earlier call is within its deadline
+        call.started = start = self.clock()  # the deadline runs from here: waiting for an earlier call is not in it
         try:
             if call.tool.is_async:
                 coroutine = call.tool.function(**call.arguments)
                 call.future = asyncio.run_coroutine_threadsafe(coroutine, self._event_loop())
                 value = call.future.result()
             else:
-                with self._serial(call.tool) or contextlib.nullcontext():
-                    if call.settled:  # given up while it waited: the tool is not run after its deadline
-                        call.returned = True
-                        return
-                    value = call.tool.function(**call.arguments)
+                value = call.tool.function(**call.arguments)
             content, failed = self._checked(call.tool, value)
             if self.clock() - start > self.timeout:  # returned late, before `results` checked its deadline
                 content, failed = self._late(call.tool), True
         except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
             message = f"{exc}".encode("utf-8", "replace").decode()  # no lone surrogate reaches the tokenizer
             content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {message}", True
+        finally:
+            if serial is not None:
+                serial.release()
         call.returned = True
         self._finish(call, content, failed, self.clock() - start)
 

@@ -169,14 +169,17 @@ class ToolTurns:
     def messages(self, completions: list[list[int]]) -> list[list[dict[str, Any]]]:
         """Each completion's messages, as TRL hands them to reward functions: its turns and the tools' results, and
         last the turn that the token budget cut off (no EOS ended it, so `ended` never read it), read as any turn is
-        (`ToolFormat.parse`). ``completions``: the call's completion tokens, by completion."""
+        (`ToolFormat.parse`) but for calls that cannot be read, which TRL leaves as text (nothing runs them).
+        ``completions``: the call's completion tokens, by completion."""
         out = []
         for index, (row, completion) in enumerate(zip(self.rows, completions, strict=True)):
             messages = list(row.messages)
             if len(completion) > row.turn_start and len(completion) != row.parsed:
                 prefix = (self.prompt_ids[index] if self.prompt_ids else []) + completion[: row.turn_start]
                 tools = list(self.row_tools[index].values())
-                messages.append(self.format.parse(completion[row.turn_start :], prefix, tools))
+                message = self.format.parse(completion[row.turn_start :], prefix, tools)
+                calls = [c for c in message.pop("tool_calls", []) if "error" not in c]  # unreadable: text, as TRL
+                messages.append({**message, "tool_calls": calls} if calls else message)
             out.append(messages)
         return out
 
