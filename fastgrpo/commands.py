@@ -199,8 +199,9 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
         ids = encode_prompts(tokenizer, [r["prompt"] for r in part], config.max_prompt_length)
         out = engine.generate(ids, params, generator=generator)
         texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        prompts = [r["prompt"] for r in part]
         rewards, _ = compute_rewards(
-            funcs, config.reward_weights, [r["prompt"] for r in part], texts, out.completion_ids, part
+            funcs, config.reward_weights, prompts, texts, out.completion_ids, part, timeout=config.reward_timeout
         )
         total += float(rewards.nansum())  # a completion no function scores counts 0, as before
         n += len(part)

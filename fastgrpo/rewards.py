@@ -357,13 +357,15 @@ def compute_rewards(
     completion_ids: Sequence[Any] | None,
     rows: Sequence[dict[str, Any]],
     extra: dict[str, Any] | None = None,
+    timeout: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Score completions with every reward function and combine them (`reward_matrix`, `weighted_rewards`).
+    """Score completions with every reward function (async ones within ``timeout`` seconds) and combine them
+    (`reward_matrix`, `weighted_rewards`).
 
     Returns the weighted sum per completion (float64, shape ``[len(completions)]``; a None reward counts as 0 in the
     sum, as TRL's ``nansum``, and a completion no function scores is NaN) and the metrics ``rewards/<name>/mean`` and
     ``rewards/<name>/std`` computed over the rows each function could score.
     """
     _resolve_weights(weights, len(funcs))  # refused before any function runs
-    per_func, metrics = reward_matrix(funcs, prompts, completions, completion_ids, rows, extra)
+    per_func, metrics = reward_matrix(funcs, prompts, completions, completion_ids, rows, extra, timeout)
     return weighted_rewards(per_func, weights), metrics
