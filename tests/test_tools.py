@@ -491,5 +491,6 @@ def test_a_call_waiting_behind_a_hung_call_of_its_tool_ends_at_its_deadline() ->
     _HELD.set()
     assert all(r.failed for r in results.values())
     hung, waited = sorted(results.values(), key=lambda r: "runs one call at a time" in r.content)  # either order
-    assert "did not return within 0.2 seconds" in hung.content and "runs one call at a time" in waited.content
+    assert hung.content == "error: tool 'held' did not return within 0.2 seconds"
+    assert waited.content == f"{hung.content}: it runs one call at a time, and an earlier call still ran"
     runner.close()

@@ -86,8 +86,8 @@ class ToolRunner:
         if serial is not None and not serial.acquire(timeout=self.timeout):  # its earlier call outlived its deadline
             self._slots.acquire()  # `_finish` gives it back
             call.started, call.returned = self.clock(), True
-            message = f"error: tool {call.tool.name!r} runs one call at a time, and an earlier call still runs"
-            self._finish(call, f"{message} after {self.timeout:g} seconds", True, 0.0)
+            message = f"{self._late(call.tool)}: it runs one call at a time, and an earlier call still ran"
+            self._finish(call, message, True, 0.0)
             return
         self._slots.acquire()
         call.started = start = self.clock()  # the deadline runs from here: waiting for an earlier call is not in it
