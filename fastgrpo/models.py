@@ -211,22 +211,23 @@ def _expected_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     return {key: tuple(tensor.shape) for key, tensor in model.state_dict().items()}
 
 
-def _check_loaded(model: PreTrainedModel, name: str, info: dict) -> None:
-    """Raise ``ValueError`` when the loaded model lacks weights its file should hold (transformers initialised them
-    at random: its loading report's missing keys) or holds values that are not finite, naming the tensor."""
+def check_loaded(model: PreTrainedModel, name: str, info: dict, option: str = "model") -> None:
+    """Raise ``ValueError`` naming ``option`` when the loaded model lacks weights its file should hold (transformers
+    initialised them at random: its loading report's missing keys) or holds values that are not finite, naming the
+    tensor."""
     missing = sorted(info.get("missing_keys") or [])
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(
-            f"model: {_weights_of(name)} lacks the weight {missing[0]}{more}, which the model needs (it would start "
+            f"{option}: {_weights_of(name)} lacks the weight {missing[0]}{more}, which the model needs (it would start "
             "at random): the weights file is incomplete or of another model"
         )
     for key, tensor in model.state_dict().items():
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             bad = "NaN" if bool(torch.isnan(tensor).any()) else "an infinite value"
             raise ValueError(
-                f"model: {_weights_of(name, key)} holds {bad} in {key}: such a model computes nothing but NaN; use a "
-                "checkpoint saved before its weights diverged"
+                f"{option}: {_weights_of(name, key)} holds {bad} in {key}: such a model computes nothing but NaN; "
+                "use a checkpoint saved before its weights diverged"
             )
 
 
@@ -327,7 +328,7 @@ def load_model(name: str, dtype: str = "float32", device: str | torch.device = "
         )
     except (OSError, ValueError) as e:
         raise ValueError(f"model: cannot load {name} as a causal language model: {e}") from None
-    _check_loaded(model, name, info)
+    check_loaded(model, name, info)
     if model.config.model_type not in SUPPORTED_FAMILIES:
         logger.warning("model type %r is outside the tested families %s", model.config.model_type, SUPPORTED_FAMILIES)
     return model

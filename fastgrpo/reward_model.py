@@ -19,7 +19,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from fastgrpo.models import DTYPES, check_model_source, check_tokenizer_files, resolve_dtype, weight_files
+from fastgrpo.models import (
+    DTYPES,
+    check_loaded,
+    check_model_source,
+    check_tokenizer_files,
+    resolve_dtype,
+    weight_files,
+)
 from fastgrpo.paths import expand_user
 
 
@@ -122,14 +129,7 @@ class RewardModel:
                 raise ValueError(
                     f"reward_funcs: cannot load {self.path} as a sequence-classification model: {e}"
                 ) from None
-            missing = sorted(info.get("missing_keys") or [])
-            if missing:
-                raise ValueError(
-                    f"reward_funcs: {self.path} lacks {missing[0]}"
-                    + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                    + ", which would start at random and score at random: it is not a reward model saved by "
-                    "AutoModelForSequenceClassification"
-                )
+            check_loaded(model, self.path, info, "reward_funcs")  # no score head at random, no NaN weights
             self.model = model.eval()
         else:
             self.model.to(device)
