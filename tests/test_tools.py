@@ -448,24 +448,24 @@ def meet() -> str:
     return "met"
 
 
+def calls_of(runner: ToolRunner, tool, count: int) -> list:
+    """The results of ``count`` calls of ``tool`` (no arguments) submitted at once to ``runner``."""
+    for key in range(count):
+        runner.submit(key, tool, {})
+    results = []
+    while len(results) < count:
+        results += runner.results(block=True)
+    return results
+
+
 def test_a_plain_tool_runs_one_call_at_a_time_unless_declared_concurrent() -> None:
     """Eight rows call a tool that keeps a count: each sees the calls before it (1 to 8, as TRL's loop gives), not
     the same count on every worker; a tool declared concurrent runs two calls at once."""
     runner = ToolRunner(workers=4, timeout=30.0)
     (counting,) = resolve_tools([bump])
-    for key in range(8):
-        runner.submit(key, counting, {})
-    results = []
-    while len(results) < 8:
-        results += runner.results(block=True)
-    assert sorted(int(r.content) for r in results) == list(range(1, 9))
+    assert sorted(int(r.content) for r in calls_of(runner, counting, 8)) == list(range(1, 9))
     (meeting,) = resolve_tools([meet])
-    for key in range(2):
-        runner.submit(key, meeting, {})
-    results = []
-    while len(results) < 2:
-        results += runner.results(block=True)
-    assert [r.content for r in results] == ["met", "met"]
+    assert [r.content for r in calls_of(runner, meeting, 2)] == ["met", "met"]
     runner.close()
 
 
@@ -483,14 +483,10 @@ def test_a_call_waiting_behind_a_hung_call_of_its_tool_ends_at_its_deadline() ->
     error at its own deadline instead of waiting on; neither holds up the runner."""
     runner = ToolRunner(workers=4, timeout=0.2)
     (tool,) = resolve_tools([held])
-    runner.submit("first", tool, {})
-    runner.submit("second", tool, {})
-    results = {}
-    while len(results) < 2:
-        results.update((r.key, r) for r in runner.results(block=True))
+    results = calls_of(runner, tool, 2)
     _HELD.set()
-    assert all(r.failed for r in results.values())
-    hung, waited = sorted(results.values(), key=lambda r: "runs one call at a time" in r.content)  # either order
+    assert all(r.failed for r in results)
+    hung, waited = sorted(results, key=lambda r: "runs one call at a time" in r.content)  # either order
     assert hung.content == "error: tool 'held' did not return within 0.2 seconds"
     assert waited.content == f"{hung.content}: it runs one call at a time, and an earlier call still ran"
     runner.close()
