@@ -3,7 +3,8 @@
 Sections, in the order they run: first those that compile nothing or a tiny model (the correctness checks and the
 only NCCL check, torchrun), then those that compile 28- and 30-layer models, each of whose graphs takes tens of
 seconds to compile on a GPU. Each runs on its own: a failure is recorded with its traceback and the next section
-runs; the command exits non-zero at the end when any section failed.
+runs; the command exits non-zero at the end when any section failed. A section in which one of fastgrpo's compiled
+steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails with the warning's first line.
 
 - ``preflight``: what compiling needs, before anything compiles: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``:
   inductor and Triton build with it), Python's headers (``Python.h``), Triton and its version (on a GPU), and a tiny
@@ -110,6 +111,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import shutil
@@ -145,6 +147,7 @@ from gpu_check_training import section_grpo, section_torchrun
 from record import REPO, Record, commit, machine, markdown, to_markdown
 
 from fastgrpo.machine import write_atomically
+from fastgrpo.rollout.compiled import logger as compiled_logger
 
 # ------------------------------------------------------------------------------------------------ preflight
 
@@ -400,18 +403,34 @@ def outcome(section: Section, status: str, seconds: float, graphs: int, error: s
     }
 
 
+class EagerFallbacks(logging.Handler):
+    """Fails ``section`` for every compiled function of fastgrpo's that fell back to eager while it ran (the warning
+    `fastgrpo.rollout.compiled.Compiled` logs, with the reason): a compiled section that ran eagerly measured the
+    wrong thing."""
+
+    def __init__(self, section: Section):
+        super().__init__(logging.WARNING)
+        self.section = section
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if hasattr(record, "eager_fallback"):
+            self.section.failures.append(f"ran eagerly though compiled: {record.getMessage().splitlines()[0]}")
+
+
 def run_section(check: Check, name: str) -> dict[str, Any]:
     """Run one section, keeping what it recorded whether it passes, fails a check or raises."""
     section = Section(name)
     print(f"\n## {name}", flush=True)
     t0, graphs = time.perf_counter(), compiled_graphs()
-    error = None
+    error, fallbacks = None, EagerFallbacks(section)
+    compiled_logger.addHandler(fallbacks)
     try:
         SECTIONS[name](check, section)
     except Exception:
         error = traceback.format_exc()
         print(error, file=sys.stderr, flush=True)
     finally:
+        compiled_logger.removeHandler(fallbacks)
         release(check.device)
     status = "failed" if error or section.failures else "passed"
     if status == "passed" and section.skipped and not section.results:

@@ -93,7 +93,8 @@ def test_one_slow_step_moves_a_price_by_a_bounded_factor_and_a_priced_out_kind_i
 
 def test_a_graph_break_falls_back_to_the_eager_step_with_one_warning(caplog: pytest.LogCaptureFixture) -> None:
     """A decoder layer with a graph break, compiled with ``fullgraph``: `generate` finishes with the eager engine's
-    tokens, greedy and sampled, and warns once."""
+    tokens, greedy and sampled, warns once with the reason, and counts every step that ran eagerly in
+    ``compile/eager_fallbacks``."""
     torch._dynamo.reset()
     model = make_tiny_model("llama")
     layer = model.model.layers[0]
@@ -113,7 +114,11 @@ def test_a_graph_break_falls_back_to_the_eager_step_with_one_warning(caplog: pyt
             out = compiled.generate(PROMPTS, params, 2, uniforms=uniforms)
         assert out.completion_ids == eager.completion_ids
         warnings = [r for r in caplog.records if "cannot be compiled" in r.getMessage()]
-        assert len(warnings) == 1 and "plain_step" in warnings[0].getMessage()
+        assert len(warnings) == 1 and warnings[0].eager_fallback == "plain_step"
+        assert "graph_break" in warnings[0].getMessage(), "the warning says why it fell back"
+        metrics = out.stats.metrics()
+        assert metrics["compile/eager_fallbacks"] == metrics["compile/eager_fallbacks/plain_step"] == 9, "each step"
+        assert "compile/eager_fallbacks/tree_step" not in metrics
         caplog.clear()
 
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gpu_check
 import pytest
 import torch
 import yaml
@@ -301,6 +302,29 @@ def test_skip_reasons() -> None:
     assert skip_reason("decode", 300.0, True, 480.0, big) == (
         "compiling its 5 graphs needs ~350 s (70 s per graph, assumed), 300 s left"
     )
+
+
+def test_a_compiled_function_that_falls_back_to_eager_fails_its_section(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A section in which a compiled step of fastgrpo's ran eagerly (here: a graph break) fails with the reason; the
+    next section does not inherit it."""
+    from fastgrpo.rollout.compiled import Compiled
+
+    def broken(x: torch.Tensor) -> torch.Tensor:
+        torch._dynamo.graph_break()
+        return 2 * x
+
+    def compiles(check: Check, section: Section) -> None:
+        fn = Compiled(broken, "aot_eager", "broken")
+        assert torch.equal(fn(torch.device("cpu"), torch.ones(2)), torch.full((2,), 2.0))
+
+    monkeypatch.setitem(gpu_check.SECTIONS, "compiles", compiles)
+    monkeypatch.setitem(gpu_check.SECTIONS, "eager", lambda check, section: None)
+    check = Check(torch.device("cpu"), True, None, None, tmp_path, CompileClock(cuda=False))
+    failed, passed = gpu_check.run_section(check, "compiles"), gpu_check.run_section(check, "eager")
+    assert failed["status"] == "failed" and failed["failures"][0].startswith("ran eagerly though compiled: broken")
+    assert passed["status"] == "passed" and not passed["failures"]
 
 
 def test_compile_estimates_assume_until_they_measure(monkeypatch: pytest.MonkeyPatch) -> None:

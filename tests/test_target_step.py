@@ -103,7 +103,10 @@ def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_
     optimizer step writes them so) the compiled steps compute with the new weights, without compiling again. (Its
     log-probabilities differ from the eager ones in float32's last digits: the model's RMSNorm computes in float32,
     which inductor fuses differently.) Inductor's C++ kernels are built without SIMD vectorisation: the same graphs,
-    lowerings and fusions, in simpler C++ for the compiler to build."""
+    lowerings and fusions, in simpler C++ for the compiler to build. Not one step of the three compiled functions
+    falls back to eager. (The model computes in float64: in float32 and bfloat16, inductor's CPU flex-attention
+    template fails to build these graphs in torch 2.13, with or without SIMD, and every step would run eagerly, as
+    `compile/eager_fallbacks` then says; a GPU lowers flex attention through Triton's template instead.)"""
     with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
         inductor_steps_follow_the_weights(model, draft)
 
@@ -123,6 +126,8 @@ def inductor_steps_follow_the_weights(model, draft) -> None:
     assert changed.completion_ids != before.completion_ids, "the update changed what the policy samples"
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "nothing was compiled again"
     assert after.stats.compile_time == 0 and changed.stats.compile_time == 0
+    eager = compiled.compiled_so_far().eager_calls
+    assert eager == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}, "every step ran inductor's code"
 
 
 def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, draft) -> None:

@@ -62,14 +62,18 @@ class Compiled:
 
     A call that would compile more than `RECOMPILE_LIMIT` graphs runs eagerly, with a warning the first time; a graph
     that cannot be compiled (a graph break under ``fullgraph``, a backend failure) makes the function run eagerly from
-    then on, with one warning: a model with an operation the compiler cannot capture decodes, only slower."""
+    then on, with one warning that gives the exception: a model with an operation the compiler cannot capture decodes,
+    only slower. ``eager_calls`` counts the calls that ran eagerly so (``compile/eager_fallbacks`` in the rollout
+    metrics, under its ``name``), and each warning's record carries the ``name`` as ``eager_fallback``."""
 
-    def __init__(self, fn: Callable, backend: str | None):
+    def __init__(self, fn: Callable, backend: str | None, name: str | None = None):
         self.fn = fn
         self.backend = backend
+        self.name = name or fn.__name__
         self.graphs = 0
         self.seconds = 0.0
         self.cold_calls = 0
+        self.eager_calls = 0
         self._seen: dict[tuple, int] = {}  # calls so far per (mode, shape key)
         self._by_mode: dict[str | None, Callable] = {}
         self._eager = False  # compiling failed: every call runs ``fn`` eagerly
@@ -88,7 +92,10 @@ class Compiled:
         return device.type == "cuda" and self.backend == "inductor"
 
     def __call__(self, device: torch.device, *args):
-        if self.backend is None or self._eager:
+        if self.backend is None:
+            return self.fn(*args)
+        if self._eager:
+            self.eager_calls += 1
             return self.fn(*args)
         captured = self._captured(device)
         mode = "reduce-overhead" if captured else None
@@ -112,13 +119,15 @@ class Compiled:
             ):
                 out = self._by_mode[mode](*args)
         except torch._dynamo.exc.FailOnRecompileLimitHit:  # raised before the graph ran: nothing happened twice
-            self._warn("%s compiled %d graphs already; new shapes run eagerly", RECOMPILE_LIMIT)
+            self._warn(f"compiled {RECOMPILE_LIMIT} graphs already; new shapes run eagerly")
             self.cold_calls += 1
+            self.eager_calls += 1
             return self.fn(*args)
         except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.BackendCompilerFailed) as error:  # while compiling
             self._eager = True
-            self._warn("%s cannot be compiled (%s); it runs eagerly", str(error).strip().splitlines()[0])
+            self._warn(f"cannot be compiled and runs eagerly from now on: {describe(error)}")
             self.cold_calls += 1
+            self.eager_calls += 1
             return self.fn(*args)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - before
         if compiled:
@@ -127,11 +136,20 @@ class Compiled:
         self.cold_calls += bool(cold or compiled)
         return map_tensors(torch.clone, out) if captured else out
 
-    def _warn(self, message: str, detail: object) -> None:
-        """Log ``message`` (about this function and ``detail``) the first time anything falls back."""
+    def _warn(self, message: str) -> None:
+        """Log ``message`` about this function the first time anything falls back."""
         if not self._warned:
-            logger.warning(message, self.fn.__name__, detail)
+            logger.warning("%s %s", self.name, message, extra={"eager_fallback": self.name})
             self._warned = True
+
+
+def describe(error: BaseException, head: int = 8, tail: int = 4) -> str:
+    """``error``'s type and the first ``head`` and last ``tail`` lines of its message (a backend's error may hold a
+    whole generated source file between what failed and why)."""
+    text = str(error).strip().splitlines()
+    if len(text) > head + tail:
+        text = [*text[:head], f"... ({len(text) - head - tail} lines)", *text[-tail:]]
+    return f"{type(error).__name__}: " + "\n".join(text)
 
 
 def shape_key(value: object) -> object:

@@ -3,21 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput
+
+
+class CompiledSoFar(NamedTuple):
+    """What an engine's compiled functions did so far: seconds of the calls that compiled a graph, the graphs they
+    compiled, and per function the calls that ran eagerly though compiled."""
+
+    seconds: float
+    graphs: int
+    eager_calls: dict[str, int]
 
 
 class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
     `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
-    active), ``compiled_so_far`` (compile seconds and graphs so far), their values when the call began
+    active), ``compiled_so_far`` (`CompiledSoFar`), its value when the call began
     (``compiled_before``) and whether its steps run ``compiled``."""
 
     def __init__(
         self,
         step: Callable[[ActiveRows, Generation], ActiveRows],
-        compiled_so_far: Callable[[], tuple[float, int]],
-        compiled_before: tuple[float, int],
+        compiled_so_far: Callable[[], CompiledSoFar],
+        compiled_before: CompiledSoFar,
         compiled: bool,
         call: Generation,
         rows: ActiveRows,
@@ -42,14 +52,15 @@ class Decoding:
 
     def output(self) -> GenerationOutput:
         """The completions (every row must be done), with the call's statistics: its decoding time is that of its
-        steps, and what the engine compiled during them."""
+        steps, and what the engine compiled (and ran eagerly though compiled) during them."""
         if not self.done:
             raise RuntimeError("the generation call still has live rows: step it until done")
         if self._output is None:
-            stats, (seconds, graphs) = self.call.stats, self._compiled_before
-            seconds_after, graphs_after = self._compiled_so_far()
+            stats, before, after = self.call.stats, self._compiled_before, self._compiled_so_far()
             stats.decode_time = sum(stats.step_times)
             stats.compiled = self._compiled
-            stats.compile_time, stats.compile_graphs = seconds_after - seconds, graphs_after - graphs
+            stats.compile_time, stats.compile_graphs = after.seconds - before.seconds, after.graphs - before.graphs
+            eager = {name: n - before.eager_calls.get(name, 0) for name, n in after.eager_calls.items()}
+            stats.eager_fallbacks = {name: n for name, n in eager.items() if n}
             self._output = self.call.output()
         return self._output

@@ -107,6 +107,11 @@ class Drafter:
     compile_graphs: int = 0  # graphs its proposals compiled so far
     cold_calls: int = 0  # proposals so far that compiled or warmed up a graph (`fastgrpo.rollout.compiled.Compiled`)
 
+    @property
+    def eager_calls(self) -> dict[str, int]:
+        """Per compiled function of its proposals, the calls so far that ran eagerly though compiled."""
+        return {}
+
     # -- proposing ------------------------------------------------------------------------------------------------
     def begin(self, rows: int, length: int, bound: TreeShape) -> bool:
         """A generation call of up to ``rows`` rows of ``length`` tokens starts (trees no larger than ``bound``);

@@ -23,7 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
-from fastgrpo.rollout.decoding import Decoding
+from fastgrpo.rollout.decoding import CompiledSoFar, Decoding
 from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Prefill, Proposal
 from fastgrpo.rollout.forward import decoder_and_head, forward_chain
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
@@ -194,12 +194,16 @@ class RolloutEngine:
             for module, training in modes:
                 module.train(training)
 
-    def compiled_so_far(self) -> tuple[float, int]:
-        """Wall time spent so far in steps that compiled a graph and the graphs they compiled (the target's and the
-        drafters')."""
+    def compiled_so_far(self) -> CompiledSoFar:
+        """Wall time spent so far in steps that compiled a graph, the graphs they compiled, and the calls of each
+        compiled function that ran eagerly (the target's and the drafters')."""
         drafters = self.drafters.values()
         seconds = self.target.compile_seconds + sum(d.compile_seconds for d in drafters)
-        return seconds, self.target.compile_graphs + sum(d.compile_graphs for d in drafters)
+        graphs = self.target.compile_graphs + sum(d.compile_graphs for d in drafters)
+        eager = dict(self.target.eager_calls)
+        for drafter in drafters:
+            eager |= drafter.eager_calls
+        return CompiledSoFar(seconds, graphs, eager)
 
     def _begin(self, call: Generation, length: int) -> None:
         """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at

@@ -21,6 +21,7 @@ class GenerationStats:
     compile_time: float = 0.0  # seconds of decoding steps that compiled a graph
     compile_graphs: int = 0  # graphs compiled during the call
     cold_steps: int = 0  # decoding steps that compiled or warmed up a graph (not timed into the controller's prices)
+    eager_fallbacks: dict[str, int] = field(default_factory=dict)  # per compiled function, calls that ran eagerly
     concurrency: list[int] = field(default_factory=list)
     tokens_per_forward: list[int] = field(default_factory=list)  # tokens emitted by each decoding forward
     step_times: list[float] = field(default_factory=list)  # seconds of each decoding step, bookkeeping included
@@ -98,13 +99,17 @@ class GenerationStats:
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and with compiled steps
         ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took, and
-        ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes; with
+        ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes;
+        ``compile/eager_fallbacks``, the calls of compiled functions that ran eagerly (a graph the backend failed to
+        compile, or past the graph limit), and per function that did, ``compile/eager_fallbacks/<function>``; with
         tools, ``tools/rows_waiting`` on them per step, ``tools/prefill_tokens`` of their results fed to the caches
         and ``tools/wait_seconds`` spent with no row to decode)."""
         compiled = {
             "compile/graphs": self.compile_graphs,
             "compile/seconds": self.compile_time,
             "compile/cold_steps": self.cold_steps,
+            "compile/eager_fallbacks": sum(self.eager_fallbacks.values()),
+            **{f"compile/eager_fallbacks/{name}": n for name, n in self.eager_fallbacks.items()},
         }
         tools = {
             "tools/rows_waiting": sum(self.waiting) / max(len(self.waiting), 1),  # per step, mean

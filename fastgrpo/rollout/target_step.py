@@ -96,8 +96,8 @@ class TargetStep:
     code), over padded rows and bucketed extents."""
 
     def __init__(self, backend: str | None = None):
-        self._plain = Compiled(plain_step, backend)
-        self._tree = Compiled(tree_step, backend)
+        self._plain = Compiled(plain_step, backend, "plain_step")
+        self._tree = Compiled(tree_step, backend, "tree_step")
 
     @property
     def compiled(self) -> bool:
@@ -117,6 +117,11 @@ class TargetStep:
     def cold_calls(self) -> int:
         """Steps so far that compiled or warmed up a graph (`Compiled.cold_calls`)."""
         return self._plain.cold_calls + self._tree.cold_calls
+
+    @property
+    def eager_calls(self) -> dict[str, int]:
+        """Steps so far that ran eagerly though compiled (`Compiled.eager_calls`), per step kind."""
+        return {f.name: f.eager_calls for f in (self._plain, self._tree)}
 
     def warm_calls(self, device: torch.device) -> int:
         """Calls of a new shape before its graph replays (`Compiled.warm_calls`)."""

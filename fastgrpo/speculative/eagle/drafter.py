@@ -161,7 +161,7 @@ class EagleDrafter(Drafter):
         self.cache: RowCache | None = None
         self.state: PendingPairs | None = None  # the rows of the current call
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
-        self._step = Compiled(draft_step, backend)
+        self._step = Compiled(draft_step, backend, f"{NAME}_proposal")
 
     @property
     def compile_seconds(self) -> float:
@@ -177,6 +177,11 @@ class EagleDrafter(Drafter):
     def cold_calls(self) -> int:
         """Expansions that compiled or warmed up a graph."""
         return self._step.cold_calls
+
+    @property
+    def eager_calls(self) -> dict[str, int]:
+        """Expansions that ran eagerly though compiled."""
+        return {self._step.name: self._step.eager_calls}
 
     @property
     def modules(self) -> tuple[nn.Module, ...]:
