@@ -96,6 +96,7 @@ class AdaptiveController:
         self.limits.validate()
         if not self.drafters:
             raise ValueError("the adaptive controller needs the drafters whose trees it prices")
+        self._levels: dict[TreeShape, int] = {}  # `levels`, per shape
         ns = sorted({*[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
         ns = sorted({*ns, self.limits.n_max} - {1})
         self.names = list(self.drafters)
@@ -105,8 +106,9 @@ class AdaptiveController:
         # per drafter, the pooled P(accepted >= d + 1) over its shapes
         self.pooled = {name: [self.prior_accept ** (d + 1) for d in range(self.depth_cap)] for name in self.names}
         self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
-        self._estimates: dict[TreeShape, list[float]] | None = None  # `_estimate`, until the next observation
-        self._expected: dict[TreeShape, float] = {}  # `expected_tokens`, until the next observation
+        # per drafter, `_estimate` and `expected_tokens` of its shapes, until it is next observed (`_forget`)
+        self._estimates: dict[str, dict[TreeShape, list[float]]] = {}
+        self._expected: dict[TreeShape, float] = {}
         self._forwards: dict[tuple[int, int], float] = {}  # the profile's forward times by (rows, nodes)
         self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0}
         self.correction |= {(self._kind(s), None): 1.0 for s in self.shapes}
@@ -122,8 +124,11 @@ class AdaptiveController:
         self._timed: dict[str, int] = {}  # per kind of step, `_steps` when its time was last observed
 
     def levels(self, shape: TreeShape) -> int:
-        """How deep the tree of ``shape`` may go (its drafter's `Drafter.deepest`)."""
-        return self.drafters[shape.drafter].deepest(shape) if shape.speculative else 0
+        """How deep the tree of ``shape`` may go (its drafter's `Drafter.deepest`, looked up once per shape)."""
+        levels = self._levels.get(shape)
+        if levels is None:
+            levels = self._levels[shape] = self.drafters[shape.drafter].deepest(shape) if shape.speculative else 0
+        return levels
 
     def draft_seconds(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         """Predicted seconds to draft ``shape`` for ``rows`` rows (its drafter's `Drafter.cost`)."""
@@ -135,12 +140,12 @@ class AdaptiveController:
 
     def _fractions(self, shape: TreeShape) -> list[float]:
         """Estimated fraction of rows that accept a draft token at each depth with this shape (see the class)."""
-        if self._estimates is None or shape not in self._estimates:
-            self._estimates = {}
-            for name in self.names:
-                group = {s for s in (*self.shapes, *self.shape_accept, shape) if s.drafter == name and s.speculative}
-                self._estimates |= self._estimate(name, group)
-        return self._estimates[shape]
+        name = shape.drafter
+        estimates = self._estimates.get(name)
+        if estimates is None or shape not in estimates:
+            group = {s for s in (*self.groups[name], *self.shape_accept, shape) if s.drafter == name and s.speculative}
+            estimates = self._estimates[name] = self._estimate(name, group)
+        return estimates[shape]
 
     def _estimate(self, name: str, shapes: set[TreeShape]) -> dict[TreeShape, list[float]]:
         """Per-depth fractions of every shape, smallest first: a measured shape's own averages, raised at each
@@ -195,9 +200,14 @@ class AdaptiveController:
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
         A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
-        plain = self._correction("ar", rows) * self._forward_seconds(rows, 1)
-        if not shape.speculative:
-            return plain
+        plain = self._plain_seconds(rows)
+        return self._tree_seconds(rows, shape, plain) if shape.speculative else plain
+
+    def _plain_seconds(self, rows: int) -> float:
+        return self._correction("ar", rows) * self._forward_seconds(rows, 1)
+
+    def _tree_seconds(self, rows: int, shape: TreeShape, plain: float) -> float:
+        """`predicted_seconds` of a tree ``shape``, given a plain step's (``plain``)."""
         draft = self.draft_seconds(rows, shape)
         corrected = self._correction(self._kind(shape), rows * shape.nodes) * self._profiled_seconds(rows, shape, draft)
         return max(corrected, plain + draft)
@@ -215,7 +225,14 @@ class AdaptiveController:
         return self.expected_tokens(shape) / self.predicted_seconds(rows, shape)
 
     def best(self, rows: int) -> TreeShape:
-        return max(self.shapes, key=lambda s: self.goodput(rows, s))
+        """The shape of the highest `goodput` (the first of equals, in `shapes`' order)."""
+        plain = self._plain_seconds(rows)
+        best, most = AUTOREGRESSIVE, 1.0 / plain
+        for shape in self.shapes[1:]:
+            rate = self.expected_tokens(shape) / self._tree_seconds(rows, shape, plain)
+            if rate > most:
+                best, most = shape, rate
+        return best
 
     def begin(self, draft_changed: bool = False) -> None:
         """A call starts: probe often again (the concurrency starts high again, and the draft may have been trained
@@ -297,7 +314,7 @@ class AdaptiveController:
         learnt = {name: from_json(state[name]) for name in self.LEARNT}  # all decoded before any is taken up
         for name, value in learnt.items():
             setattr(self, name, value)
-        self._estimates, self._expected = None, {}
+        self._estimates, self._expected = {}, {}
 
     def _probed(self, plain: bool) -> None:
         """The due probe ran (or was passed over): the next one is due after twice the interval, another drafter's
@@ -343,14 +360,19 @@ class AdaptiveController:
             chain = range(1, levels + 1)
             path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
         candidates, reached = self._nested_acceptance(shape, path_rank)
-        self._estimates, self._expected = None, {}
+        self._forget(shape.drafter)
         first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
         for candidate, fractions in zip(candidates, reached, strict=True):
             own = self.shape_accept.setdefault(candidate, first.get(candidate))
             rate = self._accept_weight(candidate, rows)
             for d in range(self.levels(candidate)):
                 own[d] += rate * (fractions[d] - own[d])
-        self._estimates, self._expected = None, {}
+        self._forget(shape.drafter)
+
+    def _forget(self, name: str) -> None:
+        """Drop what `_fractions` and `expected_tokens` keep of drafter ``name``'s shapes (its statistics moved)."""
+        self._estimates.pop(name, None)
+        self._expected = {s: n for s, n in self._expected.items() if s.drafter != name}
 
     def _observe_time(self, rows: int, shape: TreeShape, seconds: float) -> None:
         """Move the time corrections of ``shape``'s kind towards what a step of ``rows`` rows took (by at most a
@@ -385,10 +407,14 @@ class AdaptiveController:
             for c in self.groups[shape.drafter]
             if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.max_levels <= shape.max_levels
         ]
-        # A path's leading nodes of rank below n are those whose running maximum rank is below n.
+        # A path's leading nodes of rank below n are those whose running maximum rank is below n: a row accepts a
+        # token at depth d of a tree of n nodes when its running maximum at d is below n (and d is within the tree).
         highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
+        rows = max(len(path_rank), 1)
+        by_depth = [sorted(h[d] for h in highest if len(h) > d) for d in range(self.depth_cap)]
+        depths = range(self.depth_cap)
         reached = [
-            self._depth_fractions([min(bisect.bisect_left(h, c.nodes), self.levels(c)) for h in highest])
+            [bisect.bisect_left(by_depth[d], c.nodes) / rows if d < self.levels(c) else 0.0 for d in depths]
             for c in candidates
         ]
         return candidates, reached
@@ -396,5 +422,8 @@ class AdaptiveController:
     def _depth_fractions(self, accepted: list[int]) -> list[float]:
         """Draft tokens each of ``B`` rows accepted -> per depth up to ``l_max``, the fraction of rows that accepted a
         token at that depth."""
-        rows = max(len(accepted), 1)
-        return [sum(a > d for a in accepted) / rows for d in range(self.depth_cap)]
+        rows, counts = max(len(accepted), 1), [0] * (self.depth_cap + 1)
+        for a in accepted:
+            counts[min(a, self.depth_cap)] += 1
+        above = list(itertools.accumulate(reversed(counts[1:])))[::-1]  # above[d]: rows that accepted more than d
+        return [n / rows for n in above]
