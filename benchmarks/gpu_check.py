@@ -127,12 +127,11 @@ from typing import Any
 
 import torch
 import transformers
-from gpu_check_budget import CompileClock, Estimate, section_estimate
+from gpu_check_budget import CompileClock, Estimate, compiled_graphs, section_estimate
 from gpu_check_common import (
     Check,
     GiB,
     Section,
-    compiled_graphs,
     counted_captures,
     cudagraph_skips,
     free_memory,

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from gpu_check_common import compiled_graphs
+import torch
 
 PUBLIC_7B_GRAPH_SECONDS = 70.0  # one inductor compile of a 28-layer 7B graph: 25 to 70 s (public figures), upper end
 PUBLIC_7B_LAYERS = 28
@@ -55,6 +55,11 @@ START_GRAPHS = {
 }
 
 COMPILING_ON_CPU = {"preflight", "decode", "recordings"}  # on a CPU the others run eagerly
+
+
+def compiled_graphs() -> int:
+    """Graphs torch's compiler has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def assumed_graph_seconds(layers: int, cuda: bool) -> float:

@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from gpu_check_budget import CompileClock
 from record import REPO, Record
 from transformers import (
     AutoTokenizer,
@@ -33,9 +34,6 @@ from transformers import (
 
 from fastgrpo.models import load_tokenizer
 from fastgrpo.speculative.eagle.head import DraftHead
-
-if TYPE_CHECKING:
-    from gpu_check_budget import CompileClock
 
 GPU_TOKENIZER = REPO / ".gpu" / "tokenizer"
 MiB = 2**20
@@ -275,11 +273,6 @@ def compile_backend_for(device: torch.device, aot: bool = True) -> str:
     if device.type == "cuda":
         return "inductor"
     return "aot_eager" if aot else "eager"
-
-
-def compiled_graphs() -> int:
-    """Graphs torch's compiler has compiled in this process so far."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def cudagraph_skips() -> int:

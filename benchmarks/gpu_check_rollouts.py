@@ -11,13 +11,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-from gpu_check_budget import HOST_GRAPHS, RECORDING_GRAPHS
+from gpu_check_budget import HOST_GRAPHS, RECORDING_GRAPHS, compiled_graphs
 from gpu_check_common import (
     Check,
     MiB,
     Section,
     compile_backend_for,
-    compiled_graphs,
     counted_captures,
     cudagraph_skips,
     decode_model,
