@@ -4,12 +4,13 @@ and losslessness of every mode."""
 from __future__ import annotations
 
 import math
+import random
 import time
 from functools import partial
 
 import pytest
 import torch
-from conftest import adaptive, plugin_probes
+from conftest import ProfiledLevels, adaptive, plugin_probes
 from transformers import PreTrainedModel
 
 from fastgrpo import machine
@@ -23,6 +24,7 @@ from fastgrpo.speculative import profiler
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.paper import PaperController, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile, find_knee
 
@@ -590,3 +592,55 @@ def test_an_unlucky_step_of_a_big_tree_does_not_rank_it_below_a_smaller_one() ->
     assert controller.shape_accept[big] == pytest.approx([0.0] * 5)
     assert controller.expected_tokens(small) == pytest.approx(1 + 0.75 + 0.75)  # three steps of 2, one of 0
     assert controller.expected_tokens(big) == pytest.approx(controller.expected_tokens(small))
+
+
+def fake_clock_rollout(tree_cost: float, accept_length: float, rows: int = 8, tokens: int = 128) -> tuple[float, int]:
+    """A rollout of ``rows`` rows of ``tokens`` tokens each, decoded by a fresh adaptive controller over an EAGLE, a
+    suffix and their merged trees, priced by a profile in which a forward costs the same up to 64 tokens (what a GPU's
+    profile says, and wrong by ``tree_cost`` here), on a fake clock: a plain step takes 1 s, a tree step
+    ``tree_cost`` s, and each row of a tree step emits ``accept_length`` tokens on average (its draft tokens accepted
+    one by one, each with the same chance, up to the tree's depth; drawn from a seeded generator). Returns the
+    rollout's seconds and its tree steps."""
+    profile = flat_profile(target=1.0, draft=0.01, knee=64)
+    drafters = []
+    for name in ("eagle", "suffix"):
+        drafter = ProfiledLevels(profile)
+        drafter.name = name
+        drafters.append(drafter)
+    controller = AdaptiveController(profile, drafters=priced(drafters))
+    rng = random.Random(0)
+    chance = (accept_length - 1) / accept_length  # a geometric count of mean accept_length - 1
+    left, seconds, trees = [tokens] * rows, 0.0, 0
+    controller.begin()
+    while live := [i for i, n in enumerate(left) if n > 0]:
+        shape = controller.choose(len(live))
+        accepted = None
+        if shape.speculative:
+            accepted = []
+            for _ in live:
+                count = 0
+                while count < controller.levels(shape) and rng.random() < chance:
+                    count += 1
+                accepted.append(count)
+            trees += 1
+        step = tree_cost if shape.speculative else 1.0
+        seconds += step
+        for i, count in zip(live, accepted or [0] * len(live), strict=True):
+            left[i] -= 1 + count
+        controller.observe(len(live), shape, step, accepted)
+    return seconds, trees
+
+
+def test_trees_that_cost_three_plain_steps_and_accept_little_cost_a_rollout_at_most_3_percent() -> None:
+    """Trees at 3x a plain step accepting 1.3 tokens per row lose: a fresh controller whose profile prices them as
+    cheap as a plain step finds out within a few steps, and the whole rollout takes at most 3 % longer than plain
+    decoding (128 steps)."""
+    seconds, trees = fake_clock_rollout(tree_cost=3.0, accept_length=1.3)
+    assert seconds <= 1.03 * 128, f"{seconds:.1f} s against 128 s of plain steps, {trees} tree steps"
+
+
+def test_trees_that_cost_little_more_and_accept_much_are_chosen_and_win() -> None:
+    """Trees at 1.2x a plain step accepting 3 tokens per row win: they are chosen at most steps and the rollout is
+    faster than plain decoding."""
+    seconds, trees = fake_clock_rollout(tree_cost=1.2, accept_length=3.0)
+    assert seconds < 0.7 * 128 and trees > 0.8 * (seconds / 1.2), f"{seconds:.1f} s, {trees} tree steps"

@@ -22,6 +22,8 @@ from fastgrpo.speculative.paper import largest_shape, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.state_json import from_json, to_json
 
+TREES = "trees"  # the time corrections every drafter's trees share (a tree kind's own are "spec:<drafter>")
+
 
 @dataclass
 class AdaptiveController:
@@ -44,14 +46,15 @@ class AdaptiveController:
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
       `Drafter.cost`), times a correction factor: observed over profiled step time, averaged separately for
       autoregressive steps and each drafter's and for each power-of-two band of tokens in the target forward
-      (``B * N``). A band a kind has not run yet takes the plain steps' factor of that band (a forward over as many
-      tokens), else the kind's average (the plain steps' average for a kind that has not run at all: how fast the
-      machine runs against its profile is the machine's). An average moves towards a step faster than it predicts
-      at a weight of at least ``fast_time_rate`` (a step slowed by the machine is common, one sped up is not), and a
-      plain probe (below) faster than its estimate replaces it. Whatever a step took, one observation moves an
-      average by at most a factor ``max_price_step`` (a step stalled by the machine or the compiler prices nothing
-      out), and a step that compiled or warmed up a graph is not timed at all (the engine observes it without
-      seconds: its acceptance counts, its time is the compiler's).
+      (``B * N``). A band a tree kind has not run yet takes the factor of any drafter's trees there (their target
+      forward is the same: a profile that prices trees wrong prices every drafter's wrong), else the plain steps'
+      factor of that band (a forward over as many tokens), else the kind's average, else any trees' average, else
+      the plain steps' average (how fast the machine runs against its profile is the machine's). An average moves
+      towards a step faster than it predicts at a weight of at least ``fast_time_rate`` (a step slowed by the machine
+      is common, one sped up is not), and a plain probe (below) faster than its estimate replaces it. Whatever a step
+      took, one observation moves an average by at most a factor ``max_price_step`` (a step stalled by the machine or
+      the compiler prices nothing out), and a step that compiled or warmed up a graph is not timed at all (the engine
+      observes it without seconds: its acceptance counts, its time is the compiler's).
 
     The highest ratio wins, autoregressive included, except that a plain step runs first at each power-of-two band
     of rows where none has run yet: no tree is chosen against a plain step's time that nothing has measured (a
@@ -213,12 +216,18 @@ class AdaptiveController:
         return max(corrected, plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
-        """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward."""
+        """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward: its
+        own at that band, else (for trees) any drafter's trees' there, else the plain steps' there, else its own
+        average, the trees' average, the plain steps' average (see the class)."""
         band = tokens.bit_length()
-        own = self.correction.get((kind, band), self.correction.get(("ar", band)))
-        if own is not None:
-            return own
-        return self.correction[(kind if (kind, None) in self._counts else "ar", None)]
+        kinds = (kind, TREES, "ar") if kind != "ar" else ("ar",)
+        for key in kinds:
+            own = self.correction.get((key, band))
+            if own is not None:
+                return own
+        return next(
+            self.correction[key, None] for key in (*kinds[:-1], "ar") if key == "ar" or (key, None) in self._counts
+        )
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
@@ -385,7 +394,9 @@ class AdaptiveController:
         # estimated replaces the estimate. Too low an estimate is safe: plain steps then win and every step
         # measures them.
         plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
-        for key in ((kind, None), (kind, (rows * shape.nodes).bit_length())):
+        band = (rows * shape.nodes).bit_length()
+        kinds = (kind, TREES) if shape.speculative and kind != TREES else (kind,)
+        for key in [(k, b) for k in kinds for b in (None, band)]:
             # a price never measured starts from what it was predicted with (the plain steps' where it has no own)
             current = self.correction[key] if key in self._counts else self._correction(kind, rows * shape.nodes)
             rate = self._rate(key, self.time_rate)
