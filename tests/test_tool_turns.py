@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+import torch._inductor.config
 from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
 from transformers import PreTrainedModel
 
@@ -281,6 +282,25 @@ def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monk
         engine.speculate([drafters[name] for name in drafter.split("+")], tree=tree)
     else:
         engine.speculate(None)
+    parked_rows_hold(engine, model, eos, monkeypatch, temperature)
+
+
+def test_inductor_steps_leave_parked_rows_as_they_were(model_eos, monkeypatch) -> None:
+    """The same with inductor's own code (its C++ built without SIMD, as `test_target_step` builds it) for the target
+    steps and the EAGLE proposals, sampled, with merged trees: no resumed row's keys and values change, the
+    completions equal eager decoding's, and no step fell back to eager (which would pass for the wrong reason)."""
+    model, eos, draft = model_eos
+    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
+        engine = RolloutEngine(model, [eos], backend="inductor")
+        tree = TreeShape(8, 3, 4, drafter="eagle+suffix")
+        engine.speculate([EagleDrafter(draft, model, "inductor"), SuffixDrafter()], tree=tree)
+        parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+    assert engine.compiled_so_far().eager_calls == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}
+
+
+def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temperature: float) -> None:
+    """``engine``'s completions with tools answering late equal an eager engine's, and every resumed row finds its
+    keys and values as it left them."""
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
     uniforms = None
     if temperature:
@@ -290,7 +310,7 @@ def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monk
     eager = RolloutEngine(model, [eos]).generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
     parked = ParkedKV(monkeypatch, engine)
     out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
-    assert parked.resumed >= 4 and max(out.stats.waiting) >= 2, "the test needs rows that wait while others decode"
     assert parked.changed == []
     assert out.completion_ids == eager.completion_ids
     assert out.tool_masks == eager.tool_masks
+    assert parked.resumed >= 4 and max(out.stats.waiting) >= 2, "the test needs rows that wait while others decode"
