@@ -43,6 +43,7 @@ LONGEST_FIRST = (
     "test_gpu_check.py",
     "test_fsdp.py",
     "test_bad_input_matrix.py",
+    "test_tool_turns.py",
     "test_speculative.py",
     "test_target_step.py",
     "test_end_to_end.py",
