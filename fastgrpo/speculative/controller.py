@@ -225,9 +225,8 @@ class AdaptiveController:
             own = self.correction.get((key, band))
             if own is not None:
                 return own
-        return next(
-            self.correction[key, None] for key in (*kinds[:-1], "ar") if key == "ar" or (key, None) in self._counts
-        )
+        measured = next(key for key in kinds if key == "ar" or (key, None) in self._counts)
+        return self.correction[measured, None]
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
