@@ -197,13 +197,9 @@ class RolloutEngine:
     def compiled_so_far(self) -> CompiledSoFar:
         """Wall time spent so far in steps that compiled a graph, the graphs they compiled, and the calls of each
         compiled function that ran eagerly (the target's and the drafters')."""
-        drafters = self.drafters.values()
-        seconds = self.target.compile_seconds + sum(d.compile_seconds for d in drafters)
-        graphs = self.target.compile_graphs + sum(d.compile_graphs for d in drafters)
-        eager = dict(self.target.eager_calls)
-        for drafter in drafters:
-            eager |= drafter.eager_calls
-        return CompiledSoFar(seconds, graphs, eager)
+        parts = [self.target, *self.drafters.values()]
+        eager = {name: n for part in parts for name, n in part.eager_calls.items()}
+        return CompiledSoFar(sum(p.compile_seconds for p in parts), sum(p.compile_graphs for p in parts), eager)
 
     def _begin(self, call: Generation, length: int) -> None:
         """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at

@@ -9,8 +9,6 @@
 
 from __future__ import annotations
 
-import bisect
-import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +16,7 @@ from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
 from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.speculative import acceptance
 from fastgrpo.speculative.paper import largest_shape, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.state_json import from_json, to_json
@@ -108,8 +107,8 @@ class AdaptiveController:
         self.depth_cap = max(self.levels(s) for s in self.shapes)
         # per drafter, the pooled P(accepted >= d + 1) over its shapes
         self.pooled = {name: [self.prior_accept ** (d + 1) for d in range(self.depth_cap)] for name in self.names}
-        self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1) (see `_estimate`)
-        # per drafter, `_estimate` and `expected_tokens` of its shapes, until it is next observed (`_forget`)
+        self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1)
+        # per drafter, `acceptance.estimates` and `expected_tokens` of its shapes, until it is next observed (`_forget`)
         self._estimates: dict[str, dict[TreeShape, list[float]]] = {}
         self._expected: dict[TreeShape, float] = {}
         self._forwards: dict[tuple[int, int], float] = {}  # the profile's forward times by (rows, nodes)
@@ -147,25 +146,10 @@ class AdaptiveController:
         estimates = self._estimates.get(name)
         if estimates is None or shape not in estimates:
             group = {s for s in (*self.groups[name], *self.shape_accept, shape) if s.drafter == name and s.speculative}
-            estimates = self._estimates[name] = self._estimate(name, group)
+            estimates = self._estimates[name] = acceptance.estimates(
+                group, self.shape_accept, self.pooled[name], self.levels
+            )
         return estimates[shape]
-
-    def _estimate(self, name: str, shapes: set[TreeShape]) -> dict[TreeShape, list[float]]:
-        """Per-depth fractions of every shape, smallest first: a measured shape's own averages, raised at each
-        depth to those of the smaller measured shapes (a bigger tree accepts at least what a smaller one drafted
-        from the same candidates does: the rare steps of a big tree, on other text, must not rank it below a small
-        one); a shape never measured takes the biggest smaller measured one's, and the pooled averages deeper."""
-        estimates: dict[TreeShape, list[float]] = {}
-        floor: list[float] = []  # the biggest measured shape so far, down to its depth
-        for shape in sorted(shapes, key=lambda s: (s.nodes, s.max_levels, s.top_k)):
-            own = self.shape_accept.get(shape)
-            if own is None:
-                estimates[shape] = floor + self.pooled[name][len(floor) :]
-                continue
-            fractions = [max(o, floor[d]) if d < len(floor) else o for d, o in enumerate(own)]
-            estimates[shape] = fractions
-            floor = fractions[: self.levels(shape)]
-        return estimates
 
     def expected_tokens(self, shape: TreeShape) -> float:
         """Expected tokens emitted per row by a step of this shape. A row reaches a depth only through the depths
@@ -359,7 +343,7 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return
         self._stale.discard(shape.drafter)
-        fractions = self._depth_fractions(accepted)
+        fractions = acceptance.depth_fractions(accepted, self.depth_cap)
         pooled = self.pooled[shape.drafter]
         levels = self.levels(shape)
         for d in range(levels):
@@ -367,7 +351,13 @@ class AdaptiveController:
         if path_rank is None:  # the accepted nodes taken as the best-scored chain
             chain = range(1, levels + 1)
             path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
-        candidates, reached = self._nested_acceptance(shape, path_rank)
+        # what each candidate no bigger than ``shape``, smallest first, would have accepted on this step
+        candidates = [
+            c
+            for c in self.groups[shape.drafter]
+            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.max_levels <= shape.max_levels
+        ]
+        reached = acceptance.nested_acceptance(candidates, self.levels, path_rank, self.depth_cap)
         self._forget(shape.drafter)
         first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
         for candidate, fractions in zip(candidates, reached, strict=True):
@@ -403,37 +393,3 @@ class AdaptiveController:
                 rate = 1.0 if plain_probe else max(rate, self.fast_time_rate)
             moved = current + rate * (ratio - current)
             self.correction[key] = min(max(moved, current / self.max_price_step), current * self.max_price_step)
-
-    def _nested_acceptance(
-        self, shape: TreeShape, path_rank: list[list[int]]
-    ) -> tuple[list[TreeShape], list[list[float]]]:
-        """The candidates no bigger than ``shape`` (``shape`` itself included when it is one), smallest first, and
-        for each, per depth, the fraction of rows that would have accepted a draft token at that depth on this step:
-        its tree keeps the best ``n - 1`` of the same candidates down to its own depth, so a row accepts the leading
-        nodes of its path (``path_rank`` ``[B][D]``) of rank below ``n``. (EAGLE-2 expands only the best K nodes of
-        each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
-        candidates = [
-            c
-            for c in self.groups[shape.drafter]
-            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.max_levels <= shape.max_levels
-        ]
-        # A path's leading nodes of rank below n are those whose running maximum rank is below n: a row accepts a
-        # token at depth d of a tree of n nodes when its running maximum at d is below n (and d is within the tree).
-        highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
-        rows = max(len(path_rank), 1)
-        by_depth = [sorted(h[d] for h in highest if len(h) > d) for d in range(self.depth_cap)]
-        depths = range(self.depth_cap)
-        reached = [
-            [bisect.bisect_left(by_depth[d], c.nodes) / rows if d < self.levels(c) else 0.0 for d in depths]
-            for c in candidates
-        ]
-        return candidates, reached
-
-    def _depth_fractions(self, accepted: list[int]) -> list[float]:
-        """Draft tokens each of ``B`` rows accepted -> per depth up to ``l_max``, the fraction of rows that accepted a
-        token at that depth."""
-        rows, counts = max(len(accepted), 1), [0] * (self.depth_cap + 1)
-        for a in accepted:
-            counts[min(a, self.depth_cap)] += 1
-        above = list(itertools.accumulate(reversed(counts[1:])))[::-1]  # above[d]: rows that accepted more than d
-        return [n / rows for n in above]

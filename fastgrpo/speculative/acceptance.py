@@ -1,0 +1,64 @@
+"""What the adaptive controller (`fastgrpo.speculative.controller`) reads of acceptance: per depth, the fraction of
+a step's rows that accepted a draft token (`depth_fractions`), what each smaller tree of the same draft candidates
+would have accepted on that step (`nested_acceptance`), and every shape's estimate from the measured ones
+(`estimates`)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable
+
+from fastgrpo.rollout.tree import TreeShape
+
+
+def depth_fractions(accepted: list[int], depth_cap: int) -> list[float]:
+    """Draft tokens each of ``B`` rows accepted -> per depth up to ``depth_cap``, the fraction of rows that accepted
+    a token at that depth."""
+    rows, counts = max(len(accepted), 1), [0] * (depth_cap + 1)
+    for a in accepted:
+        counts[min(a, depth_cap)] += 1
+    above = list(itertools.accumulate(reversed(counts[1:])))[::-1]  # above[d]: rows that accepted more than d
+    return [n / rows for n in above]
+
+
+def nested_acceptance(
+    candidates: list[TreeShape], levels: Callable[[TreeShape], int], path_rank: list[list[int]], depth_cap: int
+) -> list[list[float]]:
+    """For each of ``candidates`` (trees of the same draft candidates, no bigger than the one verified), per depth up
+    to ``depth_cap``, the fraction of rows that would have accepted a draft token at that depth on this step: a tree
+    of ``n`` nodes keeps the best ``n - 1`` candidates down to its own depth (``levels``), so a row accepts the
+    leading nodes of its path (``path_rank`` ``[B][D]``, the score ranks of its accepted path) of rank below ``n``:
+    those whose running maximum rank is below ``n``. (EAGLE-2 expands only the best K nodes of each level, so a
+    smaller K can expand a node a larger one does not; the estimate ignores that.)"""
+    highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
+    rows = max(len(path_rank), 1)
+    depths = range(depth_cap)
+    by_depth = [sorted(h[d] for h in highest if len(h) > d) for d in depths]
+    return [
+        [bisect.bisect_left(by_depth[d], c.nodes) / rows if d < levels(c) else 0.0 for d in depths] for c in candidates
+    ]
+
+
+def estimates(
+    shapes: set[TreeShape],
+    measured: dict[TreeShape, list[float]],
+    pooled: list[float],
+    levels: Callable[[TreeShape], int],
+) -> dict[TreeShape, list[float]]:
+    """Per-depth fractions of every one of one drafter's ``shapes``, smallest first: a ``measured`` shape's own
+    averages, raised at each depth to those of the smaller measured shapes (a bigger tree accepts at least what a
+    smaller one drafted from the same candidates does: the rare steps of a big tree, on other text, must not rank it
+    below a small one); a shape never measured takes the biggest smaller measured one's, and the ``pooled`` averages
+    deeper."""
+    result: dict[TreeShape, list[float]] = {}
+    floor: list[float] = []  # the biggest measured shape so far, down to its depth
+    for shape in sorted(shapes, key=lambda s: (s.nodes, s.max_levels, s.top_k)):
+        own = measured.get(shape)
+        if own is None:
+            result[shape] = floor + pooled[len(floor) :]
+            continue
+        fractions = [max(o, floor[d]) if d < len(floor) else o for d, o in enumerate(own)]
+        result[shape] = fractions
+        floor = fractions[: levels(shape)]
+    return result
