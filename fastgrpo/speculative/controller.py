@@ -203,13 +203,15 @@ class AdaptiveController:
         """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward: its
         own at that band, else (for trees) any drafter's trees' there, else the plain steps' there, else its own
         average, the trees' average, the plain steps' average (see the class)."""
-        band = tokens.bit_length()
-        kinds = (kind, TREES, "ar") if kind != "ar" else ("ar",)
-        for key in kinds:
-            own = self.correction.get((key, band))
-            if own is not None:
-                return own
-        measured = next(key for key in kinds if key == "ar" or (key, None) in self._counts)
+        band, get = tokens.bit_length(), self.correction.get
+        own = get((kind, band))
+        if own is None and kind != "ar":
+            own = get((TREES, band))
+        if own is None:
+            own = get(("ar", band))
+        if own is not None:
+            return own
+        measured = next((key for key in (kind, TREES) if (key, None) in self._counts), "ar") if kind != "ar" else "ar"
         return self.correction[measured, None]
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
