@@ -211,8 +211,10 @@ class AdaptiveController:
             own = get(("ar", band))
         if own is not None:
             return own
-        measured = next((key for key in (kind, TREES) if (key, None) in self._counts), "ar") if kind != "ar" else "ar"
-        return self.correction[measured, None]
+        for key in (kind, TREES) if kind != "ar" else ():
+            if (key, None) in self._counts:
+                return self.correction[key, None]
+        return self.correction["ar", None]
 
     def goodput(self, rows: int, shape: TreeShape) -> float:
         """Predicted tokens per second per row."""
@@ -386,7 +388,7 @@ class AdaptiveController:
         # measures them.
         plain_probe = not shape.speculative and self._last_best is not None and self._last_best.speculative
         band = (rows * shape.nodes).bit_length()
-        kinds = (kind, TREES) if shape.speculative and kind != TREES else (kind,)
+        kinds = (kind, TREES) if shape.speculative else (kind,)
         for key in [(k, b) for k in kinds for b in (None, band)]:
             # a price never measured starts from what it was predicted with (the plain steps' where it has no own)
             current = self.correction[key] if key in self._counts else self._correction(kind, rows * shape.nodes)
