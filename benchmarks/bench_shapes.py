@@ -1,12 +1,15 @@
-"""What compiled rollouts compile, call by call: a tiny random Llama decoding 64 rows (2 prompts of 90 to 400 tokens x
-32) that end on frequent EOS tokens at every step, compiled with ``aot_eager`` (the graphs inductor would compile,
-without generating code), plain and with EAGLE and suffix trees chosen adaptively. Per call: the graphs compiled
-(settling before the first step included), the steps that compiled or met a new shape (`compile/cold_steps`), the
-steps and tree steps, and the shape menu the engine settles (`fastgrpo.rollout.shape_menu`). Counts, not times.
+"""What compiled rollouts compile and record, call by call: a tiny random Llama decoding ``--rows`` rows (2 prompts of
+up to ``--prompt-tokens`` tokens, ``--new-tokens`` new ones at T=1) that end on frequent EOS tokens at every step,
+compiled with ``aot_eager`` (the graphs inductor would compile, without generating code), plain and with EAGLE and
+suffix trees chosen adaptively (the default ``n_max`` 64), then one greedy evaluation call. Per call: the graphs
+compiled and the shapes met (on a GPU, each a CUDA graph recorded), settling before the first step included, and
+the steps that compiled or met a new shape after it (`compile/cold_steps`). Then the start-up a GPU run would pay
+before its first step: the counted graphs and shapes at assumed seconds each (``--compile-seconds``,
+``--record-seconds``: assumptions, not measurements). Counts, not times.
 
 Usage::
 
-    python benchmarks/bench_shapes.py [--calls 5] [--n-max 8]
+    python benchmarks/bench_shapes.py [--calls 5] [--rows 64] [--prompt-tokens 512] [--new-tokens 1024]
 """
 
 from __future__ import annotations
@@ -34,11 +37,9 @@ from fastgrpo.speculative.merged import priced  # noqa: E402
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter  # noqa: E402
 
 EOS = [19, 60, 52]  # tokens the tiny Llama samples often
-ROWS, LONGEST = 64, 400
-PARAMS = SamplingParams(max_new_tokens=128, temperature=1.0)
 
 
-def engine(speculation: str, n_max: int) -> RolloutEngine:
+def engine(speculation: str, n_max: int, rows: int, length: int) -> RolloutEngine:
     """A compiled (aot_eager) engine over a fresh tiny Llama, plain or with EAGLE and suffix trees."""
     torch._dynamo.reset()
     model = make_tiny_model("llama")
@@ -49,35 +50,52 @@ def engine(speculation: str, n_max: int) -> RolloutEngine:
         limits = ControllerLimits(n_max=n_max)
         controller = AdaptiveController(flat_profile(), limits, drafters=priced(drafters), probe_interval=2)
     built = RolloutEngine(model, EOS, drafter=drafters, controller=controller, backend="aot_eager")
-    built.reserve(ROWS, LONGEST + PARAMS.max_new_tokens + 1)
+    built.reserve(rows, length)
     return built
 
 
-def calls(speculation: str, count: int, n_max: int) -> tuple[list[list[object]], str]:
-    """One table row per call, and the engine's shape menu."""
-    built, rng, rows = engine(speculation, n_max), random.Random(0), []
-    for i in range(count):
-        prompts = [[rng.randrange(2, 128) for _ in range(rng.randrange(90, LONGEST))] for _ in range(2)]
-        stats = built.generate(prompts, PARAMS, ROWS // 2, generator=torch.Generator().manual_seed(i)).stats
-        cells = [speculation, i + 1, stats.compile_graphs, stats.cold_steps, len(stats.concurrency)]
-        rows.append([*cells, len(stats.tree_nodes), min(stats.concurrency)])
-        print(" | ".join(map(str, rows[-1])), flush=True)
-    return rows, menu_of(built).describe()
+def calls(speculation: str, args: argparse.Namespace) -> tuple[list[list[object]], str]:
+    """One table row per call (the sampled calls, then a greedy one), and the engine's shape menu."""
+    built = engine(speculation, args.n_max, args.rows, args.prompt_tokens + args.new_tokens + 1)
+    rng, table = random.Random(0), []
+    for i in range(args.calls + 1):
+        greedy = i == args.calls
+        params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0 if greedy else 1.0)
+        longest = args.prompt_tokens
+        prompts = [[rng.randrange(2, 128) for _ in range(rng.randrange(longest // 4, longest))] for _ in range(2)]
+        stats = built.generate(prompts, params, args.rows // 2, generator=torch.Generator().manual_seed(i)).stats
+        call = "greedy" if greedy else i + 1
+        cells = [speculation, call, stats.compile_graphs, stats.compile_shapes, stats.cold_steps]
+        table.append([*cells, len(stats.concurrency), len(stats.tree_nodes), min(stats.concurrency)])
+        print(" | ".join(map(str, table[-1])), flush=True)
+    return table, menu_of(built).describe()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=5)
-    parser.add_argument("--n-max", type=int, default=8, help="the adaptive controller's largest tree")
+    parser.add_argument("--calls", type=int, default=5, help="sampled calls, before the greedy one")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="the longest prompt")
+    parser.add_argument("--new-tokens", type=int, default=1024)
+    parser.add_argument("--n-max", type=int, default=64, help="the adaptive controller's largest tree")
+    parser.add_argument("--compile-seconds", type=float, default=40.0, help="assumed seconds per inductor graph")
+    parser.add_argument("--record-seconds", type=float, default=0.5, help="assumed seconds per CUDA graph")
     args = parser.parse_args()
-    record, table = Record("bench_shapes"), []
+    record, table, startup = Record("bench_shapes"), [], []
     for speculation in ("plain", "adaptive"):
-        rows, menu = calls(speculation, args.calls, args.n_max)
+        rows, menu = calls(speculation, args)
         table += rows
         record.notes.setdefault("menus", {})[speculation] = menu
         print(menu, flush=True)
-    columns = ["decoding", "call", "graphs compiled", "cold steps", "steps", "tree steps", "fewest rows"]
-    record.table("Compiled rollouts (aot_eager) of 64 rows ending on EOS, call by call", columns, table)
+        first = rows[0]
+        seconds = first[2] * args.compile_seconds + first[3] * args.record_seconds
+        startup.append([speculation, first[2], first[3], f"{seconds:.0f}"])
+    columns = ["decoding", "call", "graphs compiled", "shapes met", "cold steps", "steps", "tree steps", "fewest rows"]
+    title = f"Compiled rollouts (aot_eager) of {args.rows} rows, prompts up to {args.prompt_tokens} + {args.new_tokens}"
+    record.table(title, columns, table)
+    assumed = f"{args.compile_seconds:g} s a graph, {args.record_seconds:g} s a shape (assumed)"
+    columns = ["decoding", "graphs", "shapes", f"start-up estimate, s ({assumed})"]
+    record.table("Before the first step", columns, startup)
     record.save()
 
 

@@ -1,7 +1,7 @@
-"""Shapes settled before the first step: a compiled engine runs every row bucket, extent bucket and tree of its
-`ShapeMenu` once before a call's first step (`RolloutEngine.settle`), so that rollouts whose rows end on EOS at
-different steps, with prompts of lengths across several extent buckets, compile nothing and meet no new shape after
-it: no step is cold, and no graph is compiled beyond the computed number.
+"""Shapes settled before the first step: a compiled engine runs every row bucket and tree size of its `ShapeMenu` once
+before a call's first step (`RolloutEngine.settle`), so that rollouts whose rows end on EOS at different steps, with
+prompts of lengths from 90 to 330 tokens, compile nothing and meet no new shape after it: no step is cold, and no
+graph is compiled nor shape met beyond the computed numbers.
 
 Compiled with ``aot_eager``, which traces and guards as inductor does without generating code."""
 
@@ -17,8 +17,9 @@ from test_controller import flat_profile
 
 from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout import drafter as drafter_module
+from fastgrpo.rollout.cache import read_slots
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.shape_menu import extent_buckets, menu_of, row_buckets
+from fastgrpo.rollout.shape_menu import menu_of, row_buckets
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import CATCH_UP_WIDTH, EagleDrafter
@@ -37,18 +38,18 @@ def prompts(rng: random.Random, count: int, longest: int) -> list[list[int]]:
 
 def test_bucket_lists() -> None:
     assert row_buckets(1) == [2] and row_buckets(64) == [2, 4, 8, 16, 32, 64] and row_buckets(33) == row_buckets(64)
-    assert extent_buckets(200) == [200] and extent_buckets(600) == [256, 512, 600]
 
 
 @pytest.mark.parametrize("speculation", ["plain", "adaptive"])
 def test_rollouts_compile_only_while_settling(
     speculation: str, fake_clock: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Compiled rollouts of rows ending on EOS, prompts across extent buckets: plain steps (64 rows, five calls), or
+    """Compiled rollouts of rows ending on EOS, prompts of many lengths: plain steps (64 rows, five calls), or
     trees of the EAGLE and suffix drafters chosen adaptively (8 rows, two calls, steps timed by a fake clock on
-    which trees win). The first call compiles the menu's graphs while it settles; no call has a cold step or
-    compiles anything more. The EAGLE drafter's catch-up and the merge of its tree with the suffix drafter's run
-    inside its compiled proposal: eagerly, only a long backlog (a prompt, a run of plain steps) is read first."""
+    which trees win). The first call compiles the menu's graphs and meets its shapes while it settles; no call has a
+    cold step, compiles anything more or meets another shape: every step reads the whole cache. The EAGLE drafter's
+    catch-up and the merge of its tree with the suffix drafter's run inside its compiled proposal: eagerly, only a
+    long backlog (a prompt, a run of plain steps) is read first."""
     torch._dynamo.reset()
     model = make_tiny_model("llama")
     rows, calls, drafters, controller = 64, 5, None, None
@@ -75,11 +76,12 @@ def test_rollouts_compile_only_while_settling(
         batch = prompts(rng, 2, longest)
         outputs.append(engine.generate(batch, PARAMS, rows // 2, generator=torch.Generator().manual_seed(i)))
     menu = menu_of(engine)
-    assert len(menu.extents) == 2 and menu.rows == tuple(row_buckets(rows))
+    assert menu.extent == read_slots(engine.cache.max_len) and menu.rows == tuple(row_buckets(rows))
     stats = [out.stats for out in outputs]
     assert all(s.cold_steps == 0 for s in stats), "no step compiled or met a new shape"
-    assert sum(s.compile_graphs for s in stats[1:]) == 0
-    assert engine.target.compile_graphs == menu.graphs
+    assert sum(s.compile_graphs + s.compile_shapes for s in stats[1:]) == 0
+    assert engine.target.compile_graphs == menu.graphs and engine.target.compile_shapes == menu.recordings
+    assert stats[0].compile_shapes == menu.recordings + (drafters[0].compile_shapes if drafters else 0)
     concurrency = {c for s in stats for c in s.concurrency}
     assert min(concurrency) < 4 and max(concurrency) > rows // 2, "rows ended at every step"
     if speculation == "adaptive":
@@ -118,7 +120,7 @@ def test_new_caches_and_drafters_settle_again(monkeypatch: pytest.MonkeyPatch) -
     call()
     assert len(settles) == 1
     menu, runs = settles[0]
-    assert runs == 2 * len(menu.rows) * len(menu.extents) > 0
+    assert runs == 2 * len(menu.rows) > 0
     engine.release()
     call()
     assert len(settles) == 2, "a new cache settles again"

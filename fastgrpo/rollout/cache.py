@@ -46,10 +46,9 @@ def aligned(slots: int) -> int:
 
 def cache_slots(length: int, tree_nodes: int) -> int:
     """Slots per row of the target's cache for a call of ``length`` tokens verifying trees of up to ``tree_nodes``
-    nodes (1: plain steps), rounded up to a multiple of `SLOT_ALIGN`, and `SLOT_ALIGN` more: every extent a compiled
-    step reads (`fastgrpo.rollout.compiled.extent_bucket`, at most `read_slots`) is then a multiple of it and below
-    the cache's length, so that a graph compiled for a first extent never meets one whose slice of the keys is
-    contiguous where the first one's was not (torch guards on it, and would compile again)."""
+    nodes (1: plain steps), rounded up to a multiple of `SLOT_ALIGN`, and `SLOT_ALIGN` more: the extent a compiled
+    step reads (`read_slots`) is then a multiple of it and below the cache's length: its slice of the keys is never
+    the contiguous whole (torch guards on contiguity, and would compile again for a step that read it all)."""
     return aligned(length + tree_nodes) + SLOT_ALIGN
 
 

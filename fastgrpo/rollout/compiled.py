@@ -1,6 +1,7 @@
 """Running a decoding function compiled: ``torch.compile(fullgraph=True)`` with a chosen backend (inductor, captured
-as CUDA graphs on a GPU) or eagerly, with the shapes it meets kept to a few buckets (rows padded to a power of two,
-the keys' extent rounded up to `EXTENT_BLOCK` slots) and the time its compilations took added up.
+as CUDA graphs on a GPU) or eagerly, with the shapes it meets kept to a few (rows padded to a power of two, the keys
+read over the whole cache under a mask whose empty blocks flex attention skips) and the time its compilations took
+added up.
 
 The compiled graphs read the modules' own parameters, so an optimizer step or a LoRA merge, which write them in
 place, reaches the next call without compiling again. Inductor keeps what it compiled in its on-disk cache, so a
@@ -20,7 +21,6 @@ from fastgrpo.config.grpo import COMPILE_CHOICES
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.host import host_to_device
 
-EXTENT_BLOCK = 256  # compiled steps read the keys in extents of this many slots
 # Graphs a compiled function may hold (torch's default is 8): one per sampling setting and tree depth (their loops are
 # unrolled), each first for the shapes met first and then for symbolic ones; past it a call runs eagerly.
 RECOMPILE_LIMIT = 64
@@ -44,11 +44,6 @@ def row_bucket(rows: int) -> int:
     return max(2, 1 << (rows - 1).bit_length())
 
 
-def extent_bucket(needed: int, limit: int) -> int:
-    """``needed`` slots rounded up to a multiple of `EXTENT_BLOCK`, at most ``limit`` (the cache's slots)."""
-    return min(-(-needed // EXTENT_BLOCK) * EXTENT_BLOCK, limit)
-
-
 class Compiled:
     """``fn`` compiled by ``torch.compile`` with ``backend`` and ``fullgraph=True``, or ``fn`` itself when ``backend``
     is None. On CUDA, inductor captures each shape as a CUDA graph (``mode="reduce-overhead"``) and the outputs are
@@ -58,7 +53,7 @@ class Compiled:
     ``cold_calls`` counts the calls that were not a replay of a graph ready before them: those that compiled a graph,
     and the first `warm_calls` calls of every shape key (`shape_key`; on CUDA inductor's first run of a new graph
     warms it up and the second records it). Their wall time is the compiler's, not the step's: whoever times steps
-    leaves them out.
+    leaves them out. ``shapes`` counts the shape keys met: on CUDA, the graphs captured.
 
     A call that would compile more than `RECOMPILE_LIMIT` graphs runs eagerly, with a warning the first time; a graph
     that cannot be compiled (a graph break under ``fullgraph``, a backend failure) makes the function run eagerly from
@@ -82,6 +77,11 @@ class Compiled:
     @property
     def compiled(self) -> bool:
         return self.backend is not None
+
+    @property
+    def shapes(self) -> int:
+        """Shape keys met so far (`shape_key`): on CUDA with inductor, the CUDA graphs recorded."""
+        return len(self._seen)
 
     def warm_calls(self, device: torch.device) -> int:
         """Calls of a new shape key that run before its graph replays: compiling (and on CUDA, capture's warm-up and

@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput
 
 
 class CompiledSoFar(NamedTuple):
     """What an engine's compiled functions did so far: seconds of the calls that compiled a graph, the graphs they
-    compiled, and per function the calls that ran eagerly though compiled."""
+    compiled, the shapes they met (on a GPU, the CUDA graphs recorded), and per function the calls that ran eagerly
+    though compiled."""
 
     seconds: float
     graphs: int
+    shapes: int
     eager_calls: dict[str, int]
+
+    @classmethod
+    def of(cls, parts: list[Any]) -> CompiledSoFar:
+        """The sums over ``parts`` (a `fastgrpo.rollout.target_step.TargetStep` and drafters)."""
+        eager = {name: n for part in parts for name, n in part.eager_calls.items()}
+        seconds, graphs = sum(p.compile_seconds for p in parts), sum(p.compile_graphs for p in parts)
+        return cls(seconds, graphs, sum(p.compile_shapes for p in parts), eager)
 
 
 class Decoding:
@@ -60,6 +69,7 @@ class Decoding:
             stats.decode_time = sum(stats.step_times)
             stats.compiled = self._compiled
             stats.compile_time, stats.compile_graphs = after.seconds - before.seconds, after.graphs - before.graphs
+            stats.compile_shapes = after.shapes - before.shapes
             eager = {name: n - before.eager_calls.get(name, 0) for name, n in after.eager_calls.items()}
             stats.eager_fallbacks = {name: n for name, n in eager.items() if n}
             self._output = self.call.output()

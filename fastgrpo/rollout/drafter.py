@@ -105,6 +105,7 @@ class Drafter:
     modules: tuple[nn.Module, ...] = ()  # its networks: the engine runs them with its attention and linear routes
     compile_seconds: float = 0.0  # wall time its proposals spent compiling graphs so far
     compile_graphs: int = 0  # graphs its proposals compiled so far
+    compile_shapes: int = 0  # shapes its compiled proposals met so far (on a GPU, the CUDA graphs recorded)
     cold_calls: int = 0  # proposals so far that compiled or warmed up a graph (`fastgrpo.rollout.compiled.Compiled`)
 
     @property

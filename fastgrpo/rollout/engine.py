@@ -32,7 +32,7 @@ from fastgrpo.rollout.lora import merged_lora
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, fill_holes
-from fastgrpo.rollout.shape_menu import depth_bucket, settle_engine
+from fastgrpo.rollout.shape_menu import settle_engine, walk_depth
 from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.rollout.turns import Parking, Turns
@@ -105,6 +105,7 @@ class RolloutEngine:
         self.settled: set[tuple] = set()  # sampling settings and caches whose shapes have all run (`settle`)
         self.drafters, self.controller = self.teams.drafters, controller
         self.drafters_of, self.tree_depth = self.teams.of, self.teams.depth
+        self.walk_levels = walk_depth(self)  # a compiled tree step's acceptance walk, whatever the tree
 
     @property
     def device(self) -> torch.device:
@@ -195,11 +196,9 @@ class RolloutEngine:
                 module.train(training)
 
     def compiled_so_far(self) -> CompiledSoFar:
-        """Wall time spent so far in steps that compiled a graph, the graphs they compiled, and the calls of each
-        compiled function that ran eagerly (the target's and the drafters')."""
-        parts = [self.target, *self.drafters.values()]
-        eager = {name: n for part in parts for name, n in part.eager_calls.items()}
-        return CompiledSoFar(sum(p.compile_seconds for p in parts), sum(p.compile_graphs for p in parts), eager)
+        """Wall time spent so far in steps that compiled a graph, the graphs they compiled, the shapes they met, and
+        the calls of each compiled function that ran eagerly (the target's and the drafters')."""
+        return CompiledSoFar.of([self.target, *self.drafters.values()])
 
     def _begin(self, call: Generation, length: int) -> None:
         """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at
@@ -298,9 +297,8 @@ class RolloutEngine:
         proposal = first.propose(rows, shape)
         for other in others:
             proposal = other.propose_merged(rows, shape, proposal)
-        if self.target.compiled:  # the walk as deep as the shape allows (bucketed), whatever depth the drafts
-            # reached: the compiled graph (its loop unrolled) is then the one `settle` ran for the shape
-            proposal.tree = dataclasses.replace(proposal.tree, levels=depth_bucket(self.tree_depth(shape)))
+        if self.target.compiled:  # one walk depth for every tree: one graph (its loop unrolled), the one `settle` ran
+            proposal.tree = dataclasses.replace(proposal.tree, levels=self.walk_levels)
         call.stats.draft_forwards += proposal.forwards
         call.stats.draft_time += time.perf_counter() - t0
         return proposal

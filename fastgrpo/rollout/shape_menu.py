@@ -1,13 +1,14 @@
-"""The shapes a run's compiled decoding steps can meet, known before the first step: every row bucket, every extent
-bucket and every tree the controller may choose. The engine runs each of them once before a call's first step
+"""The shapes a run's compiled decoding steps can meet, known before the first step: every row bucket and every tree
+the controller may choose. The engine runs each of them once before a call's first step
 (`fastgrpo.rollout.engine.RolloutEngine.settle`), as vLLM and SGLang capture their batch sizes at start-up, so that
 nothing compiles or records a CUDA graph while a rollout runs, and no step's time is the compiler's.
 
-Compiled steps take their rows and the keys' extent as symbolic sizes (``torch.compile(dynamic=True)``,
-`fastgrpo.rollout.compiled`): a function compiles one graph per sampling setting and, for trees, per acceptance-walk
-depth (its loop is unrolled), which a compiled engine rounds up to a power of two (`depth_bucket`: a walk past a
-tree's deepest node accepts nothing more); on a GPU each (rows, extent, tree size) is then a CUDA graph of its own,
-recorded at start-up.
+Compiled steps take their rows and tree sizes as symbolic sizes (``torch.compile(dynamic=True)``,
+`fastgrpo.rollout.compiled`) and read the keys over the whole cache (flex attention skips the blocks past each row's
+length): the target compiles one graph per sampling setting for its plain step, and one for its tree step, whose
+acceptance walk (an unrolled loop) is as deep as the deepest tree the run may verify (`walk_depth`: a walk past a
+tree's deepest node accepts nothing more). On a GPU each (rows, tree size) is then a CUDA graph of its own, recorded
+at start-up.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache, read_slots
-from fastgrpo.rollout.compiled import EXTENT_BLOCK, row_bucket
+from fastgrpo.rollout.compiled import row_bucket
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.scheduling import Controller
@@ -57,42 +58,38 @@ def row_buckets(max_rows: int) -> list[int]:
 
 
 def depth_bucket(levels: int) -> int:
-    """The acceptance walk's depth of a compiled tree step for trees of up to ``levels`` levels: the smallest power
-    of two at or above it."""
+    """The acceptance walk's depth of a compiled merge of trees of up to ``levels`` levels: the smallest power of two
+    at or above it."""
     return 1 << (levels - 1).bit_length()
-
-
-def extent_buckets(limit: int) -> list[int]:
-    """Every extent `fastgrpo.rollout.compiled.extent_bucket` gives below ``limit`` slots: multiples of `EXTENT_BLOCK`,
-    and ``limit`` itself."""
-    return [min(k * EXTENT_BLOCK, limit) for k in range(1, -(-limit // EXTENT_BLOCK) + 1)]
 
 
 @dataclass(frozen=True)
 class ShapeMenu:
-    """The shapes of a run's compiled target steps: ``rows`` (`row_buckets`), ``extents`` (`extent_buckets` of the
-    cache's slots) and ``trees`` the (nodes, acceptance-walk depth) of every tree the controller may choose."""
+    """The shapes of a run's compiled target steps: ``rows`` (`row_buckets`), ``extent`` the slots every step's keys
+    span (`read_slots` of the cache), ``nodes`` the size of every tree the controller may choose and ``depth`` the
+    acceptance walk's depth of every tree step (`walk_depth`)."""
 
     rows: tuple[int, ...]
-    extents: tuple[int, ...]
-    trees: tuple[tuple[int, int], ...]
+    extent: int
+    nodes: tuple[int, ...]
+    depth: int
 
     @property
     def graphs(self) -> int:
-        """Graphs the target's steps compile per sampling setting: the plain step's, and one per tree depth."""
-        return 1 + len({depth for _, depth in self.trees})
+        """Graphs the target's steps compile per sampling setting: the plain step's, and the tree step's."""
+        return 1 + bool(self.nodes)
 
     @property
     def recordings(self) -> int:
-        """CUDA graphs the target's steps record on a GPU per sampling setting: one per (rows, extent) of the plain
-        step, and per (rows, extent, nodes, depth) of the tree step."""
-        return len(self.rows) * len(self.extents) * (1 + len(self.trees))
+        """CUDA graphs the target's steps record on a GPU per sampling setting: one per rows of the plain step, and
+        per (rows, nodes) of the tree step."""
+        return len(self.rows) * (1 + len(self.nodes))
 
     def describe(self) -> str:
         return (
-            f"{len(self.rows)} row buckets ({', '.join(map(str, self.rows))}) x {len(self.extents)} extents "
-            f"({', '.join(map(str, self.extents))}) x {1 + len(self.trees)} step kinds (plain, "
-            f"{len(self.trees)} trees): {self.graphs} graphs, {self.recordings} shapes"
+            f"{len(self.rows)} row buckets ({', '.join(map(str, self.rows))}) x {1 + len(self.nodes)} step kinds "
+            f"(plain, trees of {', '.join(map(str, self.nodes)) or 'none'} nodes, walked {self.depth} deep) over "
+            f"{self.extent} slots: {self.graphs} graphs, {self.recordings} shapes"
         )
 
 
@@ -101,13 +98,17 @@ def tree_shapes(engine: Engine) -> list[TreeShape]:
     return [] if engine.controller is None else [s for s in engine.controller.shapes if s.speculative]
 
 
+def walk_depth(engine: Engine) -> int:
+    """The acceptance walk's depth of ``engine``'s compiled tree steps: that of the deepest tree its controller may
+    choose (`Engine.tree_depth`), so that one graph verifies them all."""
+    return max((engine.tree_depth(s) for s in tree_shapes(engine)), default=1)
+
+
 def menu_of(engine: Engine) -> ShapeMenu:
-    """The shapes ``engine``'s compiled target steps can meet over its current caches: its rows and extent buckets,
-    and every tree its controller may choose, at the depth bucket of whoever drafts it."""
-    shapes = tree_shapes(engine)
-    trees = {(s.nodes, depth_bucket(engine.tree_depth(s))) for s in shapes}
-    extents = extent_buckets(read_slots(engine.cache.max_len))
-    return ShapeMenu(tuple(row_buckets(engine.cache.max_rows)), tuple(extents), tuple(sorted(trees)))
+    """The shapes ``engine``'s compiled target steps can meet over its current caches: its row buckets, and every
+    tree size its controller may choose."""
+    rows, nodes = tuple(row_buckets(engine.cache.max_rows)), tuple(sorted({s.nodes for s in tree_shapes(engine)}))
+    return ShapeMenu(rows, read_slots(engine.cache.max_len), nodes, walk_depth(engine))
 
 
 def settle_engine(engine: Engine, params: SamplingParams) -> None:
@@ -130,18 +131,18 @@ def settle_engine(engine: Engine, params: SamplingParams) -> None:
 def settle_target(
     target: TargetStep, decoder: nn.Module, head: nn.Module, cache: RowCache, menu: ShapeMenu, params: SamplingParams
 ) -> None:
-    """Run ``target``'s plain step at every rows and extent of ``menu``, and its tree step for every tree there too,
-    as many times as a new shape runs before its graph replays (`TargetStep.warm_calls`), on dummy inputs sampled
-    with ``params`` (`fastgrpo.rollout.engine.RolloutEngine.settle`). They write finite values into ``cache`` slots
-    that every step overwrites before it reads them."""
-    device, noise = cache.layers[0].keys.device, not params.greedy
-    for rows, extent, _ in itertools.product(menu.rows, menu.extents, range(target.warm_calls(device))):
+    """Run ``target``'s plain step at every rows of ``menu``, and its tree step for every tree size there too, as many
+    times as a new shape runs before its graph replays (`TargetStep.warm_calls`), on dummy inputs sampled with
+    ``params`` (`fastgrpo.rollout.engine.RolloutEngine.settle`). They write finite values into ``cache`` slots that
+    every step overwrites before it reads them."""
+    device, noise, extent = cache.layers[0].keys.device, not params.greedy, menu.extent
+    for rows, _ in itertools.product(menu.rows, range(target.warm_calls(device))):
         zeros = torch.zeros(rows, dtype=torch.long, device=device)
         uniforms = torch.zeros(rows, dtype=torch.float64, device=device) if noise else None
         target.plain(decoder, head, cache, zeros, zeros + extent - 1, [extent - 1] * rows, uniforms, params)
-        for nodes, depth in menu.trees:
-            tree = star_tree(rows, nodes, depth, device)
-            uniforms = torch.zeros(rows, depth + 1, dtype=torch.float64, device=device) if noise else None
+        for nodes in menu.nodes:
+            tree = star_tree(rows, nodes, menu.depth, device)
+            uniforms = torch.zeros(rows, menu.depth + 1, dtype=torch.float64, device=device) if noise else None
             lengths = [extent - nodes] * rows
             target.tree(decoder, head, cache, tree, zeros + extent - nodes, lengths, uniforms, params)
 

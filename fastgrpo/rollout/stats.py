@@ -20,6 +20,7 @@ class GenerationStats:
     compiled: bool = False  # the decoding steps ran compiled (`fastgrpo.rollout.compiled`)
     compile_time: float = 0.0  # seconds of decoding steps that compiled a graph
     compile_graphs: int = 0  # graphs compiled during the call
+    compile_shapes: int = 0  # shapes compiled functions met for the first time during the call (CUDA graphs on a GPU)
     cold_steps: int = 0  # decoding steps that compiled or warmed up a graph (not timed into the controller's prices)
     eager_fallbacks: dict[str, int] = field(default_factory=dict)  # per compiled function, calls that ran eagerly
     concurrency: list[int] = field(default_factory=list)
@@ -98,7 +99,8 @@ class GenerationStats:
 
     def metrics(self) -> dict[str, float]:
         """The call's figures under the names the trainers log (``rollout/*``, ``spec/*``, and with compiled steps
-        ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took, and
+        ``compile/graphs`` and ``compile/seconds``, the graphs the call compiled and the time that took,
+        ``compile/shapes``, the shapes met for the first time (on a GPU, CUDA graphs recorded), and
         ``compile/cold_steps``, the steps that compiled or warmed up a graph: zero once a run has met its shapes;
         ``compile/eager_fallbacks``, the calls of compiled functions that ran eagerly (a graph the backend failed to
         compile, or past the graph limit), and per function that did, ``compile/eager_fallbacks/<function>``; with
@@ -106,6 +108,7 @@ class GenerationStats:
         and ``tools/wait_seconds`` spent with no row to decode)."""
         compiled = {
             "compile/graphs": self.compile_graphs,
+            "compile/shapes": self.compile_shapes,
             "compile/seconds": self.compile_time,
             "compile/cold_steps": self.cold_steps,
             "compile/eager_fallbacks": sum(self.eager_fallbacks.values()),

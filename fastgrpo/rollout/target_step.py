@@ -4,10 +4,11 @@ accepted path's cache entries moved into place). Neither reads a value back from
 each is one graph for ``torch.compile(fullgraph=True)``; `TargetStep` runs them eagerly or compiled
 (`fastgrpo.rollout.compiled`).
 
-Compiled, a step's rows are padded up to a bucket (a power of two, `RowPadding`) and the keys' extent is rounded up
-(masked past each row's length), so that a whole run meets a handful of shapes: with the caches sized once per run
-(`RolloutEngine.reserve`), the graphs a run can compile are one per row bucket, extent bucket, sampling setting and
-tree size.
+Compiled, a step's rows are padded up to a bucket (a power of two, `RowPadding`) and the keys span the whole cache
+(`read_slots`, masked past each row's length: flex attention skips the blocks no query sees), so that a whole run
+meets a handful of shapes: with the caches sized once per run (`RolloutEngine.reserve`), the graphs a run compiles
+are the plain step's and the tree step's per sampling setting (its acceptance walk as deep as the deepest tree the
+run may verify), and the shapes it records one per row bucket and tree size.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import RowCache, read_slots
-from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, row_bucket
+from fastgrpo.rollout.compiled import Compiled, RowPadding, row_bucket
 from fastgrpo.rollout.forward import forward_block, forward_chain
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
@@ -93,7 +94,7 @@ def step_rows(live: int, compiled: bool) -> int:
 class TargetStep:
     """Runs `plain_step` and `tree_step` eagerly (``backend`` None) or compiled by ``torch.compile`` with
     ``backend`` (``"inductor"``; another backend, such as ``"aot_eager"``, checks the graphs without generating
-    code), over padded rows and bucketed extents."""
+    code), over padded rows and the whole cache's keys."""
 
     def __init__(self, backend: str | None = None):
         self._plain = Compiled(plain_step, backend, "plain_step")
@@ -117,6 +118,11 @@ class TargetStep:
     def cold_calls(self) -> int:
         """Steps so far that compiled or warmed up a graph (`Compiled.cold_calls`)."""
         return self._plain.cold_calls + self._tree.cold_calls
+
+    @property
+    def compile_shapes(self) -> int:
+        """Shapes met so far (`Compiled.shapes`: on a GPU, the CUDA graphs recorded)."""
+        return self._plain.shapes + self._tree.shapes
 
     @property
     def eager_calls(self) -> dict[str, int]:
@@ -149,7 +155,7 @@ class TargetStep:
             return plain_step(decoder, head, cache, pending, row_len, uniforms, params, longest + 1, equal)
         rows = RowPadding(len(lengths), pending.device)
         args = [rows.pad(t) for t in (pending, row_len, uniforms)]
-        extent = extent_bucket(longest + 1, read_slots(cache.max_len))
+        extent = read_slots(cache.max_len)
         step = self._plain(pending.device, decoder, head, cache, *args, params, extent, False, rows.cache_rows(cache))
         return rows.cut(step)
 
@@ -172,6 +178,6 @@ class TargetStep:
         padded = DraftTree(
             *(rows.pad(t) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
-        extent = extent_bucket(extent, read_slots(cache.max_len))
+        extent = read_slots(cache.max_len)
         args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent, rows.cache_rows(cache))
         return rows.cut(self._tree(row_len.device, decoder, head, cache, *args))

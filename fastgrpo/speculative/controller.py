@@ -28,10 +28,11 @@ TREES = "trees"  # the time corrections every drafter's trees share (a tree kind
 class AdaptiveController:
     """Maximises predicted goodput at every step.
 
-    Candidate shapes are the paper's trees for ``N`` in ``1, 2, 3, 4, 6, 8, 12, ...`` up to ``n_max``, for each of
+    Candidate shapes are the paper's trees for ``N`` in ``1, 2, 4, 8, 16, ...`` and ``n_max``, for each of
     ``drafters`` (by name; merged drafters, such as ``eagle+suffix``, are one more name:
-    `fastgrpo.speculative.merged.priced`). Every drafter
-    has acceptance statistics of its own. For each:
+    `fastgrpo.speculative.merged.priced`): sizes a factor two apart, so that a compiled run settles few shapes
+    (`fastgrpo.rollout.shape_menu`), at a goodput near enough the best of finer sizes. Every drafter has acceptance
+    statistics of its own. For each:
 
     - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
       an exponential moving average per shape. Every verification updates the shape that ran and every smaller
@@ -99,8 +100,8 @@ class AdaptiveController:
         if not self.drafters:
             raise ValueError("the adaptive controller needs the drafters whose trees it prices")
         self._levels: dict[TreeShape, int] = {}  # `levels`, per shape
-        ns = sorted({*[n for n in (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128) if n < self.limits.n_max]})
-        ns = sorted({*ns, self.limits.n_max} - {1})
+        n_max = self.limits.n_max
+        ns = sorted({1 << i for i in range(1, n_max.bit_length())} | ({n_max} - {1}))
         self.names = list(self.drafters)
         self.groups = {name: [shape_for(self.limits, n, name) for n in ns] for name in self.names}
         self.shapes = [AUTOREGRESSIVE] + [s for group in self.groups.values() for s in group]

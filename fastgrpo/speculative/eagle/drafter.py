@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from fastgrpo.rollout.cache import SLOT_ALIGN, RowCache, aligned, read_slots
-from fastgrpo.rollout.compiled import Compiled, RowPadding, extent_bucket, map_tensors
+from fastgrpo.rollout.compiled import Compiled, RowPadding, map_tensors
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.sequence import ActiveRows
-from fastgrpo.rollout.shape_menu import depth_bucket, extent_buckets, star_tree
+from fastgrpo.rollout.shape_menu import depth_bucket, star_tree
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative.eagle.expansion import catch_up, draft_step, expand_tree
 from fastgrpo.speculative.eagle.head import DraftHead
@@ -174,6 +174,11 @@ class EagleDrafter(Drafter):
         return self._step.graphs
 
     @property
+    def compile_shapes(self) -> int:
+        """Shapes the compiled expansion met (on a GPU, the CUDA graphs recorded)."""
+        return self._step.shapes
+
+    @property
     def cold_calls(self) -> int:
         """Expansions that compiled or warmed up a graph."""
         return self._step.cold_calls
@@ -292,15 +297,15 @@ class EagleDrafter(Drafter):
             tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, max(state.host_len))
             return Proposal(tree, shape.levels, backlog_seconds)
         # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the
-        # trees and merges ``earlier``'s, over rows padded to their bucket and a bucketed extent, as the target's
-        # steps are; the shape without its drafter's name (merged or alone, the expansion is the same).
+        # trees and merges ``earlier``'s, over rows padded to their bucket and the most slots the shape's expansion may
+        # read (`_expansion_slots`), as the target's steps are; the shape without its drafter's name (merged or alone,
+        # the expansion is the same).
         shape = dataclasses.replace(shape, drafter="")
-        limit = self._expansion_slots(shape)
         backlog_seconds = 0.0
         if max(state.host_count) > CATCH_UP_WIDTH:  # a long backlog (the prompt, plain steps) read first
             self._catch_up(state, embed, keep_last=True)
             backlog_seconds = (time.perf_counter() - t0) * share
-        longest = extent_bucket(max(state.host_len) + CATCH_UP_WIDTH, limit)  # `cache_slots` leaves the room
+        longest = self._expansion_slots(shape)  # `cache_slots` leaves the room
         padding = RowPadding(rows.size, rows.pending.device)
         tokens, hidden = state.window(CATCH_UP_WIDTH)
         inputs = (state.draft_len, tokens, hidden, state.count, rows.pending, rows.row_len)
@@ -329,8 +334,8 @@ class EagleDrafter(Drafter):
 
     def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
         """Run the compiled proposal for every shape of ``shapes`` (merged with another drafter's tree where its
-        drafters are several), at every row count of ``rows`` and extent bucket, from dummy pairs, as many times as a
-        new shape runs before its graph replays."""
+        drafters are several), at every row count of ``rows``, from dummy pairs, as many times as a new shape runs
+        before its graph replays."""
         if not self._step.compiled:
             return
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
@@ -339,14 +344,15 @@ class EagleDrafter(Drafter):
         warm = self._step.warm_calls(dev)  # calls of a new shape before its graph replays
         kinds = {(dataclasses.replace(s, drafter=""), "+" in s.drafter) for s in shapes}
         for (shape, merged), count in itertools.product(kinds, rows):
+            slots = self._expansion_slots(shape)
             other = star_tree(count, shape.nodes, depth_bucket(shape.nodes - 1), dev) if merged else None
             # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
             draft_len, root, position = (torch.zeros(count, dtype=torch.long, device=dev) for _ in range(3))
             tokens = torch.zeros(count, CATCH_UP_WIDTH, dtype=torch.long, device=dev)
             hidden = torch.zeros(count, CATCH_UP_WIDTH, hidden_size, dtype=param.dtype, device=dev)
             inputs = (draft_len, tokens, hidden, torch.ones_like(draft_len), root, position)
-            for longest, _ in itertools.product(extent_buckets(self._expansion_slots(shape)), range(warm)):
-                self._step(dev, self.draft, embed, head, self.cache, *inputs, shape, longest, other)
+            for _ in range(warm):
+                self._step(dev, self.draft, embed, head, self.cache, *inputs, shape, slots, other)
 
     def _catch_up(self, state: PendingPairs, embed: nn.Module, keep_last: bool = False) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair
