@@ -440,3 +440,41 @@ def test_speculative_sampling_has_the_autoregressive_distribution(peaked_model_a
     monkeypatch.setattr(target_step_module, "accept", stale_accept)
     wrong, _ = first_tokens(model, draft, params, 3000, seed=11, drafter=drafter)
     assert chi_square_p_value(reference, wrong) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, top_p=0.9)],
+    ids=["greedy", "sampled top-p"],
+)
+def test_drawing_every_node_at_once_walks_as_drawing_step_by_step(
+    params: SamplingParams, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`accept` draws every node's token before the walk where reading the device back is not free (a GPU, a
+    compiled step), and at the node each row stands on, step by step, elsewhere: both walks emit the same tokens
+    and log-probabilities down the same paths, over rows that stop at every depth, with a walk deeper than the
+    trees (the wider result's extra columns are empty)."""
+    from fastgrpo.rollout import sampling
+    from fastgrpo.rollout.tree import ancestor_mask
+    from fastgrpo.rollout.verify import accept
+
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 64, 12
+    parent = torch.tensor([-1, 0, 1, 2, 0, 1, 2]).expand(rows, 7)  # a chain 0-1-2-3 with a branch off 0, 1 and 2
+    logits = 4 * torch.randn(rows, 7, vocab, dtype=torch.float64, generator=gen)
+    best = logits.argmax(dim=-1)  # each node's greedy token
+    tokens = torch.randint(vocab, (rows, 7), generator=gen)
+    follows = torch.rand(rows, 7, generator=gen) < 0.7  # most children are what their parent's draw would be
+    tokens = torch.where(follows, best.gather(1, parent.clamp(min=0)), tokens)
+    depth = torch.tensor([0, 1, 2, 3, 1, 2, 3]).expand(rows, 7)
+    tree = DraftTree(tokens, parent, depth, ancestor_mask(parent, 3), torch.arange(7).expand(rows, 7), levels=5)
+    uniforms = None if params.greedy else torch.rand(rows, 6, dtype=torch.float64, generator=gen)
+    stepwise = accept(tree, logits, params, uniforms)
+    monkeypatch.setattr(sampling, "host_reads_are_free", lambda t: False)
+    at_once = accept(tree, logits, params, uniforms)
+    width = stepwise.path.shape[1]
+    assert at_once.path.shape[1] == 6 and sorted(set(stepwise.length.tolist())) == [1, 2, 3, 4]
+    assert torch.equal(at_once.length, stepwise.length) and torch.equal(at_once.path[:, :width], stepwise.path)
+    assert torch.equal(at_once.tokens[:, :width], stepwise.tokens)
+    torch.testing.assert_close(at_once.logprobs[:, :width], stepwise.logprobs, rtol=0, atol=1e-12)
+    assert bool((at_once.path[:, width:] == -1).all()) and not at_once.tokens[:, width:].any()

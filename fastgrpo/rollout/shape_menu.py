@@ -143,8 +143,8 @@ def settle_target(
         for nodes in menu.nodes:
             tree = star_tree(rows, nodes, menu.depth, device)
             uniforms = torch.zeros(rows, menu.depth + 1, dtype=torch.float64, device=device) if noise else None
-            lengths = [extent - nodes] * rows
-            target.tree(decoder, head, cache, tree, zeros + extent - nodes, lengths, uniforms, params)
+            start = extent - max(nodes, menu.depth + 1)  # the walk's moves, however deep, stay inside the cache
+            target.tree(decoder, head, cache, tree, zeros + start, [start] * rows, uniforms, params)
 
 
 def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:

@@ -37,20 +37,50 @@ def accept(
     """Walk each row's tree. ``logits``: ``[B, N, V]`` raw target logits at every node; ``uniforms``: ``[B, D]`` the
     uniforms of the row's next ``D = tree.levels + 1`` positions (None when greedy).
 
-    The walk takes up to ``D`` steps of fixed shape over every row: at each, the node each row stands on is processed
-    into a sampling distribution (`process_logits`, the same function an autoregressive step applies to its one row)
-    and drawn from; a row that stopped keeps its node and its later draws are discarded. Nothing is read back from the
-    device, so the walk is one static graph; a row that stops early costs ``D`` rows' processing, not a stall. Where
-    reading a value back costs nothing (`sampling.host_reads_are_free`: a CPU, eagerly) the walk ends when every row
-    has stopped, and the results are as many columns wide as it took steps."""
+    The walk takes up to ``D`` steps of fixed shape over every row; a row that stopped keeps its node and its later
+    draws are discarded. Nothing is read back from the device, so the walk is one static graph. A node's draw depends
+    only on its logits and the uniform of its depth, so every node's draw is made at once, before the walk
+    (`process_logits`, the same function an autoregressive step applies to its one row, over ``B * N`` rows), and
+    each walk step only follows them: the walk then costs little whatever ``D``, and one graph walks every tree as
+    deep as the deepest may go. Where reading a value back costs nothing (`sampling.host_reads_are_free`: a CPU,
+    eagerly) only the nodes the walk stands on are drawn, step by step, and the walk ends when every row has stopped;
+    the results are then as many columns wide as it took steps."""
+    if sampling.host_reads_are_free(logits):
+        return _walk_drawing(tree, logits, params, uniforms)
+    b, n, vocab = logits.shape
+    steps = tree.levels + 1
+    noise = None if uniforms is None else uniforms.gather(1, tree.node_depth.clamp(max=steps - 1)).reshape(-1)
+    raw = logits.reshape(b * n, vocab)
+    here = process_logits(raw, params)
+    drawn = sample(here, params, noise)  # [B * N]
+    scores = policy_logprobs(raw, here, drawn, params).view(b, n)
+    drawn = drawn.view(b, n)
+    node = torch.zeros(b, 1, dtype=torch.long, device=logits.device)
+    walking = torch.ones(b, dtype=torch.bool, device=logits.device)
+    path, tokens, lps = [], [], []
+    for _ in range(steps):
+        y = drawn.gather(1, node)  # [B, 1]
+        path.append(torch.where(walking, node[:, 0], -1))
+        tokens.append(torch.where(walking, y[:, 0], 0))
+        lps.append(torch.where(walking, scores.gather(1, node)[:, 0], 0.0))
+        is_child = (tree.parent == node) & (tree.tokens == y)  # [B, N]
+        walking = walking & is_child.any(dim=1)
+        node = torch.where(walking[:, None], is_child.int().argmax(dim=1, keepdim=True), node)
+    path = torch.stack(path, 1)
+    return Acceptance(path, torch.stack(tokens, 1), torch.stack(lps, 1), (path >= 0).sum(dim=1))
+
+
+def _walk_drawing(
+    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None
+) -> Acceptance:
+    """`accept` drawing at the node each row stands on, step by step, until every row has stopped."""
     b = logits.shape[0]
     dev = logits.device
-    steps = tree.levels + 1
     rows = torch.arange(b, device=dev)
     node = torch.zeros(b, dtype=torch.long, device=dev)
     walking = torch.ones(b, dtype=torch.bool, device=dev)
     path, tokens, lps = [], [], []
-    for step in range(steps):
+    for step in range(tree.levels + 1):
         raw = logits[rows, node]  # [B, V]
         here = process_logits(raw, params)
         y = sample(here, params, None if uniforms is None else uniforms[:, step])
@@ -60,7 +90,7 @@ def accept(
         is_child = (tree.parent == node[:, None]) & (tree.tokens == y[:, None])  # [B, N]
         walking = walking & is_child.any(dim=1)
         node = torch.where(walking, is_child.int().argmax(dim=1), node)
-        if sampling.host_reads_are_free(walking) and not walking.any():
+        if not walking.any():
             break
     path = torch.stack(path, 1)
     return Acceptance(path, torch.stack(tokens, 1), torch.stack(lps, 1), (path >= 0).sum(dim=1))
