@@ -1,9 +1,10 @@
-"""How much memory a phase of a run took on its device."""
+"""How much memory a phase of a run took on its device, and when its queued work ended."""
 
 from __future__ import annotations
 
 import resource
 import sys
+import time
 
 import torch
 
@@ -36,3 +37,10 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start new peaks on CUDA, allocated and reserved (a no-op elsewhere)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def synchronized(device: torch.device) -> float:
+    """``time.perf_counter()`` once the work queued on ``device`` has finished (a GPU's; a CPU's is done already)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

@@ -96,6 +96,10 @@ def test_two_steps_change_weights_and_write_loadable_checkpoint(tiny_model_dir: 
     for name in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "clip_ratio/region_mean"):
         assert name in lines[0]
     assert lines[0]["time/rollout"] > 0 and lines[0]["memory/peak_mb"] > 0
+    for m in lines:  # where a step's time went: the parts of the update add up to it, drafting is inside the rollout
+        assert m["time/logprobs"] > 0 and m["time/update"] > 0 and m["time/draft_learning"] >= 0
+        assert m["time/logprobs"] + m["time/update"] <= m["time/train"] + 1e-6 and m["time/train"] < m["time/step"]
+        assert 0 <= m["time/drafting"] <= m["time/rollout"]
 
     checkpoint = tmp_path / "checkpoint-2"
     loaded = AutoModelForCausalLM.from_pretrained(checkpoint)

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
-from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory
+from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
 from fastgrpo.grpo.batch import build_batch, completion_lengths, mask_tool_results
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
@@ -280,6 +280,7 @@ class GRPOTrainer:
             )
             t2 = time.perf_counter()
             draft_metrics = self.rollouts.learn()
+            t_learnt = synchronized(self.device)
         memory: dict[str, float] = {}  # the allocated peak of each phase
         reserved: dict[str, float] = {}  # beside it, the peak the allocator had reserved
         if self.device.type == "cuda":  # captured states go back to the allocator for the update (the KV caches stay)
@@ -297,12 +298,12 @@ class GRPOTrainer:
         if cfg.mask_truncated_completions:
             batch.completion_mask[truncated] = 0
         self.update.fixed_logps(batch)
+        t_logps = synchronized(self.device)
         train_metrics = self.update.optimize(batch)
+        t3 = synchronized(self.device)  # the optimizer step's kernels count in time/train
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # the optimizer step's kernels count in time/train
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
             reserved["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
-        t3 = time.perf_counter()
         lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
         terminated = lengths[~truncated]
         metrics = {
@@ -315,10 +316,9 @@ class GRPOTrainer:
             "completions/mean_terminated_length": float(terminated.mean()) if terminated.numel() else 0.0,
             **train_metrics,
             **draft_metrics,
-            "time/rollout": t1 - t0,
-            "time/reward": t2 - t1,
-            "time/train": t3 - t_policy,
-            "time/step": t3 - t0,
+            **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
+            **{"time/draft_learning": t_learnt - t2, "time/logprobs": t_logps - t_policy, "time/update": t3 - t_logps},
+            **{"time/train": t3 - t_policy, "time/step": t3 - t0},
             **out.stats.metrics(),
             **(turns.metrics() if turns is not None else {}),
             "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
