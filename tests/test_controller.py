@@ -644,3 +644,57 @@ def test_trees_that_cost_little_more_and_accept_much_are_chosen_and_win() -> Non
     faster than plain decoding."""
     seconds, trees = fake_clock_rollout(tree_cost=1.2, accept_length=3.0)
     assert seconds < 0.7 * 128 and trees > 0.8 * (seconds / 1.2), f"{seconds:.1f} s, {trees} tree steps"
+
+
+def test_trees_that_cost_more_than_they_saved_stop_the_probes_and_say_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Each timed tree step saved its tokens per row times a plain step's predicted time, less its own time: here
+    trees take 1.5 plain steps and first accept nothing. Once a full window of tree steps cost more than it saved,
+    the run's log says so once and the controller runs no probes: every step is the shape it predicts to win, plain
+    here, though trees would now accept a token per row and win (without the guard, probes find that out and trees
+    run most steps). A changed draft (online learning) lets the probes run again."""
+    from fastgrpo.speculative.guard import SavingsGuard
+
+    def run(window: int) -> tuple[AdaptiveController, list[bool], int]:
+        rows, controller = 8, adaptive(flat_profile(), guard=SavingsGuard(window=window))
+        plain = controller.predicted_seconds(rows, AUTOREGRESSIVE)
+        controller.observe(rows, AUTOREGRESSIVE, plain, None)
+        tree = controller.groups[""][0]
+        for step in range(6):
+            assert controller.observe(rows, tree, 1.5 * plain, [0] * rows) == pytest.approx(-0.5 * plain)
+            assert controller.guard.losing == (step >= window - 1)
+        probed, trees = [], 0
+        for step in range(600):
+            if step == 300:
+                controller.begin(draft_changed=True)
+            best, shape = controller.best(rows), controller.choose(rows)
+            probed.append(shape != best)
+            trees += shape.speculative
+            seconds = 1.5 * plain if shape.speculative else plain
+            controller.observe(rows, shape, seconds, [1] * rows if shape.speculative else None)
+        return controller, probed, trees
+
+    with caplog.at_level("WARNING", logger="fastgrpo.speculative.guard"):
+        guarded, probed, trees = run(window=4)
+    assert caplog.text.count("speculation cost") == 1 and "without probes" in caplog.text
+    assert not any(probed[:300]) and any(probed[300:]), "no probe while trees lost, until the draft changed"
+    assert trees > 100 and not guarded.guard.losing, "trees that save time again run again"
+    _, probed, unguarded_trees = run(window=10**9)
+    assert any(probed[:300]) and unguarded_trees > 500
+
+
+def test_a_call_logs_what_its_trees_saved(llama_model: PreTrainedModel) -> None:
+    """``spec/time_saved`` adds up what the controller says each timed tree step saved."""
+    savings: list[float] = []
+
+    class Saving(StaticController):
+        def observe(self, rows, shape, seconds, accepted, path_rank=None):
+            saved = 0.0 if seconds is None else 0.001 * len(savings)
+            savings.append(saved)
+            return saved
+
+    draft = DraftHead(llama_model.config).double()
+    engine = RolloutEngine(
+        llama_model, [EOS], drafter=EagleDrafter(draft, llama_model), controller=Saving(TreeShape(4, 3, 3))
+    )
+    out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), num_generations=2)
+    assert len(savings) > 1 and out.stats.metrics()["spec/time_saved"] == pytest.approx(sum(savings))

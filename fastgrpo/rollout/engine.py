@@ -362,8 +362,8 @@ class RolloutEngine:
         stats.step_times.append(time.perf_counter() - start)
         stats.cold_steps += cold
         if shape is not None:
-            seconds = stats.step_times[-1] - (proposal.backlog_seconds if proposal is not None else 0.0)
-            self.controller.observe(rows.size, shape, None if cold else seconds, accepted, host.path_rank)
+            timed = None if cold else stats.step_times[-1] - (proposal.backlog_seconds if proposal else 0.0)
+            stats.time_saved += self.controller.observe(rows.size, shape, timed, accepted, host.path_rank) or 0.0
         return remaining
 
     def _append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:

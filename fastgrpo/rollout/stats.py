@@ -16,6 +16,7 @@ class GenerationStats:
     prefill_time: float = 0.0
     decode_time: float = 0.0
     draft_time: float = 0.0
+    time_saved: float = 0.0  # seconds the timed tree steps saved against plain steps, by the controller's prices
     verify_time: float = 0.0
     compiled: bool = False  # the decoding steps ran compiled (`fastgrpo.rollout.compiled`)
     compile_time: float = 0.0  # seconds of decoding steps that compiled a graph
@@ -130,6 +131,7 @@ class GenerationStats:
                 "spec/n_verify_mean": self.n_verify_mean,
                 "spec/concurrency_mean": self.concurrency_mean,
                 "spec/draft_time": self.draft_time,
+                "spec/time_saved": self.time_saved,
                 "spec/verify_time": self.verify_time,
                 **self.drafter_metrics(),
             }

@@ -2,9 +2,8 @@
 `Controller`, and the fixed `StaticController` are the engine's, in `fastgrpo.rollout.scheduling`).
 
 - `PaperController` (`fastgrpo.speculative.paper`): FastGRPO's rule from the verification capacity ``C_peak``.
-- `AdaptiveController`: the shape (and the drafter) of the highest predicted goodput (expected tokens per row over
-  predicted step time), from live acceptance statistics per drafter, the drafters' own costs and a latency profile it
-  corrects online; autoregressive steps whenever no tree is predicted to beat them.
+- `AdaptiveController`: the shape (and drafter) of the highest predicted goodput, from live acceptance statistics per
+  drafter, the drafters' own costs and a latency profile it corrects online; plain steps where no tree wins.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.scheduling import AUTOREGRESSIVE
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.speculative import acceptance
+from fastgrpo.speculative.guard import SavingsGuard
 from fastgrpo.speculative.paper import largest_shape, shape_for
 from fastgrpo.speculative.profiler import LatencyProfile
 from fastgrpo.speculative.state_json import from_json, to_json
@@ -94,6 +94,7 @@ class AdaptiveController:
     max_price_step: float = 2.0
     reprobe_steps: int = 1024
     drafters: dict[str, Drafter] = field(default_factory=dict)
+    guard: SavingsGuard = field(default_factory=SavingsGuard)
 
     def __post_init__(self) -> None:
         self.limits.validate()
@@ -153,9 +154,8 @@ class AdaptiveController:
         return estimates[shape]
 
     def expected_tokens(self, shape: TreeShape) -> float:
-        """Expected tokens emitted per row by a step of this shape. A row reaches a depth only through the depths
-        above it, so each depth's fraction is capped by the one above (a deep level that has not run yet keeps its
-        prior, which must not outweigh a measured zero at depth 1)."""
+        """Expected tokens emitted per row by a step of this shape: each depth's fraction capped by the one above (a
+        deep level not run yet keeps its prior, which must not outweigh a measured zero at depth 1)."""
         if not shape.speculative:
             return 1.0
         total = self._expected.get(shape)
@@ -173,16 +173,14 @@ class AdaptiveController:
         return "ar" if shape.nodes == 1 else f"spec:{shape.drafter}" if shape.drafter else "spec"
 
     def _forward_seconds(self, rows: int, nodes: int) -> float:
-        """The profile's target forward over ``rows`` rows of ``nodes`` tokens (looked up once: every step prices
-        every candidate)."""
+        """The profile's target forward over ``rows`` rows of ``nodes`` tokens (looked up once per shape)."""
         seconds = self._forwards.get((rows, nodes))
         if seconds is None:
             seconds = self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
         return seconds
 
     def _profiled_seconds(self, rows: int, shape: TreeShape, draft: float | None = None) -> float:
-        """Step time the latency profile predicts: the target forward plus the drafter's cost (``draft``, where the
-        caller has it already)."""
+        """Step time the latency profile predicts: the target forward plus the drafter's cost (``draft``, if known)."""
         return self._forward_seconds(rows, shape.nodes) + (self.draft_seconds(rows, shape) if draft is None else draft)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
@@ -201,9 +199,8 @@ class AdaptiveController:
         return max(corrected, plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
-        """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward: its
-        own at that band, else (for trees) any drafter's trees' there, else the plain steps' there, else its own
-        average, the trees' average, the plain steps' average (see the class)."""
+        """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward: its own
+        at that band, else any trees', the plain steps' there, else its own, the trees', the plain steps' average."""
         band, get = tokens.bit_length(), self.correction.get
         own = get((kind, band))
         if own is None and kind != "ar":
@@ -237,6 +234,7 @@ class AdaptiveController:
         self._interval, self._since_probe = self.probe_interval, 0
         if draft_changed:
             self._stale = set(self.names)
+            self.guard.saved.clear()  # a changed draft may save what the last one did not: probes may run again
 
     def choose(self, rows: int, backlog: int = 0) -> TreeShape:
         best = self.best(rows)
@@ -245,7 +243,7 @@ class AdaptiveController:
         if best != self._last_best:
             self._last_best, self._interval, self._since_probe = best, self.probe_interval, 0
         self._since_probe += 1
-        if self._since_probe < self._interval:
+        if self._since_probe < self._interval or self.guard.losing:
             return best
         probe = self._probe(best)
         if probe is None:
@@ -299,13 +297,12 @@ class AdaptiveController:
     )  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """Its acceptance statistics, time corrections and probe schedule as JSON-able data, with the candidate
-        shapes they are of (`load_state_dict` takes them up only for the same candidates)."""
+        """Its acceptance statistics, time corrections and probe schedule as JSON-able data, with the candidate shapes
+        they are of (`load_state_dict` takes them up only for the same candidates; the `guard` starts afresh)."""
         return {"shapes": to_json(self.shapes), **{name: to_json(getattr(self, name)) for name in self.LEARNT}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take up what `state_dict` saved; ``ValueError`` when it was saved for other candidate shapes (other
-        ``speculation`` options or drafters)."""
+        """Take up what `state_dict` saved; ``ValueError`` when saved for other candidate shapes (options, drafters)."""
         if from_json(state["shapes"]) != self.shapes:
             raise ValueError("the saved controller state is of other candidate tree shapes")
         learnt = {name: from_json(state[name]) for name in self.LEARNT}  # all decoded before any is taken up
@@ -323,8 +320,7 @@ class AdaptiveController:
             self._turn += 1
 
     def _rate(self, key: object, rate: float) -> float:
-        """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an exponential
-        moving average whose start is not biased towards its initial value)."""
+        """Averaging weight of the next observation: ``1 / n`` for the first ones, then ``rate`` (an unbiased start)."""
         n = self._counts[key] = self._counts.get(key, 0) + 1
         return max(rate, 1.0 / n)
 
@@ -341,12 +337,15 @@ class AdaptiveController:
         seconds: float | None,
         accepted: list[int] | None,
         path_rank: list[list[int]] | None = None,
-    ) -> None:
-        self._steps += 1
+    ) -> float:
+        """`fastgrpo.rollout.scheduling.Controller.observe`; returns the seconds a timed tree step saved (`guard`)."""
+        self._steps, saved = self._steps + 1, 0.0
+        if seconds is not None and accepted is not None and shape.speculative:
+            saved = self.guard.observe(rows, rows + sum(accepted), seconds, self._plain_seconds(rows))
         if seconds is not None:
             self._observe_time(rows, shape, seconds)
         if accepted is None or shape.nodes == 1:
-            return
+            return saved
         self._stale.discard(shape.drafter)
         fractions = acceptance.depth_fractions(accepted, self.depth_cap)
         pooled = self.pooled[shape.drafter]
@@ -371,6 +370,7 @@ class AdaptiveController:
             for d in range(self.levels(candidate)):
                 own[d] += rate * (fractions[d] - own[d])
         self._forget(shape.drafter)
+        return saved
 
     def _forget(self, name: str) -> None:
         """Drop what `_fractions` and `expected_tokens` keep of drafter ``name``'s shapes (its statistics moved)."""
