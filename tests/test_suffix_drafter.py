@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from fastgrpo.rollout.drafter import Drafter
-from fastgrpo.rollout.tree import SCORE_FLOOR, DraftTree, TreeShape, ancestor_mask, merge_trees
+from fastgrpo.rollout.tree import (
+    SCORE_FLOOR,
+    DraftTree,
+    TreeShape,
+    ancestor_mask,
+    best_subtree,
+    empty_tree,
+    merge_trees,
+)
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.profiler import LatencyProfile
@@ -137,10 +145,14 @@ def test_merging_keeps_the_best_nodes_of_both_trees_once_each() -> None:
     assert merged.levels == 3
     assert torch.equal(merged.ancestors, ancestor_mask(merged.parent, 3))
     assert merged.rank[0].tolist() == [0, 1, 4, 2, 3], "each node's place by score"
-    # a tree of padding adds nothing
+    # a tree of padding adds nothing: merged with an empty tree (a compiled EAGLE proposal alone), a tree is itself
     padding = tree([5, 0, 0, 0], [-1, 0, 0, 0], [0.0, -math.inf, -math.inf, -math.inf])
     alone = merge_trees(eagle, padding, nodes=4)
     assert paths(alone) == paths(eagle)
+    drafted = best_subtree(eagle.tokens, eagle.parent, eagle.node_depth, eagle.score, 4, 3)  # as a drafter cuts it
+    alone = merge_trees(drafted, empty_tree(1, 4, 3, torch.device("cpu")), nodes=4)
+    for field in ("tokens", "parent", "node_depth", "ancestors", "rank", "score"):
+        assert torch.equal(getattr(alone, field), getattr(drafted, field)), field
 
 
 def flat(target: float = 0.05) -> LatencyProfile:

@@ -77,6 +77,17 @@ def ancestor_mask(parent: torch.Tensor, max_depth: int) -> torch.Tensor:
 SCORE_FLOOR = -1e4  # a log-probability below it is no draft worth verifying (`merge_trees` ranks below it alike)
 
 
+def empty_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
+    """``[rows, nodes]`` trees whose draft nodes are all children of the root and score ``-inf``: `merge_trees` keeps
+    none of them over a drafted node, so that merging a tree with it gives that tree (a compiled proposal that merges
+    another drafter's tree runs the same graph alone)."""
+    index = torch.arange(nodes, device=device).expand(rows, nodes)
+    parent = torch.where(index > 0, 0, -1)
+    ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
+    score = torch.where(index > 0, -torch.inf, 0.0).double()
+    return DraftTree(torch.zeros_like(index), parent, (index > 0).long(), ancestors, index.clone(), levels, score)
+
+
 def _path_keys(tree: DraftTree) -> torch.Tensor:
     """``[B, N]`` int64 a hash of each node's path from the root (the set of its ancestors' (depth, token) pairs):
     equal paths get equal keys, different ones different keys but for a collision of 64-bit hashes."""

@@ -27,7 +27,7 @@ from fastgrpo.rollout.compiled import Compiled, RowPadding, map_tensors
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.shape_menu import depth_bucket, star_tree
-from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.tree import DraftTree, TreeShape, empty_tree
 from fastgrpo.speculative.eagle.expansion import catch_up, draft_step, expand_tree
 from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.profiler import LatencyProfile
@@ -162,6 +162,7 @@ class EagleDrafter(Drafter):
         self.state: PendingPairs | None = None  # the rows of the current call
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
         self._step = Compiled(draft_step, backend, f"{NAME}_proposal")
+        self._empty: dict[tuple, DraftTree] = {}  # `_empty_tree`'s, by size and device
 
     @property
     def compile_seconds(self) -> float:
@@ -296,10 +297,9 @@ class EagleDrafter(Drafter):
             row_inputs = (state.draft_len, rows.pending, root_hidden, rows.row_len)
             tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, max(state.host_len))
             return Proposal(tree, shape.levels, backlog_seconds)
-        # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the
-        # trees and merges ``earlier``'s, over rows padded to their bucket and the most slots the shape's expansion may
-        # read (`_expansion_slots`), as the target's steps are; the shape without its drafter's name (merged or alone,
-        # the expansion is the same).
+        # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the trees and merges
+        # ``earlier``'s (or an empty tree's), over rows padded to their bucket and the most slots the shape's expansion
+        # may read (`_expansion_slots`), as the target's steps are; the shape without its drafter's name.
         shape = dataclasses.replace(shape, drafter="")
         backlog_seconds = 0.0
         if max(state.host_count) > CATCH_UP_WIDTH:  # a long backlog (the prompt, plain steps) read first
@@ -310,9 +310,11 @@ class EagleDrafter(Drafter):
         tokens, hidden = state.window(CATCH_UP_WIDTH)
         inputs = (state.draft_len, tokens, hidden, state.count, rows.pending, rows.row_len)
         padded = [padding.pad(t) for t in inputs]
-        other = None
-        if earlier is not None:  # its walk as deep as any kept node may be, whatever the drafter: one graph
-            other = map_tensors(padding.pad, dataclasses.replace(earlier.tree, levels=depth_bucket(shape.nodes - 1)))
+        levels = depth_bucket(shape.nodes - 1)  # the merge's walk as deep as any kept node may be
+        if earlier is None:  # alone, the tree merges with an empty one: one graph, merged or alone
+            other = self._empty_tree(padding.rows, shape.nodes, levels, padding.device)
+        else:
+            other = map_tensors(padding.pad, dataclasses.replace(earlier.tree, levels=levels))
         tree, draft_len = self._step(
             rows.pending.device, self.draft, embed, head, self.cache, *padded, shape, longest, other
         )
@@ -322,6 +324,13 @@ class EagleDrafter(Drafter):
             proposal.forwards += earlier.forwards
             proposal.backlog_seconds += earlier.backlog_seconds
         return proposal
+
+    def _empty_tree(self, rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
+        """`empty_tree` of ``rows`` rows and ``nodes`` nodes on ``device``, made once per size."""
+        key = (rows, nodes, levels, device)
+        if key not in self._empty:
+            self._empty[key] = empty_tree(rows, nodes, levels, device)
+        return self._empty[key]
 
     def _expansion_slots(self, shape: TreeShape) -> int:
         """The draft cache's slots a row's context may fill before an expansion of ``shape`` (its levels after it),
@@ -342,10 +351,10 @@ class EagleDrafter(Drafter):
         param = next(self.draft.parameters())
         dev, hidden_size = param.device, self.draft.body.config.hidden_size
         warm = self._step.warm_calls(dev)  # calls of a new shape before its graph replays
-        kinds = {(dataclasses.replace(s, drafter=""), "+" in s.drafter) for s in shapes}
-        for (shape, merged), count in itertools.product(kinds, rows):
+        kinds = {dataclasses.replace(s, drafter="") for s in shapes}
+        for shape, count in itertools.product(kinds, rows):
             slots = self._expansion_slots(shape)
-            other = star_tree(count, shape.nodes, depth_bucket(shape.nodes - 1), dev) if merged else None
+            other = star_tree(count, shape.nodes, depth_bucket(shape.nodes - 1), dev)
             # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
             draft_len, root, position = (torch.zeros(count, dtype=torch.long, device=dev) for _ in range(3))
             tokens = torch.zeros(count, CATCH_UP_WIDTH, dtype=torch.long, device=dev)

@@ -47,16 +47,16 @@ def draft_step(
     root_position: torch.Tensor,
     shape: TreeShape,
     longest: int,
-    other: DraftTree | None,
+    other: DraftTree,
 ) -> tuple[DraftTree, torch.Tensor]:
     """A compiled proposal in one graph: `catch_up` the pending pairs (``tokens``, ``hidden``, ``count`` as there,
-    reading ``longest`` slots), `expand_tree` from each row's last one and, when ``other`` is given (``[B, N]`` trees
-    of another drafter), `merge_trees` this drafter's tree with it. Returns the tree and ``[B]`` the filled draft
-    slots after the catch-up."""
+    reading ``longest`` slots), `expand_tree` from each row's last one and `merge_trees` this drafter's tree with
+    ``other`` (``[B, N]`` trees of another drafter, or `fastgrpo.rollout.tree.empty_tree`'s: the tree alone). Returns
+    the tree and ``[B]`` the filled draft slots after the catch-up."""
     root_hidden = catch_up(draft, embed, cache, draft_len, tokens, hidden, count, longest)
     draft_len = draft_len + count
     tree = expand_tree(draft, embed, lm_head, cache, draft_len, root_token, root_hidden, root_position, shape, longest)
-    return (tree if other is None else merge_trees(tree, other, shape.nodes)), draft_len
+    return merge_trees(tree, other, shape.nodes), draft_len
 
 
 def _topk_logprobs(draft: DraftHead, lm_head: nn.Module, hidden: torch.Tensor, k: int):
