@@ -35,6 +35,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def argmax(self) -> None:
+        """Rows drawn by argmax though sampled: none (a compiled step's `fastgrpo.rollout.graph_sampling` has some)."""
+        return None
+
     def noise(
         self, rows: int, generator: torch.Generator | None, uniforms: torch.Tensor | None, device: torch.device
     ) -> torch.Tensor | None:

@@ -199,3 +199,17 @@ def test_the_eagle_expansion_compiles_for_bucketed_row_counts_only(model, draft,
     a, b = same_outputs(eager, compiled, PARAMS["greedy"])
     assert min(b.stats.concurrency) < max(b.stats.concurrency) == 6, "rows finished during the call"
     assert seen and set(seen) <= {2, 4, 8}, seen
+
+
+def test_greedy_calls_and_other_temperatures_run_the_sampled_graphs(model, draft) -> None:
+    """The temperature and greedy decoding are inputs of the compiled steps (`GraphSampling`), not constants: after a
+    sampled call at T=1, a greedy call and one at T=0.6 compile no graph and meet no shape, settle nothing again,
+    and give the eager engine's tokens, plain and with trees."""
+    for shape in (None, TREE):
+        eager, compiled = engines(model, draft, shape, "aot_eager")
+        same_outputs(eager, compiled, SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0))
+        settled = set(compiled.settled)
+        for params in (PARAMS["greedy"], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.6)):
+            _, out = same_outputs(eager, compiled, params)
+            assert out.stats.compile_graphs == 0 and out.stats.compile_shapes == 0, params
+        assert compiled.settled == settled

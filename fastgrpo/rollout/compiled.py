@@ -21,8 +21,9 @@ from fastgrpo.config.grpo import COMPILE_CHOICES
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.host import host_to_device
 
-# Graphs a compiled function may hold (torch's default is 8): one per sampling setting and tree depth (their loops are
-# unrolled), each first for the shapes met first and then for symbolic ones; past it a call runs eagerly.
+# Graphs a compiled function may hold (torch's default is 8): one per set of sampling filters (and a drafter's per tree
+# shape: its loops are unrolled), each first for the shapes met first and then for symbolic ones; past it a call runs
+# eagerly.
 RECOMPILE_LIMIT = 64
 logger = logging.getLogger(__name__)
 

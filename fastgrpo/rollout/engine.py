@@ -102,7 +102,7 @@ class RolloutEngine:
         if bool(drafters) != (controller is not None):
             raise ValueError("speculative decoding needs both a drafter and a tree shape or controller")
         self.teams = DrafterTeams(drafters)
-        self.settled: set[tuple] = set()  # sampling settings and caches whose shapes have all run (`settle`)
+        self.settled: set[tuple] = set()  # sampling filters and caches whose shapes have all run (`settle`)
         self.drafters, self.controller = self.teams.drafters, controller
         self.drafters_of, self.tree_depth = self.teams.of, self.teams.depth
         self.walk_levels = walk_depth(self)  # a compiled tree step's acceptance walk, whatever the tree

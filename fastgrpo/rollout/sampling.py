@@ -24,8 +24,7 @@ def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     if params.greedy:
         return torch.log_softmax(logits, dim=-1)
-    if params.temperature != 1.0:
-        logits = logits / params.temperature
+    logits = scaled(logits, params)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -48,8 +47,17 @@ def policy_logprobs(
     applies; greedy decoding scores with the plain softmax."""
     if params.greedy or not filters(params, logits.shape[-1]):
         return logprobs.gather(1, tokens[:, None]).squeeze(1)
-    scaled = logits.to(logprobs.dtype) / params.temperature
-    return scaled.gather(1, tokens[:, None]).squeeze(1) - scaled.logsumexp(dim=-1)
+    tempered = scaled(logits.to(logprobs.dtype), params)
+    return tempered.gather(1, tokens[:, None]).squeeze(1) - tempered.logsumexp(dim=-1)
+
+
+def scaled(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits`` over the sampling temperature (a number, or a compiled step's tensor: `GraphSampling`), in their
+    dtype, as dividing by the number computes it."""
+    temperature = params.temperature
+    if isinstance(temperature, torch.Tensor):
+        return logits / temperature.to(logits.dtype)
+    return logits if temperature == 1.0 else logits / temperature
 
 
 def filters(params: SamplingParams, vocab: int) -> bool:
@@ -101,7 +109,8 @@ def _top_p_drop_by_heads(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from ``[N, V]`` log-probabilities by inverting their CDF at ``uniform`` ``[N]`` (values
-    in ``[0, 1)``); argmax when greedy. Returns ``[N]`` ids.
+    in ``[0, 1)``); argmax when greedy (or, in a compiled step, where `GraphSampling.argmax` holds). Returns ``[N]``
+    ids.
 
     The engine draws one uniform per (completion, position) before decoding, so a token depends only on its
     distribution and its position's uniform, never on how many draws came before it: speculative and autoregressive
@@ -129,7 +138,8 @@ def sample(logprobs: torch.Tensor, params: SamplingParams, uniform: torch.Tensor
     ids = block * CDF_BLOCK + torch.arange(CDF_BLOCK, device=probs.device)  # [N, CDF_BLOCK]
     inner_cdf = torch.where(ids < vocab, probs.gather(1, ids.clamp(max=vocab - 1)).double(), 0.0).cumsum(dim=-1)
     inner = torch.searchsorted(inner_cdf, point - before, right=True).clamp(max=_last_positive(inner_cdf))
-    return (block * CDF_BLOCK + inner).squeeze(1)
+    drawn = (block * CDF_BLOCK + inner).squeeze(1)
+    return drawn if params.argmax is None else torch.where(params.argmax, logprobs.argmax(dim=-1), drawn)
 
 
 def _last_positive(cdf: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ nothing compiles or records a CUDA graph while a rollout runs, and no step's tim
 
 Compiled steps take their rows and tree sizes as symbolic sizes (``torch.compile(dynamic=True)``,
 `fastgrpo.rollout.compiled`) and read the keys over the whole cache (flex attention skips the blocks past each row's
-length): the target compiles one graph per sampling setting for its plain step, and one for its tree step, whose
+length): the target compiles one graph per set of sampling filters (top-k, top-p, min-p; every temperature and
+greedy decoding alike, `fastgrpo.rollout.graph_sampling`) for its plain step, and one for its tree step, whose
 acceptance walk (an unrolled loop) is as deep as the deepest tree the run may verify (`walk_depth`: a walk past a
 tree's deepest node accepts nothing more). On a GPU each (rows, tree size) is then a CUDA graph of its own, recorded
 at start-up.
@@ -13,7 +14,6 @@ at start-up.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -27,6 +27,7 @@ from fastgrpo.rollout.cache import RowCache, read_slots
 from fastgrpo.rollout.compiled import row_bucket
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.forward import decoder_and_head
+from fastgrpo.rollout.graph_sampling import GraphSampling
 from fastgrpo.rollout.scheduling import Controller
 from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import DraftTree, TreeShape
@@ -43,7 +44,7 @@ class Engine(Protocol):
     cache: RowCache
     controller: Controller | None
     drafters: dict[str, Drafter]
-    settled: set[tuple]  # (sampling setting, caches' serials) whose shapes have all run, for the current drafters
+    settled: set[tuple]  # (sampling filters, caches' serials) whose shapes have all run, for the current drafters
 
     def drafters_of(self, shape: TreeShape) -> list[Drafter]: ...
 
@@ -76,13 +77,13 @@ class ShapeMenu:
 
     @property
     def graphs(self) -> int:
-        """Graphs the target's steps compile per sampling setting: the plain step's, and the tree step's."""
+        """Graphs the target's steps compile per set of sampling filters: the plain step's, and the tree step's."""
         return 1 + bool(self.nodes)
 
     @property
     def recordings(self) -> int:
-        """CUDA graphs the target's steps record on a GPU per sampling setting: one per rows of the plain step, and
-        per (rows, nodes) of the tree step."""
+        """CUDA graphs the target's steps record on a GPU per set of sampling filters: one per rows of the plain step,
+        and per (rows, nodes) of the tree step."""
         return len(self.rows) * (1 + len(self.nodes))
 
     def describe(self) -> str:
@@ -113,10 +114,10 @@ def menu_of(engine: Engine) -> ShapeMenu:
 
 def settle_engine(engine: Engine, params: SamplingParams) -> None:
     """Run every shape of `menu_of` once (`settle_target`), and the drafters' compiled shapes (`Drafter.settle`),
-    before a call's first step, unless the same caches have met them for the same sampling setting already: the
+    before a call's first step, unless the same caches have met them for the same sampling filters already: the
     call's steps then compile and record nothing. A no-op unless ``engine``'s steps run compiled."""
     caches = (engine.cache, *(c for d in engine.drafters.values() for c in d.caches()))
-    key = (dataclasses.replace(params, max_new_tokens=1, stop=()), *(c.serial for c in caches))
+    key = (GraphSampling.filters(params), *(c.serial for c in caches))  # every temperature, greedy too, alike
     if not engine.target.compiled or key in engine.settled:
         return
     menu, t0 = menu_of(engine), time.perf_counter()

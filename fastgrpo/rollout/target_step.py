@@ -19,6 +19,7 @@ from torch import nn
 from fastgrpo.rollout.cache import RowCache, read_slots
 from fastgrpo.rollout.compiled import Compiled, RowPadding, row_bucket
 from fastgrpo.rollout.forward import forward_block, forward_chain
+from fastgrpo.rollout.graph_sampling import GraphSampling
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.rollout.verify import accept
@@ -32,7 +33,7 @@ def plain_step(
     pending: torch.Tensor,
     row_len: torch.Tensor,
     uniforms: torch.Tensor | None,
-    params: SamplingParams,
+    params: SamplingParams | GraphSampling,
     extent: int,
     equal_lengths: bool,
     rows: torch.Tensor | None = None,
@@ -59,7 +60,7 @@ def tree_step(
     tree: DraftTree,
     row_len: torch.Tensor,
     uniforms: torch.Tensor | None,
-    params: SamplingParams,
+    params: SamplingParams | GraphSampling,
     extent: int,
     rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
@@ -94,11 +95,13 @@ def step_rows(live: int, compiled: bool) -> int:
 class TargetStep:
     """Runs `plain_step` and `tree_step` eagerly (``backend`` None) or compiled by ``torch.compile`` with
     ``backend`` (``"inductor"``; another backend, such as ``"aot_eager"``, checks the graphs without generating
-    code), over padded rows and the whole cache's keys."""
+    code), over padded rows and the whole cache's keys, sampling as `GraphSampling` says (greedy decoding drawn
+    from zero uniforms, then replaced by the argmax)."""
 
     def __init__(self, backend: str | None = None):
         self._plain = Compiled(plain_step, backend, "plain_step")
         self._tree = Compiled(tree_step, backend, "tree_step")
+        self._settings: dict[tuple, GraphSampling] = {}  # `_sampling`'s
 
     @property
     def compiled(self) -> bool:
@@ -154,9 +157,10 @@ class TargetStep:
             equal = min(lengths) == longest
             return plain_step(decoder, head, cache, pending, row_len, uniforms, params, longest + 1, equal)
         rows = RowPadding(len(lengths), pending.device)
-        args = [rows.pad(t) for t in (pending, row_len, uniforms)]
-        extent = read_slots(cache.max_len)
-        step = self._plain(pending.device, decoder, head, cache, *args, params, extent, False, rows.cache_rows(cache))
+        noise = uniforms if uniforms is not None else torch.zeros(len(lengths), dtype=torch.float64, device=rows.device)
+        args = [rows.pad(t) for t in (pending, row_len, noise)]
+        extent, sampling = read_slots(cache.max_len), self._sampling(params, rows.device)
+        step = self._plain(rows.device, decoder, head, cache, *args, sampling, extent, False, rows.cache_rows(cache))
         return rows.cut(step)
 
     def tree(
@@ -178,6 +182,15 @@ class TargetStep:
         padded = DraftTree(
             *(rows.pad(t) for t in (tree.tokens, tree.parent, tree.node_depth, tree.ancestors, tree.rank)), tree.levels
         )
-        extent = read_slots(cache.max_len)
-        args = (padded, rows.pad(row_len), rows.pad(uniforms), params, extent, rows.cache_rows(cache))
+        if uniforms is None:  # the graph draws, then takes the argmax (`GraphSampling`)
+            uniforms = torch.zeros(len(lengths), tree.levels + 1, dtype=torch.float64, device=rows.device)
+        extent, sampling = read_slots(cache.max_len), self._sampling(params, rows.device)
+        args = (padded, rows.pad(row_len), rows.pad(uniforms), sampling, extent, rows.cache_rows(cache))
         return rows.cut(self._tree(row_len.device, decoder, head, cache, *args))
+
+    def _sampling(self, params: SamplingParams, device: torch.device) -> GraphSampling:
+        """``params`` as the compiled steps take them, made once per setting and device."""
+        key = (params.temperature, params.top_k, params.top_p, params.min_p, device)
+        if key not in self._settings:
+            self._settings[key] = GraphSampling.of(params, device)
+        return self._settings[key]

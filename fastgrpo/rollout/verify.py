@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from fastgrpo.rollout import sampling
+from fastgrpo.rollout.graph_sampling import GraphSampling
 from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
 from fastgrpo.rollout.tree import DraftTree
 from fastgrpo.sampling_params import SamplingParams
@@ -32,7 +33,10 @@ class Acceptance:
 
 
 def accept(
-    tree: DraftTree, logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None = None
+    tree: DraftTree,
+    logits: torch.Tensor,
+    params: SamplingParams | GraphSampling,
+    uniforms: torch.Tensor | None = None,
 ) -> Acceptance:
     """Walk each row's tree. ``logits``: ``[B, N, V]`` raw target logits at every node; ``uniforms``: ``[B, D]`` the
     uniforms of the row's next ``D = tree.levels + 1`` positions (None when greedy).
