@@ -629,3 +629,11 @@ def test_in_training_evaluation_logs_eval_metrics_and_leaves_the_training_as_it_
     assert [training(m) for m in history] == [training(m) for m in plain]
     for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_logged_learning_rate_is_the_one_each_step_used(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """As TRL logs it: a linear schedule over two steps from 1e-3 trains the first step at 1e-3 and the second at
+    5e-4, and logs those (not the rate the scheduler moved to after the step)."""
+    trainer = make_trainer(make_config(tiny_model_dir, tmp_path, lr_scheduler_type="linear"))
+    history = trainer.train()
+    assert [m["learning_rate"] for m in history] == pytest.approx([1e-3, 5e-4])

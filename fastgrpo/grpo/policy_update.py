@@ -356,6 +356,7 @@ class PolicyUpdate:
                     f"the gradient norm is {grad_norms[-1]} (the loss is {sum(losses)}): lower learning_rate, or "
                     "check the rewards"
                 )
+            rate = self.scheduler.get_last_lr()[0]  # the rate this optimizer step uses (TRL's `learning_rate`)
             self.optimizer.step()
             if self.masters is not None:
                 self.masters.write_back()
@@ -367,6 +368,6 @@ class PolicyUpdate:
         out.update(sampling_metrics(cfg, batch, old_all))
         out["loss"] = sum(losses) / cfg.num_iterations
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["learning_rate"] = self.scheduler.get_last_lr()[0]
+        out["learning_rate"] = rate
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out
