@@ -175,12 +175,12 @@ class GRPOConfig(GRPOChecks):
     learning_rate: float = option(1e-6, help="AdamW learning rate of the policy", valid=Range(0, low_open=True))
     per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process", valid=Range(1))
     gradient_accumulation_steps: int = option(
-        2,
+        1,
         help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions",
         valid=Range(1),
     )
     max_steps: int = option(20, help="optimizer steps of the run", valid=Range(1))
-    lr_scheduler_type: str = option("constant", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
+    lr_scheduler_type: str = option("linear", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
     warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up", valid=Range(0, 1))
     weight_decay: float = option(0.0, help="AdamW weight decay", valid=Range(0))
     adam_beta1: float = option(0.9, help="AdamW beta1", valid=Range(0, 1, high_open=True))
