@@ -7,8 +7,9 @@ each is one graph for ``torch.compile(fullgraph=True)``; `TargetStep` runs them 
 Compiled, a step's rows are padded up to a bucket (a power of two, `RowPadding`) and the keys span the whole cache
 (`read_slots`, masked past each row's length: flex attention skips the blocks no query sees), so that a whole run
 meets a handful of shapes: with the caches sized once per run (`RolloutEngine.reserve`), the graphs a run compiles
-are the plain step's and the tree step's per sampling setting (its acceptance walk as deep as the deepest tree the
-run may verify), and the shapes it records one per row bucket and tree size.
+are the plain step's and the tree step's per set of sampling filters (`GraphSampling`: the temperature and greedy
+decoding are inputs; the tree's acceptance walk as deep as the deepest tree the run may verify), and the shapes it
+records one per row bucket and tree size.
 """
 
 from __future__ import annotations
