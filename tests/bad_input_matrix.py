@@ -954,7 +954,7 @@ CASES: list[Case] = [
          "metrics.jsonl is a symbolic link", config=tiny_run(), first=("train",), setup=link_in_run("metrics.jsonl")),
     # -- no checkpoint with a non-finite weight ---------------------------------------------------------------------
     train("a learning rate of 1000", REFUSED, "the run stops before saving anything of it", needs_model=True,
-          learning_rate=1000.0, max_steps=3, save_steps=3),
+          learning_rate=1000.0, lr_scheduler_type="constant", max_steps=3, save_steps=3),
     train("rewards of +-1e308", REFUSED, "give advantages that are inf or nan", needs_model=True,
           reward_funcs=["bad_input_matrix:huge_reward"]),
     # -- resumed by the run's identity --------------------------------------------------------------------------------
