@@ -698,3 +698,24 @@ def test_a_call_logs_what_its_trees_saved(llama_model: PreTrainedModel) -> None:
     )
     out = engine.generate(PROMPTS, SamplingParams(max_new_tokens=8), num_generations=2)
     assert len(savings) > 1 and out.stats.metrics()["spec/time_saved"] == pytest.approx(sum(savings))
+
+
+def test_a_losing_window_still_lets_overdue_probes_measure_trees_again() -> None:
+    """While the savings guard holds, a kind of step not timed for ``reprobe_steps`` steps is still probed: trees that
+    cost more than they saved are measured again, so a run whose draft never changes is not locked out for good."""
+    from fastgrpo.speculative.guard import SavingsGuard
+
+    rows, controller = 8, adaptive(flat_profile(), guard=SavingsGuard(window=4), reprobe_steps=100)
+    plain = controller.predicted_seconds(rows, AUTOREGRESSIVE)
+    controller.observe(rows, AUTOREGRESSIVE, plain, None)
+    for _ in range(6):
+        controller.observe(rows, controller.groups[""][0], 1.5 * plain, [0] * rows)
+    assert controller.guard.losing
+    chosen = []
+    for _ in range(400):
+        shape = controller.choose(rows)
+        chosen.append(shape.speculative)
+        controller.observe(
+            rows, shape, 1.5 * plain if shape.speculative else plain, [1] * rows if shape.speculative else None
+        )
+    assert not any(chosen[:90]) and any(chosen[90:]), "the overdue trees ran again"

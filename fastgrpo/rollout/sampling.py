@@ -53,10 +53,11 @@ def policy_logprobs(
 
 def scaled(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """``logits`` over the sampling temperature (a number, or a compiled step's tensor: `GraphSampling`), in their
-    dtype, as dividing by the number computes it."""
+    dtype, as dividing by the number computes it on their device: CUDA multiplies by the number's reciprocal."""
     temperature = params.temperature
     if isinstance(temperature, torch.Tensor):
-        return logits / temperature.to(logits.dtype)
+        divisor = temperature.to(logits.dtype)
+        return logits * divisor.reciprocal() if logits.is_cuda else logits / divisor
     return logits if temperature == 1.0 else logits / temperature
 
 

@@ -79,8 +79,9 @@ SCORE_FLOOR = -1e4  # a log-probability below it is no draft worth verifying (`m
 
 def empty_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
     """``[rows, nodes]`` trees whose draft nodes are all children of the root and score ``-inf``: `merge_trees` keeps
-    none of them over a drafted node, so that merging a tree with it gives that tree (a compiled proposal that merges
-    another drafter's tree runs the same graph alone)."""
+    none of them over a drafted node scoring above `SCORE_FLOOR`, so that merging a tree with it gives that tree (a
+    compiled proposal that merges another drafter's tree runs the same graph alone), filled up to ``nodes`` nodes with
+    them where it holds fewer (each a draft of token 0, verified as any other)."""
     index = torch.arange(nodes, device=device).expand(rows, nodes)
     parent = torch.where(index > 0, 0, -1)
     ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)

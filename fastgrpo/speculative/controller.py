@@ -243,10 +243,10 @@ class AdaptiveController:
         if best != self._last_best:
             self._last_best, self._interval, self._since_probe = best, self.probe_interval, 0
         self._since_probe += 1
-        if self._since_probe < self._interval or self.guard.losing:
+        if self._since_probe < self._interval:
             return best
         probe = self._probe(best)
-        if probe is None:
+        if probe is None or (self.guard.losing and not self._overdue(probe)):  # while trees lose, overdue probes only
             self._probed(plain=False)
             return best
         seconds, catch_up = self.predicted_seconds(rows, probe), 0.0

@@ -16,9 +16,10 @@ class SavingsGuard:
     same tokens (its tokens per row, each a plain step at as many rows) less the tree step's own time, its drafting
     included but not the draft's catch-up on the plain steps before it (``spec/time_saved`` adds them up per call).
     While the window is full and its sum is negative, trees have cost more than they saved: `losing` says so, the
-    run's log says so once, and the adaptive controller runs no probes, only the steps it predicts to win (whose trees
-    refill the window), until the window sums to a gain again or the draft changes (online learning empties the
-    window: a changed draft may save what the last one did not)."""
+    run's log says so once, and the adaptive controller runs no probes but those overdue (a kind of step not timed for
+    ``reprobe_steps``), only the steps it predicts to win (whose trees refill the window), until the window sums to a
+    gain again or the draft changes (online learning empties the window: a changed draft may save what the last one
+    did not)."""
 
     window: int = 64
     saved: deque[float] = field(default_factory=deque)
