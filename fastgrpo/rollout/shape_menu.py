@@ -14,6 +14,7 @@ at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -30,7 +31,7 @@ from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.graph_sampling import GraphSampling
 from fastgrpo.rollout.scheduling import Controller
 from fastgrpo.rollout.target_step import TargetStep
-from fastgrpo.rollout.tree import DraftTree, TreeShape
+from fastgrpo.rollout.tree import DraftTree, TreeShape, empty_tree
 from fastgrpo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -150,10 +151,7 @@ def settle_target(
 
 def star_tree(rows: int, nodes: int, levels: int, device: torch.device) -> DraftTree:
     """``[rows, nodes]`` trees whose draft nodes are all children of the root, of acceptance depth ``levels``: the
-    shapes of a real tree of that size, with scores, for `settle_target` and the drafters' `Drafter.settle`."""
-    index = torch.arange(nodes, device=device).expand(rows, nodes)
-    parent = torch.where(index > 0, 0, -1)
-    depth = (index > 0).long()
-    ancestors = (index[:, :, None] == index[:, None, :]) | (index[:, None, :] == 0)
-    score = torch.zeros(rows, nodes, dtype=torch.float64, device=device)
-    return DraftTree(torch.zeros_like(index), parent, depth, ancestors, index.clone(), levels, score)
+    shapes of a real tree of that size, with scores, for `settle_target` and the drafters' `Drafter.settle`
+    (`empty_tree`'s, its scores 0)."""
+    tree = empty_tree(rows, nodes, levels, device)
+    return dataclasses.replace(tree, score=torch.zeros_like(tree.score))
