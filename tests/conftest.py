@@ -210,7 +210,7 @@ def save_tool_caller(path: Path, configs: object | list, row: dict, steps: int =
         losses = []
         for prompt, completion, _ in conversations:
             ids = torch.tensor([prompt + completion], device="cpu")
-            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            logits = model(ids, logits_to_keep=len(completion) + 1).logits[0, :-1]  # the completion's predictions
             losses.append(torch.nn.functional.cross_entropy(logits, ids[0, len(prompt) :]))
         loss = torch.stack(losses).max()
         torch.stack(losses).sum().backward()

@@ -3,8 +3,8 @@
 tokens, plain and speculative, greedy and sampled under the same uniforms, over padded rows and bucketed extents,
 and the weights as training leaves them.
 
-Most tests compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would
-receive it, in seconds; one compiles with inductor itself."""
+They compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would receive it,
+in seconds; `test_tool_turns` compiles the same three functions with inductor itself, and follows the weights there."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-import torch._inductor.config
 from conftest import VOCAB, make_tiny_model
 from test_speculative import trained_draft
 
@@ -96,38 +95,6 @@ def test_the_compiled_step_is_one_graph_with_the_eager_tokens(
     if shape is not None:
         assert b.stats.depth_accepted[0] > 0, "trees were verified and draft tokens accepted"
     assert compiled.cache.max_rows == row_bucket(6) == 8
-
-
-def test_inductor_compiles_the_steps_and_follows_the_weights_as_training_writes_them(model, draft) -> None:
-    """Inductor's code gives the eager tokens; after an in-place update of the policy's and the draft's weights (an
-    optimizer step writes them so) the compiled steps compute with the new weights, without compiling again. (Its
-    log-probabilities differ from the eager ones in float32's last digits: the model's RMSNorm computes in float32,
-    which inductor fuses differently.) Inductor's C++ kernels are built without SIMD vectorisation: the same graphs,
-    lowerings and fusions, in simpler C++ for the compiler to build. Not one step of the three compiled functions
-    falls back to eager. (The model computes in float64: in float32 and bfloat16, inductor's CPU flex-attention
-    template fails to build these graphs in torch 2.13, with or without SIMD, and every step would run eagerly, as
-    `compile/eager_fallbacks` then says; a GPU lowers flex attention through Triton's template instead.)"""
-    with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
-        inductor_steps_follow_the_weights(model, draft)
-
-
-def inductor_steps_follow_the_weights(model, draft) -> None:
-    params = PARAMS["top-p"]
-    eager, compiled = engines(model, draft, TREE, "inductor")
-    same_outputs(eager, compiled, params, atol=1e-5)
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    before = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
-    with torch.no_grad():
-        for p in [*model.parameters(), *draft.parameters()]:
-            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
-    _, after = same_outputs(eager, compiled, params, atol=1e-5)
-    compiled.release()  # the next call makes new caches, at other addresses
-    changed = compiled.generate(PROMPTS, params, num_generations=2, generator=torch.Generator().manual_seed(5))
-    assert changed.completion_ids != before.completion_ids, "the update changed what the policy samples"
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "nothing was compiled again"
-    assert after.stats.compile_time == 0 and changed.stats.compile_time == 0
-    eager = compiled.compiled_so_far().eager_calls
-    assert eager == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}, "every step ran inductor's code"
 
 
 def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, draft) -> None:

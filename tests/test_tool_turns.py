@@ -16,6 +16,7 @@ from transformers import PreTrainedModel
 
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.rollout.turns import Parking
 from fastgrpo.sampling_params import SamplingParams
@@ -285,22 +286,44 @@ def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monk
     parked_rows_hold(engine, model, eos, monkeypatch, temperature)
 
 
-def test_inductor_steps_leave_parked_rows_as_they_were(model_eos, monkeypatch) -> None:
-    """The same with inductor's own code (its C++ built without SIMD, as `test_target_step` builds it) for the target
-    steps and the EAGLE proposals, sampled, with merged trees: no resumed row's keys and values change, the
-    completions equal eager decoding's, and no step fell back to eager (which would pass for the wrong reason)."""
+def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(model_eos, monkeypatch) -> None:
+    """The same with inductor's own code for the target steps and the EAGLE proposals, sampled, with merged trees: no
+    resumed row's keys and values change and the completions equal eager decoding's; after an in-place update of the
+    policy's and the draft's weights (an optimizer step writes them so), the compiled steps compute with the new
+    weights, in new caches, without compiling again; and no step fell back to eager (which would pass for the wrong
+    reason). Inductor's C++ kernels are built without SIMD: the same graphs, lowerings and fusions, in simpler C++ for
+    the compiler to build. (The model computes in float64: in float32 and bfloat16, inductor's CPU flex-attention
+    template fails to build these graphs in torch 2.13 and every step would run eagerly, as
+    `compile/eager_fallbacks` then says; a GPU lowers flex attention through Triton's template instead.)"""
     model, eos, draft = model_eos
+    weights = [*model.parameters(), *draft.parameters()]
+    saved = [p.detach().clone() for p in weights]
     with torch._inductor.config.patch({"cpp.vec_isa_ok": False}):
         engine = RolloutEngine(model, [eos], backend="inductor")
         tree = TreeShape(8, 3, 4, drafter="eagle+suffix")
         engine.speculate([EagleDrafter(draft, model, "inductor"), SuffixDrafter()], tree=tree)
-        parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+        before = parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        monkeypatch.undo()
+        engine.release()  # the next call makes new caches, at other addresses
+        try:
+            with torch.no_grad():
+                for p in weights:
+                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
+            after = parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+        finally:
+            with torch.no_grad():
+                for p, value in zip(weights, saved, strict=True):
+                    p.copy_(value)
+    assert after.completion_ids != before.completion_ids, "the update changed what the policy samples"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, "nothing was compiled again"
+    assert after.stats.compile_time == 0
     assert engine.compiled_so_far().eager_calls == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}
 
 
-def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temperature: float) -> None:
+def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temperature: float) -> GenerationOutput:
     """``engine``'s completions with tools answering late equal an eager engine's, and every resumed row finds its
-    keys and values as it left them."""
+    keys and values as it left them; returns ``engine``'s output."""
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
     uniforms = None
     if temperature:
@@ -314,3 +337,4 @@ def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temper
     assert out.completion_ids == eager.completion_ids
     assert out.tool_masks == eager.tool_masks
     assert parked.resumed >= 4 and max(out.stats.waiting) >= 2, "the test needs rows that wait while others decode"
+    return out
