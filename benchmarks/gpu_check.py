@@ -30,6 +30,12 @@ steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails 
   efficient, cudnn, attention or sdp; then `gqa_sdpa_attention` itself for one decoding step with Qwen2.5-7B's grouped
   heads at 16 and 64 rows x 1,024 and 4,096 cached tokens, with a 4-D additive mask and without: the backend and the
   time per call.
+- ``parked``: tools answering four decoding steps late while the other rows decode, on a tiny Llama whose target
+  steps and EAGLE proposals run compiled (inductor on a GPU, in float32; Dynamo's capture on a CPU, in float64) with
+  merged EAGLE and suffix trees of 8 nodes, greedy and sampled: every row parked on a tool must find its keys and
+  values as it left them when it resumes (compiled steps pad rows to a CUDA-graph bucket, and a padded row must never
+  write a parked one's cache), and the completions are compared with an eager engine's under the same uniforms (equal
+  required in float64; the share reported in float32).
 - ``torchrun``: ``python -m torch.distributed.run --nproc_per_node 1 -m fastgrpo train`` with ``fsdp: true``,
   ``compile: on`` and plain decoding (``speculation.mode: off``: a few graphs of a 2-layer model), two steps of a tiny
   random Llama in bfloat16 behind FSDP2's float32 master shards: passed or not, the last line of its error output, the
@@ -54,6 +60,10 @@ steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails 
   `forward_chain` (N new tokens per row, masked as a tree of N nodes is) plus the LM head and `process_logits`, timed
   with CUDA events (perf_counter on a CPU), median of 5 after 2 warm-ups, without the engine's draft. Combinations
   whose estimated memory exceeds the free memory are recorded as skipped.
+- ``settle``: the decode model compiled as a GRPO run compiles it, with merged 8-node EAGLE and suffix trees and its
+  caches reserved for 64 rows of 512 + 64 tokens: a first call of 16 rows settles every shape before its first step
+  (its seconds, graphs compiled, shapes met, CUDA graphs recorded and steps run eagerly), then a call of 64 rows, which
+  must compile and record nothing.
 - ``recordings``: four rollouts of the decode model through `TrainingRollouts`, built, reserved and released between
   rollouts as `GRPOTrainer` does, compiled, plain and with static 8-node trees (EAGLE and suffix drafts merged), of
   prompts of a different length each: per rollout the graphs compiled, the CUDA graphs recorded, the compiled graphs
@@ -77,6 +87,11 @@ steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails 
   one run (adaptive, full weights, bfloat16) compiles its rollouts, the others run eagerly.
 
 ``--quick`` builds tiny models everywhere and cuts the sweeps to one or two points.
+
+``--first``, for the first run on a GPU, in a budget of 8 minutes unless ``--budget`` says otherwise: the cheap
+correctness sections, then those whose figures decide what to fix first: preflight, environment, greedy, sampling,
+parked, settle, decode (16 and 64 rows of 512 cached tokens: the plain step and an 8-node verification, eager and
+compiled, against the weight-read time), targets and host.
 After every measured point and every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and
 its markdown tables (the same name, ``.md``) are rewritten whole, atomically, with everything so far (the running
 section with status ``running`` and its tables so far), so that a run ended by a time limit or the out-of-memory
@@ -141,6 +156,7 @@ from gpu_check_common import (
 )
 from gpu_check_correctness import section_greedy, section_sampling, section_sdpa
 from gpu_check_decode import section_decode, section_targets
+from gpu_check_first import section_parked, section_settle
 from gpu_check_rollouts import section_calibration, section_host, section_recordings
 from gpu_check_training import section_grpo, section_torchrun
 from record import REPO, Record, commit, machine, markdown, to_markdown
@@ -324,23 +340,33 @@ SECTIONS: dict[str, Callable[[Check, Section], None]] = {  # in the order they r
     "greedy": section_greedy,
     "sampling": section_sampling,
     "sdpa": section_sdpa,
+    "parked": section_parked,
     "torchrun": section_torchrun,
     "decode": section_decode,
+    "settle": section_settle,
     "recordings": section_recordings,
     "targets": section_targets,
     "host": section_host,
     "calibration": section_calibration,
     "grpo": section_grpo,
 }
-COMPILING = {"decode", "recordings", "host", "calibration"}  # skipped when the preflight failed
-MODEL_USERS = {"decode": {"decode", "recordings"}, "small": {"host", "calibration"}}  # `Check.models` by section
+# ``--first``: the most decisive figures of a first GPU run first, in at most `FIRST_BUDGET` seconds.
+FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "targets", "host")
+FIRST_BUDGET = 480.0
+COMPILING = {"parked", "decode", "settle", "recordings", "host", "calibration"}  # skipped when the preflight failed
+MODEL_USERS = {"decode": {"decode", "settle", "recordings"}, "small": {"host", "calibration"}}  # `Check.models` users
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--quick", action="store_true", help="tiny models and one or two points per sweep")
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma list, of " + ", ".join(SECTIONS))
+    parser.add_argument("--sections", default=None, help="comma list, of " + ", ".join(SECTIONS) + " (default: all)")
+    parser.add_argument(
+        "--first",
+        action="store_true",
+        help=f"a first GPU run: {', '.join(FIRST)} at the points that decide, in a budget of {FIRST_BUDGET:g} s",
+    )
     parser.add_argument("--tokenizer", default=None, help="a saved tokenizer directory (default: the embedded one)")
     parser.add_argument("--output", type=Path, default=None, help="the JSON file (default runs/bench/gpu_check.json)")
     parser.add_argument(
@@ -358,7 +384,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="skip the sections (and the points of a sweep) that would start later than this after the start",
     )
     args = parser.parse_args(argv)
-    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if args.first and args.sections is not None:
+        parser.error("--first runs its own sections: give --sections or --first, not both")
+    listed = ",".join(FIRST if args.first else SECTIONS) if args.sections is None else args.sections
+    args.sections = [s.strip() for s in listed.split(",") if s.strip()]
+    if args.first and args.budget is None:
+        args.budget = FIRST_BUDGET
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown or not args.sections:
         parser.error(f"--sections: unknown {unknown}; choose from {', '.join(SECTIONS)}")
@@ -513,14 +544,16 @@ def main(argv: list[str] | None = None) -> int:
     record = Record(name)
     path = (args.output.parent if args.output else REPO / "runs" / "bench") / f"{name}.json"
     device = resolve(args.device)
-    print(f"gpu_check on {device}{' (quick)' if args.quick else ''}: {', '.join(args.sections)}", flush=True)
-    notes = {"device": str(device), "quick": args.quick, "budget": args.budget, "planned": args.sections}
+    mode = "".join(f" ({m})" for m, on in (("first", args.first), ("quick", args.quick)) if on)
+    print(f"gpu_check on {device}{mode}: {', '.join(args.sections)}", flush=True)
+    notes = {"device": str(device), "quick": args.quick, "first": args.first, "budget": args.budget}
+    notes["planned"] = args.sections
     notes["compile_cache"] = shared_compile_cache(args.compile_cache, path)
     output = Output(record, path, notes)
     deadline = None if args.budget is None else started + args.budget
     clock = CompileClock(device.type == "cuda")
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as scratch:
-        check = Check(device, args.quick, args.tokenizer, record, Path(scratch), clock, deadline)
+        check = Check(device, args.quick, args.tokenizer, record, Path(scratch), clock, deadline, first=args.first)
         for i, section in enumerate(args.sections):
             cost = section_estimate(section, clock, args.quick)
             reason = skip_reason(section, check.seconds_left(), check.compile_ok, args.budget, cost)

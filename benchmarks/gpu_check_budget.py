@@ -25,8 +25,10 @@ AOT_EAGER_GRAPH_SECONDS = 5.0  # assumed for one ``aot_eager`` graph (the CPU's 
 # Decoder layers of the model each compiling section compiles, in the full run and with ``--quick``.
 LAYERS = {
     "preflight": (1, 1),  # a one-line function
+    "parked": (2, 2),  # a tiny Llama
     "torchrun": (2, 2),  # a tiny Llama
     "decode": (28, 2),
+    "settle": (28, 2),
     "recordings": (28, 2),
     "host": (30, 2),
     "calibration": (30, 2),
@@ -41,20 +43,24 @@ DECODE_VERIFY_GRAPHS = 2  # the decode section's verification forward, per point
 RECORDING_GRAPHS = {"plain": 1, "speculative": 5}  # four training rollouts
 HOST_GRAPHS = {"plain": 1, "eagle": 4, "suffix": 3}  # per point of the host section (the most one point compiled)
 CALIBRATION_GRAPHS = 6
+PARKED_GRAPHS = 3  # the target's plain and tree steps and the EAGLE proposal of a tiny Llama
+SETTLE_GRAPHS = 3  # the same of the decode model
 GRPO_COMPILED_GRAPHS = 33  # the GRPO section's one compiled run (its calibration included)
 # The graphs a section must compile before it has any figure: it is skipped when they do not fit the time left (the
 # rest are checked one unit at a time inside it, `Section.in_time`).
 START_GRAPHS = {
     "preflight": 1,
     "torchrun": TORCHRUN_GRAPHS,
+    "parked": PARKED_GRAPHS,
     "decode": 0,  # every point is timed eagerly; the compiled ones are checked one by one
+    "settle": SETTLE_GRAPHS,
     "recordings": RECORDING_GRAPHS["plain"],
     "host": HOST_GRAPHS["plain"],
     "calibration": CALIBRATION_GRAPHS,
     "grpo": 0,  # the eager runs compile nothing; the compiled one is checked before it starts
 }
 
-COMPILING_ON_CPU = {"preflight", "decode", "recordings"}  # on a CPU the others run eagerly
+COMPILING_ON_CPU = {"preflight", "parked", "decode", "settle", "recordings"}  # on a CPU the others run eagerly
 
 
 def compiled_graphs() -> int:

@@ -136,6 +136,7 @@ class Check:
     results: dict[str, dict[str, Any]] = field(default_factory=dict)
     models: dict[str, PreTrainedModel] = field(default_factory=dict)
     saver: Callable[[Section], None] | None = None
+    first: bool = False  # ``--first``: the sections that sweep measure the points a first GPU run needs
 
     def seconds_left(self) -> float:
         """Seconds until the end of the time budget (infinite without one)."""

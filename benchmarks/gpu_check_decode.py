@@ -48,6 +48,7 @@ DECODE_CONTEXTS = [512, 4096]
 # that the section compiles a few graphs of the 7B-shaped model (docs/benchmarks.md: what each graph costs).
 COMPILED_STEP_ROWS = (1, 16)
 COMPILED_VERIFY_ROWS = (1, 8)
+FIRST_ROWS = [16, 64]  # ``--first``: the rows of the trainer's default batch and of a large one
 
 # Published peak memory bandwidths (bytes/s), matched against `torch.cuda.get_device_name` in order.
 PEAK_BANDWIDTH = (
@@ -323,10 +324,13 @@ class DecodeSweep:
     verify_rows: tuple[int, ...]
 
 
-def decode_sweep(quick: bool) -> DecodeSweep:
-    """The full run's sweep, or ``--quick``'s single point."""
+def decode_sweep(quick: bool, first: bool = False) -> DecodeSweep:
+    """The full run's sweep, ``--first``'s (16 and 64 rows of 512 cached tokens, the plain step and an 8-node
+    verification, each eager and compiled), or ``--quick``'s single point."""
     if quick:
         return DecodeSweep([1], [48], [4, 8], 4, (1,), (1,))
+    if first:
+        return DecodeSweep(FIRST_ROWS, DECODE_CONTEXTS[:1], [COMPILED_NODES], 16, tuple(FIRST_ROWS), tuple(FIRST_ROWS))
     return DecodeSweep(DECODE_ROWS, DECODE_CONTEXTS, [4, 8, 16, 32], 16, COMPILED_STEP_ROWS, COMPILED_VERIFY_ROWS)
 
 
@@ -335,7 +339,7 @@ def section_decode(check: Check, section: Section) -> None:
     forwards against a plain one (see the module `gpu_check`). What it compiles is what it measures: one compiled
     engine (its step at the rows of `DecodeSweep.step_rows`) and one `Compiled` verification forward, shared by every
     point. Each compile and each point starts only when it fits the time left, and the record is written after each."""
-    dev, dtype, sweep = check.device, torch.bfloat16, decode_sweep(check.quick)
+    dev, dtype, sweep = check.device, torch.bfloat16, decode_sweep(check.quick, check.first)
     if dev.type == "cpu" and not check.quick:
         section.skipped.append("the 7B-shaped model decodes on a GPU: run with --quick on a CPU")
         return

@@ -48,14 +48,19 @@ SECTIONS = (
     "greedy",
     "sampling",
     "sdpa",
+    "parked",
     "torchrun",
     "decode",
+    "settle",
     "recordings",
     "targets",
     "host",
     "calibration",
     "grpo",
 )
+# ``--first``: the decisive sections first (correctness, parked rows, settling, compiled steps, host time).
+FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "targets", "host")
+REST = tuple(name for name in SECTIONS if name not in FIRST)
 
 
 def quick_command(output: Path, *args: str) -> list[str]:
@@ -75,32 +80,71 @@ def without_git(directory: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, dict[str, Any], Path]:
-    """One quick CPU run of the whole check (tiny shapes) on a PATH without git, its JSON record and the record's
-    path."""
+def quick_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, dict, Path]]:
+    """Two quick CPU runs of the check (tiny shapes) on a PATH without git, which together run every section once:
+    ``first`` (``--first``) and ``rest`` (the other sections); each one's process, JSON record and record path."""
     root = tmp_path_factory.mktemp("gpu-check")
-    output = root / "gpu_check.json"
     env = without_git(root / "bin")
     assert shutil.which("git", path=env["PATH"]) is None
-    run = subprocess.run(quick_command(output), capture_output=True, text=True, timeout=900, env=env)
-    assert output.is_file(), f"no record written:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
-    return run, json.loads(output.read_text()), output
+    runs = {}
+    for name, args in (("first", ["--first"]), ("rest", ["--sections", ",".join(REST)])):
+        output = root / name / "gpu_check.json"
+        run = subprocess.run(quick_command(output, *args), capture_output=True, text=True, timeout=900, env=env)
+        assert output.is_file(), f"{name}: no record written:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+        runs[name] = (run, json.loads(output.read_text()), output)
+    return runs
 
 
-def test_every_section_runs_in_order_and_passes(quick_run) -> None:
-    run, record, output = quick_run
+@pytest.fixture(scope="module")
+def quick_run(quick_runs) -> tuple[subprocess.CompletedProcess, dict[str, Any], Path]:
+    """The ``first`` run, its record holding the sections of both runs."""
+    run, record, output = quick_runs["first"]
+    sections = {**record["notes"]["sections"], **quick_runs["rest"][1]["notes"]["sections"]}
+    return run, {**record, "notes": {**record["notes"], "sections": sections}}, output
+
+
+@pytest.mark.parametrize(("name", "planned"), [("first", FIRST), ("rest", REST)])
+def test_every_section_runs_in_order_and_passes(quick_runs, name: str, planned: tuple[str, ...]) -> None:
+    run, record, output = quick_runs[name]
     sections = record["notes"]["sections"]
-    assert list(sections) == list(SECTIONS) == record["notes"]["planned"]
+    assert list(sections) == list(planned) == record["notes"]["planned"]
     failed = {name: (s["failures"], s["error"]) for name, s in sections.items() if s["status"] == "failed"}
     assert not failed, f"{failed}\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     assert run.returncode == 0
     assert "all sections passed" in run.stdout and "skipped:" not in run.stdout.splitlines()[-1]
     assert all(s["status"] == "passed" for s in sections.values())
     assert record["notes"]["device"] == "cpu" and record["notes"]["quick"] is True
+    assert record["notes"]["first"] is (name == "first")
+    assert record["notes"]["budget"] == (480.0 if name == "first" else None)  # --first: 8 minutes unless given
     titles = [t["title"] for t in record["tables"]]
-    assert titles[-1] == "Sections" and titles[0].startswith("Preflight")
+    assert titles[-1] == "Sections" and titles[0].startswith("Preflight") == (name == "first")
     markdown = output.with_suffix(".md").read_text()
     assert all(f"**{title}**" in markdown for title in titles)
+
+
+def test_parked_rows_keep_their_keys_and_values_under_compiled_steps(quick_run) -> None:
+    results = quick_run[1]["notes"]["sections"]["parked"]["results"]
+    for name in ("greedy", "sampled"):
+        entry = results[name]
+        assert entry["changed"] == [] and entry["resumed"] >= 4 and entry["most_waiting"] >= 2, name
+        assert entry["equal"] == entry["rows"] == 12, name  # float64 on a CPU: every completion as eager's
+    assert results["eager_calls"] == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}
+
+
+def test_settling_compiles_in_the_first_call_only(quick_run) -> None:
+    calls = quick_run[1]["notes"]["sections"]["settle"]["results"]["calls"]
+    assert [c["rows"] for c in calls] == [4, 8]
+    assert calls[0]["graphs"] >= 1 and calls[0]["shapes"] >= calls[0]["graphs"] and calls[0]["compile_seconds"] > 0
+    assert (calls[1]["graphs"], calls[1]["shapes"], calls[1]["compile_seconds"]) == (0, 0, 0.0)
+    assert all(c["eager_calls"] == 0 and c["recordings"] is None for c in calls)  # CUDA graphs: on a GPU only
+
+
+def test_first_and_sections_exclude_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--first", "--sections", "greedy"])
+    assert "give --sections or --first, not both" in capsys.readouterr().err
+    assert gpu_check.parse_args(["--first", "--budget", "300"]).budget == 300.0
+    assert tuple(gpu_check.parse_args(["--first"]).sections) == FIRST
 
 
 def test_the_run_needs_no_git(quick_run) -> None:
@@ -112,7 +156,7 @@ def test_the_run_needs_no_git(quick_run) -> None:
 def test_every_section_records_its_compiled_graphs(quick_run) -> None:
     sections = quick_run[1]["notes"]["sections"]
     graphs = {name: s["graphs"] for name, s in sections.items()}
-    assert graphs["preflight"] >= 1 and graphs["decode"] >= 1  # aot_eager on a CPU
+    assert all(graphs[name] >= 1 for name in ("preflight", "parked", "decode", "settle"))  # compiled on a CPU too
     assert all(graphs[name] == 0 for name in ("environment", "greedy", "sampling", "sdpa", "host", "targets"))
     assert quick_run[1]["notes"]["compile_cache"] == str(quick_run[2].parent / "inductor-cache")
 

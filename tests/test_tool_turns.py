@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch._inductor.config
+from parked_rows import LateTools, watch_parked
 from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
 from transformers import PreTrainedModel
 
@@ -18,7 +19,6 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
-from fastgrpo.rollout.turns import Parking
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
@@ -200,79 +200,22 @@ def test_a_suffix_memory_without_tool_results_keeps_the_models_turns_only(model_
     assert restored.state_dict()["prompts"] == state["prompts"]
 
 
-@dataclass
-class LateTurns(ScriptedTurns):
-    """`ScriptedTurns` whose results come ``delay`` decoding steps after the call (each `ready` call is a step; one
-    that must block moves on to the first result)."""
-
-    delay: int = 4
-    clock: int = 0
-    due: dict[int, int] = field(default_factory=dict)
-
-    def ended(self, row: int, completion: list[int]) -> bool:
-        calls = super().ended(row, completion)
-        if calls:
-            self.due[row] = self.clock + self.delay
-        return calls
-
-    def ready(self, block: bool) -> list[tuple[int, list[int] | None]]:
-        self.clock += 1
-        if block and self.waiting:
-            self.clock = max(self.clock, min(self.due[r] for r in self.waiting))
-        done = [r for r in self.waiting if self.due[r] <= self.clock]
-        return [(r, self.waiting.pop(r)) for r in done]
-
-
-class ParkedKV:
-    """Snapshots of each parked row's filled cache slots taken when it parks, compared with its cache row when it
-    resumes: ``changed`` lists the resumes that found their keys or values written over."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine: RolloutEngine):
-        self.saved: dict[int, list[torch.Tensor]] = {}
-        self.resumed = 0
-        self.changed: list[tuple[int, int]] = []  # (completion, slot index)
-        append, rejoin = RolloutEngine._append, Parking._rejoin
-
-        def rows_of(slot: int, length: int) -> list[torch.Tensor]:
-            return [
-                buf[slot, :, :length].clone() for layer in engine.cache.layers for buf in (layer.keys, layer.values)
-            ]
-
-        def snapshot(this, rows, verified, host, call):
-            out = append(this, rows, verified, host, call)
-            for index, parked in (call.parking.rows if call.parking is not None else {}).items():
-                self.saved.setdefault(index, rows_of(parked.slot, parked.length))
-            return out
-
-        def check(this, model, cache, drafters, rows, parked, tokens):
-            before = self.saved.pop(parked.seq.index)
-            after = rows_of(parked.slot, parked.length)
-            self.resumed += 1
-            for a, b in zip(before, after, strict=True):
-                if not torch.equal(a, b):
-                    self.changed.append((parked.seq.index, parked.slot))
-                    break
-            return rejoin(this, model, cache, drafters, rows, parked, tokens)
-
-        monkeypatch.setattr(RolloutEngine, "_append", snapshot)
-        monkeypatch.setattr(Parking, "_rejoin", check)
-
-
 @pytest.fixture(scope="module")
 def compiled(model_eos) -> tuple[RolloutEngine, dict[str, Drafter]]:
-    """An engine whose target steps and EAGLE proposals run compiled (``aot_eager``), and its drafters: the tests
-    switch drafters on the same engine, whose compiled steps are then traced once for the module (the cases are
-    ordered so that each traces little that an earlier one did not)."""
+    """An engine whose target steps and EAGLE proposals run compiled (Dynamo's capture run as captured, ``eager``:
+    rows are padded as under any backend; inductor's own code is the last test's), and its drafters: the tests switch
+    drafters on the same engine, whose compiled steps are then traced once for the module (the cases are ordered so
+    that each traces little that an earlier one did not)."""
     model, eos, draft = model_eos
-    drafters = {"eagle": EagleDrafter(draft, model, "aot_eager"), "suffix": SuffixDrafter()}
-    return RolloutEngine(model, [eos], backend="aot_eager"), drafters
+    drafters = {"eagle": EagleDrafter(draft, model, "eager"), "suffix": SuffixDrafter()}
+    return RolloutEngine(model, [eos], backend="eager"), drafters
 
 
 @pytest.mark.parametrize(
     ("drafter", "temperature"),
     [("", 0.0), ("eagle+suffix", 0.0), ("suffix", 1.0), ("eagle+suffix", 1.0)],
 )
-def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monkeypatch, drafter, temperature):
+def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, drafter, temperature):
     """Compiled steps run over rows padded to a power of two; with tools answering four steps late, rows wait parked
     past the live ones while the padded rows are computed: every resumed row finds its keys and values as it left
     them, and the completions equal eager decoding's, token for token (8-node trees of ``drafter``, or none)."""
@@ -283,10 +226,10 @@ def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, monk
         engine.speculate([drafters[name] for name in drafter.split("+")], tree=tree)
     else:
         engine.speculate(None)
-    parked_rows_hold(engine, model, eos, monkeypatch, temperature)
+    parked_rows_hold(engine, model, eos, temperature)
 
 
-def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(model_eos, monkeypatch) -> None:
+def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(model_eos) -> None:
     """The same with inductor's own code for the target steps and the EAGLE proposals, sampled, with merged trees: no
     resumed row's keys and values change and the completions equal eager decoding's; after an in-place update of the
     policy's and the draft's weights (an optimizer step writes them so), the compiled steps compute with the new
@@ -302,15 +245,14 @@ def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(mo
         engine = RolloutEngine(model, [eos], backend="inductor")
         tree = TreeShape(8, 3, 4, drafter="eagle+suffix")
         engine.speculate([EagleDrafter(draft, model, "inductor"), SuffixDrafter()], tree=tree)
-        before = parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+        before = parked_rows_hold(engine, model, eos, temperature=1.0)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        monkeypatch.undo()
         engine.release()  # the next call makes new caches, at other addresses
         try:
             with torch.no_grad():
                 for p in weights:
                     p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
-            after = parked_rows_hold(engine, model, eos, monkeypatch, temperature=1.0)
+            after = parked_rows_hold(engine, model, eos, temperature=1.0)
         finally:
             with torch.no_grad():
                 for p, value in zip(weights, saved, strict=True):
@@ -321,7 +263,7 @@ def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(mo
     assert engine.compiled_so_far().eager_calls == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}
 
 
-def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temperature: float) -> GenerationOutput:
+def parked_rows_hold(engine: RolloutEngine, model, eos: int, temperature: float) -> GenerationOutput:
     """``engine``'s completions with tools answering late equal an eager engine's, and every resumed row finds its
     keys and values as it left them; returns ``engine``'s output."""
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
@@ -330,9 +272,9 @@ def parked_rows_hold(engine: RolloutEngine, model, eos: int, monkeypatch, temper
         uniforms = torch.rand(
             len(PROMPTS) * 3, MAX_NEW, generator=torch.Generator().manual_seed(5), dtype=torch.float64
         )
-    eager = RolloutEngine(model, [eos]).generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
-    parked = ParkedKV(monkeypatch, engine)
-    out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTurns())
+    eager = RolloutEngine(model, [eos]).generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTools())
+    with watch_parked(engine) as parked:
+        out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTools())
     assert parked.changed == []
     assert out.completion_ids == eager.completion_ids
     assert out.tool_masks == eager.tool_masks
