@@ -74,7 +74,7 @@ def _metrics_problem(row: object) -> str | None:
     for key in REQUIRED:
         if key not in row:
             return f"no {key!r}"
-    for key in (*REQUIRED, *(k for k, _, _ in CURVES), *DASHED.values(), *(k for k, _ in PHASES)):
+    for key in (*REQUIRED, *(k for k, _, _ in CURVES), *DASHED.values(), *(k for k, _ in PHASES), "spec/time_saved"):
         value = row.get(key, 0.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             return f"{key!r} is {json.dumps(value)}, not a number"
@@ -86,14 +86,27 @@ def phase_seconds(rows: list[dict[str, float]]) -> dict[str, float]:
     return {label: sum(r.get(key, 0.0) for r in rows) / len(rows) for key, label in PHASES}
 
 
+def speculation_saved(rows: list[dict[str, float]]) -> str:
+    """What speculation saved over the run (``spec/time_saved``, negative where it cost), in seconds and as a share
+    of the plain rollouts' estimated time (the rollouts' time plus what was saved); a dash for a run that logged
+    none."""
+    if not any("spec/time_saved" in r for r in rows):
+        return "-"
+    saved = sum(r.get("spec/time_saved", 0.0) for r in rows)
+    plain = sum(r.get("time/rollout", 0.0) for r in rows) + saved
+    return f"{saved:+.1f} ({saved / plain:+.0%})" if plain > 0 else f"{saved:+.1f}"
+
+
 def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
-    """A markdown table: steps, reward and accepted length of the last steps, and the mean time per step by phase;
-    where a run evaluated during training (``eval/*``), its last evaluation's reward and step too."""
+    """A markdown table: steps, reward and accepted length of the last steps, the mean time per step by phase, and
+    what speculation saved over the run (`speculation_saved`); where a run evaluated during training (``eval/*``),
+    its last evaluation's reward and step too."""
     evaluated = any("eval/reward" in r for rows in runs.values() for r in rows)
     lines = [
         f"| run | steps | reward (last {last}) | accepted length (last {last}) "
-        "| step s | rollout s | draft s | update s |" + (" eval reward (step) |" if evaluated else ""),
-        "|---|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""),
+        "| step s | rollout s | draft s | update s | saved by speculation s |"
+        + (" eval reward (step) |" if evaluated else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""),
     ]
     for name, rows in runs.items():
         tail = rows[-last:]
@@ -103,7 +116,7 @@ def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
         accept = sum(r.get("spec/accept_length", 1.0) for r in tail) / len(tail)
         lines.append(
             f"| {name} | {len(rows)} | {reward:.3f} | {accept:.2f} | {step_s:.1f} | {phases['rollout']:.1f} | "
-            f"{phases['draft update']:.2f} | {phases['policy update']:.1f} |"
+            f"{phases['draft update']:.2f} | {phases['policy update']:.1f} | {speculation_saved(rows)} |"
         )
         if evaluated:
             evals = [r for r in rows if "eval/reward" in r]
