@@ -21,12 +21,13 @@ import torch
 
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
+from fastgrpo.data import load_dataset
 from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.grpo.batch import completion_lengths
 from fastgrpo.grpo.scoring import reward_inputs, reward_weights
-from fastgrpo.grpo.tool_use import rollout_prompts
+from fastgrpo.grpo.tool_use import check_tool_rows, rollout_prompts
 from fastgrpo.reward_calls import RewardLog, TrainerState, reward_name
-from fastgrpo.rewards import function_metrics, reward_matrix
+from fastgrpo.rewards import check_columns, function_metrics, reward_matrix
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.sampling_params import SamplingParams
 
@@ -68,6 +69,28 @@ def without_drafting(engine: RolloutEngine) -> Iterator[None]:
     finally:
         engine.speculate(drafters or None, controller=controller)
         engine.settled = settled
+
+
+def evaluation_rows(
+    config: GRPOConfig,
+    reward_funcs: list[Any],
+    tools: bool,
+    environments: Any,
+    rows: list[dict[str, Any]] | None,
+    world_size: int,
+) -> list[dict[str, Any]]:
+    """The rows the run evaluates on, none unless ``config.evaluates``: ``rows`` where given, else those of
+    ``config.eval_dataset``, checked as the training rows are (the reward functions' columns, the tools' prompts)."""
+    if not config.evaluates:
+        return []
+    check_eval_batch(config, world_size)
+    rows = rows if rows is not None else load_dataset(config.eval_dataset)
+    try:
+        check_columns(reward_funcs, rows)
+    except ValueError as e:
+        raise ValueError(f"eval_dataset: {e}") from None
+    check_tool_rows(tools, environments, rows, "eval_dataset")
+    return rows
 
 
 def check_eval_batch(config: Any, world_size: int) -> None:

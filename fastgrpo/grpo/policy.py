@@ -38,3 +38,10 @@ def wrap_lora(model: PreTrainedModel, config: GRPOConfig, checkpoint: Path | Non
         return get_peft_model(model, lora)
     except ValueError as e:
         raise ValueError(f"lora_target_modules {config.lora_target_modules}: {e}") from None
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Set every dropout of ``model`` to 0 (TRL's ``disable_dropout``)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0

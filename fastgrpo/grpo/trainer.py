@@ -25,8 +25,8 @@ from fastgrpo.grpo.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from fastgrpo.grpo.evaluation import check_eval_batch, evaluate
-from fastgrpo.grpo.policy import reference_model, wrap_lora
+from fastgrpo.grpo.evaluation import evaluate, evaluation_rows
+from fastgrpo.grpo.policy import disable_dropout, reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.run_dir import (
@@ -40,7 +40,8 @@ from fastgrpo.grpo.run_dir import (
 )
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
-from fastgrpo.grpo.tool_use import RunTools, ToolTurns, check_tool_rows, resolve_run_tools, rollout_prompts
+from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
+from fastgrpo.grpo.trl_form import trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -64,22 +65,25 @@ logger = logging.getLogger(__name__)
 
 
 class GRPOTrainer:
-    """Trains ``config.model`` with GRPO on ``config.dataset``.
-
-    Args:
-        config: a validated `GRPOConfig`.
-        model, tokenizer: optional already-loaded policy and tokenizer (otherwise loaded from ``config.model``).
-        dataset: optional rows (otherwise loaded from ``config.dataset``).
-    """
+    """Trains ``config.model`` (a validated `GRPOConfig`) with GRPO on ``config.dataset``; ``model``, ``tokenizer``:
+    already loaded (else loaded from ``config.model``); ``dataset``, ``eval_dataset``: rows (else read from the config).
+    Or TRL's form, ``GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=...)`` (`trl_form`)."""
 
     def __init__(
         self,
-        config: GRPOConfig,
-        model: PreTrainedModel | None = None,
-        tokenizer: PreTrainedTokenizerBase | None = None,
-        dataset: list[dict[str, Any]] | None = None,
+        config: GRPOConfig | str | PreTrainedModel | None = None,
+        model: PreTrainedModel | Any = None,
+        tokenizer: PreTrainedTokenizerBase | Any = None,
+        dataset: list[dict[str, Any]] | Any = None,
         resume: bool = False,
+        eval_dataset: Any = None,
+        **trl: Any,
     ):
+        if not isinstance(config, GRPOConfig):  # TRL's form: the model (or nothing) where the config goes
+            given = trl_call(config, model, tokenizer, dataset, eval_dataset, trl)
+            config, model, tokenizer, dataset, eval_dataset = given
+        elif trl:
+            raise TypeError(f"GRPOTrainer(config, ...) takes no {', '.join(trl)}: TRL's arguments go with TRL's form")
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
         check_tools(config.speculation, bool(config.tools or config.environment_factory))
@@ -93,15 +97,9 @@ class GRPOTrainer:
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
         tools, environments = resolve_run_tools(config, self.reward_funcs, self.dataset)
         check_columns(self.reward_funcs, self.dataset)
-        self.eval_rows: list[dict[str, Any]] = []
-        if config.evaluates:
-            check_eval_batch(config, self.dist.world_size)
-            self.eval_rows = load_dataset(config.eval_dataset)
-            try:
-                check_columns(self.reward_funcs, self.eval_rows)
-            except ValueError as e:
-                raise ValueError(f"eval_dataset: {e}") from None
-            check_tool_rows(bool(tools), environments, self.eval_rows, "eval_dataset")
+        self.eval_rows = evaluation_rows(
+            config, self.reward_funcs, bool(tools), environments, eval_dataset, self.dist.world_size
+        )
         global_prompts = config.prompts_per_step * self.dist.world_size
         if len(self.dataset) < global_prompts:
             raise ValueError(
@@ -141,9 +139,7 @@ class GRPOTrainer:
         self.device = next(self.model.parameters()).device
         load_reward_models(self.reward_funcs, self.device, config.dtype)
         if config.disable_dropout:
-            for module in self.model.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
+            disable_dropout(self.model)
         if config.bf16:
             warn_if_bf16_emulated("bf16", self.device)
         self.ref_model = reference_model(config, self.device) if config.beta > 0 else None

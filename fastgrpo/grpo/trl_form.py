@@ -1,0 +1,144 @@
+"""TRL's `GRPOTrainer` constructor for fastgrpo's trainer: ``GRPOTrainer(model=..., reward_funcs=...,
+args=GRPOConfig(...), train_dataset=..., ...)`` as TRL 1.16 takes it, turned into fastgrpo's own arguments (a config,
+the loaded model and tokenizer where given, the dataset's rows) before anything loads."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.data import DataConfig
+from fastgrpo.data.prompts import prompt_problem
+
+# TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
+NOT_TAKEN = {
+    "callbacks": "fastgrpo logs to metrics.jsonl and TensorBoard (report_to); drop the callbacks",
+    "optimizers": "the optimizer comes from the config (optim, learning_rate, adam_*, weight_decay, lr_scheduler_type)",
+    "rollout_func": "fastgrpo's own engine generates; its rollout_func is for TRL's trainer "
+    "(fastgrpo.integrations.trl.SpeculativeRollout)",
+    "reward_processing_classes": "a reward model is scored with the tokenizer saved in its directory",
+}
+LORA_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}
+LORA_DEFAULTS = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None}
+
+
+class FastgrpoArguments(NamedTuple):
+    """What fastgrpo's trainer takes: the config, a loaded policy and tokenizer (None: loaded from ``config.model``),
+    and the training and evaluation rows (None: read from ``config.dataset`` and ``config.eval_dataset``)."""
+
+    config: GRPOConfig
+    model: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase | None
+    dataset: list[dict[str, Any]] | None
+    eval_dataset: list[dict[str, Any]] | None
+
+
+def trl_call(
+    config: Any, model: Any, tokenizer: Any, dataset: Any, eval_dataset: Any, keywords: dict[str, Any]
+) -> FastgrpoArguments:
+    """`from_trl` of a `fastgrpo.grpo.trainer.GRPOTrainer` call in TRL's form: its first four parameters hold TRL's
+    ``model, reward_funcs, args, train_dataset`` when given by position (the model where the config goes), TRL's
+    ``model=`` keyword lands in ``model``, ``eval_dataset=`` in ``eval_dataset``, the other keywords in ``keywords``."""
+    if config is None:
+        if tokenizer is not None or dataset is not None:
+            raise TypeError("GRPOTrainer(model=...) in TRL's form takes processing_class= and train_dataset=")
+        given = {"model": model}
+    else:
+        names = ("model", "reward_funcs", "args", "train_dataset")
+        given = dict(zip(names, (config, model, tokenizer, dataset), strict=True))
+    for name, value in {**given, "eval_dataset": eval_dataset}.items():
+        if value is not None:
+            if name in keywords:
+                raise TypeError(f"GRPOTrainer() got multiple values for argument {name!r}")
+            keywords[name] = value
+    return from_trl(**keywords)
+
+
+def from_trl(
+    model: str | PreTrainedModel,
+    reward_funcs: Any,
+    args: GRPOConfig | None = None,
+    train_dataset: Iterable[dict[str, Any]] | None = None,
+    eval_dataset: Iterable[dict[str, Any]] | None = None,
+    processing_class: PreTrainedTokenizerBase | None = None,
+    peft_config: Any = None,
+    tools: list[Callable[..., Any]] | None = None,
+    environment_factory: Callable[[], Any] | None = None,
+    **not_taken: Any,
+) -> FastgrpoArguments:
+    """fastgrpo's trainer arguments from TRL's: ``model`` an id, a path or a `PreTrainedModel`; ``reward_funcs`` one
+    or a list (callables, names, reward-model paths or models); ``args`` fastgrpo's `GRPOConfig` (copied, not changed;
+    None: the defaults); ``train_dataset``/``eval_dataset`` a `datasets.Dataset`, an ``IterableDataset`` (read
+    whole) or rows, each with a ``prompt`` column (a string, encoded as it is, or chat messages, through the chat
+    template) and the columns the reward functions take; ``processing_class`` the tokenizer; ``peft_config`` a peft
+    `LoraConfig`; ``tools`` and ``environment_factory`` as TRL takes them."""
+    for name, value in not_taken.items():
+        if name not in NOT_TAKEN:
+            raise TypeError(f"GRPOTrainer() got an unexpected keyword argument {name!r}")
+        if value not in (None, (None, None), []):
+            raise ValueError(f"{name}: not taken by fastgrpo's GRPOTrainer: {NOT_TAKEN[name]}")
+    if args is not None and not isinstance(args, GRPOConfig):
+        kind = f"{type(args).__module__}.{type(args).__qualname__}"
+        raise TypeError(f"args: got a {kind}; give fastgrpo's GRPOConfig (from fastgrpo import GRPOConfig)")
+    config = dataclasses.replace(args) if args is not None else GRPOConfig()
+    loaded = None
+    if isinstance(model, PreTrainedModel):
+        loaded = model
+        config.model = model.name_or_path or config.model
+    elif isinstance(model, str) and model.strip():
+        config.model = model
+    else:
+        raise TypeError(f"model: a model id, a directory or a PreTrainedModel, got {type(model).__name__}")
+    config.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    if tools is not None:
+        config.tools = list(tools)
+    if environment_factory is not None:
+        config.environment_factory = environment_factory
+    if peft_config is not None:
+        apply_lora(config, peft_config)
+    rows = None if train_dataset is None else dataset_rows(train_dataset, "train_dataset")
+    eval_rows = None
+    if eval_dataset is not None and config.evaluates:  # as TRL: evaluated during training with eval_strategy steps
+        eval_rows = dataset_rows(eval_dataset, "eval_dataset")
+        config.eval_dataset = config.eval_dataset or DataConfig(name="eval_dataset")  # rows given: nothing is read
+    return FastgrpoArguments(config, loaded, processing_class, rows, eval_rows)
+
+
+def apply_lora(config: GRPOConfig, peft_config: Any) -> None:
+    """``config``'s LoRA options from a peft `LoraConfig` (rank, alpha, dropout, target modules); a setting fastgrpo's
+    LoRA does not have (bias, DoRA, rsLoRA, modules to save) is refused, named."""
+    if type(peft_config).__name__ != "LoraConfig":
+        raise ValueError(f"peft_config: a peft LoraConfig, got {type(peft_config).__name__}")
+    for field, default in LORA_DEFAULTS.items():
+        if getattr(peft_config, field, default) != default:
+            value = getattr(peft_config, field)
+            raise ValueError(f"peft_config.{field}={value!r}: fastgrpo's LoRA takes {default!r} only")
+    config.use_peft = True
+    for field, option in LORA_FIELDS.items():
+        setattr(config, option, getattr(peft_config, field))
+    targets = peft_config.target_modules
+    all_linear = targets is None or targets == "all-linear"
+    config.lora_target_modules = None if all_linear else ([targets] if isinstance(targets, str) else list(targets))
+
+
+def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[str, Any]]:
+    """The rows of ``dataset`` as dicts, each with a usable ``prompt`` (checked here, naming the row)."""
+    if isinstance(dataset, (str, bytes)) or not isinstance(dataset, Iterable):
+        raise TypeError(f"{option}: a datasets.Dataset or a list of rows, got {type(dataset).__name__}")
+    rows = []
+    for index, row in enumerate(dataset):
+        if not isinstance(row, dict):
+            raise ValueError(f"{option} row {index}: expected a dict of columns, got {type(row).__name__}")
+        if "prompt" not in row:
+            raise ValueError(f"{option} row {index}: no 'prompt' column (columns: {', '.join(row) or 'none'})")
+        problem = prompt_problem(row["prompt"])
+        if problem is not None:
+            raise ValueError(f"{option} row {index}: prompt {problem}")
+        rows.append(dict(row))
+    if not rows:
+        raise ValueError(f"{option} has no rows")
+    return rows

@@ -1,0 +1,98 @@
+"""TRL's constructor on fastgrpo's trainer: ``from fastgrpo import GRPOConfig, GRPOTrainer`` and TRL 1.16's
+``GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=datasets.Dataset)`` trains what fastgrpo's own form
+trains; what TRL takes that fastgrpo does otherwise is refused by name before anything loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+from conftest import save_tiny_llama
+from peft import LoraConfig
+from test_trainer import length_reward
+
+from fastgrpo import GRPOConfig, GRPOTrainer
+from fastgrpo.data import DataConfig, make_arithmetic
+from fastgrpo.grpo.trl_form import from_trl
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
+
+
+def trl_args(out: Path, **overrides) -> GRPOConfig:
+    values = dict(
+        num_generations=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        max_steps=1,
+        output_dir=str(out),
+        progress_bar=False,
+        log_completions=False,
+    )
+    return GRPOConfig(**{**values, **overrides})
+
+
+ROWS = make_arithmetic(DataConfig(num_examples=8))
+
+
+def test_trls_form_trains_what_fastgrpos_form_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """One step of TRL's keyword form on a `datasets.Dataset`, TRL's positional form on rows, and fastgrpo's form:
+    the same rewards, loss and gradient norm; the arguments given are left as they were."""
+    args = trl_args(tmp_path / "trl")
+    trl = GRPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=length_reward, args=args, train_dataset=datasets.Dataset.from_list(ROWS)
+    )
+    assert args.model != str(tiny_model_dir) and args.reward_funcs == ["accuracy"], "TRL's args are not changed"
+    positional = GRPOTrainer(str(tiny_model_dir), [length_reward], trl_args(tmp_path / "positional"), ROWS)
+    config = trl_args(tmp_path / "own", model=str(tiny_model_dir), reward_funcs=[length_reward])
+    own = GRPOTrainer(config, dataset=ROWS)
+    logs = [trainer.train()[-1] for trainer in (trl, positional, own)]
+    for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
+        assert logs[0][key] == logs[1][key] == logs[2][key], key
+    assert trl.dataset == ROWS
+
+
+def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from fastgrpo.models import load_model, load_tokenizer
+
+    model = load_model(str(tiny_model_dir), "float32", torch.device("cpu"))
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    given = from_trl(model, "accuracy", trl_args(tmp_path), ROWS, processing_class=tokenizer, peft_config=lora)
+    assert given.model is model and given.tokenizer is tokenizer and given.config.model == str(tiny_model_dir)
+    config = given.config
+    assert (config.use_peft, config.lora_r, config.lora_alpha, config.lora_dropout) == (True, 4, 8, 0.0)
+    assert config.lora_target_modules == ["q_proj", "v_proj"]
+    all_linear = LoraConfig(target_modules="all-linear")
+    assert from_trl("m", "accuracy", peft_config=all_linear).config.lora_target_modules is None
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (dict(args=object()), TypeError, "args: got a builtins.object; give fastgrpo's GRPOConfig"),
+        (dict(callbacks=[object()]), ValueError, "callbacks: not taken by fastgrpo's GRPOTrainer"),
+        (dict(optimizers=(object(), None)), ValueError, "optimizers: not taken"),
+        (dict(reward_processing_classes=[object()]), ValueError, "a reward model is scored with the tokenizer"),
+        (dict(generation_config=1), TypeError, "unexpected keyword argument 'generation_config'"),
+        (dict(train_dataset=[{"prompt": "x"}, {"question": "y"}]), ValueError, "train_dataset row 1: no 'prompt'"),
+        (dict(train_dataset=[{"prompt": ""}]), ValueError, "train_dataset row 0: prompt is an empty string"),
+        (dict(train_dataset="rows.jsonl"), TypeError, "train_dataset: a datasets.Dataset or a list of rows"),
+        (dict(peft_config=LoraConfig(use_dora=True)), ValueError, "peft_config.use_dora=True: fastgrpo's LoRA"),
+    ],
+)
+def test_what_fastgrpo_does_otherwise_is_refused_by_name(call: dict, error: type, message: str) -> None:
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        from_trl(**{"model": "smollm2", "reward_funcs": "accuracy", **call})
+
+
+def test_fastgrpos_form_refuses_trls_keywords(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="takes no reward_funcs: TRL's arguments go with TRL's form"):
+        GRPOTrainer(trl_args(tmp_path), reward_funcs=length_reward)
+    with pytest.raises(TypeError, match="multiple values for argument 'reward_funcs'"):
+        GRPOTrainer("smollm2", length_reward, reward_funcs=length_reward)
