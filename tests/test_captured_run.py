@@ -2,8 +2,9 @@
 once per run at its configured maximum and stay at the same addresses through every policy update, and every compiled
 function (the target's steps and the EAGLE expansion) sees only bucketed row counts and extents.
 
-Compiled with the ``aot_eager`` backend, which captures the same graphs as inductor without generating code; on a GPU
-each of these graphs is a CUDA graph whose recording follows the same shapes and addresses.
+Compiled with the ``eager`` backend, Dynamo's capture run as captured: the same graphs, guards and shapes as under
+inductor, without generating code or AOT's second trace; on a GPU each of these graphs is a CUDA graph whose recording
+follows the same shapes and addresses.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def test_a_compiled_run_compiles_in_its_first_steps_only_and_keeps_its_caches_in
 ) -> None:
     """Five GRPO steps with compiled decoding steps and static EAGLE trees, prompts of other lengths every step: the
     steps after the second compile no graph, and the KV buffers have the same addresses after every step."""
-    monkeypatch.setattr("fastgrpo.grpo.trainer.compile_backend", lambda choice, device: "aot_eager")
+    monkeypatch.setattr("fastgrpo.grpo.trainer.compile_backend", lambda choice, device: "eager")
     model_dir = save_tiny_llama(tmp_path / "model", seed=0, tie_word_embeddings=True)
     config = make_config(
         model_dir,

@@ -3,7 +3,8 @@ before a call's first step (`RolloutEngine.settle`), so that rollouts whose rows
 prompts of lengths from 90 to 330 tokens, compile nothing and meet no new shape after it: no step is cold, and no
 graph is compiled nor shape met beyond the computed numbers.
 
-Compiled with ``aot_eager``, which traces and guards as inductor does without generating code."""
+Compiled with the ``eager`` backend: Dynamo's capture run as captured, which traces, guards and counts graphs and
+shapes as under inductor, without AOT's second trace of every graph (checked in `test_target_step`)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def test_rollouts_compile_only_while_settling(
     if speculation == "adaptive":
         rows, calls = 8, 2
         torch.manual_seed(0)
-        drafters = [EagleDrafter(DraftHead(model.config).double(), model, "aot_eager"), SuffixDrafter()]
+        drafters = [EagleDrafter(DraftHead(model.config).double(), model, "eager"), SuffixDrafter()]
         profile = flat_profile()  # trees win: every step that can draft one does
         controller = AdaptiveController(profile, ControllerLimits(n_max=3), drafters=priced(drafters))
         merges, backlogs, proposals = [], [], []  # eager merges, eager catch-ups' backlogs, proposals
@@ -68,7 +69,7 @@ def test_rollouts_compile_only_while_settling(
             lambda d, *a, **k: backlogs.append(max(d.state.host_count)) or catch_up(d, *a, **k),
         )
         monkeypatch.setattr(EagleDrafter, "_propose", lambda *a: proposals.append(1) or propose(*a))
-    engine = RolloutEngine(model, EOS, drafter=drafters, controller=controller, backend="aot_eager")
+    engine = RolloutEngine(model, EOS, drafter=drafters, controller=controller, backend="eager")
     longest = 330
     engine.reserve(rows, longest + PARAMS.max_new_tokens + 1)
     rng, outputs = random.Random(0), []
@@ -100,7 +101,7 @@ def test_new_caches_and_drafters_settle_again(monkeypatch: pytest.MonkeyPatch) -
     import fastgrpo.rollout.shape_menu as shape_menu
 
     torch._dynamo.reset()
-    engine = RolloutEngine(make_tiny_model("llama"), EOS, backend="aot_eager")
+    engine = RolloutEngine(make_tiny_model("llama"), EOS, backend="eager")
     settles, plain_calls, plain, settle_target = [], [], engine.target.plain, shape_menu.settle_target
 
     def settle(*args) -> None:
