@@ -9,8 +9,9 @@ steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails 
 - ``preflight``: what compiling needs, before anything compiles: a C compiler (``$CC``, ``cc``, ``gcc`` or ``clang``:
   inductor and Triton build with it), Python's headers (``Python.h``), Triton and its version (on a GPU), and a tiny
   function compiled with ``mode="reduce-overhead"`` run 3 times (on a CPU compiled with ``aot_eager``, without CUDA
-  graphs), its CUDA graph recordings counted. When it fails, the compiling sections after it (on a GPU torchrun, then
-  decode, recordings, host, calibration and the GRPO section's compiled run) are skipped with a line each.
+  graphs), its CUDA graph recordings counted. When it fails, the compiling sections after it (parked, on a GPU
+  torchrun, then decode, settle, recordings, host, calibration and the GRPO section's compiled run) are skipped with a
+  line each.
 - ``environment``: GPU name, memory, compute capability, torch, transformers, Python and CUDA versions, and which SDPA
   backends are enabled and usable for a decode-shaped query (flash, memory-efficient, cuDNN, math).
 - ``greedy``: greedy completions of the engine, plain and speculative (an `EagleDrafter` with a random draft and a
@@ -91,7 +92,8 @@ steps fell back to eager (the compiler failed: `compile/eager_fallbacks`) fails 
 ``--first``, for the first run on a GPU, in a budget of 8 minutes unless ``--budget`` says otherwise: the cheap
 correctness sections, then those whose figures decide what to fix first: preflight, environment, greedy, sampling,
 parked, settle, decode (16 and 64 rows of 512 cached tokens: the plain step and an 8-node verification, eager and
-compiled, against the weight-read time), targets and host.
+compiled, against the weight-read time) and host. The speed targets, which read 1 to 8 rows and the recordings, are
+the full run's.
 After every measured point and every section the JSON record (``runs/bench/gpu_check.json``, or ``--output``) and
 its markdown tables (the same name, ``.md``) are rewritten whole, atomically, with everything so far (the running
 section with status ``running`` and its tables so far), so that a run ended by a time limit or the out-of-memory
@@ -351,7 +353,7 @@ SECTIONS: dict[str, Callable[[Check, Section], None]] = {  # in the order they r
     "grpo": section_grpo,
 }
 # ``--first``: the most decisive figures of a first GPU run first, in at most `FIRST_BUDGET` seconds.
-FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "targets", "host")
+FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "host")
 FIRST_BUDGET = 480.0
 COMPILING = {"parked", "decode", "settle", "recordings", "host", "calibration"}  # skipped when the preflight failed
 MODEL_USERS = {"decode": {"decode", "settle", "recordings"}, "small": {"host", "calibration"}}  # `Check.models` users

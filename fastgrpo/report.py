@@ -88,9 +88,9 @@ def phase_seconds(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def speculation_saved(rows: list[dict[str, float]]) -> str:
     """What speculation saved over the run (``spec/time_saved``, negative where it cost), in seconds and as a share
-    of the plain rollouts' estimated time (the rollouts' time plus what was saved); a dash for a run that logged
-    none."""
-    if not any("spec/time_saved" in r for r in rows):
+    of the plain rollouts' estimated time (the rollouts' time plus what was saved); a dash for a run whose trees
+    saved and cost nothing (speculation off, or no tree timed)."""
+    if not any(r.get("spec/time_saved") for r in rows):
         return "-"
     saved = sum(r.get("spec/time_saved", 0.0) for r in rows)
     plain = sum(r.get("time/rollout", 0.0) for r in rows) + saved

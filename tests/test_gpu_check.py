@@ -32,7 +32,7 @@ from gpu_check_budget import (
     section_estimate,
 )
 from gpu_check_common import Check, Section, counted_captures
-from gpu_check_decode import TARGETS, target_values, verdict
+from gpu_check_decode import TARGETS, decode_sweep, target_values, verdict
 from gpu_check_training import JOB, save_model_dir, torchrun_command, torchrun_config
 from record import commit
 from test_device_lint import deviceless_factories
@@ -59,7 +59,7 @@ SECTIONS = (
     "grpo",
 )
 # ``--first``: the decisive sections first (correctness, parked rows, settling, compiled steps, host time).
-FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "targets", "host")
+FIRST = ("preflight", "environment", "greedy", "sampling", "parked", "settle", "decode", "host")
 REST = tuple(name for name in SECTIONS if name not in FIRST)
 
 
@@ -145,6 +145,9 @@ def test_first_and_sections_exclude_each_other(capsys: pytest.CaptureFixture[str
     assert "give --sections or --first, not both" in capsys.readouterr().err
     assert gpu_check.parse_args(["--first", "--budget", "300"]).budget == 300.0
     assert tuple(gpu_check.parse_args(["--first"]).sections) == FIRST
+    sweep = decode_sweep(quick=False, first=True)  # 16 and 64 rows of 512 tokens, each eager and compiled
+    assert (sweep.rows, sweep.contexts, sweep.nodes) == ([16, 64], [512], [8])
+    assert sweep.step_rows == sweep.verify_rows == (16, 64)
 
 
 def test_the_run_needs_no_git(quick_run) -> None:

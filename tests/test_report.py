@@ -28,6 +28,7 @@ def write_run(path: Path, steps: int, accept: float, draft: bool) -> Path:
             "time/reward": 0.01,
             "time/step": 4.0 / accept + 2.01 + (0.2 if draft else 0.0),
         }
+        row["spec/time_saved"] = 0.0  # logged by every run, speculation off included
         if draft:
             row.update({"draft/time": 0.2, "draft/loss": 1.0 / step, "draft/accuracy": 0.05 * step})
             row["spec/time_saved"] = 0.5 if step > 1 else -0.5  # the first step's trees lost
@@ -46,7 +47,7 @@ def test_report_overlays_runs_and_summarises_them(tmp_path: Path, capsys: pytest
     table = capsys.readouterr().out
     assert "| plain | 6 | 0.400 | 1.40 |" in table
     assert "| fast | 6 | 0.400 | 2.40 |" in table
-    # speculation saved 5 x 0.5 - 0.5 = 2 s of an estimated 6 x 2 + 2 = 14 s of plain rollouts; plain logged none
+    # speculation saved 5 x 0.5 - 0.5 = 2 s of an estimated 6 x 2 + 2 = 14 s of plain rollouts; plain saved none
     assert table.split("| fast |")[1].split("\n")[0].endswith(" | +2.0 (+14%) |")
     assert table.split("| plain |")[1].split("\n")[0].endswith(" | - |")
     assert phase_seconds(read_metrics(fast)) == pytest.approx(

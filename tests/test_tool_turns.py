@@ -202,13 +202,12 @@ def test_a_suffix_memory_without_tool_results_keeps_the_models_turns_only(model_
 
 @pytest.fixture(scope="module")
 def compiled(model_eos) -> tuple[RolloutEngine, dict[str, Drafter]]:
-    """An engine whose target steps and EAGLE proposals run compiled (Dynamo's capture run as captured, ``eager``:
-    rows are padded as under any backend; inductor's own code is the last test's), and its drafters: the tests switch
-    drafters on the same engine, whose compiled steps are then traced once for the module (the cases are ordered so
-    that each traces little that an earlier one did not)."""
+    """An engine whose target steps and EAGLE proposals run compiled (``aot_eager``), and its drafters: the tests
+    switch drafters on the same engine, whose compiled steps are then traced once for the module (the cases are
+    ordered so that each traces little that an earlier one did not)."""
     model, eos, draft = model_eos
-    drafters = {"eagle": EagleDrafter(draft, model, "eager"), "suffix": SuffixDrafter()}
-    return RolloutEngine(model, [eos], backend="eager"), drafters
+    drafters = {"eagle": EagleDrafter(draft, model, "aot_eager"), "suffix": SuffixDrafter()}
+    return RolloutEngine(model, [eos], backend="aot_eager"), drafters
 
 
 @pytest.mark.parametrize(
@@ -251,7 +250,8 @@ def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(mo
         try:
             with torch.no_grad():
                 for p in weights:
-                    p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype))
+                    noise = torch.randn(p.shape, generator=torch.Generator().manual_seed(7), dtype=p.dtype)
+                    p.add_(0.05 * noise.to(p.device))
             after = parked_rows_hold(engine, model, eos, temperature=1.0)
         finally:
             with torch.no_grad():

@@ -84,6 +84,8 @@ def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tm
         (dict(train_dataset=[{"prompt": ""}]), ValueError, "train_dataset row 0: prompt is an empty string"),
         (dict(train_dataset="rows.jsonl"), TypeError, "train_dataset: a datasets.Dataset or a list of rows"),
         (dict(peft_config=LoraConfig(use_dora=True)), ValueError, "peft_config.use_dora=True: fastgrpo's LoRA"),
+        (dict(peft_config=LoraConfig(r=8)), ValueError, "peft_config.target_modules is None"),
+        (dict(peft_config=LoraConfig(target_modules="all-linear", rank_pattern={"q": 2})), ValueError, "rank_pattern"),
     ],
 )
 def test_what_fastgrpo_does_otherwise_is_refused_by_name(call: dict, error: type, message: str) -> None:
@@ -91,8 +93,20 @@ def test_what_fastgrpo_does_otherwise_is_refused_by_name(call: dict, error: type
         from_trl(**{"model": "smollm2", "reward_funcs": "accuracy", **call})
 
 
+def test_a_model_built_in_memory_needs_its_tokenizer() -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    size = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, **size))
+    assert not model.name_or_path
+    with pytest.raises(ValueError, match="no directory to read a tokenizer from: give processing_class"):
+        from_trl(model, "accuracy")
+
+
 def test_fastgrpos_form_refuses_trls_keywords(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match="takes no reward_funcs: TRL's arguments go with TRL's form"):
         GRPOTrainer(trl_args(tmp_path), reward_funcs=length_reward)
     with pytest.raises(TypeError, match="multiple values for argument 'reward_funcs'"):
         GRPOTrainer("smollm2", length_reward, reward_funcs=length_reward)
+    with pytest.raises(TypeError, match="give eval_dataset and the arguments after it by keyword"):
+        GRPOTrainer("smollm2", length_reward, trl_args(tmp_path), ROWS, ROWS)  # TRL's fifth: eval_dataset

@@ -80,7 +80,7 @@ class GRPOTrainer:
         **trl: Any,
     ):
         if not isinstance(config, GRPOConfig):  # TRL's form: the model (or nothing) where the config goes
-            given = trl_call(config, model, tokenizer, dataset, eval_dataset, trl)
+            given = trl_call(config, model, tokenizer, dataset, resume, eval_dataset, trl)
             config, model, tokenizer, dataset, eval_dataset = given
         elif trl:
             raise TypeError(f"GRPOTrainer(config, ...) takes no {', '.join(trl)}: TRL's arguments go with TRL's form")

@@ -23,7 +23,18 @@ NOT_TAKEN = {
     "reward_processing_classes": "a reward model is scored with the tokenizer saved in its directory",
 }
 LORA_FIELDS = {"r": "lora_r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout"}
-LORA_DEFAULTS = {"bias": "none", "use_dora": False, "use_rslora": False, "modules_to_save": None}
+# peft settings fastgrpo's LoRA has only at these values (peft's defaults).
+LORA_DEFAULTS = {
+    "bias": "none",
+    "use_dora": False,
+    "use_rslora": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "init_lora_weights": True,
+    "exclude_modules": None,
+    "layers_to_transform": None,
+}
 
 
 class FastgrpoArguments(NamedTuple):
@@ -38,11 +49,15 @@ class FastgrpoArguments(NamedTuple):
 
 
 def trl_call(
-    config: Any, model: Any, tokenizer: Any, dataset: Any, eval_dataset: Any, keywords: dict[str, Any]
+    config: Any, model: Any, tokenizer: Any, dataset: Any, resume: Any, eval_dataset: Any, keywords: dict[str, Any]
 ) -> FastgrpoArguments:
     """`from_trl` of a `fastgrpo.grpo.trainer.GRPOTrainer` call in TRL's form: its first four parameters hold TRL's
     ``model, reward_funcs, args, train_dataset`` when given by position (the model where the config goes), TRL's
-    ``model=`` keyword lands in ``model``, ``eval_dataset=`` in ``eval_dataset``, the other keywords in ``keywords``."""
+    ``model=`` keyword lands in ``model``, ``eval_dataset=`` in ``eval_dataset``, the other keywords in ``keywords``.
+    A fifth argument by position (``resume`` there, TRL's ``eval_dataset``) is refused: TRL's later arguments go by
+    keyword."""
+    if not isinstance(resume, bool):
+        raise TypeError("GRPOTrainer in TRL's form: give eval_dataset and the arguments after it by keyword")
     if config is None:
         if tokenizer is not None or dataset is not None:
             raise TypeError("GRPOTrainer(model=...) in TRL's form takes processing_class= and train_dataset=")
@@ -87,6 +102,10 @@ def from_trl(
     config = dataclasses.replace(args) if args is not None else GRPOConfig()
     loaded = None
     if isinstance(model, PreTrainedModel):
+        if not model.name_or_path and processing_class is None:
+            raise ValueError(
+                "model: a model built in memory has no directory to read a tokenizer from: give processing_class"
+            )
         loaded = model
         config.model = model.name_or_path or config.model
     elif isinstance(model, str) and model.strip():
@@ -121,7 +140,11 @@ def apply_lora(config: GRPOConfig, peft_config: Any) -> None:
     for field, option in LORA_FIELDS.items():
         setattr(config, option, getattr(peft_config, field))
     targets = peft_config.target_modules
-    all_linear = targets is None or targets == "all-linear"
+    if targets is None:  # peft then picks per model type; fastgrpo's None is every linear layer
+        raise ValueError(
+            "peft_config.target_modules is None (peft's choice per model type): name the modules, or 'all-linear'"
+        )
+    all_linear = targets == "all-linear"
     config.lora_target_modules = None if all_linear else ([targets] if isinstance(targets, str) else list(targets))
 
 
