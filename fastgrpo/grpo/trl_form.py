@@ -145,7 +145,8 @@ def apply_lora(config: GRPOConfig, peft_config: Any) -> None:
             "peft_config.target_modules is None (peft's choice per model type): name the modules, or 'all-linear'"
         )
     all_linear = targets == "all-linear"
-    config.lora_target_modules = None if all_linear else ([targets] if isinstance(targets, str) else list(targets))
+    # peft keeps a list as a set: sorted, so that the config (and the saved config.yaml) does not depend on hashing
+    config.lora_target_modules = None if all_linear else ([targets] if isinstance(targets, str) else sorted(targets))
 
 
 def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[str, Any]]:
