@@ -1,6 +1,7 @@
 """TRL's constructor on fastgrpo's trainer: ``from fastgrpo import GRPOConfig, GRPOTrainer`` and TRL 1.16's
 ``GRPOTrainer(model=..., reward_funcs=..., args=..., train_dataset=datasets.Dataset)`` trains what fastgrpo's own form
-trains; what TRL takes that fastgrpo does otherwise is refused by name before anything loads."""
+trains, with TRL's ``trainer.state.log_history`` and ``trainer.save_model()``; what TRL takes that fastgrpo does
+otherwise is refused by name before anything loads."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from conftest import save_tiny_llama
 from peft import LoraConfig
 from test_trainer import length_reward
+from transformers import AutoModelForCausalLM
 
 from fastgrpo import GRPOConfig, GRPOTrainer
 from fastgrpo.data import DataConfig, make_arithmetic
@@ -55,6 +57,14 @@ def test_trls_form_trains_what_fastgrpos_form_trains(tiny_model_dir: Path, tmp_p
     for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
         assert logs[0][key] == logs[1][key] == logs[2][key], key
     assert trl.dataset == ROWS
+    state = trl.state  # TRL's trainer.state after train(): one entry per logged optimizer step
+    assert state.global_step == 1 and state.log_history[-1]["step"] == 1
+    assert state.log_history[-1]["reward"] == logs[0]["reward"]
+    trl.save_model(tmp_path / "final")  # TRL's save_model: the policy and tokenizer in transformers' format
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    for (name, mine), theirs in zip(trl.model.state_dict().items(), saved.state_dict().values(), strict=True):
+        assert torch.equal(mine, theirs), name
+    assert (tmp_path / "final" / "tokenizer_config.json").is_file()
 
 
 def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from fastgrpo.grpo.run_dir import (
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
-from fastgrpo.grpo.trl_form import trl_call
+from fastgrpo.grpo.trl_form import TrlTrainerMethods, trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -64,7 +64,7 @@ from fastgrpo.training_rollouts import TrainingRollouts
 logger = logging.getLogger(__name__)
 
 
-class GRPOTrainer:
+class GRPOTrainer(TrlTrainerMethods):
     """Trains ``config.model`` (a validated `GRPOConfig`) with GRPO on ``config.dataset``; ``model``, ``tokenizer``:
     already loaded (else loaded from ``config.model``); ``dataset``, ``eval_dataset``: rows (else read from the config).
     Or TRL's form, ``GRPOTrainer(model, reward_funcs, args=GRPOConfig(...), train_dataset=...)`` (`trl_form`)."""

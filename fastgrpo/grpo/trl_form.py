@@ -5,11 +5,14 @@ the loaded model and tokenizer where given, the dataset's rows) before anything 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.data.prompts import prompt_problem
@@ -166,3 +169,41 @@ def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[st
     if not rows:
         raise ValueError(f"{option} has no rows")
     return rows
+
+
+@dataclasses.dataclass
+class TrlState:
+    """What TRL's ``trainer.state`` gives a script after ``train()``: ``log_history``, one dict of metrics per logged
+    optimizer step (``logging_steps``, and every evaluation), each with its ``step``, and ``global_step``."""
+
+    log_history: list[dict[str, Any]]
+    global_step: int
+
+
+class TrlTrainerMethods:
+    """TRL's `Trainer` attributes a GRPO script reads, on fastgrpo's trainer: `state` (read from the run's
+    ``metrics.jsonl``, so a resumed run's history is whole) and `save_model`."""
+
+    config: GRPOConfig
+    output_dir: Path
+    dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
+    update: Any  # its `PolicyUpdate`
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def state(self) -> TrlState:
+        path = self.output_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.is_file() else []
+        history = [json.loads(line) for line in lines if line.strip()]
+        return TrlState(history, int(history[-1]["step"]) if history else 0)
+
+    def save_model(self, output_dir: str | Path | None = None) -> None:
+        """Write the policy (its full weights under FSDP2; the adapter with LoRA) and tokenizer to ``output_dir``
+        (default: the run's ``output_dir``) in transformers' format, as TRL's ``save_model``; every rank takes part."""
+        path = Path(output_dir) if output_dir is not None else self.output_dir
+        weights, _, _ = self.update.full_state()
+        if self.dist.is_main:
+            self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
+            self.tokenizer.save_pretrained(path)
+        distributed.barrier()
