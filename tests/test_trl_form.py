@@ -12,7 +12,6 @@ import pytest
 import torch
 from conftest import save_tiny_llama
 from peft import LoraConfig
-from test_trainer import length_reward
 from transformers import AutoModelForCausalLM
 
 from fastgrpo import GRPOConfig, GRPOTrainer
@@ -42,9 +41,16 @@ def trl_args(out: Path, **overrides) -> GRPOConfig:
 ROWS = make_arithmetic(DataConfig(num_examples=8))
 
 
+def length_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+    """A reward that varies across random completions (so advantages are non-zero), read from their token ids: the
+    same whether completions come as text or as messages."""
+    return [float(len(ids) % 7) for ids in completion_ids]
+
+
 def test_trls_form_trains_what_fastgrpos_form_trains(tiny_model_dir: Path, tmp_path: Path) -> None:
     """One step of TRL's keyword form on a `datasets.Dataset`, TRL's positional form on rows, and fastgrpo's form:
-    the same rewards, loss and gradient norm; the arguments given are left as they were."""
+    the same rewards, loss and gradient norm; the arguments given are left as they were; then TRL's
+    ``trainer.state`` and ``save_model``."""
     args = trl_args(tmp_path / "trl")
     trl = GRPOTrainer(
         model=str(tiny_model_dir), reward_funcs=length_reward, args=args, train_dataset=datasets.Dataset.from_list(ROWS)
@@ -65,6 +71,31 @@ def test_trls_form_trains_what_fastgrpos_form_trains(tiny_model_dir: Path, tmp_p
     for (name, mine), theirs in zip(trl.model.state_dict().items(), saved.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name
     assert (tmp_path / "final" / "tokenizer_config.json").is_file()
+
+
+def test_trls_reward_functions_get_message_lists_from_conversational_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """TRL's own `trl.rewards` functions train on a conversational dataset: its rows' prompts are messages and each
+    completion comes as ``[{"role": "assistant", "content": text}]``; rows whose prompt is a string give text."""
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    seen: list[tuple] = []
+
+    def recording(prompts, completions, **kwargs) -> list[float]:
+        seen.append((prompts[0], completions[0]))
+        return [0.0] * len(completions)
+
+    rows = [{**row, "solution": row["answer"]} for row in ROWS]
+    funcs = [think_format_reward, accuracy_reward, recording]
+    trainer = GRPOTrainer(str(tiny_model_dir), funcs, trl_args(tmp_path / "chat"), datasets.Dataset.from_list(rows))
+    log = trainer.train()[-1]
+    assert "rewards/think_format_reward/mean" in log and "rewards/accuracy_reward/mean" in log
+    prompt, completion = seen[-1]
+    assert isinstance(prompt, list) and prompt[-1]["role"] == "user"
+    assert len(completion) == 1 and completion[0]["role"] == "assistant" and isinstance(completion[0]["content"], str)
+    seen.clear()
+    text_rows = [{"prompt": row["prompt"][-1]["content"], "answer": row["answer"]} for row in ROWS]
+    GRPOTrainer(str(tiny_model_dir), [recording], trl_args(tmp_path / "text"), text_rows).train()
+    assert isinstance(seen[-1][0], str) and isinstance(seen[-1][1], str)
 
 
 def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.advantages import compute_advantages
 from fastgrpo.grpo.policy_update import NonFiniteUpdate
+from fastgrpo.grpo.trl_form import reward_completion
 from fastgrpo.reward_calls import RewardFunc, RewardLog, TrainerState, reward_name
 from fastgrpo.rewards import function_metrics, reward_matrix
 from fastgrpo.rollout.sequence import GenerationOutput
@@ -24,12 +25,14 @@ def reward_inputs(
     turns: ToolTurns | None, full_rows: list[dict[str, Any]], out: GenerationOutput, tokenizer: PreTrainedTokenizerBase
 ) -> tuple[list[Any], list[Any], dict[str, Any]]:
     """``(prompts, completions, keyword arguments)`` for the reward functions of one completion per ``full_rows``
-    entry: the completions' text, or with tools as TRL hands them: each a list of messages (the assistant's turns and
+    entry: the completions' text (a message list for a conversational row of TRL's form, `reward_completion`), or
+    with tools as TRL hands them: each a list of messages (the assistant's turns and
     the tools' results, and the turn the token budget cut off), each prompt with its environment's reset text, and the
     environments as ``environments``."""
     prompts = [r["prompt"] for r in full_rows]
     if turns is None:
-        return prompts, tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True), {}
+        texts = tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True)
+        return prompts, [reward_completion(r, t) for r, t in zip(full_rows, texts, strict=True)], {}
     given = {"environments": turns.environments} if turns.environments is not None else {}
     return turns.prompts or prompts, turns.messages(out.completion_ids), given
 

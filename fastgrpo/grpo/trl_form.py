@@ -40,6 +40,20 @@ LORA_DEFAULTS = {
 }
 
 
+class TrlRow(dict):
+    """A dataset row handed to TRL's form, read by TRL's conventions: its prompt as given (a string encoded as it is,
+    messages through the chat template), and where the prompt is messages (a conversational row), each completion
+    handed to the reward functions as TRL hands it: ``[{"role": "assistant", "content": text}]``."""
+
+
+def reward_completion(row: dict[str, Any], text: str) -> str | list[dict[str, str]]:
+    """``text``, a completion of ``row``, as the reward functions get it: a message list for a conversational
+    `TrlRow`, else the text (fastgrpo's own rows, whose prompts it builds as messages, get text)."""
+    if isinstance(row, TrlRow) and isinstance(row["prompt"], list):
+        return [{"role": "assistant", "content": text}]
+    return text
+
+
 class FastgrpoArguments(NamedTuple):
     """What fastgrpo's trainer takes: the config, a loaded policy and tokenizer (None: loaded from ``config.model``),
     and the training and evaluation rows (None: read from ``config.dataset`` and ``config.eval_dataset``)."""
@@ -165,7 +179,7 @@ def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[st
         problem = prompt_problem(row["prompt"])
         if problem is not None:
             raise ValueError(f"{option} row {index}: prompt {problem}")
-        rows.append(dict(row))
+        rows.append(TrlRow(row))
     if not rows:
         raise ValueError(f"{option} has no rows")
     return rows
