@@ -5,7 +5,6 @@ trees costs before a rollout's first step (``settle``)."""
 from __future__ import annotations
 
 import time
-from collections import Counter
 from contextlib import nullcontext
 from typing import Any
 
@@ -21,7 +20,7 @@ from gpu_check_common import (
     tiny_draft,
     tiny_model,
 )
-from parked_rows import LateTools, watch_parked
+from parked_rows import LateTools, frequent_token, watch_parked
 
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
@@ -44,13 +43,6 @@ def merged_engine(model: Any, eos: list[int], backend: str) -> RolloutEngine:
     draft = tiny_draft(model, model.device)
     engine.speculate([EagleDrafter(draft, model, backend), SuffixDrafter()], tree=MERGED_TREE)
     return engine
-
-
-def frequent_token(model: Any, prompts: list[list[int]]) -> int:
-    """The token most of ``model``'s greedy continuations of ``prompts`` hold (an EOS that ends turns early)."""
-    free = RolloutEngine(model, []).generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
-    rows_with = Counter(t for c in free.completion_ids for t in set(c))
-    return max(rows_with, key=lambda t: (rows_with[t], -t))
 
 
 def section_parked(check: Check, section: Section) -> None:

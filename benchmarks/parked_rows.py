@@ -1,18 +1,29 @@
-"""Rows parked on tools while others decode, watched: tools that answer a few decoding steps late, and a check that
-every parked row finds its keys and values as it left them when it resumes. Shared by `gpu_check`'s ``parked``
-section and the test suite's (`test_tool_turns`)."""
+"""Rows parked on tools while others decode, watched: an EOS that ends turns early, tools that answer a few decoding
+steps late, and a check that every parked row finds its keys and values as it left them when it resumes. Shared by
+`gpu_check`'s ``parked`` section and the test suite's (`test_tool_turns`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 from unittest import mock
 
 import torch
 
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.turns import Parking
+from fastgrpo.sampling_params import SamplingParams
+
+
+def frequent_token(model: Any, prompts: list[list[int]]) -> int:
+    """The token most of ``model``'s greedy continuations of ``prompts`` hold, early (an EOS that ends turns, so that
+    rows call tools)."""
+    free = RolloutEngine(model, []).generate(prompts, SamplingParams(max_new_tokens=12, temperature=0.0))
+    rows_with = Counter(t for c in free.completion_ids for t in set(c))
+    return max(rows_with, key=lambda t: (rows_with[t], -t))
 
 
 @dataclass

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch._inductor.config
-from parked_rows import LateTools, watch_parked
+from parked_rows import LateTools, frequent_token, watch_parked
 from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
 from transformers import PreTrainedModel
 
@@ -61,13 +61,6 @@ class ScriptedTurns:
         return out
 
 
-def choose_eos(model: PreTrainedModel) -> int:
-    """A token the model's greedy continuations of `PROMPTS` hold in most rows, early (so that turns end)."""
-    free = RolloutEngine(model, [], None).generate(PROMPTS, SamplingParams(max_new_tokens=12, temperature=0))
-    rows_with = Counter(t for c in free.completion_ids for t in set(c))
-    return max(rows_with, key=lambda t: (rows_with[t], -t))
-
-
 def reference_turns(model: PreTrainedModel, prompt: list[int], eos: int, turns: ScriptedTurns, row: int) -> list[int]:
     """Greedy multi-turn completion: the whole conversation re-fed to ``generate`` at every turn."""
     completion: list[int] = []
@@ -94,7 +87,7 @@ def reference_turns(model: PreTrainedModel, prompt: list[int], eos: int, turns: 
 @pytest.fixture(scope="module")
 def model_eos() -> tuple[PreTrainedModel, int, DraftHead]:
     model = tiny_model("llama")
-    return model, choose_eos(model), trained_draft(model, epochs=10)
+    return model, frequent_token(model, PROMPTS), trained_draft(model, epochs=10)
 
 
 def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos) -> None:

@@ -340,8 +340,7 @@ class GRPOTrainer(TrlTrainerMethods):
         if self.dist.is_main:
 
             def write_model(path: Path) -> None:
-                self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
-                self.tokenizer.save_pretrained(path)
+                self.write_policy(path, weights)
                 self.rollouts.save(path, learners=not self.config.save_only_model)
 
             state: dict[str, Any] = {"config": config_to_dict(self.config)}
@@ -352,6 +351,12 @@ class GRPOTrainer(TrlTrainerMethods):
             path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)
         distributed.barrier()
         return path
+
+    def write_policy(self, path: Path, weights: dict[str, torch.Tensor] | None) -> None:
+        """The policy (``weights``: its full weights gathered under FSDP2; None: the module's own) and the tokenizer,
+        in transformers' format (rank 0)."""
+        self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
+        self.tokenizer.save_pretrained(path)
 
     def train(self) -> list[dict[str, float]]:
         """Run until ``max_steps``; returns the metrics of the steps run by this call (the same on every rank)."""

@@ -202,8 +202,7 @@ class TrlTrainerMethods:
     output_dir: Path
     dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
     update: Any  # its `PolicyUpdate`
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
+    write_policy: Callable[[Path, dict[str, Any] | None], None]  # the trainer's: the policy and its tokenizer
 
     @property
     def state(self) -> TrlState:
@@ -218,6 +217,5 @@ class TrlTrainerMethods:
         path = Path(output_dir) if output_dir is not None else self.output_dir
         weights, _, _ = self.update.full_state()
         if self.dist.is_main:
-            self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
-            self.tokenizer.save_pretrained(path)
+            self.write_policy(path, weights)
         distributed.barrier()
