@@ -5,7 +5,6 @@ the loaded model and tokenizer where given, the dataset's rows) before anything 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -16,6 +15,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.data.prompts import prompt_problem
+from fastgrpo.report import read_metrics
 
 # TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
 NOT_TAKEN = {
@@ -146,7 +146,7 @@ def from_trl(
 
 def apply_lora(config: GRPOConfig, peft_config: Any) -> None:
     """``config``'s LoRA options from a peft `LoraConfig` (rank, alpha, dropout, target modules); a setting fastgrpo's
-    LoRA does not have (bias, DoRA, rsLoRA, modules to save) is refused, named."""
+    LoRA does not have (any of `LORA_DEFAULTS` away from peft's default, or no target modules) is refused, named."""
     if type(peft_config).__name__ != "LoraConfig":
         raise ValueError(f"peft_config: a peft LoraConfig, got {type(peft_config).__name__}")
     for field, default in LORA_DEFAULTS.items():
@@ -207,8 +207,7 @@ class TrlTrainerMethods:
     @property
     def state(self) -> TrlState:
         path = self.output_dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.is_file() else []
-        history = [json.loads(line) for line in lines if line.strip()]
+        history = read_metrics(self.output_dir) if path.is_file() and path.stat().st_size else []
         return TrlState(history, int(history[-1]["step"]) if history else 0)
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
