@@ -59,7 +59,7 @@ def test_rollouts_compile_only_while_settling(
         torch.manual_seed(0)
         drafters = [EagleDrafter(DraftHead(model.config).double(), model, "eager"), SuffixDrafter()]
         profile = flat_profile()  # trees win: every step that can draft one does
-        controller = AdaptiveController(profile, ControllerLimits(n_max=3), drafters=priced(drafters))
+        controller = AdaptiveController(profile, ControllerLimits(n_max=8), drafters=priced(drafters))
         merges, backlogs, proposals = [], [], []  # eager merges, eager catch-ups' backlogs, proposals
         merge, catch_up, propose = drafter_module.merge_trees, EagleDrafter._catch_up, EagleDrafter._propose
         monkeypatch.setattr(drafter_module, "merge_trees", lambda *a: merges.append(1) or merge(*a))
@@ -88,8 +88,10 @@ def test_rollouts_compile_only_while_settling(
     if speculation == "adaptive":
         assert all(s.tree_nodes for s in stats), "every call verified trees"
         eagle = drafters[0]
-        kinds = {(s.top_k == 1, s.levels) for s in controller.shapes if s.speculative}
-        assert eagle.compile_graphs == len(kinds), "one proposal graph per depth (and top-1), merged or alone alike"
+        kinds = {s.levels == 1 for s in controller.shapes if s.speculative}
+        assert len({s.nodes for s in controller.shapes if s.speculative}) > len(kinds) == 2
+        assert eagle.compile_graphs == len(kinds), "two proposal graphs: one level, and the rest; merged or alone"
+        assert eagle.compile_shapes == len(kinds) * len(menu.rows)
         assert sum(s.drafter_steps.get("eagle+suffix", 0) for s in stats) > 0, "merged trees were verified"
         assert not merges and min(backlogs) > CATCH_UP_WIDTH and len(backlogs) < len(proposals), (backlogs, proposals)
 

@@ -16,8 +16,10 @@ from fastgrpo.rollout.tree import (
     TreeShape,
     ancestor_mask,
     best_subtree,
+    cut_trees,
     empty_tree,
     merge_trees,
+    pad_tree,
 )
 from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.merged import priced
@@ -153,6 +155,23 @@ def test_merging_keeps_the_best_nodes_of_both_trees_once_each() -> None:
     alone = merge_trees(drafted, empty_tree(1, 4, 3, torch.device("cpu")), nodes=4)
     for field in ("tokens", "parent", "node_depth", "ancestors", "rank", "score"):
         assert torch.equal(getattr(alone, field), getattr(drafted, field)), field
+
+
+def test_a_wide_merge_cut_to_each_size_is_the_merge_of_that_size() -> None:
+    """A compiled EAGLE proposal merges its widest tree with the other drafter's tree widened by padding
+    (`pad_tree`), then cuts the result to the size asked for (`cut_trees`): the paths and scores of merging the
+    trees of that size."""
+    eagle = tree([5, 10, 11, 12, 20, 21], [-1, 0, 0, 1, 3, 2], [0.0, -0.1, -2.0, -0.5, -0.7, -2.5])
+    suffix = tree([5, 10, 13, 14], [-1, 0, 1, 2], [0.0, -0.05, -0.2, -0.3])
+    empty = empty_tree(1, 6, 4, torch.device("cpu"))
+    wide = pad_tree(suffix, empty)
+    assert wide.tokens.shape == (1, 6) and paths(merge_trees(suffix, empty, 4)) == paths(suffix)
+    assert torch.equal(wide.ancestors, ancestor_mask(wide.parent, 4))
+    cuts = cut_trees(merge_trees(eagle, wide, 6), (2, 3, 4, 6))
+    for size, cut in zip((2, 3, 4, 6), cuts, strict=True):
+        own = best_subtree(eagle.tokens, eagle.parent, eagle.node_depth, eagle.score, size, 4)
+        assert paths(cut) == pytest.approx(paths(merge_trees(own, suffix, size))), size
+        assert torch.equal(cut.ancestors, ancestor_mask(cut.parent, 4)), size
 
 
 def flat(target: float = 0.05) -> LatencyProfile:

@@ -89,6 +89,38 @@ def empty_tree(rows: int, nodes: int, levels: int, device: torch.device) -> Draf
     return DraftTree(torch.zeros_like(index), parent, (index > 0).long(), ancestors, index.clone(), levels, score)
 
 
+def pad_tree(tree: DraftTree, empty: DraftTree) -> DraftTree:
+    """``tree`` ``[B, N]`` widened to the ``[B, W]`` of ``empty`` (`empty_tree`'s, its ``levels`` kept) by its
+    padding nodes after ``tree``'s own (children of the root scoring ``-inf``): merged with another tree
+    (`merge_trees`), it gives what ``tree`` gives."""
+    n, width = tree.tokens.shape[1], empty.tokens.shape[1]
+
+    def widen(own: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return torch.cat([own, padding[:, n:]], 1)
+
+    ancestors = torch.nn.functional.pad(tree.ancestors, (0, width - n))
+    return DraftTree(
+        widen(tree.tokens, empty.tokens),
+        widen(tree.parent, empty.parent),
+        widen(tree.node_depth, empty.node_depth),
+        widen(ancestors, empty.ancestors),
+        widen(tree.rank, empty.rank),
+        empty.levels,
+        None if tree.score is None else widen(tree.score, empty.score),
+    )
+
+
+def cut_trees(tree: DraftTree, sizes: tuple[int, ...]) -> tuple[DraftTree, ...]:
+    """The tree of every size of ``sizes`` (at most ``N``) that `best_subtree` cuts from ``tree`` ``[B, N]`` (with
+    scores): for each, its best ``size - 1`` nodes, the tree a drafter would have kept of that size from the same
+    candidates. Fixed shapes: one graph gives the trees of every size."""
+    n = tree.tokens.shape[1]
+    return tuple(
+        tree if size == n else best_subtree(tree.tokens, tree.parent, tree.node_depth, tree.score, size, tree.levels)
+        for size in sizes
+    )
+
+
 def _path_keys(tree: DraftTree) -> torch.Tensor:
     """``[B, N]`` int64 a hash of each node's path from the root (the set of its ancestors' (depth, token) pairs):
     equal paths get equal keys, different ones different keys but for a collision of 64-bit hashes."""

@@ -27,9 +27,10 @@ from fastgrpo.rollout.compiled import Compiled, RowPadding, map_tensors
 from fastgrpo.rollout.drafter import Drafter, Emitted, Learner, Prefill, Proposal
 from fastgrpo.rollout.sequence import ActiveRows
 from fastgrpo.rollout.shape_menu import depth_bucket, star_tree
-from fastgrpo.rollout.tree import DraftTree, TreeShape, empty_tree
+from fastgrpo.rollout.tree import DraftTree, TreeShape, empty_tree, pad_tree
 from fastgrpo.speculative.eagle.expansion import catch_up, draft_step, expand_tree
 from fastgrpo.speculative.eagle.head import DraftHead
+from fastgrpo.speculative.eagle.pending import PendingPairs
 from fastgrpo.speculative.profiler import LatencyProfile
 
 NAME = "eagle"
@@ -61,82 +62,6 @@ class EagleCost:
         return seconds
 
 
-@dataclass
-class PendingPairs:
-    """The draft's per-row state: ``draft_len`` ``[B]`` filled draft cache slots, and the (token, preceding target
-    hidden state) pairs ``tokens``/``hidden`` ``[B, C + 1]``/``[B, C + 1, H]`` that the draft cache has not read yet,
-    the first ``count[b]`` of row ``b``; the capacity ``C`` grows by doubling and the last column is a spare one that
-    writes of nothing go to. ``host_len`` and ``host_count`` hold ``draft_len`` and ``count`` on the host."""
-
-    draft_len: torch.Tensor
-    tokens: torch.Tensor
-    hidden: torch.Tensor
-    count: torch.Tensor
-    host_len: list[int]
-    host_count: list[int]
-
-    def select(self, order: list[int], index: torch.Tensor) -> PendingPairs:
-        return PendingPairs(
-            self.draft_len[index],
-            self.tokens[index],
-            self.hidden[index],
-            self.count[index],
-            [self.host_len[p] for p in order],
-            [self.host_count[p] for p in order],
-        )
-
-    def joined(self, other: PendingPairs) -> PendingPairs:
-        """These rows followed by ``other``'s (capacities widened to the larger one)."""
-        cap = max(self.tokens.shape[1], other.tokens.shape[1])
-
-        def widen(t: torch.Tensor) -> torch.Tensor:
-            return torch.cat([t, t.new_zeros(t.shape[0], cap - t.shape[1], *t.shape[2:])], 1)
-
-        return PendingPairs(
-            torch.cat([self.draft_len, other.draft_len]),
-            torch.cat([widen(self.tokens), widen(other.tokens)]),
-            torch.cat([widen(self.hidden), widen(other.hidden)]),
-            torch.cat([self.count, other.count]),
-            self.host_len + other.host_len,
-            self.host_count + other.host_count,
-        )
-
-    def window(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[B, width]`` tokens and ``[B, width, H]`` hidden states of the first ``width`` columns (zeros past the
-        capacity), contiguous (a compiled graph guards on its inputs' strides)."""
-        missing = width - self.tokens.shape[1]
-        if missing <= 0:
-            return self.tokens[:, :width].contiguous(), self.hidden[:, :width].contiguous()
-        b, h = self.hidden.shape[0], self.hidden.shape[-1]
-        tokens = torch.cat([self.tokens, self.tokens.new_zeros(b, missing)], 1)
-        return tokens, torch.cat([self.hidden, self.hidden.new_zeros(b, missing, h)], 1)
-
-    def consumed(self, draft_len: torch.Tensor) -> None:
-        """The draft cache read every pending pair: it now fills ``draft_len`` ``[B]`` slots."""
-        self.draft_len, self.count = draft_len, torch.zeros_like(self.count)
-        self.host_len = [n + c for n, c in zip(self.host_len, self.host_count, strict=True)]
-        self.host_count = [0] * len(self.host_count)
-
-    def push(self, tokens: torch.Tensor, hidden: torch.Tensor, count: torch.Tensor, host_count: list[int]) -> None:
-        """Append ``count[b]`` (token ``[B, E]``, hidden ``[B, E, H]``) pairs to each row's pending pairs
-        (``host_count``: ``count`` on the host)."""
-        b, e = tokens.shape
-        self.host_count = [c + n for c, n in zip(self.host_count, host_count, strict=True)]
-        need, cap = max(self.host_count), self.tokens.shape[1] - 1
-        if need > cap:
-            grown = max(need, 2 * cap)
-            new_tok = self.tokens.new_zeros(b, grown + 1)
-            new_hid = self.hidden.new_zeros(b, grown + 1, hidden.shape[-1])
-            new_tok[:, :cap], new_hid[:, :cap] = self.tokens[:, :cap], self.hidden[:, :cap]
-            self.tokens, self.hidden, cap = new_tok, new_hid, grown
-        steps = torch.arange(e, device=tokens.device)[None, :]
-        index = torch.where(steps < count[:, None], self.count[:, None] + steps, cap)  # the spare column
-        rows = torch.arange(b, device=tokens.device)[:, None]
-        self.tokens[rows, index] = tokens  # index assignment, not scatter_ (slow on bfloat16, see cache.py)
-        self.hidden[rows, index] = hidden.to(self.hidden.dtype)
-        self.count = self.count + count
-
-
 class EagleDrafter(Drafter):
     """Proposes trees with ``draft`` for the target ``model`` (whose embedding and LM head it shares); with a
     compile ``backend`` (of ``torch.compile``) the tree's expansion runs compiled (`fastgrpo.rollout.compiled`), over
@@ -163,6 +88,7 @@ class EagleDrafter(Drafter):
         self._weights: tuple[tuple[int, int], ...] | None = None  # see `begin`
         self._step = Compiled(draft_step, backend, f"{NAME}_proposal")
         self._empty: dict[tuple, DraftTree] = {}  # `_empty_tree`'s, by size and device
+        self._groups: dict[TreeShape, tuple[TreeShape, tuple[int, ...]]] = {}  # see `expansion`
 
     @property
     def compile_seconds(self) -> float:
@@ -235,8 +161,34 @@ class EagleDrafter(Drafter):
         return max(self.state.host_count)
 
     def cost(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
-        """The profiled draft forwards: the tree's levels, and the catch-up beyond one token per row."""
-        return 0.0 if self.price is None else self.price(rows, shape, backlog)
+        """The profiled draft forwards: the levels of the tree it expands (`expansion`), and the catch-up beyond one
+        token per row."""
+        return 0.0 if self.price is None else self.price(rows, self.expansion(shape)[0], backlog)
+
+    def deepest(self, shape: TreeShape) -> int:
+        return min(self.expansion(shape)[0].levels, shape.nodes - 1)
+
+    def expansion(self, shape: TreeShape) -> tuple[TreeShape, tuple[int, ...]]:
+        """The tree a proposal of ``shape`` expands, and the sizes its graph cuts that tree to (`draft_step`): the
+        shape itself eagerly, or compiled before `settle` has met it. Compiled, the shapes `settle` ran share two
+        graphs: those of one draft level (the root's children) expand the widest of them, and the others the
+        widest, deepest tree of any (EAGLE-2's fixed expansion, cut to the size asked for); every tree of a size is
+        then the best nodes of the next larger one's, and a run compiles and records two proposals per row bucket
+        instead of one per tree size."""
+        bare = dataclasses.replace(shape, drafter="")
+        return self._groups.get(bare, (bare, (bare.nodes,)))
+
+    def _plan(self, shapes: list[TreeShape]) -> None:
+        """Group ``shapes`` by `expansion`'s rule."""
+        kinds = {dataclasses.replace(s, drafter="") for s in shapes if s.speculative}
+        for shallow in (True, False):
+            group = [s for s in kinds if (s.levels == 1) == shallow]
+            if not group:
+                continue
+            # as deep as the deepest of them: no tree deeper than the engine's walk (`fastgrpo.rollout.shape_menu`)
+            widest = TreeShape(*(max(getattr(s, f) for s in group) for f in ("nodes", "top_k", "levels")))
+            sizes = tuple(sorted({s.nodes for s in group}))
+            self._groups.update({s: (widest, sizes) for s in group})
 
     def accepted(self, rows: ActiveRows, emitted: Emitted) -> None:
         self.state.push(emitted.tokens, emitted.hidden, emitted.count, emitted.host_count)
@@ -297,29 +249,28 @@ class EagleDrafter(Drafter):
             row_inputs = (state.draft_len, rows.pending, root_hidden, rows.row_len)
             tree = expand_tree(self.draft, embed, head, self.cache, *row_inputs, shape, max(state.host_len))
             return Proposal(tree, shape.levels, backlog_seconds)
-        # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the trees and merges
-        # ``earlier``'s (or an empty tree's), over rows padded to their bucket and the most slots the shape's expansion
-        # may read (`_expansion_slots`), as the target's steps are; the shape without its drafter's name.
-        shape = dataclasses.replace(shape, drafter="")
+        # Compiled: one graph reads each row's pending pairs (`CATCH_UP_WIDTH` columns), expands the tree of
+        # `expansion`, merges ``earlier``'s (or an empty tree's) and cuts the result to every size of its group, over
+        # rows padded to their bucket and the most slots the expansion may read (`_expansion_slots`), as the target's
+        # steps are; the shape without its drafter's name.
+        expansion, sizes = self.expansion(shape)
         backlog_seconds = 0.0
         if max(state.host_count) > CATCH_UP_WIDTH:  # a long backlog (the prompt, plain steps) read first
             self._catch_up(state, embed, keep_last=True)
             backlog_seconds = (time.perf_counter() - t0) * share
-        longest = self._expansion_slots(shape)  # `cache_slots` leaves the room
+        longest = self._expansion_slots(expansion)  # `cache_slots` leaves the room
         padding = RowPadding(rows.size, rows.pending.device)
         tokens, hidden = state.window(CATCH_UP_WIDTH)
         inputs = (state.draft_len, tokens, hidden, state.count, rows.pending, rows.row_len)
         padded = [padding.pad(t) for t in inputs]
-        levels = depth_bucket(shape.nodes - 1)  # the merge's walk as deep as any kept node may be
-        if earlier is None:  # alone, the tree merges with an empty one: one graph, merged or alone
-            other = self._empty_tree(padding.rows, shape.nodes, levels, padding.device)
-        else:
-            other = map_tensors(padding.pad, dataclasses.replace(earlier.tree, levels=levels))
-        tree, draft_len = self._step(
-            rows.pending.device, self.draft, embed, head, self.cache, *padded, shape, longest, other
+        # alone, the tree merges with an empty one: one graph, merged or alone, whatever the other's size
+        empty = self._empty_tree(padding.rows, expansion.nodes, depth_bucket(expansion.nodes - 1), padding.device)
+        other = empty if earlier is None else pad_tree(map_tensors(padding.pad, earlier.tree), empty)
+        trees, draft_len = self._step(
+            rows.pending.device, self.draft, embed, head, self.cache, *padded, expansion, longest, other, sizes
         )
         state.consumed(padding.cut(draft_len))
-        proposal = Proposal(padding.cut(tree), shape.levels, backlog_seconds)
+        proposal = Proposal(padding.cut(trees[sizes.index(shape.nodes)]), expansion.levels, backlog_seconds)
         if earlier is not None:
             proposal.forwards += earlier.forwards
             proposal.backlog_seconds += earlier.backlog_seconds
@@ -342,26 +293,27 @@ class EagleDrafter(Drafter):
         return () if self.cache is None else (self.cache,)
 
     def settle(self, rows: list[int], shapes: list[TreeShape]) -> None:
-        """Run the compiled proposal for every shape of ``shapes`` (merged with another drafter's tree where its
-        drafters are several), at every row count of ``rows``, from dummy pairs, as many times as a new shape runs
-        before its graph replays."""
+        """Group ``shapes`` by the trees they expand (`expansion`) and run the compiled proposal of each group
+        (merged with another drafter's tree: alone it merges with an empty one), at every row count of ``rows``,
+        from dummy pairs, as many times as a new shape runs before its graph replays."""
         if not self._step.compiled:
             return
+        self._plan(shapes)
         embed, head = self.model.get_input_embeddings(), self.model.get_output_embeddings()
         param = next(self.draft.parameters())
         dev, hidden_size = param.device, self.draft.body.config.hidden_size
         warm = self._step.warm_calls(dev)  # calls of a new shape before its graph replays
-        kinds = {dataclasses.replace(s, drafter="") for s in shapes}
-        for shape, count in itertools.product(kinds, rows):
-            slots = self._expansion_slots(shape)
-            other = star_tree(count, shape.nodes, depth_bucket(shape.nodes - 1), dev)
+        groups = {self.expansion(s) for s in shapes if s.speculative}
+        for (expansion, sizes), count in itertools.product(groups, rows):
+            slots = self._expansion_slots(expansion)
+            other = star_tree(count, expansion.nodes, depth_bucket(expansion.nodes - 1), dev)
             # distinct tensors, as a proposal's are (torch guards on which arguments are the same object)
             draft_len, root, position = (torch.zeros(count, dtype=torch.long, device=dev) for _ in range(3))
             tokens = torch.zeros(count, CATCH_UP_WIDTH, dtype=torch.long, device=dev)
             hidden = torch.zeros(count, CATCH_UP_WIDTH, hidden_size, dtype=param.dtype, device=dev)
             inputs = (draft_len, tokens, hidden, torch.ones_like(draft_len), root, position)
             for _ in range(warm):
-                self._step(dev, self.draft, embed, head, self.cache, *inputs, shape, slots, other)
+                self._step(dev, self.draft, embed, head, self.cache, *inputs, expansion, slots, other, sizes)
 
     def _catch_up(self, state: PendingPairs, embed: nn.Module, keep_last: bool = False) -> torch.Tensor:
         """Feed the pending pairs to the draft cache; returns ``[B, H]`` the draft's output for each row's last pair

@@ -10,7 +10,7 @@ from torch import nn
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.forward import forward_block, forward_chain
-from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree, merge_trees
+from fastgrpo.rollout.tree import DraftTree, TreeShape, best_subtree, cut_trees, merge_trees
 from fastgrpo.speculative.eagle.head import DraftHead
 
 
@@ -48,15 +48,17 @@ def draft_step(
     shape: TreeShape,
     longest: int,
     other: DraftTree,
-) -> tuple[DraftTree, torch.Tensor]:
+    sizes: tuple[int, ...],
+) -> tuple[tuple[DraftTree, ...], torch.Tensor]:
     """A compiled proposal in one graph: `catch_up` the pending pairs (``tokens``, ``hidden``, ``count`` as there,
-    reading ``longest`` slots), `expand_tree` from each row's last one and `merge_trees` this drafter's tree with
-    ``other`` (``[B, N]`` trees of another drafter, or `fastgrpo.rollout.tree.empty_tree`'s: the tree alone). Returns
-    the tree and ``[B]`` the filled draft slots after the catch-up."""
+    reading ``longest`` slots), `expand_tree` from each row's last one, `merge_trees` this drafter's tree with
+    ``other`` (``[B, N]`` trees of another drafter, or `fastgrpo.rollout.tree.empty_tree`'s: the tree alone) and cut
+    the merged tree to every size of ``sizes`` (`cut_trees`: one graph for the trees of every size). Returns the
+    trees and ``[B]`` the filled draft slots after the catch-up."""
     root_hidden = catch_up(draft, embed, cache, draft_len, tokens, hidden, count, longest)
     draft_len = draft_len + count
     tree = expand_tree(draft, embed, lm_head, cache, draft_len, root_token, root_hidden, root_position, shape, longest)
-    return merge_trees(tree, other, shape.nodes), draft_len
+    return cut_trees(merge_trees(tree, other, shape.nodes), sizes), draft_len
 
 
 def _topk_logprobs(draft: DraftHead, lm_head: nn.Module, hidden: torch.Tensor, k: int):
