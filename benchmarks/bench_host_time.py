@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from record import REPO, Record
 
 from fastgrpo.config import ControllerLimits
@@ -139,13 +140,12 @@ def controller_times(rows: int, trees_win: bool, steps: int) -> list[object]:
         if shape.speculative:
             levels = controller.levels(shape)
             if shape not in draws:  # drawn once per shape: the draws are not the controller's time
-                draws[shape] = [
-                    (
-                        [min(levels, int(rng.expovariate(0.5))) for _ in range(rows)],
-                        [[rank(shape.nodes) for _ in range(levels)] for _ in range(rows)],
-                    )
-                    for _ in range(16)
-                ]
+                draws[shape] = []
+                for _ in range(16):
+                    accepted = [min(levels, int(rng.expovariate(0.5))) for _ in range(rows)]
+                    # as the engine reports them: the tree's size past each row's accepted nodes
+                    ranks = [[rank(shape.nodes) if d < a else shape.nodes for d in range(levels)] for a in accepted]
+                    draws[shape].append((accepted, np.array(ranks, dtype=np.int64)))
             accepted, path_rank = draws[shape][step % 16]
             seconds = 0.006
         t2 = time.process_time()

@@ -8,6 +8,7 @@ import random
 import time
 from functools import partial
 
+import numpy as np
 import pytest
 import torch
 from conftest import ProfiledLevels, adaptive, plugin_probes
@@ -549,7 +550,7 @@ def test_a_verification_teaches_every_smaller_tree_what_it_would_have_accepted()
     nothing from it."""
     controller = adaptive(flat_profile(), prior_rows=0)  # one measurement replaces the prior
     big = TreeShape(32, 8, 5)
-    path_rank = [[1, 5, 9, 32, 32], [2, 32, 32, 32, 32]]
+    path_rank = np.array([[1, 5, 9, 32, 32], [2, 32, 32, 32, 32]])
     controller.observe(2, big, 0.06, [3, 1], path_rank)
     assert controller._fractions(big)[:3] == pytest.approx([1.0, 0.5, 0.5])
     assert controller._fractions(TreeShape(4, 3, 3))[:3] == pytest.approx([1.0, 0.0, 0.0])

@@ -203,7 +203,7 @@ def test_the_controller_runs_the_drafter_that_pays_and_probes_the_others() -> No
         if shape.speculative:  # the suffix drafter's trees accept 3 tokens, the others none
             accepted = [3 if shape.drafter == "suffix" else 0] * 4
             ranks = [[1, 2, 3, shape.nodes] if shape.drafter == "suffix" else [shape.nodes] * 4] * 4
-            controller.observe(4, shape, controller._profiled_seconds(4, shape), accepted, ranks)
+            controller.observe(4, shape, controller._profiled_seconds(4, shape), accepted, np.array(ranks))
         else:
             controller.observe(4, shape, controller._profiled_seconds(4, shape), None)
     assert chosen[-20:].count("suffix") >= 10, chosen

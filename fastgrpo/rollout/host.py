@@ -12,21 +12,27 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
-def read_back(*tensors: torch.Tensor) -> list[list]:
+def read_back(*tensors: torch.Tensor, arrays: int = 0) -> list:
     """The values of ``tensors`` on the host, in one copy (one synchronisation on a GPU).
 
     Each tensor comes back as a nested list of its shape: ``int`` values for integer and boolean tensors, ``float``
-    for floating ones (read in float64, which holds every token id and float32 log-probability exactly)."""
+    for floating ones (read in float64, which holds every token id and float32 log-probability exactly); the last
+    ``arrays`` integer tensors as int64 numpy arrays instead (for arithmetic over them on the host)."""
     flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
     host = flat.cpu().numpy()
     out, start = [], 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
         part = host[start : start + t.numel()].reshape(t.shape)
         start += t.numel()
-        out.append(part.tolist() if t.is_floating_point() else part.astype("int64").tolist())
+        if t.is_floating_point():
+            out.append(part.tolist())
+        else:
+            part = part.astype("int64")
+            out.append(part if i >= len(tensors) - arrays else part.tolist())
     return out
 
 
@@ -63,12 +69,13 @@ class HostStep:
     logprobs: list[list[float]]
     eos: list[list[int]]
     count: list[int]
-    path_rank: list[list[int]] | None = None
+    path_rank: np.ndarray | None = None
     deepest: list[int] | None = None
 
     @classmethod
     def read(cls, verified: Verified, eos: torch.Tensor) -> HostStep:
         tensors = [verified.tokens, verified.logprobs, torch.isin(verified.tokens, eos), verified.count]
-        if verified.path_rank is not None:
-            tensors += [verified.path_rank, verified.deepest]
-        return cls(*read_back(*tensors))
+        if verified.path_rank is None:
+            return cls(*read_back(*tensors))
+        *read, deepest, path_rank = read_back(*tensors, verified.deepest, verified.path_rank, arrays=1)
+        return cls(*read, path_rank, deepest)

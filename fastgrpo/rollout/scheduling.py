@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+
 from fastgrpo.rollout.tree import TreeShape
 
 AUTOREGRESSIVE = TreeShape(1, 1, 1)
@@ -43,11 +45,11 @@ class Controller(Protocol):
         shape: TreeShape,
         seconds: float | None,
         accepted: list[int] | None,
-        path_rank: list[list[int]] | None = None,
+        path_rank: np.ndarray | None = None,
     ) -> float:
         """A step ran: its wall time (None when it compiled or warmed up a graph: that time is the compiler's) and,
-        for a speculative step, the draft tokens each of the ``B`` rows accepted and (``[B][D]``) the score rank of
-        each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's accepted ones), which tells what a
+        for a speculative step, the draft tokens each of the ``B`` rows accepted and (``[B, D]`` int64) the score rank
+        of each accepted draft node (`DraftTree.rank`; at least ``N`` past the row's accepted ones), which tells what a
         smaller tree drafted from the same candidates would have accepted. Returns the seconds the step saved
         against plain steps emitting as many tokens, as far as it can tell (0.0 where it prices no step)."""
         ...
@@ -74,7 +76,7 @@ class StatelessController:
         shape: TreeShape,
         seconds: float | None,
         accepted: list[int] | None,
-        path_rank: list[list[int]] | None = None,
+        path_rank: np.ndarray | None = None,
     ) -> float:
         return 0.0
 

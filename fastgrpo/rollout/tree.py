@@ -25,6 +25,15 @@ class TreeShape:
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.top_k < 1 or self.max_levels < 1:
             raise ValueError(f"tree shape needs nodes, top_k, max_levels >= 1, got {self}")
+        # hashed once: the adaptive controller looks shapes up in dicts many times a step
+        object.__setattr__(self, "_hash", hash((self.nodes, self.top_k, self.max_levels, self.drafter)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def fits_in(self, other: TreeShape) -> bool:
+        """Whether its nodes, top_k and max_levels are each at most ``other``'s."""
+        return self.nodes <= other.nodes and self.top_k <= other.top_k and self.max_levels <= other.max_levels
 
     @property
     def speculative(self) -> bool:

@@ -5,9 +5,10 @@ would have accepted on that step (`nested_acceptance`), and every shape's estima
 
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections.abc import Callable
+
+import numpy as np
 
 from fastgrpo.rollout.tree import TreeShape
 
@@ -23,21 +24,22 @@ def depth_fractions(accepted: list[int], depth_cap: int) -> list[float]:
 
 
 def nested_acceptance(
-    candidates: list[TreeShape], levels: Callable[[TreeShape], int], path_rank: list[list[int]], depth_cap: int
+    candidates: list[TreeShape],
+    levels: Callable[[TreeShape], int],
+    path_rank: np.ndarray | list[list[int]],
+    depth_cap: int,
 ) -> list[list[float]]:
     """For each of ``candidates`` (trees of the same draft candidates, no bigger than the one verified), per depth up
     to ``depth_cap``, the fraction of rows that would have accepted a draft token at that depth on this step: a tree
     of ``n`` nodes keeps the best ``n - 1`` candidates down to its own depth (``levels``), so a row accepts the
-    leading nodes of its path (``path_rank`` ``[B][D]``, the score ranks of its accepted path) of rank below ``n``:
-    those whose running maximum rank is below ``n``. (EAGLE-2 expands only the best K nodes of each level, so a
-    smaller K can expand a node a larger one does not; the estimate ignores that.)"""
-    highest = [list(itertools.accumulate(ranks, max)) for ranks in path_rank]
-    rows = max(len(path_rank), 1)
-    depths = range(depth_cap)
-    by_depth = [sorted(h[d] for h in highest if len(h) > d) for d in depths]
-    return [
-        [bisect.bisect_left(by_depth[d], c.nodes) / rows if d < levels(c) else 0.0 for d in depths] for c in candidates
-    ]
+    leading nodes of its path (``path_rank`` ``[B, D]`` int, the score ranks of its accepted path, the tree's size
+    past it) of rank below ``n``: those whose running maximum rank is below ``n``. (EAGLE-2 expands only the best K
+    nodes of each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
+    highest = np.maximum.accumulate(np.asarray(path_rank)[:, :depth_cap], axis=1)  # [B, D]
+    sizes = np.array([c.nodes for c in candidates], dtype=highest.dtype)
+    reached = ((highest[:, :, None] < sizes).sum(axis=0) / max(len(highest), 1)).T.tolist()  # [C, D]
+    padding = [0.0] * depth_cap
+    return [(r[: levels(c)] + padding)[:depth_cap] for c, r in zip(candidates, reached, strict=True)]
 
 
 def estimates(

@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from fastgrpo.config import ControllerLimits
 from fastgrpo.rollout.drafter import Drafter
@@ -40,9 +43,8 @@ class AdaptiveController:
       score ranks of the accepted path), so that small trees are compared with big ones on the same steps. Since a
       bigger tree accepts at least what a smaller one does, each depth's estimate is at least that of every
       smaller measured shape; a shape never measured takes the biggest smaller measured one's (a lower bound) and,
-      deeper, the depth averages pooled over the shapes that ran (starting from ``prior_accept ** d``, which weighs
-      as much as ``prior_rows`` observed rows, so that the first step, often of one or two rows, does not replace
-      it);
+      deeper, the depth averages pooled over the shapes that ran (from ``prior_accept ** d``, weighing as much as
+      ``prior_rows`` observed rows: the first step, often of one or two rows, does not replace it);
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
       `Drafter.cost`), times a correction factor: observed over profiled step time, averaged separately for
       autoregressive steps and each drafter's and for each power-of-two band of tokens in the target forward
@@ -112,10 +114,9 @@ class AdaptiveController:
         self.shape_accept: dict[TreeShape, list[float]] = {}  # per shape, P(accepted >= d + 1)
         # per drafter, `acceptance.estimates` and `expected_tokens` of its shapes, until it is next observed (`_forget`)
         self._estimates: dict[str, dict[TreeShape, list[float]]] = {}
-        self._expected: dict[TreeShape, float] = {}
+        self._expected: dict[str, dict[TreeShape, float]] = {}
         self._forwards: dict[tuple[int, int], float] = {}  # the profile's forward times by (rows, nodes)
-        self.correction: dict[tuple[str, int | None], float] = {("ar", None): 1.0}
-        self.correction |= {(self._kind(s), None): 1.0 for s in self.shapes}
+        self.correction: dict[tuple[str, int | None], float] = {(self._kind(s), None): 1.0 for s in self.shapes}
         self._counts: dict[object, int] = {}  # observations behind each average (its first ones weigh more)
         self._interval = self.probe_interval
         self._since_probe = 0
@@ -147,7 +148,7 @@ class AdaptiveController:
         name = shape.drafter
         estimates = self._estimates.get(name)
         if estimates is None or shape not in estimates:
-            group = {s for s in (*self.groups[name], *self.shape_accept, shape) if s.drafter == name and s.speculative}
+            group = {*self.groups[name], shape}  # the shapes measured (`shape_accept`) are candidates of the groups
             estimates = self._estimates[name] = acceptance.estimates(
                 group, self.shape_accept, self.pooled[name], self.levels
             )
@@ -158,30 +159,31 @@ class AdaptiveController:
         deep level not run yet keeps its prior, which must not outweigh a measured zero at depth 1)."""
         if not shape.speculative:
             return 1.0
-        total = self._expected.get(shape)
+        expected = self._expected.setdefault(shape.drafter, {})
+        total = expected.get(shape)
         if total is None:
             total, reached = 1.0, 1.0
             for fraction in self._fractions(shape)[: self.levels(shape)]:
                 reached = min(reached, fraction)
                 total += reached
-            self._expected[shape] = total
+            expected[shape] = total
         return total
 
     @staticmethod
+    @functools.cache
     def _kind(shape: TreeShape) -> str:
         """Whose step times a correction averages: plain steps', or those of a drafter's trees."""
         return "ar" if shape.nodes == 1 else f"spec:{shape.drafter}" if shape.drafter else "spec"
 
     def _forward_seconds(self, rows: int, nodes: int) -> float:
         """The profile's target forward over ``rows`` rows of ``nodes`` tokens (looked up once per shape)."""
-        seconds = self._forwards.get((rows, nodes))
-        if seconds is None:
-            seconds = self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
-        return seconds
+        if (rows, nodes) not in self._forwards:
+            self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
+        return self._forwards[rows, nodes]
 
-    def _profiled_seconds(self, rows: int, shape: TreeShape, draft: float | None = None) -> float:
-        """Step time the latency profile predicts: the target forward plus the drafter's cost (``draft``, if known)."""
-        return self._forward_seconds(rows, shape.nodes) + (self.draft_seconds(rows, shape) if draft is None else draft)
+    def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
+        """Step time the latency profile predicts: the target forward plus the drafter's cost."""
+        return self._forward_seconds(rows, shape.nodes) + self.draft_seconds(rows, shape)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
         """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
@@ -194,9 +196,9 @@ class AdaptiveController:
 
     def _tree_seconds(self, rows: int, shape: TreeShape, plain: float) -> float:
         """`predicted_seconds` of a tree ``shape``, given a plain step's (``plain``)."""
-        draft = self.draft_seconds(rows, shape)
-        corrected = self._correction(self._kind(shape), rows * shape.nodes) * self._profiled_seconds(rows, shape, draft)
-        return max(corrected, plain + draft)
+        draft = self.drafters[shape.drafter].cost(rows, shape)
+        forward = self._forwards.get((rows, shape.nodes)) or self._forward_seconds(rows, shape.nodes)
+        return max(self._correction(self._kind(shape), rows * shape.nodes) * (forward + draft), plain + draft)
 
     def _correction(self, kind: str, tokens: int) -> float:
         """Observed over profiled step time for this kind of step with about ``tokens`` tokens in its forward: its own
@@ -336,7 +338,7 @@ class AdaptiveController:
         shape: TreeShape,
         seconds: float | None,
         accepted: list[int] | None,
-        path_rank: list[list[int]] | None = None,
+        path_rank: np.ndarray | None = None,
     ) -> float:
         """`fastgrpo.rollout.scheduling.Controller.observe`; returns the seconds a timed tree step saved (`guard`)."""
         self._steps, saved = self._steps + 1, 0.0
@@ -347,21 +349,19 @@ class AdaptiveController:
         if accepted is None or shape.nodes == 1:
             return saved
         self._stale.discard(shape.drafter)
-        fractions = acceptance.depth_fractions(accepted, self.depth_cap)
-        pooled = self.pooled[shape.drafter]
         levels = self.levels(shape)
+        if path_rank is None:  # the accepted nodes taken as the best-scored chain
+            chain = np.arange(1, levels + 1)
+            path_rank = np.where(chain <= np.array(accepted)[:, None], chain, shape.nodes)
+        # what each candidate no bigger than ``shape``, smallest first, would have accepted on this step (the last,
+        # ``shape`` itself where it is one: the fraction of rows that accepted a draft token at each depth)
+        candidates = [c for c in self.groups[shape.drafter] if c.fits_in(shape)]
+        reached = acceptance.nested_acceptance(candidates, self.levels, path_rank, self.depth_cap)
+        mine = candidates[-1:] == [shape]
+        fractions = reached[-1] if mine else acceptance.depth_fractions(accepted, self.depth_cap)
+        pooled = self.pooled[shape.drafter]
         for d in range(levels):
             pooled[d] += self._accept_weight(("depth", shape.drafter, d), rows) * (fractions[d] - pooled[d])
-        if path_rank is None:  # the accepted nodes taken as the best-scored chain
-            chain = range(1, levels + 1)
-            path_rank = [[d if d <= a else shape.nodes for d in chain] for a in accepted]
-        # what each candidate no bigger than ``shape``, smallest first, would have accepted on this step
-        candidates = [
-            c
-            for c in self.groups[shape.drafter]
-            if c.nodes <= shape.nodes and c.top_k <= shape.top_k and c.max_levels <= shape.max_levels
-        ]
-        reached = acceptance.nested_acceptance(candidates, self.levels, path_rank, self.depth_cap)
         self._forget(shape.drafter)
         first = {c: list(self._fractions(c)) for c in candidates if c not in self.shape_accept}  # their priors
         for candidate, fractions in zip(candidates, reached, strict=True):
@@ -375,7 +375,7 @@ class AdaptiveController:
     def _forget(self, name: str) -> None:
         """Drop what `_fractions` and `expected_tokens` keep of drafter ``name``'s shapes (its statistics moved)."""
         self._estimates.pop(name, None)
-        self._expected = {s: n for s, n in self._expected.items() if s.drafter != name}
+        self._expected.pop(name, None)
 
     def _observe_time(self, rows: int, shape: TreeShape, seconds: float) -> None:
         """Move the time corrections of ``shape``'s kind towards what a step of ``rows`` rows took (by at most a

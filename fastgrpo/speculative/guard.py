@@ -32,7 +32,7 @@ class SavingsGuard:
         self.saved.append(saved)
         while len(self.saved) > self.window:
             self.saved.popleft()
-        if self.losing and not self.warned:
+        if not self.warned and self.losing:
             self.warned = True
             logger.warning(
                 "speculation cost %.3f s more than plain steps would have over its last %d tree steps: trees run "

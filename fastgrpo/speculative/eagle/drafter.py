@@ -53,11 +53,12 @@ class EagleCost:
     def __call__(self, rows: int, shape: TreeShape, backlog: int = 1) -> float:
         if not shape.speculative:
             return 0.0
-        level = partial(self.profile.drafter_time, NAME)
         seconds = self._trees.get((rows, shape))
         if seconds is None:  # looked up once: the controller prices every candidate at every step
-            seconds = self._trees[rows, shape] = shape.levels * level(rows * shape.top_k)
+            level = self.profile.drafter_time(NAME, rows * shape.top_k)
+            seconds = self._trees[rows, shape] = shape.levels * level
         if backlog > 1:
+            level = partial(self.profile.drafter_time, NAME)
             seconds += level(rows * backlog) - level(rows)
         return seconds
 
