@@ -66,7 +66,8 @@ def test_parse_overrides_nests_dotted_keys() -> None:
         (["--dataset.digitz", "2"], "unknown option dataset.digitz (did you mean dataset.digits?)"),
         (
             ["--loss_type", "ppo"],
-            "loss_type must be one of ['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'], got 'ppo'",
+            "loss_type must be one of ['grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo', 'luspo', 'vespo'], "
+            "got 'ppo'",
         ),
         (["--scale_rewards", "rank"], "scale_rewards must be one of"),
         (["--max_steps", "ten"], "max_steps must be of type int, got 'ten'"),

@@ -90,6 +90,9 @@ class Identity:
         return x
 
 
+VESPO = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's defaults
+
+
 def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> Any:
     """A `trl.GRPOTrainer` made without ``__init__``, with the attributes its two methods read for these options."""
     trainer = object.__new__(trl_grpo.GRPOTrainer)
@@ -123,6 +126,7 @@ def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dic
         delta=options.get("delta"),
         sapo_temperature_pos=1.0,
         sapo_temperature_neg=1.05,
+        **{key: options.get(key, default) for key, default in VESPO.items()},
     )
     trainer.__dict__.update(
         args=args,
@@ -294,6 +298,7 @@ SHARED = (
     "clip_ratio/low_min",
     "clip_ratio/high_max",
     "cispo_clip_ratio",
+    "vespo/phi_seq_mean",
     "kl",
     "entropy",
     "sampling/sampling_logp_difference/mean",
@@ -349,6 +354,28 @@ CASES = {
     },
     "tool mask grpo sequence level": {"tool_mask": True, "loss_type": "grpo", "importance_sampling_level": "sequence"},
     "tool mask dr_grpo": {"tool_mask": True, "loss_type": "dr_grpo", "epsilon_high": 0.28},
+    "luspo sequence level": {"loss_type": "luspo", "importance_sampling_level": "sequence", "epsilon": 0.05},
+    "luspo beta delta": {"loss_type": "luspo", "beta": 0.04, "delta": 1.5},
+    "vespo": {"loss_type": "vespo"},
+    "vespo token_truncate correction beta": {
+        "loss_type": "vespo",
+        "beta": 0.04,
+        "importance_sampling_correction": True,
+        "importance_sampling_mode": "token_truncate",
+        "importance_sampling_clip_min": 0.5,
+        "importance_sampling_clip_max": 1.5,
+        "vespo_k_pos": 1.5,
+        "vespo_lambda_neg": 4.0,
+    },
+    "tool mask vespo token_mask top entropy": {
+        "tool_mask": True,
+        "loss_type": "vespo",
+        "importance_sampling_correction": True,
+        "importance_sampling_mode": "token_mask",
+        "importance_sampling_clip_min": 0.7,
+        "importance_sampling_clip_max": 1.4,
+        "top_entropy_quantile": 0.5,
+    },
 }
 
 
@@ -395,7 +422,9 @@ def test_loss_gradient_and_metrics_equal_trls(case: str) -> None:
         expected = trl_grads[name] if trl_grads[name] is not None else torch.zeros_like(grads[name])
         torch.testing.assert_close(grads[name], expected, rtol=1e-10, atol=1e-15)
     shared = [name for name in SHARED if name in trl_metrics]
-    assert {"reward", "clip_ratio/low_mean", "entropy"} & set(shared) or options.get("loss_type") in ("cispo", "sapo")
+    assert {"reward", "clip_ratio/low_mean", "entropy"} & set(shared)
+    if options.get("loss_type") == "vespo":
+        assert "vespo/phi_seq_mean" in shared
     missing = [name for name in shared if name not in metrics]
     assert not missing, missing
     pairs = {name: (metrics[name], trl_metrics[name]) for name in shared}

@@ -21,7 +21,7 @@ from fastgrpo.sampling_params import SamplingParams
 COMPILE_CHOICES = ("auto", "on", "off")  # see `fastgrpo.rollout.compiled.compile_backend`
 
 SCALE_REWARDS = ("group", "batch", "none")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 IMPORTANCE_SAMPLING_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -200,8 +200,9 @@ class GRPOConfig(GRPOChecks):
     # GRPO
     loss_type: str = option(
         "dapo",
-        help="the policy loss and how its token losses are averaged, as in TRL: the clipped grpo, bnpo, dr_grpo, dapo; "
-        "cispo (the ratio capped at epsilon_high as a weight; ScaleRL suggests epsilon_high 5.0); sapo (a soft gate)",
+        help="the policy loss and how its token losses are averaged, as in TRL: the clipped grpo, bnpo, dr_grpo, dapo, "
+        "luspo (each completion's token losses summed); cispo (the ratio capped at epsilon_high as a weight; ScaleRL "
+        "suggests epsilon_high 5.0); sapo (a soft gate); vespo (a gamma weight of the sequence ratio, vespo_*)",
         choices=LOSS_TYPES,
     )
     importance_sampling_level: str = option(
@@ -254,6 +255,18 @@ class GRPOConfig(GRPOChecks):
         1.05,
         help="sapo's gate temperature for other advantages (refused with another loss)",
         valid=Range(0, low_open=True),
+    )
+    vespo_k_pos: float = option(
+        2.0, help="vespo's gamma shape k for advantages >= 0 (refused with another loss)", valid=Range(0)
+    )
+    vespo_lambda_pos: float = option(
+        3.0, help="vespo's gamma rate lambda for advantages >= 0 (refused with another loss)", valid=Range(0)
+    )
+    vespo_k_neg: float = option(
+        3.0, help="vespo's k for negative advantages (refused with another loss)", valid=Range(0)
+    )
+    vespo_lambda_neg: float = option(
+        2.0, help="vespo's lambda for negative advantages (refused with another loss)", valid=Range(0)
     )
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")

@@ -14,6 +14,11 @@ from fastgrpo.fields import check_numbers, check_ranges
 from fastgrpo.models import check_model_source
 
 REPORT_TO = ("jsonl", "tensorboard")
+# the options of one loss type only
+LOSS_OPTIONS = {
+    "sapo": ("sapo_temperature_pos", "sapo_temperature_neg"),
+    "vespo": ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+}
 
 
 class GRPOChecks:
@@ -22,17 +27,19 @@ class GRPOChecks:
     def check_given(self, given: dict[str, Any]) -> None:
         """Refuse an option the user set (a key of ``given``) that the other options leave without effect, rather
         than ignore it: the importance-sampling correction's options with the correction off, ``delta`` with a loss
-        that does not clip (cispo, sapo), sapo's temperatures with another loss, the tools' options without tools."""
+        that does not clip (cispo, sapo, vespo), sapo's and vespo's options with another loss, the tools' options
+        without tools."""
         unused = []
         if not self.importance_sampling_correction:
             unused += [
                 (key, "importance_sampling_correction is false (no correction is applied)")
                 for key in ("importance_sampling_mode", "importance_sampling_clip_min", "importance_sampling_clip_max")
             ]
-        if self.loss_type in ("cispo", "sapo"):
+        if self.loss_type in ("cispo", "sapo", "vespo"):
             unused.append(("delta", f"loss_type {self.loss_type} (which does not clip the ratio)"))
-        if self.loss_type != "sapo":
-            unused += [(key, f"loss_type {self.loss_type}") for key in ("sapo_temperature_pos", "sapo_temperature_neg")]
+        for loss, keys in LOSS_OPTIONS.items():
+            if self.loss_type != loss:
+                unused += [(key, f"loss_type {self.loss_type}") for key in keys]
         if not self.tools and not self.environment_factory:
             unused += [
                 (key, "no tools and no environment_factory (nothing is called)")
@@ -81,6 +88,12 @@ class GRPOChecks:
                 f"be a multiple of num_generations ({self.num_generations})"
             )
         self._check_mask_range()
+        sequence_weights = not self.importance_sampling_mode.startswith("token")
+        if self.loss_type == "vespo" and self.importance_sampling_correction and sequence_weights:
+            raise ValueError(
+                f"importance_sampling_mode {self.importance_sampling_mode}: loss_type vespo takes the correction's "
+                "token weights into its sequence weight; use token_truncate or token_mask (as TRL requires)"
+            )
         if self.loss_type == "cispo" and self.epsilon_high is None:
             raise ValueError(
                 "epsilon_high: loss_type cispo caps each token's weight at epsilon_high, which would default to "

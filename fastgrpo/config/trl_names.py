@@ -106,10 +106,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "entropy_coef_max": ((), _ADAPTIVE),
     "entropy_coef_delta": ((), _ADAPTIVE),
     "entropy_target": ((), _ADAPTIVE),
-    **{
-        key: ((), "loss_type vespo is not implemented (grpo, bnpo, dr_grpo, dapo, cispo, sapo are)")
-        for key in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
-    },
     "model_init_kwargs": (
         (None, {}),
         "fastgrpo loads the model itself from `model` (a directory, a hub id or smollm2) with `dtype`",

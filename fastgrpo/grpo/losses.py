@@ -60,6 +60,8 @@ def _aggregate(
     masked = per_token_loss * mask
     if loss_type in ("grpo", "sapo"):
         return (masked.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).mean()
+    if loss_type == "luspo":
+        return masked.sum(dim=-1).mean()
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1.0)
     if loss_type == "dr_grpo":
@@ -114,6 +116,7 @@ def grpo_loss_rows(
     delta: float | None = None,
     sapo_temperature_pos: float = 1.0,
     sapo_temperature_neg: float = 1.05,
+    vespo_gamma: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
     sampling_weights: Tensor | None = None,
     use_bias_correction_kl: bool = True,
     token_mask: Tensor | None = None,
@@ -124,17 +127,20 @@ def grpo_loss_rows(
     The importance weight of a token is ``r = exp(logps - old_logps)``; with ``importance_sampling_level:
     "sequence"`` (GSPO) a row's tokens share ``exp`` of the mean of its tokens' log-ratios. Per token:
 
-    - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``: ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``, ``r``
-      first capped at ``delta`` when it is set (two-sided clipping);
+    - ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``, ``luspo``: ``-min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A)``,
+      ``r`` first capped at ``delta`` when it is set (two-sided clipping);
     - ``cispo``: ``-min(r, epsilon_high).detach() A logps`` (the weight capped, never the gradient cut);
     - ``sapo``: ``-sigmoid(tau (r - 1)) 4 / tau A``, ``tau`` being ``sapo_temperature_pos`` where ``A > 0`` and
-      ``sapo_temperature_neg`` elsewhere (a soft gate in place of the clip).
+      ``sapo_temperature_neg`` elsewhere (a soft gate in place of the clip);
+    - ``vespo``: ``-phi(w) A logps``, ``phi`` `vespo_weights`' gamma weight of the row's sequence ratio ``w``
+      (``vespo_gamma``: its k and lambda for ``A >= 0``, then for ``A < 0``; the sampler correction's token weights
+      enter ``w``).
 
     That policy term is multiplied by ``sequence_mask`` (``[B, 1]``, `off_policy_mask`), ``token_mask`` (``[B,
     C]``, the tokens ``top_entropy_quantile`` keeps) and ``sampling_weights`` (``[B, C]`` or ``[B, 1]``, the sampler
-    correction's weights, `sampling_correction`), in that order; then ``beta`` times the k3 KL to ``ref_logps`` is
-    added, weighted by the unclipped, differentiable ratio ``r`` when ``use_bias_correction_kl`` (the unbiased
-    reverse-KL gradient).
+    correction's weights, `sampling_correction`; not vespo's), in that order; then ``beta`` times the k3 KL to
+    ``ref_logps`` is added, weighted by the unclipped, differentiable ratio ``r`` when ``use_bias_correction_kl``
+    (the unbiased reverse-KL gradient).
 
     Args:
         logps: ``[B, C]`` current policy log-probs (differentiable).
@@ -143,25 +149,27 @@ def grpo_loss_rows(
         advantages: ``[B]`` per-completion advantages.
         mask: ``[B, C]`` completion mask (1 on real tokens).
         loss_type: one of ``LOSS_TYPES``, which also fixes the reduction: ``"grpo"`` and ``"sapo"`` per-sequence
-            token mean then batch mean; ``"bnpo"`` token mean over this batch; ``"dr_grpo"`` sum / ``(B *
-            max_completion_length)``; ``"dapo"`` and ``"cispo"`` sum / ``num_items_in_batch`` (completion tokens
+            token mean then batch mean; ``"luspo"`` per-sequence sum then batch mean; ``"bnpo"`` token mean over
+            this batch; ``"dr_grpo"`` sum / ``(B * max_completion_length)``; ``"dapo"``, ``"cispo"`` and
+            ``"vespo"`` sum / ``num_items_in_batch`` (completion tokens
             of the whole generation batch, so micro-batch losses add up to the global token mean; defaults to
             this batch's token count).
         epsilon, epsilon_high: the clip range ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to
             ``epsilon``); ``cispo`` caps the weight at ``epsilon_high`` itself.
         beta: weight of the k3 KL penalty to ``ref_logps`` (``[B, C]``, required when > 0).
         max_completion_length: required by ``"dr_grpo"``.
-        num_items_in_batch: normaliser of ``"dapo"`` and ``"cispo"``.
+        num_items_in_batch: normaliser of ``"dapo"``, ``"cispo"`` and ``"vespo"``.
         importance_sampling_level: ``"token"`` or ``"sequence"``.
         delta: upper cap of the ratio in the clipped losses (None: none).
         sapo_temperature_pos, sapo_temperature_neg: ``sapo``'s gate temperatures.
+        vespo_gamma: ``vespo``'s ``(k_pos, lambda_pos, k_neg, lambda_neg)``.
 
     Returns:
         ``(loss, rows)``: the scalar loss and, detached, ``[B]`` per-row parts of the metrics (`row_metrics` turns
         rows of a whole batch into TRL's figures): ``tokens`` (each row's masked tokens); for the clipped losses
         ``clip_low``, ``clip_high``, ``clip_region`` and for ``cispo`` ``cispo_clip`` (each row's count of clipped
-        tokens, or at sequence level its 0/1 flag); ``kl`` (each row's sum of the per-token KL term, ratio-weighted
-        as it enters the loss) when ``beta > 0``.
+        tokens, or at sequence level its 0/1 flag); for ``vespo`` ``vespo_phi`` (each row's gamma weight); ``kl``
+        (each row's sum of the per-token KL term, ratio-weighted as it enters the loss) when ``beta > 0``.
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -191,6 +199,10 @@ def grpo_loss_rows(
     elif loss_type == "sapo":
         temperature = torch.full_like(adv, sapo_temperature_neg).masked_fill_(adv > 0, sapo_temperature_pos)
         per_token_loss = -torch.sigmoid(temperature * (ratio - 1)) * 4 / temperature * adv
+    elif loss_type == "vespo":
+        phi = vespo_weights(logps - old_logps, mask, adv, sampling_weights, vespo_gamma)
+        per_token_loss = -phi * adv * logps
+        rows["vespo_phi"] = phi.squeeze(-1)
     else:
         clipped = torch.clamp(ratio, 1 - epsilon, 1 + eps_high)
         if delta is not None:
@@ -203,7 +215,7 @@ def grpo_loss_rows(
         per_token_loss = per_token_loss * sequence_mask
     if token_mask is not None:
         per_token_loss = per_token_loss * token_mask
-    if sampling_weights is not None:
+    if sampling_weights is not None and loss_type != "vespo":  # vespo's are inside its weight
         per_token_loss = per_token_loss * sampling_weights
     if beta > 0:
         kl = k3_kl(logps, ref_logps)
@@ -213,6 +225,27 @@ def grpo_loss_rows(
         rows["kl"] = (kl.detach() * mask).sum(dim=-1)
     loss = _aggregate(per_token_loss.expand_as(mask), mask, loss_type, max_completion_length, num_items_in_batch)
     return loss, {name: value.detach() for name, value in rows.items()}
+
+
+@torch.no_grad()
+def vespo_weights(
+    log_ratio: Tensor, mask: Tensor, adv: Tensor, sampling_weights: Tensor | None, gamma: tuple[float, ...]
+) -> Tensor:
+    """VESPO's gamma weight ``phi(w) = exp(lambda) w^k exp(-lambda w)`` (1 at ``w = 1``) of each row's sequence ratio
+    ``w``: ``exp`` of the sum of its tokens' ``log_ratio`` (``[B, C]``, each clamped to [-20, 20]) and of the logs of
+    ``sampling_weights`` (``[B, C]``, the sampler correction's token weights, each log clamped to [log 1e-8, 20]),
+    ``log w`` clamped to [log 1e-8, 20]; ``gamma`` gives k and lambda for ``adv`` (``[B, 1]``) ``>= 0``, then for
+    ``< 0``. ``[B, 1]``, detached, computed in log space as TRL's ``get_gamma_weights``."""
+    k_pos, lambda_pos, k_neg, lambda_neg = gamma
+    floor = math.log(1e-8)
+    log_w = (log_ratio.clamp(-20.0, 20.0) * mask).sum(dim=-1, keepdim=True)
+    if sampling_weights is not None:
+        log_w = log_w + torch.log(sampling_weights).clamp(floor, 20.0).sum(dim=-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    positive = adv >= 0
+    k = torch.where(positive, k_pos, k_neg)
+    lam = torch.where(positive, lambda_pos, lambda_neg).clamp(min=1e-4)
+    return torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 CLIP_METRICS = {
@@ -246,6 +279,10 @@ def row_metrics(rows: dict[str, Tensor], sequence_level: bool) -> dict[str, Tens
     for part in ("kl", "entropy"):
         if part in rows:
             out[part] = rows[part].sum() / tokens.sum().clamp(min=1.0)
+    if "vespo_phi" in rows:  # a mean over completions (NaN: a row whose weight is unknown)
+        phi = rows["vespo_phi"]
+        known = ~torch.isnan(phi)
+        out["vespo/phi_seq_mean"] = phi[known].sum() / known.sum().clamp(min=1)
     return out
 
 
@@ -329,7 +366,7 @@ def micro_batch_loss(
     """Scale a micro-batch's `grpo_loss` (over ``rows`` of the process's ``batch_rows`` rows, one of
     ``micro_batches``) to its share of the whole batch's loss, so that the accumulated gradient, averaged over the
     ``world`` processes as DDP does, is the gradient of the whole job's batch."""
-    if loss_type in ("grpo", "sapo", "dr_grpo"):
+    if loss_type in ("grpo", "sapo", "dr_grpo", "luspo"):
         return loss * rows / batch_rows
     if loss_type == "bnpo":
         return loss / micro_batches

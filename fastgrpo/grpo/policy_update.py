@@ -24,7 +24,7 @@ from fastgrpo.grpo.losses import (
     off_policy_mask,
     sampling_correction,
 )
-from fastgrpo.grpo.update_metrics import job_row_metrics, sampling_metrics, skipped_parts
+from fastgrpo.grpo.update_metrics import job_row_metrics, sampling_metrics, skipped_parts, vespo_gamma
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
 
@@ -320,6 +320,7 @@ class PolicyUpdate:
                         delta=cfg.delta,
                         sapo_temperature_pos=cfg.sapo_temperature_pos,
                         sapo_temperature_neg=cfg.sapo_temperature_neg,
+                        vespo_gamma=vespo_gamma(cfg),
                         sampling_weights=weights,
                         use_bias_correction_kl=cfg.use_bias_correction_kl,
                         token_mask=None if keep is None else keep.to(logps.dtype),

@@ -12,7 +12,7 @@ import torch
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch
-from fastgrpo.grpo.losses import row_metrics, sampling_correction
+from fastgrpo.grpo.losses import row_metrics, sampling_correction, vespo_weights
 
 
 def skipped_parts(
@@ -28,6 +28,8 @@ def skipped_parts(
     elif cfg.loss_type != "sapo":
         for name in ("clip_low", "clip_high", "clip_region"):
             parts[name] = torch.zeros(n, dtype=torch.float64, device="cpu")
+    if cfg.loss_type == "vespo":
+        parts["vespo_phi"] = _vespo_phi(cfg, batch)
     if cfg.beta > 0:
         parts["kl"] = torch.zeros(n, dtype=torch.float64, device="cpu")  # every row trains: filled by the micro-batches
     if start_entropies is not None:
@@ -35,6 +37,31 @@ def skipped_parts(
     else:
         parts["entropy"] = torch.full((n,), math.nan, dtype=torch.float64, device="cpu")
     return parts
+
+
+def vespo_gamma(cfg: GRPOConfig) -> tuple[float, float, float, float]:
+    """``cfg``'s vespo options as `fastgrpo.grpo.losses.vespo_weights` takes them."""
+    return cfg.vespo_k_pos, cfg.vespo_lambda_pos, cfg.vespo_k_neg, cfg.vespo_lambda_neg
+
+
+def _vespo_phi(cfg: GRPOConfig, batch: RolloutBatch) -> torch.Tensor:
+    """``[N]`` vespo's weight of every row from the log-probs of `PolicyUpdate.fixed_logps`' pass (NaN for a row
+    without), as the update's first iteration weighs a row it trains."""
+    n = batch.completion_mask.shape[0]
+    start = batch.start_logps
+    if start is None:
+        return torch.full((n,), math.nan, dtype=torch.float64, device="cpu")
+    start = start.double()
+    old = start if batch.old_logps is None else batch.old_logps.double()
+    weights = None
+    if batch.sampling_logps is not None and cfg.importance_sampling_correction:
+        clips = cfg.importance_sampling_clip_min, cfg.importance_sampling_clip_max
+        weights, _ = sampling_correction(
+            old, batch.sampling_logps, batch.completion_mask, cfg.importance_sampling_mode, *clips
+        )
+    mask = batch.completion_mask.to(torch.float64)
+    phi = vespo_weights(start - old, mask, batch.advantages.double()[:, None], weights, vespo_gamma(cfg))[:, 0]
+    return phi.masked_fill(torch.isnan(start).any(dim=1), math.nan)
 
 
 def job_row_metrics(parts: dict[str, torch.Tensor], sequence_level: bool, world_size: int) -> dict[str, float]:
