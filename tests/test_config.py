@@ -345,19 +345,56 @@ def test_trls_names_are_fastgrpos_options_from_yaml_the_command_line_and_the_con
 def test_trl_options_fastgrpo_lacks_are_refused_one_line_each(capsys: pytest.CaptureFixture[str]) -> None:
     """At TRL's values that change nothing they are accepted (the example holds some); at any other, each is named in
     a line of its own saying what fastgrpo does instead, before any model loads."""
-    argv = ["train", "--config", str(TRL_EXAMPLE), "--use_vllm", "true", "--repetition_penalty", "1.1"]
+    argv = ["train", "--config", str(TRL_EXAMPLE), "--optim", "sgd", "--repetition_penalty", "1.1"]
     lines = refused(capsys, *argv, "--steps_per_generation", "4", "--vllm_mode", "server").strip().splitlines()
-    assert len(lines) == 4, lines
+    assert len(lines) == 3, lines
     for key, why in [
-        ("use_vllm", "own lossless speculative engine"),
+        ("optim", "torch's AdamW"),
         ("repetition_penalty", "refused rather than made lossy"),
         ("steps_per_generation", "trains on it num_iterations times"),
-        ("vllm_mode", "a vLLM option"),
     ]:
         assert any(key in line and why in line for line in lines), (key, lines)
-    assert "a transformers TrainingArguments option" in refused(capsys, *argv[:3], "--push_to_hub", "true")
+    assert "push them with huggingface_hub" in refused(capsys, *argv[:3], "--push_to_hub", "true")
     hub_model = "OpenAssistant/reward-model-deberta-v3-large-v2"  # a reward model, loaded with the policy
     assert load_config(None, ["--reward_funcs", f"[accuracy, {hub_model}]"]).reward_funcs[1] == hub_model
+
+
+def test_a_trl_scripts_training_arguments_are_read_as_trl_reads_them(caplog: pytest.LogCaptureFixture) -> None:
+    """TRL's and transformers' options fastgrpo has no option of its own for: vLLM's accepted with one line (fastgrpo's
+    engine generates), those nothing reads dropped, those fastgrpo reads under its own names read, the others
+    accepted at values that change nothing and refused otherwise; from the constructor and the command line alike.
+    Every ``TrainingArguments`` field is one of these or an option of fastgrpo's."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    from fastgrpo.config.training_arguments import IGNORED, READ
+    from fastgrpo.config.trl_names import TRL_ALIASES, TRL_REFUSED, VLLM_OPTIONS
+
+    script = dict(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3, report_to="none")
+    script |= dict(disable_tqdm=True, dataloader_num_workers=4, remove_unused_columns=False, num_train_epochs=1)
+    script |= dict(max_steps=8, optim="adamw_torch_fused", adam_epsilon=1e-6, warmup_steps=0.25, push_to_hub=False)
+    script |= dict(vllm_importance_sampling_correction=True, vllm_importance_sampling_mode="token_truncate")
+    script |= dict(vllm_importance_sampling_cap=2.0, logging_strategy="steps", gradient_checkpointing_kwargs=None)
+    with caplog.at_level("WARNING"):
+        made = GRPOConfig(**script)
+    assert "use_vllm, vllm_mode, vllm_gpu_memory_utilization: fastgrpo samples with its own" in caplog.text
+    cli = load_config(None, [f"--{k}={'null' if v is None else v}" for k, v in script.items()])
+    for config in (made, cli):
+        assert config.report_to == ["jsonl"] and not config.progress_bar and config.adam_epsilon == 1e-6
+        assert config.importance_sampling_clip_max == 2.0 and config.warmup_optimizer_steps == 2
+    for values, message in [
+        ({"num_train_epochs": 2}, "num_train_epochs: fastgrpo trains max_steps steps, not epochs"),
+        ({"max_steps": -1}, "max_steps -1 (num_train_epochs epochs) is not implemented"),
+        ({"save_strategy": "no", "fp16": True}, "save_strategy: checkpoints are written every save_steps"),
+        ({"warmup_steps": 3, "warmup_ratio": 0.1}, "warmup_steps and warmup_ratio both set the warmup"),
+        ({"disable_tqdm": True, "progress_bar": True}, "disable_tqdm and progress_bar set one option"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            GRPOConfig(**values).validate()
+    known = {f.name for f in dataclasses.fields(GRPOConfig)} | set(TRL_ALIASES) | set(TRL_REFUSED)
+    known |= set(IGNORED) | set(READ) | set(VLLM_OPTIONS)
+    assert not [f.name for f in dataclasses.fields(TrainingArguments) if f.name not in known]
 
 
 def test_the_trl_example_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from fastgrpo.config.grpo import GRPOConfig, train_only_hint
-from fastgrpo.config.trl_names import TRL_REFUSED, trl_refusal
+from fastgrpo.config.trl_names import read_trl_options
 from fastgrpo.config.yaml_loader import YAML11_BOOLEANS, DuplicateKeyError, YAMLLoader
 from fastgrpo.fields import joined
 from fastgrpo.paths import expand_user, read_text
@@ -253,27 +253,12 @@ def build_options(
 
 
 def _trl_names(classes: tuple[type, ...], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, and TRL's options that
-    fastgrpo lacks dropped where their value changes nothing (`trl_refusal`); those set to anything else are refused
-    together, one line each that names it and says what fastgrpo does instead. ``steps_per_generation`` equal to
-    ``gradient_accumulation_steps`` and ``generation_batch_size`` equal to ``per_device_train_batch_size x
-    gradient_accumulation_steps`` are what fastgrpo does, and accepted."""
+    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, and TRL's and
+    ``TrainingArguments``' other options as `fastgrpo.config.trl_names.read_trl_options` reads them."""
     if GRPOConfig not in classes:
         return values
-    out = _canonical_names(classes, values)
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    steps = out.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
-    per_device = out.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
-    fits = {"steps_per_generation": (None, steps), "generation_batch_size": (None, steps * per_device)}
-    refused = []
-    for key in [k for k in out if k in TRL_REFUSED]:
-        line = None if key in fits and out[key] in fits[key] else trl_refusal(key, out[key])
-        if line is not None:
-            refused.append(line)
-        del out[key]
-    if refused:  # every one at once, one line each
-        raise ValueError("\n".join(refused))
-    return out
+    return read_trl_options(_canonical_names(classes, values), defaults)
 
 
 def _canonical_names(classes: tuple[type, ...] | None, values: dict[str, Any]) -> dict[str, Any]:

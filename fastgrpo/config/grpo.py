@@ -182,9 +182,15 @@ class GRPOConfig(GRPOChecks):
     max_steps: int = option(20, help="optimizer steps of the run", valid=Range(1))
     lr_scheduler_type: str = option("linear", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
     warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up", valid=Range(0, 1))
+    warmup_steps: float = option(
+        0,
+        help="steps warming the learning rate up, or below 1 their share (transformers'; over warmup_ratio)",
+        valid=Range(0),
+    )
     weight_decay: float = option(0.0, help="AdamW weight decay", valid=Range(0))
     adam_beta1: float = option(0.9, help="AdamW beta1", valid=Range(0, 1, high_open=True))
     adam_beta2: float = option(0.999, help="AdamW beta2", valid=Range(0, 1, high_open=True))
+    adam_epsilon: float = option(1e-8, help="AdamW epsilon", valid=Range(0, low_open=True))
     max_grad_norm: float = option(1.0, help="gradient clipping", valid=Range(0, low_open=True))
     bf16: bool = option(
         False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
@@ -256,18 +262,10 @@ class GRPOConfig(GRPOChecks):
         help="sapo's gate temperature for other advantages (refused with another loss)",
         valid=Range(0, low_open=True),
     )
-    vespo_k_pos: float = option(
-        2.0, help="vespo's gamma shape k for advantages >= 0 (refused with another loss)", valid=Range(0)
-    )
-    vespo_lambda_pos: float = option(
-        3.0, help="vespo's gamma rate lambda for advantages >= 0 (refused with another loss)", valid=Range(0)
-    )
-    vespo_k_neg: float = option(
-        3.0, help="vespo's k for negative advantages (refused with another loss)", valid=Range(0)
-    )
-    vespo_lambda_neg: float = option(
-        2.0, help="vespo's lambda for negative advantages (refused with another loss)", valid=Range(0)
-    )
+    vespo_k_pos: float = option(2.0, help="vespo's gamma shape k for advantages >= 0", valid=Range(0))
+    vespo_lambda_pos: float = option(3.0, help="vespo's gamma rate lambda for advantages >= 0", valid=Range(0))
+    vespo_k_neg: float = option(3.0, help="vespo's gamma shape k for negative advantages", valid=Range(0))
+    vespo_lambda_neg: float = option(2.0, help="vespo's gamma rate lambda for negative advantages", valid=Range(0))
     num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
     multi_objective_aggregation: str = option(
@@ -339,6 +337,15 @@ class GRPOConfig(GRPOChecks):
     )
     log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")
+
+    @property
+    def warmup_optimizer_steps(self) -> int:
+        """Optimizer steps warming the learning rate up: ``warmup_steps`` as transformers reads it (a share of the
+        optimizer steps when below 1), else ``warmup_ratio``'s share."""
+        total = self.max_steps * self.num_iterations
+        if self.warmup_steps:
+            return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(total * self.warmup_steps)
+        return int(self.warmup_ratio * total)
 
     @property
     def generation_batch_size(self) -> int:

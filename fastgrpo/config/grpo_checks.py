@@ -78,6 +78,8 @@ class GRPOChecks:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
+        if self.max_steps == -1:  # TRL's default, which trains num_train_epochs epochs
+            raise ValueError("max_steps -1 (num_train_epochs epochs) is not implemented: set max_steps")
         check_numbers(self)
         check_ranges(self)
         if not self.output_dir.strip():
@@ -88,6 +90,8 @@ class GRPOChecks:
                 f"be a multiple of num_generations ({self.num_generations})"
             )
         self._check_mask_range()
+        if self.warmup_steps and self.warmup_ratio:
+            raise ValueError("warmup_steps and warmup_ratio both set the warmup: give one of them")
         sequence_weights = not self.importance_sampling_mode.startswith("token")
         if self.loss_type == "vespo" and self.importance_sampling_correction and sequence_weights:
             raise ValueError(

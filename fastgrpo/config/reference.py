@@ -9,7 +9,8 @@ from typing import Any
 
 from fastgrpo.config.files import yaml_value
 from fastgrpo.config.grpo import GRPOConfig
-from fastgrpo.config.trl_names import TRL_REFUSED
+from fastgrpo.config.training_arguments import IGNORED, READ
+from fastgrpo.config.trl_names import TRL_REFUSED, VLLM_OPTIONS
 
 
 def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
@@ -80,9 +81,14 @@ def _trl_section() -> list[str]:
         "`clip_ratio/*` are not computed. Eval prompts are sampled as training samples, with noise of their own and",
         "without drafting, so that the training and the drafters' state are those of a run without evaluation.",
         "",
-        "TRL's options that fastgrpo does not have are accepted at the values listed (they change nothing) and refused",
-        "in one line at any other; an option of transformers' `TrainingArguments` that is not above is refused as",
-        "unknown, saying so.",
+        "TRL's options and transformers' `TrainingArguments` fields that fastgrpo does not have: vLLM's (",
+        ", ".join(f"`{k}`" for k in VLLM_OPTIONS) + ") are accepted at any value with one line saying that fastgrpo's",
+        "own engine generates; " + ", ".join(f"`{k}`" for k in READ) + " set fastgrpo's options (`progress_bar`,",
+        "`device`, `report_to`: `none` is `[jsonl]`, `importance_sampling_clip_max`); "
+        + ", ".join(f"`{k}`" for k in IGNORED),
+        "configure machinery fastgrpo does not have and are accepted at any value; the others below are accepted",
+        "at the values listed (they change nothing; `num_train_epochs` at any value where `max_steps` is given, as",
+        "it overrides the epochs in TRL too) and refused in one line at any other.",
         "",
         "| TRL option | accepted | why any other value is refused |",
         "|---|---|---|",

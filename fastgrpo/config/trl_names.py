@@ -4,7 +4,13 @@ accepted where their value changes nothing, refused otherwise with what fastgrpo
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from typing import Any
+
+from fastgrpo.config.training_arguments import AT_DEFAULT, IGNORED, READ
+
+logger = logging.getLogger(__name__)
 
 # TRL's names of options that fastgrpo names otherwise: read from YAML, the command line and the constructor
 TRL_ALIASES: dict[str, str] = {
@@ -26,7 +32,8 @@ def _alias_property(name: str) -> property:
 
 
 def _accept_aliases(init: Any) -> Any:
-    """``GRPOConfig(vllm_importance_sampling_correction=True)`` as ``importance_sampling_correction=True``."""
+    """``GRPOConfig(vllm_importance_sampling_correction=True)`` as ``importance_sampling_correction=True``, and TRL's
+    and ``TrainingArguments``' other options as `read_trl_options` reads them."""
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         for alias, name in TRL_ALIASES.items():
@@ -34,7 +41,8 @@ def _accept_aliases(init: Any) -> Any:
                 if name in kwargs:
                     raise TypeError(f"{alias} and {name} are one option: give one of them")
                 kwargs[name] = kwargs.pop(alias)
-        init(self, *args, **kwargs)
+        defaults = {f.name: f.default for f in dataclasses.fields(type(self))}
+        init(self, *args, **read_trl_options(kwargs, defaults))
 
     __init__.__doc__ = init.__doc__
     return __init__
@@ -60,28 +68,26 @@ _ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixe
 _REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
 _LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
 
+# TRL's vLLM options: accepted at any value, with one line saying that fastgrpo's own engine generates.
+VLLM_OPTIONS = (
+    "use_vllm",
+    "vllm_mode",
+    "vllm_model_impl",
+    "vllm_enable_sleep_mode",
+    "vllm_server_base_url",
+    "vllm_server_host",
+    "vllm_server_port",
+    "vllm_server_timeout",
+    "vllm_group_port",
+    "vllm_gpu_memory_utilization",
+    "vllm_max_model_length",
+    "vllm_tensor_parallel_size",
+)
+
 # TRL 1.16 GRPOConfig options fastgrpo does not have: (the values that change nothing, and are accepted and ignored;
 # why any other is refused, and what fastgrpo does instead).
 TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
-    "use_vllm": ((False,), _VLLM),
-    **{
-        key: ((), _VLLM)
-        for key in (
-            "vllm_mode",
-            "vllm_model_impl",
-            "vllm_enable_sleep_mode",
-            "vllm_structured_outputs_regex",
-            "vllm_server_base_url",
-            "vllm_server_host",
-            "vllm_server_port",
-            "vllm_server_timeout",
-            "vllm_group_port",
-            "vllm_gpu_memory_utilization",
-            "vllm_max_model_length",
-            "vllm_tensor_parallel_size",
-        )
-    },
-    "vllm_importance_sampling_cap": ((None,), "deprecated by TRL: use vllm_importance_sampling_clip_max"),
+    "vllm_structured_outputs_regex": ((None,), _SAMPLING),
     "use_transformers_continuous_batching": ((False,), _ENGINE),
     "transformers_continuous_batching_config": ((None, {}), _ENGINE),
     "use_transformers_paged": ((False,), _ENGINE),
@@ -117,6 +123,7 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "log_multimodal": ((True, False), _LOGS),
     "log_unique_prompts": ((False,), _LOGS),
     "log_completions_hub_repo": ((None,), _LOGS),
+    **AT_DEFAULT,
 }
 
 
@@ -129,3 +136,44 @@ def trl_refusal(key: str, value: Any) -> str | None:
     if any(value == ok and type(value) is type(ok) for ok in accepted):
         return None
     return f"{key}: {reason}"
+
+
+def read_trl_options(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (one source's options by name: a file, the command line or the constructor's keywords; its TRL
+    aliases already renamed) as fastgrpo's options: ``TrainingArguments`` fields fastgrpo reads under its own names
+    read so (`READ`), TRL's vLLM options dropped with one line logged (fastgrpo's own engine generates; the
+    correction still applies to its sampler), the fields nothing reads dropped (`IGNORED`), and TRL's options
+    fastgrpo lacks dropped where their value changes nothing (`trl_refusal`: ``num_train_epochs`` too where
+    ``max_steps`` is given, which overrides it in TRL as well; ``steps_per_generation`` equal to
+    ``gradient_accumulation_steps`` and ``generation_batch_size`` to the completions of a step, which is what
+    fastgrpo does) and refused otherwise, every one at once, one line each. ``defaults``: the options' defaults."""
+    steps = values.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
+    per_device = values.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+    fits = {"steps_per_generation": (None, steps), "generation_batch_size": (None, steps * per_device)}
+    out: dict[str, Any] = {}
+    refused, vllm = [], []
+    for key, value in values.items():
+        if key in READ:
+            for name, read in READ[key](value).items():
+                if name != key and name in values:
+                    raise ValueError(f"{key} and {name} set one option: give one of them")
+                out[name] = read
+        elif key in VLLM_OPTIONS:
+            vllm.append(key)
+        elif key == "num_train_epochs" and "max_steps" in values:
+            continue
+        elif key in TRL_REFUSED:
+            line = None if key in fits and value in fits[key] else trl_refusal(key, value)
+            if line is not None:
+                refused.append(line)
+        elif key not in IGNORED:
+            out[key] = value
+    if refused:
+        raise ValueError("\n".join(refused))
+    if vllm:
+        logger.warning(
+            "%s: fastgrpo samples with its own lossless speculative engine on the policy's weights (speculation.*), "
+            "not vLLM; the importance-sampling correction, where set, applies to its sampler",
+            ", ".join(vllm),
+        )
+    return out

@@ -83,13 +83,14 @@ class PolicyUpdate:
             self.masters.copies if self.masters is not None else trainable,
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
             weight_decay=config.weight_decay,
             fused=fused_adamw(self.device),
         )
         self.scheduler = get_scheduler(
             config.lr_scheduler_type,
             self.optimizer,
-            num_warmup_steps=int(config.warmup_ratio * config.max_steps * config.num_iterations),
+            num_warmup_steps=config.warmup_optimizer_steps,
             num_training_steps=config.max_steps * config.num_iterations,
         )
 
