@@ -341,6 +341,10 @@ _COMBINE = {
     "memory/update_peak_reserved_mb": max,
     "rollout/tokens_per_second": sum,
     "train/rows_trained": sum,
+    "num_tokens": sum,
+    # NaN on a process none of whose completions ended
+    "completions/min_terminated_length": lambda values: min((v for v in values if v == v), default=math.nan),
+    "completions/max_terminated_length": lambda values: max((v for v in values if v == v), default=math.nan),
 }
 
 

@@ -152,6 +152,9 @@ def test_resume_gives_the_same_next_step_as_an_uninterrupted_run(tiny_model_dir:
         assert again["step"] == uninterrupted["step"]
         assert again["reward"] == uninterrupted["reward"]
         assert again["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-6, abs=1e-9)
+        assert again["num_tokens"] == uninterrupted["num_tokens"], "TRL's count of the run's tokens goes on"
+    assert full[0]["num_tokens"] < full[1]["num_tokens"] and all(s["step_time"] > 0 for s in full)
+    assert all(0 <= s["completions/min_terminated_length"] <= s["completions/max_terminated_length"] for s in full)
     logged = [json.loads(line)["step"] for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
     assert logged == [1, 2, 3, 4]
 
@@ -188,7 +191,13 @@ def test_save_only_model_writes_the_policy_without_optimizer_state(tiny_model_di
     make_trainer(config).train()
     checkpoint = tmp_path / "checkpoint-2"
     AutoModelForCausalLM.from_pretrained(checkpoint)
-    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {"step", "rng", "layout", "config"}
+    assert set(torch.load(checkpoint / "trainer_state.pt", weights_only=False)) == {
+        "step",
+        "rng",
+        "layout",
+        "config",
+        "num_tokens",
+    }
     assert "test_trainer:length_reward" in (tmp_path / "config.yaml").read_text()
     with pytest.raises(ValueError, match="save_only_model"):
         make_trainer(config, resume=True)

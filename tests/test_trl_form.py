@@ -63,14 +63,53 @@ def test_trls_form_trains_what_fastgrpos_form_trains(tiny_model_dir: Path, tmp_p
     for key in ("reward", "loss", "grad_norm", "completions/mean_length"):
         assert logs[0][key] == logs[1][key] == logs[2][key], key
     assert trl.dataset == ROWS
-    state = trl.state  # TRL's trainer.state after train(): one entry per logged optimizer step
-    assert state.global_step == 1 and state.log_history[-1]["step"] == 1
-    assert state.log_history[-1]["reward"] == logs[0]["reward"]
+    state = trl.state  # TRL's trainer.state after train(): one entry per logged optimizer step, then the summary
+    assert state.global_step == 1 and [e["step"] for e in state.log_history] == [1, 1]
+    assert state.log_history[0]["reward"] == logs[0]["reward"] and state.log_history[0]["epoch"] == 1 / 8
+    summary = state.log_history[-1]
+    assert summary["train_loss"] == logs[0]["loss"] and summary["train_steps_per_second"] > 0
     trl.save_model(tmp_path / "final")  # TRL's save_model: the policy and tokenizer in transformers' format
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     for (name, mine), theirs in zip(trl.model.state_dict().items(), saved.state_dict().values(), strict=True):
         assert torch.equal(mine, theirs), name
     assert (tmp_path / "final" / "tokenizer_config.json").is_file()
+
+
+def test_every_key_trl_logs_is_logged_with_trls_values(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Two steps of TRL 1.16's own trainer and of fastgrpo's on the same tiny model, rows and options, sampling the
+    top token (``top_k: 1``): fastgrpo's ``log_history`` holds every key of TRL's, each entry with TRL's values but
+    for the times (and the entropy, to float32's rounding: TRL computes it in float32)."""
+    trl = pytest.importorskip("trl")
+    from fastgrpo.models import load_tokenizer
+
+    def reward(completions: list, **kwargs) -> list[float]:
+        return [float(len(c[0]["content"]) % 7) for c in completions]
+
+    common = dict(per_device_train_batch_size=4, num_generations=4, max_completion_length=8, learning_rate=1e-3)
+    common |= dict(max_steps=2, logging_steps=1, seed=0, top_k=1, report_to="none", use_cpu=True, disable_tqdm=True)
+    rows = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(8)]
+    theirs = trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        reward_funcs=reward,
+        args=trl.GRPOConfig(output_dir=str(tmp_path / "trl"), bf16=False, save_strategy="no", **common),
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=load_tokenizer(str(tiny_model_dir)),
+    )
+    theirs.train()
+    ours = GRPOTrainer(
+        model=str(tiny_model_dir),
+        reward_funcs=reward,
+        args=GRPOConfig(output_dir=str(tmp_path / "own"), log_completions=False, **common),
+        train_dataset=datasets.Dataset.from_list(rows),
+    )
+    ours.train()
+    expected, logged = theirs.state.log_history, ours.state.log_history
+    assert len(expected) == len(logged) == 3
+    times = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
+    for entry, mine in zip(expected, logged, strict=True):
+        assert not set(entry) - set(mine), set(entry) - set(mine)
+        for key in set(entry) - times:
+            assert mine[key] == pytest.approx(entry[key], rel=1e-6 if key == "entropy" else 1e-12, abs=1e-12), key
 
 
 def test_trls_reward_functions_get_message_lists_from_conversational_rows(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -88,3 +89,22 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
 def completion_lengths(completion_ids: list[list[int]], tool_masks: list[list[int]] | None) -> list[int]:
     """Each completion's length as TRL logs it: the tokens the model sampled (a tool's results are not counted)."""
     return [sum(mask) for mask in tool_masks] if tool_masks is not None else [len(c) for c in completion_ids]
+
+
+def completion_metrics(lengths: torch.Tensor, truncated: torch.Tensor, prompt_tokens: int) -> dict[str, float]:
+    """TRL's ``completions/*`` of one process's completions (``lengths`` ``[N]`` as `completion_lengths` gives them,
+    ``truncated`` ``[N]`` those cut by the length limit), and ``num_tokens``, this step's prompt and completion
+    tokens (``prompt_tokens``: the prompts', one per completion). The terminated completions' extremes are NaN
+    where none ended: `fastgrpo.distributed.reduce_metrics` takes the job's, 0 where none of the job's ended."""
+    terminated = lengths[~truncated]
+    ended = bool(terminated.numel())
+    return {
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(truncated.float().mean()),
+        "completions/mean_terminated_length": float(terminated.mean()) if ended else 0.0,
+        "completions/min_terminated_length": float(terminated.min()) if ended else math.nan,
+        "completions/max_terminated_length": float(terminated.max()) if ended else math.nan,
+        "num_tokens": float(prompt_tokens + lengths.sum()),
+    }

@@ -4,6 +4,7 @@ itself, micro-batch by micro-batch."""
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from functools import partial
@@ -27,6 +28,8 @@ from fastgrpo.grpo.losses import (
 from fastgrpo.grpo.update_metrics import job_row_metrics, sampling_metrics, skipped_parts, vespo_gamma
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteUpdate(ValueError):
@@ -115,6 +118,16 @@ class PolicyUpdate:
         masters = {"masters": [weights[n] for n in names]}
         cast = {k: v.to(self.compute_dtype) if v.dtype == torch.float32 else v for k, v in weights.items()}
         return cast, optimizer, masters
+
+    def load_masters_unless_kept(self, saved: dict) -> None:
+        """A checkpoint's float32 master weights (`full_state`'s) for a run that keeps none: float32 parameters take
+        them exactly (the saved weights are their bfloat16 rounding); low-precision ones keep the saved weights."""
+        trainable = [p for p in self.model.parameters() if p.requires_grad]
+        shapes = [tuple(c.shape) for c in saved["masters"]]
+        if all(p.dtype == torch.float32 for p in trainable) and shapes == [tuple(p.shape) for p in trainable]:
+            self.load_masters(saved)
+        else:
+            logger.warning("--resume: the checkpoint's float32 master weights are not used (master_weights: false)")
 
     def load_masters(self, state: dict) -> None:
         """Restore the float32 master weights `full_state` saved: into the copies, or into the trainable parameters

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from contextlib import nullcontext
@@ -17,7 +18,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
-from fastgrpo.grpo.batch import build_batch, completion_lengths, mask_tool_results
+from fastgrpo.grpo.batch import build_batch, completion_lengths, completion_metrics, mask_tool_results
 from fastgrpo.grpo.checkpoint import (
     latest_checkpoint,
     list_checkpoints,
@@ -41,7 +42,7 @@ from fastgrpo.grpo.run_dir import (
 from fastgrpo.grpo.run_log import RunLog, logged_lines
 from fastgrpo.grpo.scoring import score_completions
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
-from fastgrpo.grpo.trl_form import TrlTrainerMethods, trl_call
+from fastgrpo.grpo.trl_form import TrlTrainerMethods, train_summary, trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -106,7 +107,8 @@ class GRPOTrainer(TrlTrainerMethods):
                 f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per step "
                 f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
             )
-        self.start_step = 0
+        self.start_step, self.num_tokens = 0, 0.0
+        self.steps_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         # What can refuse the run does before anything is loaded; an overwritten run's files are deleted only once
@@ -230,23 +232,11 @@ class GRPOTrainer(TrlTrainerMethods):
                 )
             self.update.load_masters(state["master_weights"])
         elif "master_weights" in state:
-            self._restore_without_masters(state["master_weights"])
+            self.update.load_masters_unless_kept(state["master_weights"])
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
         set_rng_state(state["rng"])
-        self.start_step = state["step"]
+        self.start_step, self.num_tokens = state["step"], state.get("num_tokens", 0.0)
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
-
-    def _restore_without_masters(self, saved: dict[str, Any]) -> None:
-        """A checkpoint with float32 master weights resumed by a run that keeps none: float32 parameters take the
-        masters exactly (the saved weights are their bfloat16 rounding); low-precision ones keep the saved weights."""
-        trainable = [p for p in self.model.parameters() if p.requires_grad]
-        copies = saved["masters"]
-        if all(p.dtype == torch.float32 for p in trainable) and [tuple(c.shape) for c in copies] == [
-            tuple(p.shape) for p in trainable
-        ]:
-            self.update.load_masters(saved)
-        else:
-            logger.warning("--resume: the checkpoint's float32 master weights are not used (master_weights: false)")
 
     # -- one step -----------------------------------------------------------------------------------------
     def rollout(
@@ -301,20 +291,16 @@ class GRPOTrainer(TrlTrainerMethods):
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
             reserved["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
         lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
-        terminated = lengths[~truncated]
         metrics = {
             "step": step + 1,
+            "epoch": (step + 1) / self.steps_per_epoch,
             **reward_metrics,
-            "completions/mean_length": float(lengths.mean()),
-            "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()),
-            "completions/clipped_ratio": float(truncated.float().mean()),
-            "completions/mean_terminated_length": float(terminated.mean()) if terminated.numel() else 0.0,
+            **completion_metrics(lengths, truncated, sum(map(len, prompts_per_row))),
             **train_metrics,
             **draft_metrics,
             **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
             **{"time/draft_learning": t_learnt - t2, "time/logprobs": t_logps - t_policy, "time/update": t3 - t_logps},
-            **{"time/train": t3 - t_policy, "time/step": t3 - t0},
+            **{"time/train": t3 - t_policy, "time/step": t3 - t0, "step_time": (t3 - t0) / cfg.num_iterations},
             **out.stats.metrics(),
             **(turns.metrics() if turns is not None else {}),
             "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
@@ -323,6 +309,9 @@ class GRPOTrainer(TrlTrainerMethods):
             **(self.threads.metrics() if self.threads is not None else {}),
         }
         metrics = distributed.reduce_metrics(metrics)
+        self.num_tokens = metrics["num_tokens"] = self.num_tokens + metrics["num_tokens"]  # TRL's: the run's so far
+        for key in ("completions/min_terminated_length", "completions/max_terminated_length"):
+            metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]  # no completion of the job ended
         return metrics
 
     def close(self) -> None:
@@ -343,7 +332,7 @@ class GRPOTrainer(TrlTrainerMethods):
                 self.write_policy(path, weights)
                 self.rollouts.save(path, learners=not self.config.save_only_model)
 
-            state: dict[str, Any] = {"config": config_to_dict(self.config)}
+            state: dict[str, Any] = {"config": config_to_dict(self.config), "num_tokens": self.num_tokens}
             if not self.config.save_only_model:
                 state |= {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
                 if masters is not None:
@@ -371,6 +360,7 @@ class GRPOTrainer(TrlTrainerMethods):
             disable=not (cfg.progress_bar and main),
         )
         log = RunLog(cfg, self.start_step) if main else None
+        start = time.perf_counter()
         try:
             with self.threads or nullcontext(), tf32_matmuls(self.device):
                 for step in bar:
@@ -392,6 +382,9 @@ class GRPOTrainer(TrlTrainerMethods):
                     bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{tok_s:.0f}")
                     if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
                         self.save(step + 1)
+            self.summary = train_summary(
+                history, time.perf_counter() - start, cfg.generation_batch_size * self.dist.world_size
+            )
         finally:
             if log is not None:
                 log.close()

@@ -188,16 +188,37 @@ def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[st
 @dataclasses.dataclass
 class TrlState:
     """What TRL's ``trainer.state`` gives a script after ``train()``: ``log_history``, one dict of metrics per logged
-    optimizer step (``logging_steps``, and every evaluation), each with its ``step``, and ``global_step``."""
+    optimizer step (``logging_steps``, and every evaluation), each with its ``step``, then the last ``train()``'s
+    `train_summary`, and ``global_step``."""
 
     log_history: list[dict[str, Any]]
     global_step: int
 
 
+def train_summary(history: list[dict[str, Any]], seconds: float, completions_per_step: int) -> dict[str, Any] | None:
+    """The record TRL's ``train()`` ends ``log_history`` with, of the steps of ``history`` run in ``seconds``:
+    ``train_runtime``, ``train_samples_per_second`` (completions), ``train_steps_per_second``, ``total_flos`` (0, as
+    TRL's GRPO logs it), ``train_loss`` (the mean step loss), ``epoch`` and ``step`` (None for no step)."""
+    if not history:
+        return None
+    steps, seconds = len(history), max(seconds, 1e-9)
+    return {  # rounded as TRL rounds them
+        "train_runtime": round(seconds, 4),
+        "train_samples_per_second": round(steps * completions_per_step / seconds, 3),
+        "train_steps_per_second": round(steps / seconds, 3),
+        "total_flos": 0.0,
+        "train_loss": sum(m["loss"] for m in history) / steps,
+        "epoch": history[-1]["epoch"],
+        "step": history[-1]["step"],
+    }
+
+
 class TrlTrainerMethods:
     """TRL's `Trainer` attributes a GRPO script reads, on fastgrpo's trainer: `state` (read from the run's
-    ``metrics.jsonl``, so a resumed run's history is whole) and `save_model`."""
+    ``metrics.jsonl``, so a resumed run's history is whole, and ended as TRL's by the last `train` call's
+    `train_summary`) and `save_model`."""
 
+    summary: dict[str, Any] | None = None  # `train_summary` of the last `train` call
     config: GRPOConfig
     output_dir: Path
     dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
@@ -208,7 +229,8 @@ class TrlTrainerMethods:
     def state(self) -> TrlState:
         path = self.output_dir / "metrics.jsonl"
         history = read_metrics(self.output_dir) if path.is_file() and path.stat().st_size else []
-        return TrlState(history, int(history[-1]["step"]) if history else 0)
+        step = int(history[-1]["step"]) if history else 0
+        return TrlState(history + ([self.summary] if self.summary is not None else []), step)
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Write the policy (its full weights under FSDP2; the adapter with LoRA) and tokenizer to ``output_dir``
