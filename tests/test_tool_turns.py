@@ -78,9 +78,11 @@ def reference_turns(model: PreTrainedModel, prompt: list[int], eos: int, turns: 
         if completion[-1] != eos or turn == turns.calls:
             return completion
         result = turns.result(row, turn)
-        if len(completion) + len(result) >= MAX_NEW:
+        if len(completion) + len(result) > MAX_NEW:  # TRL's rollback: the results would not fit
             return completion
         completion += result
+        if len(completion) == MAX_NEW:  # they fill the completion, which ends with them
+            return completion
     return completion
 
 
@@ -107,6 +109,37 @@ def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos) -> Non
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
     assert out.stats.tool_prefill_tokens == 3 * sum(turns.turns.values())
     assert sum(1 - m for mask in out.tool_masks for m in mask) == out.stats.tool_prefill_tokens
+
+
+class FillingTurns(ScriptedTurns):
+    """Each row's first turn that ends with the EOS calls a tool whose result is exactly the tokens left."""
+
+    def ended(self, row: int, completion: list[int]) -> bool:
+        if self.turns[row]:
+            return False
+        self.waiting[row] = [20 + row % 3] * (MAX_NEW - len(completion))
+        self.turns[row] += 1
+        return True
+
+
+def test_results_that_fill_the_completion_end_it_with_them(model_eos) -> None:
+    """As TRL's loop keeps them: a tool's results that exactly fill the completion's budget end it (finish reason
+    ``length``), the results last and masked; nothing is decoded after them."""
+    model, eos, _ = model_eos
+    turns = FillingTurns()
+    out = RolloutEngine(model, [eos]).generate(
+        PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 1, turns=turns
+    )
+    assert turns.turns, "the test needs rows that call tools"
+    for row, prompt in enumerate(PROMPTS):
+        ids, mask = out.completion_ids[row], out.tool_masks[row]
+        if not turns.turns[row]:
+            continue
+        first = mask.index(0)
+        assert len(ids) == MAX_NEW and out.finish_reasons[row] == "length" and ids[first - 1] == eos
+        assert ids[first:] == [20 + row % 3] * (MAX_NEW - first) and not any(mask[first:])
+        assert ids[:first] == reference_turns(model, prompt, eos, ScriptedTurns(calls=0), row)[:first]
+    assert out.stats.tool_prefill_tokens == 0, "nothing was fed: the rows ended"
 
 
 @pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix", "suffix without tool results"])

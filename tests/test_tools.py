@@ -103,7 +103,12 @@ def test_the_fallback_format_shows_reads_and_continues(tokenizer) -> None:
 
     call = parse('Sure. <tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>')["tool_calls"][0]
     assert call == {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
-    assert "error" in parse('<tool_call>{"name": add}</tool_call>')["tool_calls"][0]
+    malformed = '<tool_call>{"name": add}</tool_call>'
+    assert parse(malformed) == {"role": "assistant", "content": malformed}, "a malformed call is text, as TRL reads it"
+    strict = ToolFormat(tokenizer, tools, strict=True)  # strict_tool_calls: an error call the model reads
+    assert (
+        "error" in strict.parse(tokenizer(malformed, add_special_tokens=False)["input_ids"], [], tools)["tool_calls"][0]
+    )
     assert "tool_calls" not in parse("The answer is 5.")
     suffix = fmt.suffix_ids([{"role": "tool", "name": "add", "content": "5"}])
     assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n"
@@ -132,7 +137,9 @@ def test_a_template_with_tool_support_shows_and_parses_its_own_format(native) ->
     call = '<tool_call>\n{"name": "add", "arguments": {"a": "2", "b": 3}}\n</tool_call><|im_end|>'
     message = fmt.parse(native(call, add_special_tokens=False)["input_ids"], list(prompt), tools)
     assert message["tool_calls"] == [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]
-    broken = fmt.parse(native('<tool_call>\n{"name": add}\n</tool_call>')["input_ids"], list(prompt), tools)
+    malformed = native('<tool_call>\n{"name": add}\n</tool_call>')["input_ids"]
+    assert "tool_calls" not in fmt.parse(malformed, list(prompt), tools), "a malformed call is text, as TRL reads it"
+    broken = ToolFormat(native, tools, strict=True).parse(malformed, list(prompt), tools)
     assert broken["tool_calls"][0]["error"].startswith("error: the turn's tool calls cannot be read: json parser")
     suffix = native.decode(fmt.suffix_ids([{"role": "tool", "name": "add", "content": "5"}]))
     assert suffix == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
@@ -211,28 +218,57 @@ def turn(tokenizer, call: dict) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
 
 
+# A fault's call, its result as TRL's loop words it (None: no fault there, the result's text) and with
+# strict_tool_calls.
 FAULTS = {
-    "raises": ({"name": "raises", "arguments": {"x": "a"}}, "raised RuntimeError: broken tool"),
-    "kills its worker": ({"name": "exits", "arguments": {"x": "a"}}, "raised SystemExit"),
-    "times out": ({"name": "hangs", "arguments": {"x": "a"}}, "did not return within 5 seconds"),
-    "returns a non-string": ({"name": "number", "arguments": {"x": "a"}}, "returned int, not a string"),
-    "returns a huge result": ({"name": "huge", "arguments": {"x": "a"}}, "returned 10000 characters, more than 4000"),
-    "is unknown": ({"name": "abacus", "arguments": {}}, "unknown tool 'abacus'"),
-    "has malformed arguments": ({"name": "add", "arguments": {"a": 1}}, "missing ['b']"),
-    "has wrongly typed arguments": ({"name": "add", "arguments": {"a": "1", "b": 2}}, "'a' of tool 'add' must be"),
-    "has an unknown argument": ({"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}}, "unknown ['c']"),
+    "raises": (
+        {"name": "raises", "arguments": {"x": "a"}},
+        "{'error': 'broken tool'}",
+        "raised RuntimeError: broken tool",
+    ),
+    "kills its worker": ({"name": "exits", "arguments": {"x": "a"}}, "{'error': '3'}", "raised SystemExit"),
+    "times out": (
+        {"name": "hangs", "arguments": {"x": "a"}},
+        "{'error': \"tool 'hangs' did not return within 5 seconds\"}",
+        "did not return within 5 seconds",
+    ),
+    "returns a non-string": ({"name": "number", "arguments": {"x": "a"}}, None, "returned int, not a string"),
+    "returns a huge result": (
+        {"name": "huge", "arguments": {"x": "a"}},
+        "returned 10000 characters, more than 4000",
+        "returned 10000 characters, more than 4000",
+    ),
+    "is unknown": ({"name": "abacus", "arguments": {}}, "{'error': 'Tool abacus not found.'}", "unknown tool 'abacus'"),
+    "has malformed arguments": (
+        {"name": "add", "arguments": {"a": 1}},
+        "{'error': \"add() missing 1 required positional argument: 'b'\"}",
+        "missing ['b']",
+    ),
+    "has wrongly typed arguments": (
+        {"name": "add", "arguments": {"a": "1", "b": 2}},
+        "{'error': 'can only concatenate str (not \"int\") to str'}",
+        "'a' of tool 'add' must be",
+    ),
+    "has an unknown argument": (
+        {"name": "add", "arguments": {"a": 1, "b": 2, "c": 3}},
+        "{'error': \"add() got an unexpected keyword argument 'c'\"}",
+        "unknown ['c']",
+    ),
 }
 
 
+@pytest.mark.parametrize("strict", [False, True], ids=["as TRL", "strict"])
 @pytest.mark.parametrize("fault", FAULTS)
-def test_every_fault_is_an_error_message_and_the_others_go_on(tokenizer, fault: str) -> None:
+def test_every_fault_is_an_error_message_and_the_others_go_on(tokenizer, fault: str, strict: bool) -> None:
     """Row 0 meets the fault, row 1 calls a working tool in the same call: both rows go on, only row 0's call is
-    counted as failed, and its result in the conversation is the error."""
+    counted as failed, and its result in the conversation is the error, worded as TRL's loop words it (a tool's
+    non-string result is its text there, as in TRL's loop), or by fastgrpo with ``strict_tool_calls``, which checks
+    a call's arguments against the tool before running it."""
     clock = FakeClock()
     tools = resolve_tools([add, raises, exits, hangs, number, huge, later])
-    runner = ToolRunner(workers=2, timeout=5.0, clock=clock)
-    turns = ToolTurns(tokenizer, ToolFormat(tokenizer, tools), runner, rows=2, max_tokens=400)
-    call, message = FAULTS[fault]
+    runner = ToolRunner(workers=2, timeout=5.0, clock=clock, strict=strict)
+    turns = ToolTurns(tokenizer, ToolFormat(tokenizer, tools, strict), runner, rows=2, max_tokens=400)
+    call, trl_message, strict_message = FAULTS[fault]
     assert turns.ended(0, turn(tokenizer, call))
     assert turns.ended(1, turn(tokenizer, {"name": "later", "arguments": {"x": "ok"}}))
     ready: dict[int, list[int] | None] = {}
@@ -243,10 +279,15 @@ def test_every_fault_is_an_error_message_and_the_others_go_on(tokenizer, fault: 
         else:
             threading.Event().wait(0.001)
     assert all(tokens is not None for tokens in ready.values())
-    assert message in turns.rows[0].messages[-1]["content"]
+    content = turns.rows[0].messages[-1]["content"]
+    if strict:
+        assert strict_message in content and content.startswith("error: ")
+    else:
+        assert content == "5" if trl_message is None else trl_message in content
     assert turns.rows[1].messages[-1]["content"] == "OK"
     metrics = turns.metrics()
-    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == 0.5
+    failed = 0.0 if trl_message is None and not strict else 0.5
+    assert metrics["tools/call_frequency"] == 1.0 and metrics["tools/failure_frequency"] == failed
     runner.close()
 
 
@@ -263,6 +304,8 @@ def test_a_result_that_leaves_no_room_is_rolled_back_and_iterations_are_bounded(
     ((index, tokens),) = bounded.ready(block=True)
     assert tokenizer.decode(tokens) == "\n<|im_start|>tool\n3<|im_end|>\n<|im_start|>assistant\n"
     assert not bounded.ended(0, completion + tokens + completion), "a second turn of calls is past the limit"
+    none = ToolTurns(tokenizer, ToolFormat(tokenizer, tools), runner, rows=1, max_tokens=400, max_iterations=0)
+    assert not none.ended(0, completion) and none.metrics()["tools/call_frequency"] == 0, "0: no call runs, as TRL"
     assert [m["role"] for m in bounded.rows[0].messages] == ["assistant", "tool", "assistant"]
 
 
@@ -427,6 +470,122 @@ def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it(nati
     assert ours[1] == [{"role": "assistant", "content": "Let me think about"}]
 
 
+def half(a: int) -> float:
+    """Half a number, as a float (transformers' own tool example returns a float).
+
+    Args:
+        a: the number.
+    """
+    return a / 2
+
+
+def divide(a: int, b: int) -> float:
+    """Divide two numbers.
+
+    Args:
+        a: the dividend.
+        b: the divisor.
+    """
+    return a / b
+
+
+def both_loops(native, tool, first_turns: list[list[int]], after_tool: list[list[int]], budget: int) -> tuple:
+    """The same completions through fastgrpo's tool turns (the engine's side played by hand: each tool turn's
+    tokens, then the row's ``after_tool`` tokens, all cut to ``budget``) and through TRL 1.16's ``_tool_call_loop``
+    (its generation after the results replaced by the same tokens); each side's messages for the reward functions,
+    completion ids and tool masks."""
+    from types import SimpleNamespace
+
+    from trl import GRPOTrainer
+    from trl.chat_template_utils import parse_response
+
+    n = len(first_turns)
+    fmt = ToolFormat(native, resolve_tools([tool]))
+    messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
+    prompt = list(native.apply_chat_template(messages, add_generation_prompt=True, return_dict=False, **kwargs))
+    turns = ToolTurns(native, fmt, ToolRunner(), rows=n, max_tokens=budget)
+    turns.prompt_ids = [prompt] * n
+    completions, masks = [list(t) for t in first_turns], [[1] * len(t) for t in first_turns]
+    called = [row for row in range(n) if turns.ended(row, completions[row])]
+    resumed = []
+    while any(turns.rows[row].waiting for row in called):
+        for row, tokens in turns.ready(block=True):
+            if tokens is not None:
+                resumed.append(row)
+                more = after_tool[row][: max(0, budget - len(completions[row]) - len(tokens))]
+                completions[row] += tokens + more
+                masks[row] += [0] * len(tokens) + [1] * len(more)
+    for row in resumed:  # a turn after the results, ended by its EOS, is read as the engine reads it
+        if len(completions[row]) > turns.rows[row].turn_start and len(completions[row]) < budget:
+            turns.ended(row, completions[row])
+    ours = turns.messages(completions)
+
+    def generate_single_turn(prompt_ids, images, fields, num_generations, has_tool_images=False):
+        return [after_tool[row] for row in sorted(resumed)], None
+
+    trl_self = SimpleNamespace(
+        max_tool_calling_iterations=1,
+        _sync_tool_dicts=[{tool.__name__: tool}] * n,
+        _async_tool_dicts=[{}] * n,
+        _is_vlm=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        processing_class=native,
+        _tokenizer=native,
+        use_vllm=False,
+        vllm_mode="server",
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)),
+        max_completion_length=budget,
+        tools=[tool],
+        environment_factories=None,
+        async_loop=None,
+    )
+    trl_self._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids.__get__(trl_self)
+    trl_self._generate_single_turn = generate_single_turn
+    trl_completions = [[parse_response(native, t, prefix=prompt, tools=[tool])] for t in first_turns]
+    prompts = [[{"role": "user", "content": "What is 2 + 3?"}] for _ in range(n)]
+    out = GRPOTrainer._tool_call_loop(
+        trl_self, prompts, [prompt] * n, [list(t) for t in first_turns], trl_completions, None, None, {}
+    )
+    return (ours, completions, masks), (out[1], out[2], out[0])
+
+
+@pytest.mark.parametrize("case", ["float result", "malformed call", "raising tool", "results filling the budget"])
+def test_tool_turns_give_what_trls_loop_gives(native, case: str) -> None:
+    """A tool that returns a float (its text is the result), a malformed call (the turn is text: nothing runs), a
+    tool that raises (``{'error': message}``), and results that exactly fill the completion's budget (kept, the
+    completion ends with them): fastgrpo's messages, completion ids and tool masks equal TRL 1.16's loop's on the
+    same tokens."""
+
+    def ids(text: str) -> list[int]:
+        return native(text, add_special_tokens=False)["input_ids"]
+
+    tool, budget = half, 64
+    call = ids('<tool_call>\n{"name": "half", "arguments": {"a": 5}}\n</tool_call><|im_end|>')
+    after = [ids("The half is 2.5.<|im_end|>")]
+    if case == "malformed call":
+        call = ids('<tool_call>\n{"name": "half", "arguments": {"a": }\n</tool_call><|im_end|>')
+    elif case == "raising tool":
+        tool, call = (
+            divide,
+            ids('<tool_call>\n{"name": "divide", "arguments": {"a": 1, "b": 0}}\n</tool_call><|im_end|>'),
+        )
+    elif case == "results filling the budget":
+        budget = len(call) + len(
+            ToolFormat(native, resolve_tools([tool])).suffix_ids([{"role": "tool", "name": "half", "content": "2.5"}])
+        )
+    (ours, our_ids, our_masks), (theirs, trl_ids, trl_masks) = both_loops(native, tool, [call], after, budget)
+    assert ours == theirs and our_ids == trl_ids and our_masks == trl_masks, (ours, theirs)
+    if case == "float result":
+        assert ours[0][1] == {"role": "tool", "name": "half", "content": "2.5"}
+    elif case == "malformed call":
+        assert ours[0] == [{"role": "assistant", "content": native.decode(call, skip_special_tokens=True)}]
+    elif case == "raising tool":
+        assert ours[0][1]["content"] == "{'error': 'division by zero'}"
+    else:
+        assert len(our_ids[0]) == budget and our_masks[0][-1] == 0 and ours[0][-1]["role"] == "tool"
+
+
 _COUNTER = [0]
 
 
@@ -487,6 +646,7 @@ def test_a_call_waiting_behind_a_hung_call_of_its_tool_ends_at_its_deadline() ->
     _HELD.set()
     assert all(r.failed for r in results)
     hung, waited = sorted(results, key=lambda r: "runs one call at a time" in r.content)  # either order
-    assert hung.content == "error: tool 'held' did not return within 0.2 seconds"
-    assert waited.content == f"{hung.content}: it runs one call at a time, and an earlier call still ran"
+    late = "tool 'held' did not return within 0.2 seconds"
+    assert hung.content == str({"error": late})
+    assert waited.content == str({"error": f"{late}: it runs one call at a time, and an earlier call still ran"})
     runner.close()

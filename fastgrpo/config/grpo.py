@@ -141,9 +141,12 @@ class GRPOConfig(GRPOChecks):
         "function, plain or async); a turn that calls one waits for its result, which the completion goes on from",
     )
     max_tool_calling_iterations: int | None = option(
-        None,
-        help="turns of tool calls per completion at most, as TRL (None: no limit but max_completion_length)",
-        valid=Range(1),
+        None, help="turns of tool calls per completion at most, as TRL (0: none; None: no limit)", valid=Range(0)
+    )
+    strict_tool_calls: bool = option(
+        False,
+        help="tool calls stricter than TRL's loop: a malformed call and a tool's non-string result are errors the "
+        "model reads, arguments are checked against the tool first, and errors are worded by fastgrpo",
     )
     tool_timeout: float = option(
         30.0,
@@ -182,11 +185,7 @@ class GRPOConfig(GRPOChecks):
     max_steps: int = option(20, help="optimizer steps of the run", valid=Range(1))
     lr_scheduler_type: str = option("linear", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
     warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up", valid=Range(0, 1))
-    warmup_steps: float = option(
-        0,
-        help="steps warming the learning rate up, or below 1 their share (transformers'; over warmup_ratio)",
-        valid=Range(0),
-    )
+    warmup_steps: float = option(0, help="warmup steps, or below 1 their share (not with warmup_ratio)", valid=Range(0))
     weight_decay: float = option(0.0, help="AdamW weight decay", valid=Range(0))
     adam_beta1: float = option(0.9, help="AdamW beta1", valid=Range(0, 1, high_open=True))
     adam_beta2: float = option(0.999, help="AdamW beta2", valid=Range(0, 1, high_open=True))

@@ -43,7 +43,7 @@ class GRPOChecks:
         if not self.tools and not self.environment_factory:
             unused += [
                 (key, "no tools and no environment_factory (nothing is called)")
-                for key in ("max_tool_calling_iterations", "tool_timeout", "tool_workers")
+                for key in ("max_tool_calling_iterations", "tool_timeout", "tool_workers", "strict_tool_calls")
             ]
         for key, why in unused:
             if given.get(key) is not None:

@@ -116,8 +116,9 @@ class RunTools:
     ):
         self.tokenizer, self.config, self.environments = tokenizer, config, environments
         shown = environments.tools if environments is not None else {None: tools}
-        self.formats = {name: ToolFormat(tokenizer, listed) for name, listed in shown.items()}
-        self.runner = ToolRunner(config.tool_workers, config.tool_timeout)
+        strict = config.strict_tool_calls
+        self.formats = {name: ToolFormat(tokenizer, listed, strict) for name, listed in shown.items()}
+        self.runner = ToolRunner(config.tool_workers, config.tool_timeout, strict=strict)
         self.warned: set[str] = set()  # the tools whose failure the log has shown (once each per run)
         for name, fmt in self.formats.items():
             where = "" if name is None else f" (environment {name!r})"

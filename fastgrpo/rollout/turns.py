@@ -94,9 +94,14 @@ class Parking:
             call.stats.tool_wait_time += time.perf_counter() - t0
         for index, tokens in ready:
             parked = self.rows.pop(index)
-            if tokens is not None:
-                rows = self._rejoin(model, cache, drafters, rows, parked, tokens)
-                call.stats.tool_prefill_tokens += len(tokens)
+            room = None if tokens is None else call.params.max_new_tokens - len(parked.seq.completion_ids) - len(tokens)
+            if room is None or room < 0:  # the results would not fit: the completion ends as it is
+                continue
+            if room == 0:  # they fill the completion: it ends with them, as in TRL's loop
+                parked.seq.append_tool_result(tokens)
+                continue
+            rows = self._rejoin(model, cache, drafters, rows, parked, tokens)
+            call.stats.tool_prefill_tokens += len(tokens)
         return rows
 
     def _rejoin(

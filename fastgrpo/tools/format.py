@@ -63,12 +63,28 @@ def written_calls(message: dict[str, Any]) -> dict[str, Any]:
     return {**rest, "content": (message.get("content") or "") + written}
 
 
+def readable_calls(calls: Any) -> None:
+    """Raise ``ValueError`` unless ``calls`` (a parsed turn's ``tool_calls``, or None) are a list of calls each
+    naming its tool, as TRL's ``parse_response`` validates them; a call without arguments gets ``{}``."""
+    if calls is None:
+        return
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list")
+    for call in calls:
+        function = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError("a tool call must name its tool")
+        if function.get("arguments") is None:
+            function["arguments"] = {}
+
+
 class ToolFormat:
     """The tools of a run, shown to the model and read back from its turns by ``tokenizer``'s chat template (or the
-    fallback format, `name` tells which)."""
+    fallback format, `name` tells which). A turn whose calls cannot be read is text, as TRL reads it; ``strict`` (the
+    ``strict_tool_calls`` option): each unreadable call is an error call instead (`parse`)."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool]):
-        self.tokenizer, self.tools = tokenizer, tools
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[Tool], strict: bool = False):
+        self.tokenizer, self.tools, self.strict = tokenizer, tools, strict
         self.native = renders_tools(tokenizer)
         self.parses = self.native and getattr(tokenizer, "response_template", None) is not None
         if not self.native:
@@ -95,13 +111,19 @@ class ToolFormat:
     def parse(self, turn: list[int], prefix: list[int], tools: list[Tool]) -> dict[str, Any]:
         """An assistant message from a turn's tokens (``prefix``: the tokens before it): ``content`` and, when it
         calls ``tools``, ``tool_calls`` in transformers' form (``{"type": "function", "function": {"name",
-        "arguments"}}``); a call that cannot be read has ``"error"`` instead of ``"function"``."""
+        "arguments"}}``). A turn with a call that cannot be read (or, as TRL validates them, a call without a tool
+        name) is its text, as TRL's ``parse_response`` falls back to; ``strict``: the call has ``"error"`` instead of
+        ``"function"``."""
         text = self.tokenizer.decode(turn, skip_special_tokens=True)
         if self.parses:
             schemas = [tool.schema for tool in tools]
             try:
                 message = dict(self.tokenizer.parse_response(turn, prefix=prefix, tools=schemas))
+                if not self.strict:
+                    readable_calls(message.get("tool_calls"))
             except Exception as exc:  # the template's parser raises its own errors on a malformed call
+                if not self.strict:
+                    return {"role": "assistant", "content": text}
                 error = f"error: the turn's tool calls cannot be read: {exc}"
                 return {"role": "assistant", "content": text, "tool_calls": [{"type": "function", "error": error}]}
             message.setdefault("role", "assistant")
@@ -121,6 +143,8 @@ class ToolFormat:
                     raise ValueError('"arguments" must be an object')
                 calls.append({"type": "function", "function": {"name": call["name"], "arguments": arguments}})
             except ValueError as exc:
+                if not self.strict:
+                    return {"role": "assistant", "content": text}
                 calls.append({"type": "function", "error": f"error: malformed tool call {body.strip()[:200]!r}: {exc}"})
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if calls:

@@ -42,12 +42,19 @@ class _Call:
     future: Any = None  # an async tool's, cancelled at its deadline
 
 
+def tool_error(message: str, strict: bool) -> str:
+    """A failed call's result as the model reads it: TRL's ``{'error': message}`` (the dict's text), or with
+    ``strict`` (the ``strict_tool_calls`` option) fastgrpo's ``error: message``."""
+    return f"error: {message}" if strict else str({"error": message})
+
+
 class ToolRunner:
     """Runs tool calls on at most ``workers`` threads at once, each for at most ``timeout`` seconds, results of at
     most ``max_result_chars`` characters; ``clock`` measures the deadlines (tests give a fake one). A plain tool runs
     one call at a time (an environment's method, one per instance) unless declared
     `fastgrpo.tools.functions.concurrent`: a tool that keeps state sees its calls one after another, as in TRL's
-    loop."""
+    loop. A result that is not a string is its text, and a tool's exception the result ``{'error': message}``, as in
+    TRL's loop; ``strict``: the first is an error too, and errors are worded by fastgrpo (`tool_error`)."""
 
     def __init__(
         self,
@@ -55,8 +62,9 @@ class ToolRunner:
         timeout: float = 30.0,
         max_result_chars: int = 4000,
         clock: Callable[[], float] = time.monotonic,
+        strict: bool = False,
     ):
-        self.timeout, self.max_result_chars, self.clock = timeout, max_result_chars, clock
+        self.timeout, self.max_result_chars, self.clock, self.strict = timeout, max_result_chars, clock, strict
         self._slots = threading.Semaphore(workers)
         self._done: queue.Queue[Result] = queue.Queue()
         self._calls: list[_Call] = []
@@ -87,7 +95,7 @@ class ToolRunner:
             self._slots.acquire()  # `_finish` gives it back
             call.started, call.returned = self.clock(), True
             message = f"{self._late(call.tool)}: it runs one call at a time, and an earlier call still ran"
-            self._finish(call, message, True, 0.0)
+            self._finish(call, tool_error(message, self.strict), True, 0.0)
             return
         self._slots.acquire()
         call.started = start = self.clock()  # the deadline runs from here: waiting for an earlier call is not in it
@@ -100,10 +108,12 @@ class ToolRunner:
                 value = call.tool.function(**call.arguments)
             content, failed = self._checked(call.tool, value)
             if self.clock() - start > self.timeout:  # returned late, before `results` checked its deadline
-                content, failed = self._late(call.tool), True
+                content, failed = tool_error(self._late(call.tool), self.strict), True
         except BaseException as exc:  # noqa: BLE001 - a tool's failure of any kind is its result
             message = f"{exc}".encode("utf-8", "replace").decode()  # no lone surrogate reaches the tokenizer
-            content, failed = f"error: tool {call.tool.name!r} raised {type(exc).__name__}: {message}", True
+            if self.strict:
+                message = f"tool {call.tool.name!r} raised {type(exc).__name__}: {message}"
+            content, failed = tool_error(message, self.strict), True
         finally:
             if serial is not None:
                 serial.release()
@@ -112,13 +122,17 @@ class ToolRunner:
 
     def _checked(self, tool: Tool, value: Any) -> tuple[str, bool]:
         if not isinstance(value, str):
-            return f"error: tool {tool.name!r} returned {type(value).__name__}, not a string", True
+            if self.strict:
+                return tool_error(f"tool {tool.name!r} returned {type(value).__name__}, not a string", True), True
+            value = str(value)
         if len(value) > self.max_result_chars:
             limit = self.max_result_chars
-            return f"error: tool {tool.name!r} returned {len(value)} characters, more than {limit}", True
+            return tool_error(
+                f"tool {tool.name!r} returned {len(value)} characters, more than {limit}", self.strict
+            ), True
         problem = unicode_problem(value)
         if problem is not None:
-            return f"error: tool {tool.name!r} returned text that {problem}", True
+            return tool_error(f"tool {tool.name!r} returned text that {problem}", self.strict), True
         return value, False
 
     def _finish(self, call: _Call, content: str, failed: bool, seconds: float) -> None:
@@ -138,7 +152,7 @@ class ToolRunner:
             return self._loop
 
     def _late(self, tool: Tool) -> str:
-        return f"error: tool {tool.name!r} did not return within {self.timeout:g} seconds"
+        return f"tool {tool.name!r} did not return within {self.timeout:g} seconds"
 
     def _expire(self) -> None:
         """Give up the calls past their deadline."""
@@ -146,7 +160,7 @@ class ToolRunner:
         with self._lock:
             late = [c for c in self._calls if c.started is not None and now - c.started > self.timeout]
         for call in late:
-            message = self._late(call.tool)
+            message = tool_error(self._late(call.tool), self.strict)
             if call.future is not None:
                 call.future.cancel()
             with self._lock:

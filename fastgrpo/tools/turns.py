@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 
 from fastgrpo.tools.format import ToolFormat
 from fastgrpo.tools.functions import Tool
-from fastgrpo.tools.runner import Result, ToolRunner
+from fastgrpo.tools.runner import Result, ToolRunner, tool_error
 
 logger = logging.getLogger(__name__)
 
@@ -108,16 +108,19 @@ class ToolTurns:
             row.calls += 1
             function = call.get("function") or {}
             name, arguments = function.get("name"), function.get("arguments", {})
-            error = call.get("error")
+            error, strict = call.get("error"), self.runner.strict  # an unreadable call's (strict only)
             if error is None and not (isinstance(name, str) and isinstance(arguments, dict)):
-                error = f"error: a call needs a tool name and an object of arguments, got {function!r}"[:400]
+                error = tool_error(
+                    f"a call needs a tool name and an object of arguments, got {function!r}"[:400], strict
+                )
             name = name if isinstance(name, str) else "unreadable"
             row.names.append(name)
             row.waiting.append(None)
             tool = self.row_tools[index].get(name)
-            if error is None and tool is None:
-                error = f"error: unknown tool {name!r}; the tools are {sorted(self.row_tools[index])}"
-            if error is None:
+            if error is None and tool is None:  # TRL's words, or fastgrpo's
+                known = f"unknown tool {name!r}; the tools are {sorted(self.row_tools[index])}"
+                error = tool_error(known if strict else f"Tool {name} not found.", strict)
+            if error is None and strict:  # else the tool's own call raises, as in TRL's loop
                 error = argument_error(tool, arguments)
             if error is not None:
                 row.waiting[k] = Result((index, k), error, True, 0.0)
@@ -140,8 +143,8 @@ class ToolTurns:
         return out
 
     def _continue(self, row: ToolRow) -> list[int] | None:
-        """The tokens of a row's tool turn, or None when they would leave no room in the completion (TRL's rollback:
-        the results are dropped and the row ends as it is)."""
+        """The tokens of a row's tool turn, or None when they would not fit in the completion (TRL's rollback: the
+        results are dropped and the row ends as it is); results that fill it exactly end it with them."""
         results, row.waiting = row.waiting, []
         row.failures += sum(r.failed for r in results)
         for name, result in zip(row.names, results, strict=True):
@@ -159,7 +162,7 @@ class ToolTurns:
         row.seconds += sum(r.seconds for r in results)
         messages = [{"role": "tool", "name": n, "content": r.content} for n, r in zip(row.names, results, strict=True)]
         tokens = self.format.suffix_ids(messages)
-        if row.length + len(tokens) >= self.max_tokens:
+        if row.length + len(tokens) > self.max_tokens:
             row.overlong += 1
             return None
         row.messages += messages
