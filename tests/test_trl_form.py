@@ -5,6 +5,7 @@ otherwise is refused by name before anything loads."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import datasets
@@ -112,6 +113,54 @@ def test_every_key_trl_logs_is_logged_with_trls_values(tiny_model_dir: Path, tmp
             assert mine[key] == pytest.approx(entry[key], rel=1e-6 if key == "entropy" else 1e-12, abs=1e-12), key
 
 
+def test_trls_callbacks_see_the_loops_events_and_can_stop_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """transformers' ``TrainerCallback`` events through its own ``CallbackHandler``: init end, train begin, each
+    step's begin and end and log, a save where ``save_steps`` falls, train end, with transformers' ``TrainerState``;
+    a callback that sets ``should_training_stop`` ends the run after that step, with a checkpoint of it; ``add``,
+    ``pop`` and ``remove_callback`` as on TRL's trainer. ``trainer.state`` is a ``TrainerState``."""
+    from transformers import TrainerCallback, TrainerState
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.events: list[tuple[str, int]] = []
+
+        def __getattribute__(self, name: str):
+            if name.startswith("on_"):
+                return lambda args, state, control, **kw: self.events.append((name, state.global_step))
+            return super().__getattribute__(name)
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            assert isinstance(state, TrainerState) and args.max_steps == 4 and kwargs["model"] is not None
+            control.should_training_stop = state.global_step == 2
+            return control
+
+    recorder = Recorder()
+    args = trl_args(tmp_path / "run", max_steps=4, save_steps=3, learning_rate=1e-4)
+    trainer = GRPOTrainer(
+        model=str(tiny_model_dir), reward_funcs=length_reward, args=args, train_dataset=ROWS, callbacks=[recorder]
+    )
+    trainer.add_callback(StopAtTwo)
+    assert isinstance(trainer.pop_callback(StopAtTwo), StopAtTwo)
+    trainer.add_callback(StopAtTwo())
+    history = trainer.train()
+    assert [m["step"] for m in history] == [1, 2], "stopped after step 2"
+    assert (tmp_path / "run" / "checkpoint-2").is_dir(), "with a checkpoint of the last step"
+    step = [("on_step_begin", 0), ("on_step_end", 1), ("on_log", 1), ("on_step_begin", 1), ("on_step_end", 2)]
+    assert recorder.events == [
+        ("on_init_end", 0),
+        ("on_train_begin", 0),
+        *step,
+        ("on_log", 2),
+        ("on_save", 2),
+        ("on_train_end", 2),
+    ]
+    state = trainer.state
+    assert isinstance(state, TrainerState) and state.global_step == 2 and state.log_history[-1]["step"] == 2
+    trainer.remove_callback(recorder)
+    assert recorder not in trainer.events.handler.callbacks
+
+
 def test_trls_reward_functions_get_message_lists_from_conversational_rows(tiny_model_dir: Path, tmp_path: Path) -> None:
     """TRL's own `trl.rewards` functions train on a conversational dataset: its rows' prompts are messages and each
     completion comes as ``[{"role": "assistant", "content": text}]``; rows whose prompt is a string give text."""
@@ -156,7 +205,7 @@ def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tm
     ("call", "error", "message"),
     [
         (dict(args=object()), TypeError, "args: got a builtins.object; give fastgrpo's GRPOConfig"),
-        (dict(callbacks=[object()]), ValueError, "callbacks: not taken by fastgrpo's GRPOTrainer"),
+        (dict(callbacks=[object()]), TypeError, "callbacks[0]: a transformers TrainerCallback (or its class)"),
         (dict(optimizers=(object(), None)), ValueError, "optimizers: not taken"),
         (dict(reward_processing_classes=[object()]), ValueError, "a reward model is scored with the tokenizer"),
         (dict(generation_config=1), TypeError, "unexpected keyword argument 'generation_config'"),
@@ -169,7 +218,7 @@ def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tm
     ],
 )
 def test_what_fastgrpo_does_otherwise_is_refused_by_name(call: dict, error: type, message: str) -> None:
-    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(error, match=re.escape(message)):
         from_trl(**{"model": "smollm2", "reward_funcs": "accuracy", **call})
 
 

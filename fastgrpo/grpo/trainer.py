@@ -19,29 +19,23 @@ from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
 from fastgrpo.grpo.batch import build_batch, completion_lengths, completion_metrics, mask_tool_results
-from fastgrpo.grpo.checkpoint import (
-    latest_checkpoint,
-    list_checkpoints,
-    prepare_output_dir,
-    save_checkpoint,
-    set_rng_state,
-)
+from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.evaluation import evaluate, evaluation_rows
 from fastgrpo.grpo.policy import disable_dropout, reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
+from fastgrpo.grpo.resume_checks import check_resumed
 from fastgrpo.grpo.run_dir import (
     DirectoryLock,
     check_disk_space,
     check_output_dir,
-    check_saves_ahead,
     checkpoint_bytes,
     checkpoints_written,
-    resumed_options,
 )
-from fastgrpo.grpo.run_log import RunLog, logged_lines
+from fastgrpo.grpo.run_log import RunLog
 from fastgrpo.grpo.scoring import score_completions
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
+from fastgrpo.grpo.trl_callbacks import TrlCallbacks
 from fastgrpo.grpo.trl_form import TrlTrainerMethods, train_summary, trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
@@ -82,9 +76,11 @@ class GRPOTrainer(TrlTrainerMethods):
     ):
         if not isinstance(config, GRPOConfig):  # TRL's form: the model (or nothing) where the config goes
             given = trl_call(config, model, tokenizer, dataset, resume, eval_dataset, trl)
-            config, model, tokenizer, dataset, eval_dataset = given
+            config, model, tokenizer, dataset, eval_dataset, callbacks = given
         elif trl:
             raise TypeError(f"GRPOTrainer(config, ...) takes no {', '.join(trl)}: TRL's arguments go with TRL's form")
+        else:
+            callbacks = []
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
         check_tools(config.speculation, bool(config.tools or config.environment_factory))
@@ -129,10 +125,11 @@ class GRPOTrainer(TrlTrainerMethods):
                 checkpoint, resume_state, self.run_id = prepare_output_dir(
                     self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
                 )
-            self._check_resumed(checkpoint, resume_state, disk)
+            check_resumed(config, self.output_dir, self.run_id, self.dist.is_main, checkpoint, resume_state, disk)
         elif self.dist.is_main:  # what the claim would refuse, now; the claim (and its deletions) after the set-up
             freed = check_output_dir(self.output_dir, resume, config.overwrite_output_dir)
-            check_disk_space(self.output_dir, disk, self._checkpoints(0), freed)
+            saves = checkpoints_written(0, config.max_steps, config.save_steps, config.save_total_limit)
+            check_disk_space(self.output_dir, disk, saves, freed)
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
         self.tools = RunTools(tools, environments, self.tokenizer, config) if tools or environments else None
@@ -185,6 +182,7 @@ class GRPOTrainer(TrlTrainerMethods):
             config.chat_template_kwargs,
             self.tools.render if self.tools is not None else None,
         )
+        self.events = TrlCallbacks(callbacks, self)  # TRL's callbacks (none in fastgrpo's own form)
         if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
             with distributed.main_first(self.dist):
                 _, _, self.run_id = prepare_output_dir(
@@ -192,34 +190,6 @@ class GRPOTrainer(TrlTrainerMethods):
                 )
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _checkpoints(self, start_step: int, existing: int = 0) -> int:
-        cfg = self.config
-        return checkpoints_written(start_step, cfg.max_steps, cfg.save_steps, cfg.save_total_limit, existing)
-
-    def _check_resumed(self, checkpoint: Path, state: dict[str, Any], checkpoint_size: int) -> None:
-        """Refuse a resumed run that would not continue the run in ``checkpoint``: options it may not change
-        (`resumed_options`, against the options the checkpoint was saved with), ``max_steps`` not beyond the
-        checkpoint's step; and on rank 0, a ``metrics.jsonl`` it cannot continue, another run's checkpoint where this
-        one will save, and too little disk for the checkpoints still to come (``checkpoint_size`` bytes each)."""
-        for change in resumed_options(self.output_dir, config_to_dict(self.config), state.get("config")):
-            logger.warning("--resume: %s", change)
-        done = state["step"]
-        if self.config.max_steps <= done:
-            raise ValueError(
-                f"--resume: max_steps {self.config.max_steps} is not beyond the {done} steps the run in "
-                f"{self.output_dir} has done ({checkpoint.name}); give a larger max_steps to train on"
-            )
-        if not self.dist.is_main:
-            return
-        metrics = self.output_dir / "metrics.jsonl"
-        if metrics.is_file():
-            logged_lines(metrics)  # refused here, before the model loads, when it cannot be continued
-        cfg = self.config
-        saves = [s for s in range(done + 1, cfg.max_steps + 1) if s % cfg.save_steps == 0 or s == cfg.max_steps]
-        check_saves_ahead(self.output_dir, self.run_id, saves)
-        existing = len(list_checkpoints(self.output_dir, self.run_id))
-        check_disk_space(self.output_dir, checkpoint_size, self._checkpoints(done, existing))
-
     def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
         distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
         self.update.scheduler.load_state_dict(state["scheduler"])
@@ -359,11 +329,13 @@ class GRPOTrainer(TrlTrainerMethods):
             desc="GRPO",
             disable=not (cfg.progress_bar and main),
         )
-        log = RunLog(cfg, self.start_step) if main else None
+        log, events = RunLog(cfg, self.start_step) if main else None, self.events
         start = time.perf_counter()
         try:
             with self.threads or nullcontext(), tf32_matmuls(self.device):
+                events.begin(self.start_step)
                 for step in bar:
+                    events.step_begin()
                     try:
                         metrics = self.train_step(step)
                     except NonFiniteUpdate as e:
@@ -372,16 +344,27 @@ class GRPOTrainer(TrlTrainerMethods):
                             f"step {step + 1}: {e}; the run stops before saving anything of it (the latest "
                             f"checkpoint is {latest or 'none yet'})"
                         ) from None
-                    if cfg.evaluates_at(step + 1):
-                        metrics |= evaluate(self, step + 1)
+                    asked = events.step_end(metrics)  # what TRL's callbacks ask of this step
+                    if cfg.evaluates_at(step + 1) or (asked.should_evaluate and cfg.evaluates):
+                        evaluated = evaluate(self, step + 1)
+                        metrics |= evaluated
+                        events.evaluated(evaluated)
                     history.append(metrics)
                     if log is not None:
                         log.write(step + 1, metrics)
                         log.samples(step + 1, self._last_samples)
-                    tok_s = metrics["rollout/tokens_per_second"]
-                    bar.set_postfix(reward=f"{metrics['reward']:.3f}", tok_s=f"{tok_s:.0f}")
-                    if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps:
+                    if (step + 1) % cfg.logging_steps == 0 or any(k.startswith("eval/") for k in metrics):
+                        events.logged(metrics)
+                    bar.set_postfix(
+                        reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}"
+                    )
+                    stop = asked.should_training_stop
+                    if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps or asked.should_save or stop:
                         self.save(step + 1)
+                        events.saved()
+                    if stop:
+                        break
+                events.end()
             self.summary = train_summary(
                 history, time.perf_counter() - start, cfg.generation_batch_size * self.dist.world_size
             )

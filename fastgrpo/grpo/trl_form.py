@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainerState
 
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
@@ -19,7 +19,6 @@ from fastgrpo.report import read_metrics
 
 # TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
 NOT_TAKEN = {
-    "callbacks": "fastgrpo logs to metrics.jsonl and TensorBoard (report_to); drop the callbacks",
     "optimizers": "the optimizer comes from the config (optim, learning_rate, adam_*, weight_decay, lr_scheduler_type)",
     "rollout_func": "fastgrpo's own engine generates; its rollout_func is for TRL's trainer "
     "(fastgrpo.integrations.trl.SpeculativeRollout)",
@@ -56,13 +55,15 @@ def reward_completion(row: dict[str, Any], text: str) -> str | list[dict[str, st
 
 class FastgrpoArguments(NamedTuple):
     """What fastgrpo's trainer takes: the config, a loaded policy and tokenizer (None: loaded from ``config.model``),
-    and the training and evaluation rows (None: read from ``config.dataset`` and ``config.eval_dataset``)."""
+    the training and evaluation rows (None: read from ``config.dataset`` and ``config.eval_dataset``), and TRL's
+    ``callbacks`` (`fastgrpo.grpo.trl_callbacks`)."""
 
     config: GRPOConfig
     model: PreTrainedModel | None
     tokenizer: PreTrainedTokenizerBase | None
     dataset: list[dict[str, Any]] | None
     eval_dataset: list[dict[str, Any]] | None
+    callbacks: list[Any]
 
 
 def trl_call(
@@ -100,6 +101,7 @@ def from_trl(
     peft_config: Any = None,
     tools: list[Callable[..., Any]] | None = None,
     environment_factory: Callable[[], Any] | None = None,
+    callbacks: list[Any] | None = None,
     **not_taken: Any,
 ) -> FastgrpoArguments:
     """fastgrpo's trainer arguments from TRL's: ``model`` an id, a path or a `PreTrainedModel`; ``reward_funcs`` one
@@ -107,7 +109,8 @@ def from_trl(
     None: the defaults); ``train_dataset``/``eval_dataset`` a `datasets.Dataset`, an ``IterableDataset`` (read
     whole) or rows, each with a ``prompt`` column (a string, encoded as it is, or chat messages, through the chat
     template) and the columns the reward functions take; ``processing_class`` the tokenizer; ``peft_config`` a peft
-    `LoraConfig`; ``tools`` and ``environment_factory`` as TRL takes them."""
+    `LoraConfig`; ``tools``, ``environment_factory`` and ``callbacks`` (transformers' ``TrainerCallback`` instances or
+    classes) as TRL takes them."""
     for name, value in not_taken.items():
         if name not in NOT_TAKEN:
             raise TypeError(f"GRPOTrainer() got an unexpected keyword argument {name!r}")
@@ -141,7 +144,11 @@ def from_trl(
     if eval_dataset is not None and config.evaluates:  # as TRL: evaluated during training with eval_strategy steps
         eval_rows = dataset_rows(eval_dataset, "eval_dataset")
         config.eval_dataset = config.eval_dataset or DataConfig(name="eval_dataset")  # rows given: nothing is read
-    return FastgrpoArguments(config, loaded, processing_class, rows, eval_rows)
+    for index, callback in enumerate(callbacks or []):
+        kind = callback if isinstance(callback, type) else type(callback)
+        if not issubclass(kind, TrainerCallback):
+            raise TypeError(f"callbacks[{index}]: a transformers TrainerCallback (or its class), got {kind.__name__}")
+    return FastgrpoArguments(config, loaded, processing_class, rows, eval_rows, list(callbacks or []))
 
 
 def apply_lora(config: GRPOConfig, peft_config: Any) -> None:
@@ -185,16 +192,6 @@ def dataset_rows(dataset: Iterable[dict[str, Any]], option: str) -> list[dict[st
     return rows
 
 
-@dataclasses.dataclass
-class TrlState:
-    """What TRL's ``trainer.state`` gives a script after ``train()``: ``log_history``, one dict of metrics per logged
-    optimizer step (``logging_steps``, and every evaluation), each with its ``step``, then the last ``train()``'s
-    `train_summary`, and ``global_step``."""
-
-    log_history: list[dict[str, Any]]
-    global_step: int
-
-
 def train_summary(history: list[dict[str, Any]], seconds: float, completions_per_step: int) -> dict[str, Any] | None:
     """The record TRL's ``train()`` ends ``log_history`` with, of the steps of ``history`` run in ``seconds``:
     ``train_runtime``, ``train_samples_per_second`` (completions), ``train_steps_per_second``, ``total_flos`` (0, as
@@ -219,6 +216,7 @@ class TrlTrainerMethods:
     `train_summary`) and `save_model`."""
 
     summary: dict[str, Any] | None = None  # `train_summary` of the last `train` call
+    events: Any  # the trainer's `fastgrpo.grpo.trl_callbacks.TrlCallbacks`
     config: GRPOConfig
     output_dir: Path
     dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
@@ -226,11 +224,32 @@ class TrlTrainerMethods:
     write_policy: Callable[[Path, dict[str, Any] | None], None]  # the trainer's: the policy and its tokenizer
 
     @property
-    def state(self) -> TrlState:
+    def state(self) -> TrainerState:
+        """transformers' `TrainerState` as TRL's ``trainer.state`` holds it after ``train()``: ``log_history``, one
+        dict of metrics per logged step (``logging_steps``, and every evaluation), each with its ``step``, then the
+        last ``train()``'s `train_summary`; ``global_step``, ``epoch``, ``max_steps``."""
         path = self.output_dir / "metrics.jsonl"
         history = read_metrics(self.output_dir) if path.is_file() and path.stat().st_size else []
-        step = int(history[-1]["step"]) if history else 0
-        return TrlState(history + ([self.summary] if self.summary is not None else []), step)
+        last = history[-1] if history else {"step": 0, "epoch": 0.0}
+        logged = history + ([self.summary] if self.summary is not None else [])
+        return TrainerState(
+            epoch=last.get("epoch", 0.0),
+            global_step=int(last["step"]),
+            max_steps=self.config.max_steps,
+            log_history=logged,
+        )
+
+    def add_callback(self, callback: Any) -> None:
+        """Add a ``TrainerCallback`` (an instance, or a class to make one of), as TRL's ``Trainer`` does."""
+        self.events.handler.add_callback(callback)
+
+    def pop_callback(self, callback: Any) -> Any:
+        """Remove a callback (an instance, or the first of a class) and return it."""
+        return self.events.handler.pop_callback(callback)
+
+    def remove_callback(self, callback: Any) -> None:
+        """Remove a callback (an instance, or the first of a class)."""
+        self.events.handler.remove_callback(callback)
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Write the policy (its full weights under FSDP2; the adapter with LoRA) and tokenizer to ``output_dir``

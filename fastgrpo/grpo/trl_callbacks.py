@@ -1,0 +1,95 @@
+"""TRL's ``callbacks`` on fastgrpo's trainer: transformers' `TrainerCallback` events that a GRPO loop has (init end,
+train begin and end, step begin and end, log, evaluate, save), called through transformers' own `CallbackHandler`
+with its `TrainerState` and `TrainerControl`. fastgrpo's loop logs, evaluates and saves on its own schedule
+(``logging_steps``, ``eval_steps``, ``save_steps``), the part transformers' ``DefaultFlowCallback`` plays; a callback
+that sets ``should_save``, ``should_evaluate`` or ``should_training_stop`` at a step's end gets a checkpoint, an
+evaluation or the run's end (after a checkpoint) there."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
+
+from fastgrpo.config import GRPOConfig
+from fastgrpo.config.training_arguments import AT_DEFAULT
+
+
+class LoopCallbacks(CallbackHandler):
+    """transformers' `CallbackHandler` for a loop that plays ``DefaultFlowCallback``'s part itself (which
+    transformers' constructor warns about when it is missing)."""
+
+    def __init__(self, callbacks: Iterable[TrainerCallback | type], model: Any, tokenizer: Any, update: Any):
+        self.callbacks: list[TrainerCallback] = []
+        for callback in callbacks:
+            self.add_callback(callback)
+        self.model, self.processing_class = model, tokenizer
+        self.optimizer, self.lr_scheduler = update.optimizer, update.scheduler
+        self.train_dataloader = self.eval_dataloader = None
+
+
+class CallbackArgs:
+    """``args`` as a callback reads them: the run's `GRPOConfig`, and the ``TrainingArguments`` fields fastgrpo has no
+    option for at the values it runs with (`fastgrpo.config.training_arguments.AT_DEFAULT`'s first)."""
+
+    def __init__(self, config: GRPOConfig):
+        self._config = config
+
+    def __getattr__(self, name: str) -> Any:
+        if name in AT_DEFAULT and not hasattr(self._config, name):
+            return AT_DEFAULT[name][0][0]
+        return getattr(self._config, name)
+
+
+class TrlCallbacks:
+    """The events of ``trainer``'s run (a `fastgrpo.grpo.trainer.GRPOTrainer`) for ``callbacks``: `begin` and `end`
+    of a ``train()`` call, `step_begin` and `step_end` of each step (`step_end` says what the callbacks asked for),
+    `logged`, `evaluated` and `saved`."""
+
+    def __init__(self, callbacks: Iterable[TrainerCallback | type], trainer: Any):
+        cfg = trainer.config
+        self.handler = LoopCallbacks(callbacks, trainer.model, trainer.tokenizer, trainer.update)
+        self.args = CallbackArgs(cfg)
+        self.state = TrainerState(
+            max_steps=cfg.max_steps,
+            logging_steps=cfg.logging_steps,
+            eval_steps=cfg.eval_interval,
+            save_steps=cfg.save_steps,
+            train_batch_size=cfg.per_device_train_batch_size,
+            is_local_process_zero=trainer.dist.is_main,
+            is_world_process_zero=trainer.dist.is_main,
+        )
+        self.control = self.handler.on_init_end(self.args, self.state, TrainerControl())
+
+    def begin(self, step: int) -> None:
+        self.state.global_step = step
+        self.control = self.handler.on_train_begin(self.args, self.state, self.control)
+
+    def step_begin(self) -> None:
+        self.control = self.handler.on_step_begin(self.args, self.state, self.control)
+
+    def step_end(self, metrics: dict[str, Any]) -> TrainerControl:
+        """The step that logged ``metrics`` ended: the callbacks' ``control`` (its ``should_*`` flags) after
+        ``on_step_end``."""
+        self.state.global_step, self.state.epoch = int(metrics["step"]), metrics["epoch"]
+        self.state.num_input_tokens_seen = int(metrics["num_tokens"])
+        self.control = self.handler.on_step_end(self.args, self.state, self.control)
+        return self.control
+
+    def logged(self, logs: dict[str, Any]) -> None:
+        self.state.log_history.append(logs)
+        self.control = self.handler.on_log(self.args, self.state, self.control, logs=logs)
+        self.control.should_log = False
+
+    def evaluated(self, metrics: dict[str, Any]) -> None:
+        self.control = self.handler.on_evaluate(self.args, self.state, self.control, metrics=metrics)
+        self.control.should_evaluate = False
+
+    def saved(self) -> None:
+        self.control = self.handler.on_save(self.args, self.state, self.control)
+        self.control.should_save = False
+
+    def end(self) -> None:
+        self.control = self.handler.on_train_end(self.args, self.state, self.control)
