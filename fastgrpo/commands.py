@@ -189,7 +189,7 @@ def evaluate(config: GRPOConfig, batch_size: int) -> dict[str, float]:
     check_columns(funcs, rows)
     tokenizer = load_tokenizer(config.model)
     model = load_model(config.model, dtype=config.dtype, device=resolve_device(config.device))
-    load_reward_models(funcs, model.device, config.dtype)
+    load_reward_models(funcs, model.device, config.dtype, config.chat_template_kwargs)
     engine = RolloutEngine(model, eos_token_ids(model, tokenizer), tokenizer)
     params = config.sampling_params()
     generator = torch.Generator(device="cpu").manual_seed(config.seed)

@@ -35,12 +35,16 @@ def assistant(text: str) -> dict[str, str]:
     return {"role": "assistant", "content": text}
 
 
-def load_reward_models(funcs: Sequence[Any], device: torch.device, dtype: str) -> None:
+def load_reward_models(
+    funcs: Sequence[Any], device: torch.device, dtype: str, chat_template_kwargs: dict[str, Any] | None = None
+) -> None:
     """Load every `RewardModel` of ``funcs`` onto ``device`` in the run's ``dtype`` option (``auto`` resolved as
-    the policy's is, `fastgrpo.models.resolve_dtype`)."""
+    the policy's is, `fastgrpo.models.resolve_dtype`), rendering conversations with the run's
+    ``chat_template_kwargs`` (as TRL renders them for a reward model)."""
     for func in funcs:
         if isinstance(func, RewardModel):
             func.load(device, DTYPES[resolve_dtype(dtype, device)])
+            func.chat_template_kwargs = dict(chat_template_kwargs or {})
 
 
 def check_scorer_config(path: str) -> None:
@@ -78,6 +82,8 @@ class RewardModel:
             ``PreTrainedModel`` (its tokenizer ``tokenizer``, or read from ``model.name_or_path``).
         tokenizer: the reward model's tokenizer (TRL's ``reward_processing_classes``); default: the model's own.
         batch_size: completions scored per forward.
+        chat_template_kwargs: what its chat template renders conversations with (`load_reward_models` sets the
+            run's, as TRL's ``chat_template_kwargs`` reach a reward model's template).
     """
 
     def __init__(
@@ -85,7 +91,9 @@ class RewardModel:
         model: str | Path | PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase | None = None,
         batch_size: int = 16,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ):
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         if batch_size < 1:
             raise ValueError(f"RewardModel: batch_size must be >= 1, got {batch_size}")
         self.batch_size = batch_size
@@ -150,7 +158,9 @@ class RewardModel:
                 "give a tokenizer that has one"
             )
         return [
-            self.tokenizer.apply_chat_template(p + (c if isinstance(c, list) else [assistant(c)]), tokenize=False)
+            self.tokenizer.apply_chat_template(
+                p + (c if isinstance(c, list) else [assistant(c)]), tokenize=False, **self.chat_template_kwargs
+            )
             for p, c in zip(prompts, completions, strict=True)
         ]
 

@@ -55,6 +55,27 @@ def test_a_reward_model_scores_what_trl_scores_in_any_batch(scorer_dir: Path) ->
     assert plain(["2 + 2 = "], ["4"]) == scorer(["2 + 2 = "], ["4"])
 
 
+def test_a_reward_models_template_renders_with_the_runs_chat_template_kwargs(scorer_dir: Path) -> None:
+    """TRL renders a reward model's conversations with the run's ``chat_template_kwargs`` (``enable_thinking: false``
+    on a Qwen3 template): so does fastgrpo, as its scores show."""
+    from fastgrpo.reward_model import load_reward_models
+
+    (scorer,) = resolve_reward_funcs([str(scorer_dir)])
+    kwargs = {"enable_thinking": False}
+    load_reward_models([scorer], torch.device("cpu"), "float32", kwargs)
+    template = scorer.tokenizer.chat_template
+    scorer.tokenizer.chat_template = (
+        "{% if enable_thinking is defined and not enable_thinking %}/no_think {% endif %}" + template
+    )
+    turns = zip(PROMPTS, COMPLETIONS, strict=True)
+    conversations = [{"messages": p + [{"role": "assistant", "content": c}]} for p, c in turns]
+    trl_texts = [apply_chat_template(x, scorer.tokenizer, **kwargs)["text"] for x in conversations]
+    assert all(text.startswith("/no_think ") for text in trl_texts)
+    assert scorer.texts(PROMPTS, COMPLETIONS) == trl_texts
+    thinking = RewardModel(scorer.model, scorer.tokenizer)  # without the run's kwargs the template renders otherwise
+    assert thinking(PROMPTS, COMPLETIONS) != scorer(PROMPTS, COMPLETIONS)
+
+
 def test_a_grpo_run_trains_on_a_reward_model(scorer_dir: Path, tmp_path: Path) -> None:
     model_dir = save_tiny_llama(tmp_path / "policy", seed=0, tie_word_embeddings=True)
     config = make_config(

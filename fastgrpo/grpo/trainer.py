@@ -136,7 +136,7 @@ class GRPOTrainer(TrlTrainerMethods):
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
         self.device = next(self.model.parameters()).device
-        load_reward_models(self.reward_funcs, self.device, config.dtype)
+        load_reward_models(self.reward_funcs, self.device, config.dtype, config.chat_template_kwargs)
         if config.disable_dropout:
             disable_dropout(self.model)
         if config.bf16:
