@@ -44,7 +44,7 @@ def load_reward_models(
     for func in funcs:
         if isinstance(func, RewardModel):
             func.load(device, DTYPES[resolve_dtype(dtype, device)])
-            func.chat_template_kwargs = dict(chat_template_kwargs or {})
+            func.chat_template_kwargs = {**(chat_template_kwargs or {}), **func.chat_template_kwargs}  # its own win
 
 
 def check_scorer_config(path: str) -> None:

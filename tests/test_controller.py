@@ -720,3 +720,23 @@ def test_a_losing_window_still_lets_overdue_probes_measure_trees_again() -> None
             rows, shape, 1.5 * plain if shape.speculative else plain, [1] * rows if shape.speculative else None
         )
     assert not any(chosen[:90]) and any(chosen[90:]), "the overdue trees ran again"
+
+
+def test_the_controller_reads_the_depths_the_drafters_settled() -> None:
+    """A compiled drafter groups its trees when the engine settles them and may then expand a small tree deeper
+    (`Drafter.deepest`): the controller forgets the depths it looked up (`drafters_settled`) and prices the new ones."""
+
+    class Deepening(ProfiledLevels):
+        extra = 0
+
+        def deepest(self, shape: TreeShape) -> int:
+            return min(shape.levels + self.extra, shape.nodes - 1)
+
+    drafter = Deepening(flat_profile())
+    controller = AdaptiveController(flat_profile(), drafters={"": drafter})
+    eight = next(s for s in controller.shapes if s.nodes == 8)
+    before = controller.levels(eight)
+    drafter.extra = 1
+    assert controller.levels(eight) == before, "looked up once"
+    controller.drafters_settled()
+    assert controller.levels(eight) == before + 1 and controller.expected_tokens(eight) > 1

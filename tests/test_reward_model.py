@@ -74,6 +74,9 @@ def test_a_reward_models_template_renders_with_the_runs_chat_template_kwargs(sco
     assert scorer.texts(PROMPTS, COMPLETIONS) == trl_texts
     thinking = RewardModel(scorer.model, scorer.tokenizer)  # without the run's kwargs the template renders otherwise
     assert thinking(PROMPTS, COMPLETIONS) != scorer(PROMPTS, COMPLETIONS)
+    own = RewardModel(scorer.model, scorer.tokenizer, chat_template_kwargs={"enable_thinking": True})
+    load_reward_models([own], torch.device("cpu"), "float32", kwargs)
+    assert own.chat_template_kwargs == {"enable_thinking": True}, "a reward model's own kwargs win over the run's"
 
 
 def test_a_grpo_run_trains_on_a_reward_model(scorer_dir: Path, tmp_path: Path) -> None:

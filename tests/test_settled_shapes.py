@@ -92,6 +92,7 @@ def test_rollouts_compile_only_while_settling(
         assert len({s.nodes for s in controller.shapes if s.speculative}) > len(kinds) == 2
         assert eagle.compile_graphs == len(kinds), "two proposal graphs: one level, and the rest; merged or alone"
         assert eagle.compile_shapes == len(kinds) * len(menu.rows)
+        assert all(controller.levels(s) == eagle.deepest(s) for s in controller.groups["eagle"])
         assert sum(s.drafter_steps.get("eagle+suffix", 0) for s in stats) > 0, "merged trees were verified"
         assert not merges and min(backlogs) > CATCH_UP_WIDTH and len(backlogs) < len(proposals), (backlogs, proposals)
 

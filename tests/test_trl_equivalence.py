@@ -427,6 +427,9 @@ def test_loss_gradient_and_metrics_equal_trls(case: str) -> None:
         assert "vespo/phi_seq_mean" in shared
     missing = [name for name in shared if name not in metrics]
     assert not missing, missing
+    loss_keys = [n for n in SHARED if n.startswith(("clip_ratio", "cispo", "vespo")) or n == "kl"]
+    extra = [name for name in loss_keys if name in metrics and name not in trl_metrics]
+    assert not extra, f"logged where TRL logs nothing: {extra}"
     pairs = {name: (metrics[name], trl_metrics[name]) for name in shared}
     differ = {name: pair for name, pair in pairs.items() if not agrees(name, *pair)}
     assert not differ, differ

@@ -358,6 +358,7 @@ class GRPOTrainer(TrlTrainerMethods):
                     bar.set_postfix(
                         reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}"
                     )
+                    asked = events.control  # a callback's on_log or on_evaluate may have returned another one
                     stop = asked.should_training_stop
                     if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps or asked.should_save or stop:
                         self.save(step + 1)

@@ -7,13 +7,14 @@ evaluation or the run's end (after a checkpoint) there."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 
-from fastgrpo.config import GRPOConfig
+from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.config.training_arguments import AT_DEFAULT
 
 
@@ -38,9 +39,18 @@ class CallbackArgs:
         self._config = config
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not set yet (a copy being made): no option is private
+            raise AttributeError(name)
         if name in AT_DEFAULT and not hasattr(self._config, name):
             return AT_DEFAULT[name][0][0]
         return getattr(self._config, name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plain data, as ``TrainingArguments.to_dict`` gives a tracker's callback."""
+        return config_to_dict(self._config)
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, default=str)
 
 
 class TrlCallbacks:

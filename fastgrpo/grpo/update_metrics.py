@@ -25,7 +25,7 @@ def skipped_parts(
     parts = {"tokens": mask.sum(dim=-1)}
     if cfg.loss_type == "cispo":
         parts["cispo_clip"] = torch.zeros(n, dtype=torch.float64, device="cpu")
-    elif cfg.loss_type != "sapo":
+    elif cfg.loss_type not in ("sapo", "vespo"):  # the losses that clip
         for name in ("clip_low", "clip_high", "clip_region"):
             parts[name] = torch.zeros(n, dtype=torch.float64, device="cpu")
     if cfg.loss_type == "vespo":

@@ -54,6 +54,11 @@ class Controller(Protocol):
         against plain steps emitting as many tokens, as far as it can tell (0.0 where it prices no step)."""
         ...
 
+    def drafters_settled(self) -> None:
+        """The drafters settled their compiled trees (`fastgrpo.rollout.drafter.Drafter.settle`): how deep a tree of
+        each shape may go (`Drafter.deepest`) may have changed."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """What it learnt from earlier steps, as JSON-able data (saved with a checkpoint, so that a resumed run
         chooses what the uninterrupted one would)."""
@@ -68,6 +73,9 @@ class StatelessController:
     """A controller whose choice does not depend on what earlier steps did: ``begin`` and ``observe`` do nothing."""
 
     def begin(self, draft_changed: bool = False) -> None:
+        pass
+
+    def drafters_settled(self) -> None:
         pass
 
     def observe(

@@ -126,6 +126,8 @@ def settle_engine(engine: Engine, params: SamplingParams) -> None:
     shapes = tree_shapes(engine)
     for drafter in engine.drafters.values():
         drafter.settle(list(menu.rows), [s for s in shapes if drafter in engine.drafters_of(s)])
+    if engine.controller is not None:
+        engine.controller.drafters_settled()
     engine.settled.add(key)
     logger.info("compiled decoding steps settled in %.1f s: %s", time.perf_counter() - t0, menu.describe())
 

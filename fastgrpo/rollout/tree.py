@@ -31,6 +31,9 @@ class TreeShape:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple:  # made anew on unpickling: a string's hash differs between processes
+        return TreeShape, (self.nodes, self.top_k, self.max_levels, self.drafter)
+
     def fits_in(self, other: TreeShape) -> bool:
         """Whether its nodes, top_k and max_levels are each at most ``other``'s."""
         return self.nodes <= other.nodes and self.top_k <= other.top_k and self.max_levels <= other.max_levels

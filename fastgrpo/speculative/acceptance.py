@@ -32,7 +32,7 @@ def nested_acceptance(
     """For each of ``candidates`` (trees of the same draft candidates, no bigger than the one verified), per depth up
     to ``depth_cap``, the fraction of rows that would have accepted a draft token at that depth on this step: a tree
     of ``n`` nodes keeps the best ``n - 1`` candidates down to its own depth (``levels``), so a row accepts the
-    leading nodes of its path (``path_rank`` ``[B, D]`` int, the score ranks of its accepted path, the tree's size
+    leading nodes of its path (``path_rank`` ``[B, D]`` int: the score ranks of its accepted path, the tree's size
     past it) of rank below ``n``: those whose running maximum rank is below ``n``. (EAGLE-2 expands only the best K
     nodes of each level, so a smaller K can expand a node a larger one does not; the estimate ignores that.)"""
     highest = np.maximum.accumulate(np.asarray(path_rank)[:, :depth_cap], axis=1)  # [B, D]

@@ -37,13 +37,12 @@ class AdaptiveController:
     (`fastgrpo.rollout.shape_menu`), at a goodput near enough the best of finer sizes. Every drafter has acceptance
     statistics of its own. For each:
 
-    - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth,
-      an exponential moving average per shape. Every verification updates the shape that ran and every smaller
-      candidate, with what its tree, the best ``n - 1`` of the same draft candidates, would have accepted (from the
-      score ranks of the accepted path), so that small trees are compared with big ones on the same steps. Since a
-      bigger tree accepts at least what a smaller one does, each depth's estimate is at least that of every
-      smaller measured shape; a shape never measured takes the biggest smaller measured one's (a lower bound) and,
-      deeper, the depth averages pooled over the shapes that ran (from ``prior_accept ** d``, weighing as much as
+    - expected tokens per row = 1 + sum over depths of the fraction of rows that accept a draft token at that depth, an
+      exponential moving average per shape. Every verification updates the shape that ran and every smaller candidate
+      with what its tree (the best ``n - 1`` of the same candidates) would have accepted, from the score ranks of the
+      accepted path; a bigger tree accepts at least what a smaller one does, so each depth's estimate is at least that
+      of every smaller measured shape; a shape never measured takes the biggest smaller measured one's (a lower bound)
+      and, deeper, the depth averages pooled over the shapes that ran (from ``prior_accept ** d``, weighing as much as
       ``prior_rows`` observed rows: the first step, often of one or two rows, does not replace it);
     - predicted seconds = profiled target forward over ``B`` rows of ``N`` tokens plus the drafter's cost (its own
       `Drafter.cost`), times a correction factor: observed over profiled step time, averaged separately for
@@ -54,9 +53,8 @@ class AdaptiveController:
       the plain steps' average (how fast the machine runs against its profile is the machine's). An average moves
       towards a step faster than it predicts at a weight of at least ``fast_time_rate`` (a step slowed by the machine
       is common, one sped up is not), and a plain probe (below) faster than its estimate replaces it. Whatever a step
-      took, one observation moves an average by at most a factor ``max_price_step`` (a step stalled by the machine or
-      the compiler prices nothing out), and a step that compiled or warmed up a graph is not timed at all (the engine
-      observes it without seconds: its acceptance counts, its time is the compiler's).
+      took, one observation moves an average by at most a factor ``max_price_step``, and a step that compiled or
+      warmed up a graph is not timed at all (its acceptance counts, its time is the compiler's).
 
     The highest ratio wins, autoregressive included, except that a plain step runs first at each power-of-two band
     of rows where none has run yet: no tree is chosen against a plain step's time that nothing has measured (a
@@ -78,9 +76,8 @@ class AdaptiveController:
     tree can win, speculation costs little more than the controller's own arithmetic. (Plain probes are not charged:
     they only run while a tree wins, and are the one measure of a plain step that was once slow.)
 
-    A kind of step whose time was last measured ``reprobe_steps`` steps ago or more is probed at its drafter's next
-    turn whatever its price predicts, paid from whatever credit there is: a price that a rare slow step set too high
-    is measured again, at the cost of at most one step in ``reprobe_steps`` per drafter.
+    A kind of step last timed ``reprobe_steps`` steps ago or more is probed at its drafter's next turn whatever its
+    price predicts (a price a rare slow step set too high is measured again, at most one step in ``reprobe_steps``).
     """
 
     profile: LatencyProfile
@@ -127,6 +124,10 @@ class AdaptiveController:
         self._stale: set[str] = set()  # drafters not measured since a draft changed (see `begin`)
         self._steps = 0  # steps observed
         self._timed: dict[str, int] = {}  # per kind of step, `_steps` when its time was last observed
+
+    def drafters_settled(self) -> None:
+        """Forget each shape's depth and what rests on it (a compiled drafter may now expand deeper trees)."""
+        self._levels, self._estimates, self._expected = {}, {}, {}
 
     def levels(self, shape: TreeShape) -> int:
         """How deep the tree of ``shape`` may go (its drafter's `Drafter.deepest`, looked up once per shape)."""
@@ -181,13 +182,12 @@ class AdaptiveController:
             self._forwards[rows, nodes] = self.profile.tree_time(rows, nodes)
         return self._forwards[rows, nodes]
 
-    def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:
-        """Step time the latency profile predicts: the target forward plus the drafter's cost."""
+    def _profiled_seconds(self, rows: int, shape: TreeShape) -> float:  # the target forward and the drafter's cost
         return self._forward_seconds(rows, shape.nodes) + self.draft_seconds(rows, shape)
 
     def predicted_seconds(self, rows: int, shape: TreeShape) -> float:
-        """Predicted wall time of a step of this shape with ``rows`` active rows: the profile times the correction.
-        A speculative step does all the work of a plain step and drafts too, so it is never predicted cheaper."""
+        """Predicted wall time of a step of this shape at ``rows`` rows: the profile times the correction (a tree
+        step, which does a plain step's work and drafts, never cheaper than a plain one)."""
         plain = self._plain_seconds(rows)
         return self._tree_seconds(rows, shape, plain) if shape.speculative else plain
 
