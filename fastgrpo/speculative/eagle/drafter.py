@@ -90,6 +90,7 @@ class EagleDrafter(Drafter):
         self._step = Compiled(draft_step, backend, f"{NAME}_proposal")
         self._empty: dict[tuple, DraftTree] = {}  # `_empty_tree`'s, by size and device
         self._groups: dict[TreeShape, tuple[TreeShape, tuple[int, ...]]] = {}  # see `expansion`
+        self._expanded: dict[TreeShape, tuple[TreeShape, tuple[int, ...]]] = {}  # `expansion`'s, by shape asked
 
     @property
     def compile_seconds(self) -> float:
@@ -176,11 +177,15 @@ class EagleDrafter(Drafter):
         widest, deepest tree of any (EAGLE-2's fixed expansion, cut to the size asked for); every tree of a size is
         then the best nodes of the next larger one's, and a run compiles and records two proposals per row bucket
         instead of one per tree size."""
-        bare = dataclasses.replace(shape, drafter="")
-        return self._groups.get(bare, (bare, (bare.nodes,)))
+        found = self._expanded.get(shape)  # looked up once per shape: the controller prices trees at every step
+        if found is None:
+            bare = dataclasses.replace(shape, drafter="")
+            found = self._expanded[shape] = self._groups.get(bare, (bare, (bare.nodes,)))
+        return found
 
     def _plan(self, shapes: list[TreeShape]) -> None:
         """Group ``shapes`` by `expansion`'s rule."""
+        self._expanded.clear()
         kinds = {dataclasses.replace(s, drafter="") for s in shapes if s.speculative}
         for shallow in (True, False):
             group = [s for s in kinds if (s.levels == 1) == shallow]
