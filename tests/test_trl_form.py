@@ -5,6 +5,7 @@ otherwise is refused by name before anything loads."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -184,6 +185,16 @@ def test_trls_reward_functions_get_message_lists_from_conversational_rows(tiny_m
     text_rows = [{"prompt": row["prompt"][-1]["content"], "answer": row["answer"]} for row in ROWS]
     GRPOTrainer(str(tiny_model_dir), [recording], trl_args(tmp_path / "text"), text_rows).train()
     assert isinstance(seen[-1][0], str) and isinstance(seen[-1][1], str)
+    # the same from a file named in the config: messages in the file, message completions; text, text
+    for name, chat in (("chat", True), ("text", False)):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [{"prompt": r["prompt"] if chat else r["prompt"][-1]["content"], "answer": r["answer"]} for r in ROWS]
+        path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+        seen.clear()
+        data = DataConfig(name=str(path), instruction="")
+        config = trl_args(tmp_path / f"file-{name}", model=str(tiny_model_dir), reward_funcs=[recording], dataset=data)
+        GRPOTrainer(config).train()
+        assert isinstance(seen[-1][1], list) is chat and isinstance(seen[-1][0], list)
 
 
 def test_a_loaded_model_and_tokenizer_and_a_lora_config(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -14,6 +14,14 @@ from fastgrpo.data.prompts import build_prompt, prompt_problem
 logger = logging.getLogger(__name__)
 
 Row = dict[str, Any]
+
+
+class ConversationalRow(dict):
+    """A row whose dataset gave its prompt as chat messages (TRL's conversational format): its completions reach the
+    reward functions as TRL hands them, ``[{"role": "assistant", "content": text}]``
+    (`fastgrpo.grpo.trl_form.reward_completion`); rows whose prompt was text get the text."""
+
+
 _MISSING = object()
 
 
@@ -63,7 +71,8 @@ def _to_row(record: Any, layout: Preset, where: str, system_prompt: str | None, 
     problem = prompt_problem(question)
     if problem is not None:
         raise ValueError(f"{where}: prompt column {layout.prompt_column!r} {problem}")
-    row = {key: value for key, value in record.items() if key != layout.prompt_column}
+    kind = ConversationalRow if isinstance(question, list) else dict
+    row = kind((key, value) for key, value in record.items() if key != layout.prompt_column)
     row["prompt"] = build_prompt(question, system_prompt, instruction)
     column, raw = _find_answer(record, layout.answer_columns)
     if column is None:

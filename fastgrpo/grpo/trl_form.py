@@ -15,6 +15,7 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.data.prompts import prompt_problem
+from fastgrpo.data.records import ConversationalRow
 from fastgrpo.report import read_metrics
 
 # TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
@@ -39,16 +40,17 @@ LORA_DEFAULTS = {
 }
 
 
-class TrlRow(dict):
+class TrlRow(ConversationalRow):
     """A dataset row handed to TRL's form, read by TRL's conventions: its prompt as given (a string encoded as it is,
     messages through the chat template), and where the prompt is messages (a conversational row), each completion
     handed to the reward functions as TRL hands it: ``[{"role": "assistant", "content": text}]``."""
 
 
 def reward_completion(row: dict[str, Any], text: str) -> str | list[dict[str, str]]:
-    """``text``, a completion of ``row``, as the reward functions get it: a message list for a conversational
-    `TrlRow`, else the text (fastgrpo's own rows, whose prompts it builds as messages, get text)."""
-    if isinstance(row, TrlRow) and isinstance(row["prompt"], list):
+    """``text``, a completion of ``row``, as the reward functions get it: a message list for a row whose prompt was
+    given as messages (`ConversationalRow`, `TrlRow`), else the text (fastgrpo's own rows, whose prompts it builds as
+    messages from text, get text)."""
+    if isinstance(row, ConversationalRow) and isinstance(row["prompt"], list):
         return [{"role": "assistant", "content": text}]
     return text
 
