@@ -398,15 +398,46 @@ def test_an_environment_whose_call_outlived_its_deadline_is_not_handed_out_again
     assert environments.draw([None], busy=runner.busy_owners()) == [second]
 
 
-def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it(native) -> None:
-    """Three completions on the native Qwen2.5 template, the same tokens on both sides: one cut in its first turn,
-    one cut after a tool's result, one that ends. fastgrpo's messages for the reward functions equal what TRL 1.16's
-    ``_tool_call_loop`` hands them (run here with its generation replaced by the same tokens)."""
+def trls_tool_loop(native, tool, prompt: list[int], first_turns: list[list[int]], generate, budget: int, turns: int):
+    """TRL 1.16's ``_tool_call_loop`` on a stand-in trainer: the completions' first turns (``first_turns`` after
+    ``prompt``) parsed as ``_generate`` does, at most ``turns`` turns of calls of ``tool``, ``generate`` giving the
+    tokens after the results; returns the loop's ``(tool_mask, completions, completion_ids, ...)``."""
     from types import SimpleNamespace
 
     from trl import GRPOTrainer
     from trl.chat_template_utils import parse_response
 
+    n = len(first_turns)
+    trl_self = SimpleNamespace(
+        max_tool_calling_iterations=turns,
+        _sync_tool_dicts=[{tool.__name__: tool}] * n,
+        _async_tool_dicts=[{}] * n,
+        _is_vlm=False,
+        chat_template=None,
+        chat_template_kwargs={},
+        processing_class=native,
+        _tokenizer=native,
+        use_vllm=False,
+        vllm_mode="server",
+        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)),
+        max_completion_length=budget,
+        tools=[tool],
+        environment_factories=None,
+        async_loop=None,
+    )
+    trl_self._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids.__get__(trl_self)
+    trl_self._generate_single_turn = generate
+    trl_completions = [[parse_response(native, t, prefix=prompt, tools=[tool])] for t in first_turns]
+    prompts = [[{"role": "user", "content": "What is 2 + 3?"}] for _ in range(n)]
+    return GRPOTrainer._tool_call_loop(
+        trl_self, prompts, [prompt] * n, [list(t) for t in first_turns], trl_completions, None, None, {}
+    )
+
+
+def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it(native) -> None:
+    """Three completions on the native Qwen2.5 template, the same tokens on both sides: one cut in its first turn,
+    one cut after a tool's result, one that ends. fastgrpo's messages for the reward functions equal what TRL 1.16's
+    ``_tool_call_loop`` hands them (run here with its generation replaced by the same tokens)."""
     tools = resolve_tools([add])
     fmt = ToolFormat(native, tools)
     messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
@@ -439,30 +470,7 @@ def test_a_turn_cut_by_the_budget_reaches_the_rewards_as_trls_loop_hands_it(nati
         generated.append(prompt_ids)
         return [after_tool[0], after_tool[2]], None
 
-    trl_self = SimpleNamespace(
-        max_tool_calling_iterations=5,
-        _sync_tool_dicts=[{"add": add}] * 3,
-        _async_tool_dicts=[{}] * 3,
-        _is_vlm=False,
-        chat_template=None,
-        chat_template_kwargs={},
-        processing_class=native,
-        _tokenizer=native,
-        use_vllm=False,
-        vllm_mode="server",
-        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)),
-        max_completion_length=budget,
-        tools=[add],
-        environment_factories=None,
-        async_loop=None,
-    )
-    trl_self._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids.__get__(trl_self)
-    trl_self._generate_single_turn = generate_single_turn
-    trl_completions = [[parse_response(native, t, prefix=prompt, tools=[add])] for t in first_turns]
-    prompts = [[{"role": "user", "content": "What is 2 + 3?"}] for _ in range(3)]
-    out = GRPOTrainer._tool_call_loop(
-        trl_self, prompts, [prompt] * 3, [list(t) for t in first_turns], trl_completions, None, None, {}
-    )
+    out = trls_tool_loop(native, add, prompt, first_turns, generate_single_turn, budget, turns=5)
     theirs, trl_ids = out[1], out[2]
     assert len(generated) == 1 and trl_ids == completions, "both sides hold the same tokens"
     assert ours == theirs
@@ -494,11 +502,6 @@ def both_loops(native, tool, first_turns: list[list[int]], after_tool: list[list
     tokens, then the row's ``after_tool`` tokens, all cut to ``budget``) and through TRL 1.16's ``_tool_call_loop``
     (its generation after the results replaced by the same tokens); each side's messages for the reward functions,
     completion ids and tool masks."""
-    from types import SimpleNamespace
-
-    from trl import GRPOTrainer
-    from trl.chat_template_utils import parse_response
-
     n = len(first_turns)
     fmt = ToolFormat(native, resolve_tools([tool]))
     messages, kwargs = fmt.conversation([{"role": "user", "content": "What is 2 + 3?"}])
@@ -523,30 +526,7 @@ def both_loops(native, tool, first_turns: list[list[int]], after_tool: list[list
     def generate_single_turn(prompt_ids, images, fields, num_generations, has_tool_images=False):
         return [after_tool[row] for row in sorted(resumed)], None
 
-    trl_self = SimpleNamespace(
-        max_tool_calling_iterations=1,
-        _sync_tool_dicts=[{tool.__name__: tool}] * n,
-        _async_tool_dicts=[{}] * n,
-        _is_vlm=False,
-        chat_template=None,
-        chat_template_kwargs={},
-        processing_class=native,
-        _tokenizer=native,
-        use_vllm=False,
-        vllm_mode="server",
-        model=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=8192)),
-        max_completion_length=budget,
-        tools=[tool],
-        environment_factories=None,
-        async_loop=None,
-    )
-    trl_self._get_tool_suffix_ids = GRPOTrainer._get_tool_suffix_ids.__get__(trl_self)
-    trl_self._generate_single_turn = generate_single_turn
-    trl_completions = [[parse_response(native, t, prefix=prompt, tools=[tool])] for t in first_turns]
-    prompts = [[{"role": "user", "content": "What is 2 + 3?"}] for _ in range(n)]
-    out = GRPOTrainer._tool_call_loop(
-        trl_self, prompts, [prompt] * n, [list(t) for t in first_turns], trl_completions, None, None, {}
-    )
+    out = trls_tool_loop(native, tool, prompt, first_turns, generate_single_turn, budget, turns=1)
     return (ours, completions, masks), (out[1], out[2], out[0])
 
 
