@@ -477,9 +477,10 @@ def main() -> None:
     if args.task in ("default", "both"):
         config = load_config(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
         data = load_dataset(config.dataset)
-        prompts = StepPrompts(data, tokenizer, config.prompts_per_step, 0, 1, config.seed, config.max_prompt_length)
+        per_generation = config.prompts_per_generation
+        prompts = StepPrompts(data, tokenizer, per_generation, 0, 1, config.seed, config.max_prompt_length)
         params = SamplingParams(max_new_tokens=config.max_completion_length, temperature=config.temperature)
-        per_epoch = max(len(data) // config.prompts_per_step, 1)
+        per_epoch = max(len(data) // per_generation, 1)
         run_task(rec, "default task", model, tokenizer, eos, prompts, args.default_steps, per_epoch, params, 0)
     if args.task in ("gsm8k", "both", "suffix"):
         rows = load_dataset(DataConfig(name="gsm8k", path=str(GSM8K)))[

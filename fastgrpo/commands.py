@@ -53,8 +53,8 @@ def train(args: argparse.Namespace, overrides: list[str]) -> None:
         trainer = None  # freed while the process group is up (`distributed.shutdown`)
         distributed.shutdown()
     if history and is_main:
-        last = history[-5:]
-        mean = sum(m["reward"] for m in last) / len(last)
+        last = [m["reward"] for m in history if "reward" in m][-5:]  # of the steps that generated
+        mean = sum(last) / len(last) if last else float("nan")
         print(
             f"done: {len(history)} steps, mean reward of the last {len(last)}: {mean:.3f}; run in {config.output_dir}"
         )

@@ -12,6 +12,7 @@ decoding step and the tool-result tokens fed per step.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ TOOL_CURVES = (  # drawn into tools.png by a run with tools
     ("tools/rows_waiting", "Rows waiting on a tool, per decoding step", "rows"),
     ("tools/prefill_tokens", "Tool-result tokens fed", "tokens per step"),
 )
-REQUIRED = ("step", "reward", "time/step")  # what every line of a run's metrics.jsonl holds
+REQUIRED = ("step", "time/step")  # what every line of a run's metrics.jsonl holds (`reward`: a step that generated)
 # drawn dashed in the same panel and colour
 DASHED = {"spec/accept_length": "spec/tree_accept_length", "reward": "eval/reward"}
 PHASES = (
@@ -64,6 +65,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, float]]:
         rows.append(row)
     if not rows:
         raise ValueError(f"{path} has no steps yet")
+    if not any("reward" in row for row in rows):  # every run's first step generates
+        raise ValueError(f"{path}: no line has a 'reward'; is this a metrics.jsonl of fastgrpo train?")
     return rows
 
 
@@ -109,11 +112,11 @@ def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
         "|---|---|---|---|---|---|---|---|---|" + ("---|" if evaluated else ""),
     ]
     for name, rows in runs.items():
-        tail = rows[-last:]
+        tail = [r for r in rows if "reward" in r][-last:]
         phases = phase_seconds(rows)
         step_s = sum(r["time/step"] for r in rows) / len(rows)
-        reward = sum(r["reward"] for r in tail) / len(tail)
-        accept = sum(r.get("spec/accept_length", 1.0) for r in tail) / len(tail)
+        reward = sum(r["reward"] for r in tail) / len(tail) if tail else math.nan
+        accept = sum(r.get("spec/accept_length", 1.0) for r in tail) / max(len(tail), 1)
         lines.append(
             f"| {name} | {len(rows)} | {reward:.3f} | {accept:.2f} | {step_s:.1f} | {phases['rollout']:.1f} | "
             f"{phases['draft update']:.2f} | {phases['policy update']:.1f} | {speculation_saved(rows)} |"

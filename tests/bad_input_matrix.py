@@ -736,7 +736,7 @@ CASES: list[Case] = [
     train("an arithmetic split that is not one", REFUSED, "dataset.split", dataset={"split": "validation"}),
     train("keep 0 rows", REFUSED, "dataset.limit", dataset={"limit": 0}),
     train("0 arithmetic rows", REFUSED, "dataset.num_examples", dataset={"num_examples": 0}),
-    train("fewer rows than a step's prompts", REFUSED, "fewer than the 2 prompts per step",
+    train("fewer rows than a step's prompts", REFUSED, "fewer than the 2 prompts per generation",
           dataset={"num_examples": 1}, gradient_accumulation_steps=2),
     # -- config files -----------------------------------------------------------------------------------------------
     Case("YAML syntax error", ("train", "--config", "{tmp}/bad.yaml"), REFUSED, "bad.yaml, line 4, column 1: not valid",
@@ -1069,7 +1069,7 @@ CASES: list[Case] = [
          files={"r/metrics.jsonl": METRICS + "[1, 2]\n"}),
     Case("report metrics that are not UTF-8", ("report", "{tmp}/r"), REFUSED, "line 2, column 1: not UTF-8 text",
          files={"r/metrics.jsonl": METRICS.encode() + b"\xff\n"}),
-    Case("report a line without a reward", ("report", "{tmp}/r"), REFUSED, "line 1: no 'reward'",
+    Case("report lines without a reward", ("report", "{tmp}/r"), REFUSED, "no line has a 'reward'",
          files={"r/metrics.jsonl": '{"step": 1, "time/step": 2.0}\n'}),
     Case("report a reward that is text", ("report", "{tmp}/r"), REFUSED, "'reward' is \"high\", not a number",
          files={"r/metrics.jsonl": '{"step": 1, "reward": "high", "time/step": 2.0}\n'}),

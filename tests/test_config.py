@@ -122,7 +122,7 @@ def test_cli_reports_bad_option_before_loading_a_model(capsys: pytest.CaptureFix
 def test_default_config_file_is_valid() -> None:
     config = load_config(Path(__file__).parents[1] / "configs" / "default.yaml")
     assert config.model == "smollm2"
-    assert config.prompts_per_step * config.num_generations == config.generation_batch_size == 16
+    assert config.prompts_per_generation * config.num_generations == config.generation_batch_size == 16
     assert isinstance(config, GRPOConfig)
 
 
@@ -346,12 +346,12 @@ def test_trl_options_fastgrpo_lacks_are_refused_one_line_each(capsys: pytest.Cap
     """At TRL's values that change nothing they are accepted (the example holds some); at any other, each is named in
     a line of its own saying what fastgrpo does instead, before any model loads."""
     argv = ["train", "--config", str(TRL_EXAMPLE), "--optim", "sgd", "--repetition_penalty", "1.1"]
-    lines = refused(capsys, *argv, "--steps_per_generation", "4", "--vllm_mode", "server").strip().splitlines()
+    lines = refused(capsys, *argv, "--sync_ref_model", "true", "--vllm_mode", "server").strip().splitlines()
     assert len(lines) == 3, lines
     for key, why in [
         ("optim", "torch's AdamW"),
         ("repetition_penalty", "refused rather than made lossy"),
-        ("steps_per_generation", "trains on it num_iterations times"),
+        ("sync_ref_model", "the reference model stays the initial policy"),
     ]:
         assert any(key in line and why in line for line in lines), (key, lines)
     assert "push them with huggingface_hub" in refused(capsys, *argv[:3], "--push_to_hub", "true")
@@ -384,8 +384,15 @@ def test_a_trl_scripts_training_arguments_are_read_as_trl_reads_them(caplog: pyt
         assert config.report_to == ["jsonl"] and not config.progress_bar and config.adam_epsilon == 1e-6
         assert config.importance_sampling_clip_max == 2.0 and config.warmup_optimizer_steps == 2
     for values, message in [
-        ({"num_train_epochs": 2}, "num_train_epochs: fastgrpo trains max_steps steps, not epochs"),
-        ({"max_steps": -1}, "max_steps -1 (num_train_epochs epochs) is not implemented"),
+        ({"num_train_epochs": 0}, "num_train_epochs must be above 0 with max_steps -1"),
+        ({"max_steps": 0}, "max_steps must be a positive number of optimizer steps, or -1"),
+        ({"steps_per_generation": 3, "gradient_accumulation_steps": 2}, "must be a multiple or a divisor of gradient"),
+        (
+            {"steps_per_generation": 1, "gradient_accumulation_steps": 2, "num_iterations": 2},
+            "num_iterations (2) with steps_per_generation (1) below gradient_accumulation_steps (2)",
+        ),
+        ({"generation_batch_size": 12}, "generation_batch_size (12) must be a multiple of per_device_train_batch_size"),
+        ({"generation_batch_size": 16, "steps_per_generation": 2}, "generation_batch_size and steps_per_generation"),
         ({"save_strategy": "no", "fp16": True}, "save_strategy: checkpoints are written every save_steps"),
         ({"warmup_steps": 3, "warmup_ratio": 0.1}, "warmup_steps and warmup_ratio both set the warmup"),
         ({"disable_tqdm": True, "progress_bar": True}, "disable_tqdm and progress_bar set one option"),

@@ -102,7 +102,8 @@ def test_report_names_what_is_not_a_run(tmp_path: Path, capsys: pytest.CaptureFi
     for text, message in (
         (step + "not json\n", "metrics.jsonl, line 2: not JSON"),
         (step + "[1, 2]\n", "metrics.jsonl, line 2: expected a JSON object of metrics, got list"),
-        (step + '{"step": 2, "time/step": 2.0}\n', "metrics.jsonl, line 2: no 'reward'"),
+        (step + '{"step": 2, "reward": 0.5}\n', "metrics.jsonl, line 2: no 'time/step'"),
+        ('{"step": 1, "time/step": 2.0}\n', "metrics.jsonl: no line has a 'reward'"),
         (step + '{"step": 2, "reward": "high", "time/step": 2.0}\n', "line 2: 'reward' is \"high\", not a number"),
     ):
         (bad / "metrics.jsonl").write_text(text)

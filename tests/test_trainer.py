@@ -404,10 +404,10 @@ def test_a_policy_update_moves_the_policy_and_not_the_draft(tiny_model_dir: Path
     trainer = make_trainer(online_config(tiny_model_dir, tmp_path))
     optimize, seen = trainer.update.optimize, []
 
-    def checked(batch):
+    def checked(batch, *args):
         draft = [p.detach().clone() for p in trainer.rollouts.drafter("eagle").draft.parameters()]
         policy = [p.detach().clone() for p in trainer.model.parameters()]
-        out = optimize(batch)
+        out = optimize(batch, *args)
         assert all(
             torch.equal(a, b) for a, b in zip(trainer.rollouts.drafter("eagle").draft.parameters(), draft, strict=True)
         )
@@ -557,24 +557,27 @@ def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_
     freed after the draft's update and before the policy's, the KV caches stay where they are for the next rollout,
     and each phase's peaks, allocated and reserved, are its own."""
     from fastgrpo.config import SpeculationConfig
+    from fastgrpo.grpo import generation as generation_module
     from fastgrpo.grpo import trainer as trainer_module
 
     spec = SpeculationConfig(mode="static", nodes=4, top_k=2, depth=2)
     trainer = make_trainer(make_config(tiny_model_dir, tmp_path, speculation=spec))
     events: list[str] = []
     peaks, reserved = iter([300.0, 200.0]), iter([400.0, 350.0])
-    monkeypatch.setattr(trainer_module, "reset_peak_memory", lambda device: events.append("reset"))
-    monkeypatch.setattr(trainer_module, "peak_memory_mb", lambda device: events.append("peak") or next(peaks))
-    monkeypatch.setattr(trainer_module, "peak_reserved_mb", lambda device: next(reserved))
+    for module in (trainer_module, generation_module):
+        monkeypatch.setattr(module, "reset_peak_memory", lambda device: events.append("reset"))
+        monkeypatch.setattr(module, "peak_memory_mb", lambda device: events.append("peak") or next(peaks))
+        monkeypatch.setattr(module, "peak_reserved_mb", lambda device: next(reserved))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
     release, optimize = trainer.rollouts.release, trainer.update.optimize
     monkeypatch.setattr(trainer.rollouts, "release", lambda: events.append("release") or release())
-    monkeypatch.setattr(trainer.update, "optimize", lambda batch: events.append("update") or optimize(batch))
+    monkeypatch.setattr(trainer.update, "optimize", lambda *args: events.append("update") or optimize(*args))
     trainer.device = torch.device("cuda", 0)
     caches = (trainer.rollouts.engine, trainer.rollouts.engine.drafters["eagle"])
     metrics = trainer.train_step(0)
-    # each timed phase ends once its queued work has (the draft's update, the log-probs, the update)
-    assert events == ["reset", "sync", "peak", "release", "reset", "sync", "update", "sync", "peak"]
+    # each timed phase ends once its queued work has (the draft's update, the log-probs, the update); the next step's
+    # update peak is counted from the end of this one
+    assert events == ["reset", "sync", "peak", "release", "reset", "sync", "update", "sync", "peak", "reset"]
     assert all(owner.cache is not None for owner in caches)
     assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
     assert metrics["memory/rollout_peak_reserved_mb"] == 400.0 and metrics["memory/update_peak_reserved_mb"] == 350.0

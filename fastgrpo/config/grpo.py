@@ -5,12 +5,12 @@ them and its options fastgrpo lacks: `fastgrpo.config.trl_names`). Everything is
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from fastgrpo.config.grpo_checks import GRPOChecks
 from fastgrpo.config.speculation import LR_SCHEDULERS, DraftTrainConfig, SpeculationConfig
+from fastgrpo.config.step_counts import StepCounts
 from fastgrpo.config.trl_names import TRL_ALIASES, accept_trl_names
 from fastgrpo.data import DataConfig
 from fastgrpo.distributed import DEVICES
@@ -29,11 +29,12 @@ EVAL_STRATEGIES = ("no", "steps")
 
 
 @dataclass
-class GRPOConfig(GRPOChecks):
+class GRPOConfig(StepCounts, GRPOChecks):
     """All options of a training run. Names follow TRL's ``GRPOConfig`` wherever TRL has the same option.
 
-    Each optimizer step samples ``per_device_train_batch_size * gradient_accumulation_steps`` completions,
-    ``num_generations`` per prompt, and trains on them in ``gradient_accumulation_steps`` micro-batches.
+    Each generation samples ``per_device_train_batch_size * steps_per_generation`` completions on each process,
+    ``num_generations`` per prompt; each optimizer step trains on ``gradient_accumulation_steps`` micro-batches of
+    them (`fastgrpo.config.step_counts`).
     """
 
     ALIASES: ClassVar[dict[str, str]] = TRL_ALIASES  # TRL's names of options fastgrpo names otherwise
@@ -178,11 +179,16 @@ class GRPOConfig(GRPOChecks):
     learning_rate: float = option(1e-6, help="AdamW learning rate of the policy", valid=Range(0, low_open=True))
     per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process", valid=Range(1))
     gradient_accumulation_steps: int = option(
-        1,
-        help="micro-batches per optimizer step; a step samples this times per_device_train_batch_size completions",
+        1, help="micro-batches of per_device_train_batch_size completions per optimizer step", valid=Range(1)
+    )
+    steps_per_generation: int | None = option(
+        None,
+        help="micro-batches of completions one generation samples, trained on in steps_per_generation / "
+        "gradient_accumulation_steps optimizer steps, as TRL (None: gradient_accumulation_steps)",
         valid=Range(1),
     )
-    max_steps: int = option(20, help="optimizer steps of the run", valid=Range(1))
+    max_steps: int = option(-1, help="optimizer steps of the run (-1: num_train_epochs epochs of the dataset)")
+    num_train_epochs: float = option(3.0, help="passes over the dataset when max_steps is -1")
     lr_scheduler_type: str = option("linear", help="transformers' learning-rate schedule", choices=LR_SCHEDULERS)
     warmup_ratio: float = option(0.0, help="share of the steps spent warming the learning rate up", valid=Range(0, 1))
     warmup_steps: float = option(0, help="warmup steps, or below 1 their share (not with warmup_ratio)", valid=Range(0))
@@ -265,7 +271,7 @@ class GRPOConfig(GRPOChecks):
     vespo_lambda_pos: float = option(3.0, help="vespo's gamma rate lambda for advantages >= 0", valid=Range(0))
     vespo_k_neg: float = option(3.0, help="vespo's gamma shape k for negative advantages", valid=Range(0))
     vespo_lambda_neg: float = option(2.0, help="vespo's gamma rate lambda for negative advantages", valid=Range(0))
-    num_iterations: int = option(1, help="policy updates per rollout", valid=Range(1))
+    num_iterations: int = option(1, help="passes of optimizer steps over each generation", valid=Range(1))
     mask_truncated_completions: bool = option(False, help="train on no token of a completion cut by the length limit")
     multi_objective_aggregation: str = option(
         "sum_then_normalize",
@@ -337,24 +343,6 @@ class GRPOConfig(GRPOChecks):
     log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")
 
-    @property
-    def warmup_optimizer_steps(self) -> int:
-        """Optimizer steps warming the learning rate up: ``warmup_steps`` as transformers reads it (a share of the
-        optimizer steps when below 1), else ``warmup_ratio``'s share."""
-        total = self.max_steps * self.num_iterations
-        if self.warmup_steps:
-            return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(total * self.warmup_steps)
-        return int(self.warmup_ratio * total)
-
-    @property
-    def generation_batch_size(self) -> int:
-        """Completions per optimizer step."""
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps
-
-    @property
-    def prompts_per_step(self) -> int:
-        return self.generation_batch_size // self.num_generations
-
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(
             max_new_tokens=self.max_completion_length,
@@ -364,26 +352,6 @@ class GRPOConfig(GRPOChecks):
             min_p=self.min_p,
             stop=tuple(self.stop),
         )
-
-    @property
-    def evaluates(self) -> bool:
-        """Whether the run evaluates on ``eval_dataset`` (``eval_strategy: steps``)."""
-        return self.eval_strategy == "steps"
-
-    @property
-    def eval_interval(self) -> int:
-        """Optimizer steps between evaluations: ``eval_steps`` (a share of ``max_steps`` when below 1, rounded up), or
-        ``logging_steps``, as transformers reads them."""
-        if self.eval_steps is None:
-            return self.logging_steps
-        if self.eval_steps < 1:
-            return max(1, math.ceil(self.max_steps * self.eval_steps))
-        return int(self.eval_steps)
-
-    def evaluates_at(self, step: int) -> bool:
-        """Whether the run evaluates after optimizer step ``step`` (1-based): every `eval_interval` steps and after
-        the last step, as transformers' ``eval_strategy: steps``."""
-        return self.evaluates and (step % self.eval_interval == 0 or step == self.max_steps)
 
 
 accept_trl_names(GRPOConfig)

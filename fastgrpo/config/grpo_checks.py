@@ -78,17 +78,11 @@ class GRPOChecks:
             choices = f.metadata.get("choices")
             if choices and getattr(self, f.name) not in choices:
                 raise ValueError(f"{f.name} must be one of {list(choices)}, got {getattr(self, f.name)!r}")
-        if self.max_steps == -1:  # TRL's default, which trains num_train_epochs epochs
-            raise ValueError("max_steps -1 (num_train_epochs epochs) is not implemented: set max_steps")
         check_numbers(self)
         check_ranges(self)
         if not self.output_dir.strip():
             raise ValueError("output_dir must name a directory, got an empty string")
-        if self.generation_batch_size % self.num_generations:
-            raise ValueError(
-                f"per_device_train_batch_size * gradient_accumulation_steps ({self.generation_batch_size}) must "
-                f"be a multiple of num_generations ({self.num_generations})"
-            )
+        self.check_counts()
         self._check_mask_range()
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("warmup_steps and warmup_ratio both set the warmup: give one of them")

@@ -66,8 +66,12 @@ def _trl_section() -> list[str]:
         "function scores has reward NaN, is left out of its group's mean and std and gets advantage 0),",
         "`frac_reward_zero_std` from the std that scales the advantages (with `scale_rewards: batch` the batch's: 0 or",
         "1); `clip_ratio/*` (with `low_min`, `high_max`), `cispo_clip_ratio`, `kl` and `entropy` over every completion",
-        "of the step (at sequence level empty ones included), the rows of advantage 0 that the update skips too (see",
-        "`score_skipped_rows`), averaged over `num_iterations`; `sampling/*` over the step's batch. TRL averages its",
+        "the optimizer step trains (at sequence level empty ones included), the rows of advantage 0 that the update",
+        "skips too (see `score_skipped_rows`); `sampling/*` over the generation. A generation's figures (rewards,",
+        "`completions/*`, `num_tokens`, `rollout/*`, `sampling/*`) are logged by the step that made it, as TRL's; the",
+        "steps that train on it after that log the update's. With `steps_per_generation` below",
+        "`gradient_accumulation_steps` a step's generations are scored one by one, as TRL's, and dapo, cispo and vespo",
+        "divide the step's loss by the tokens of all of them (TRL: each generation's by its own). TRL averages its",
         "micro-batches' shares (of rows it shuffles), fastgrpo logs the step's: equal with one micro-batch, the same",
         "in expectation otherwise. fastgrpo's own figures beside them: `group_reward_std` (the mean of the groups'",
         "stds) and `frac_group_zero_std` (the share of groups whose rewards do not vary, which teach nothing, whatever",
@@ -84,21 +88,17 @@ def _trl_section() -> list[str]:
         "TRL's options and transformers' `TrainingArguments` fields that fastgrpo does not have: vLLM's (",
         ", ".join(f"`{k}`" for k in VLLM_OPTIONS) + ") are accepted at any value with one line saying that fastgrpo's",
         "own engine generates; " + ", ".join(f"`{k}`" for k in READ) + " set fastgrpo's options (`progress_bar`,",
-        "`device`, `report_to`: `none` is `[jsonl]`, `importance_sampling_clip_max`); "
+        "`device`, `report_to`: `none` is `[jsonl]`, `importance_sampling_clip_max`); `generation_batch_size` (the",
+        "completions of one generation over every process) sets `steps_per_generation`; "
         + ", ".join(f"`{k}`" for k in IGNORED),
         "configure machinery fastgrpo does not have and are accepted at any value; the others below are accepted",
-        "at the values listed (they change nothing; `num_train_epochs` at any value where `max_steps` is given, as",
-        "it overrides the epochs in TRL too) and refused in one line at any other.",
+        "at the values listed (they change nothing) and refused in one line at any other.",
         "",
         "| TRL option | accepted | why any other value is refused |",
         "|---|---|---|",
     ]
-    fits = {
-        "steps_per_generation": "null, gradient_accumulation_steps",
-        "generation_batch_size": "null, per_device_train_batch_size x gradient_accumulation_steps",
-    }
     for key, (accepted, reason) in TRL_REFUSED.items():
-        ok = fits.get(key) or (", ".join(yaml_value(v) for v in accepted) if accepted else "(none)")
+        ok = ", ".join(yaml_value(v) for v in accepted) if accepted else "(none)"
         lines.append(f"| `{key}` | {ok} | {reason} |")
     return lines
 

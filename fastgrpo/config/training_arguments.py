@@ -92,7 +92,6 @@ _RUN = "the run is set by fastgrpo's options (device, fsdp, seed); no accelerate
 
 # Accepted at these values (which change nothing), refused otherwise with what fastgrpo does instead.
 AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
-    "num_train_epochs": ((3, 3.0), "fastgrpo trains max_steps steps, not epochs: set max_steps"),
     "lr_scheduler_kwargs": ((None, {}), "the schedule is lr_scheduler_type's with its defaults"),
     "optim": (("adamw_torch", "adamw_torch_fused"), _OPTIMIZER),
     "optim_args": ((None, ""), _OPTIMIZER),

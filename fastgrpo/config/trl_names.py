@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from typing import Any
 
 from fastgrpo.config.training_arguments import AT_DEFAULT, IGNORED, READ
@@ -94,16 +95,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "cache_implementation": ((None,), _ENGINE),
     "repetition_penalty": ((1.0, 1), _SAMPLING),
     "generation_kwargs": ((None, {}), _SAMPLING),
-    "steps_per_generation": (
-        (),
-        "fastgrpo samples one generation batch per step (per_device_train_batch_size x gradient_accumulation_steps "
-        "completions) and trains on it num_iterations times; several optimizer steps per generation are not "
-        "implemented",
-    ),
-    "generation_batch_size": (
-        (),
-        "the generation batch is per_device_train_batch_size x gradient_accumulation_steps completions per process",
-    ),
     "sync_ref_model": ((False,), _REF_SYNC),
     "ref_model_mixup_alpha": ((), _REF_SYNC),
     "ref_model_sync_steps": ((), _REF_SYNC),
@@ -138,18 +129,26 @@ def trl_refusal(key: str, value: Any) -> str | None:
     return f"{key}: {reason}"
 
 
+def steps_per_generation(generation_batch_size: Any, per_device: int) -> int:
+    """TRL's ``generation_batch_size`` (the completions of one generation over every process of the job:
+    ``WORLD_SIZE`` of them under torchrun) as ``steps_per_generation``, micro-batches of ``per_device``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not isinstance(generation_batch_size, int) or generation_batch_size % (per_device * world):
+        raise ValueError(
+            f"generation_batch_size ({generation_batch_size!r}) must be a multiple of per_device_train_batch_size x "
+            f"processes ({per_device} x {world})"
+        )
+    return generation_batch_size // (per_device * world)
+
+
 def read_trl_options(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """``values`` (one source's options by name: a file, the command line or the constructor's keywords; its TRL
     aliases already renamed) as fastgrpo's options: ``TrainingArguments`` fields fastgrpo reads under its own names
-    read so (`READ`), TRL's vLLM options dropped with one line logged (fastgrpo's own engine generates; the
+    read so (`READ`), TRL's ``generation_batch_size`` (every process's completions of a generation) as
+    ``steps_per_generation``, TRL's vLLM options dropped with one line logged (fastgrpo's own engine generates; the
     correction still applies to its sampler), the fields nothing reads dropped (`IGNORED`), and TRL's options
-    fastgrpo lacks dropped where their value changes nothing (`trl_refusal`: ``num_train_epochs`` too where
-    ``max_steps`` is given, which overrides it in TRL as well; ``steps_per_generation`` equal to
-    ``gradient_accumulation_steps`` and ``generation_batch_size`` to the completions of a step, which is what
-    fastgrpo does) and refused otherwise, every one at once, one line each. ``defaults``: the options' defaults."""
-    steps = values.get("gradient_accumulation_steps", defaults["gradient_accumulation_steps"])
-    per_device = values.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
-    fits = {"steps_per_generation": (None, steps), "generation_batch_size": (None, steps * per_device)}
+    fastgrpo lacks dropped where their value changes nothing (`trl_refusal`) and refused otherwise, every one at
+    once, one line each. ``defaults``: the options' defaults."""
     out: dict[str, Any] = {}
     refused, vllm = [], []
     for key, value in values.items():
@@ -158,12 +157,16 @@ def read_trl_options(values: dict[str, Any], defaults: dict[str, Any]) -> dict[s
                 if name != key and name in values:
                     raise ValueError(f"{key} and {name} set one option: give one of them")
                 out[name] = read
+        elif key == "generation_batch_size":
+            if value is not None:
+                if values.get("steps_per_generation") is not None:
+                    raise ValueError("generation_batch_size and steps_per_generation set one option: give one of them")
+                per_device = values.get("per_device_train_batch_size", defaults["per_device_train_batch_size"])
+                out["steps_per_generation"] = steps_per_generation(value, per_device)
         elif key in VLLM_OPTIONS:
             vllm.append(key)
-        elif key == "num_train_epochs" and "max_steps" in values:
-            continue
         elif key in TRL_REFUSED:
-            line = None if key in fits and value in fits[key] else trl_refusal(key, value)
+            line = trl_refusal(key, value)
             if line is not None:
                 refused.append(line)
         elif key not in IGNORED:

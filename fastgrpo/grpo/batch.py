@@ -83,6 +83,37 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
         old_logps=cut(batch.old_logps),
         ref_logps=cut(batch.ref_logps),
         sampling_logps=cut(batch.sampling_logps),
+        start_logps=cut(batch.start_logps),
+        start_entropies=cut(batch.start_entropies),
+    )
+
+
+def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """The rows of ``batches`` in one batch, prompts left-padded and completions right-padded to the widest (``pad_id``
+    and 0 in the new columns)."""
+    prompt = max(b.attention_mask.shape[1] - b.completion_mask.shape[1] for b in batches)
+    completion = max(b.completion_mask.shape[1] for b in batches)
+
+    def padded(b: RolloutBatch, t: torch.Tensor, value: float) -> torch.Tensor:
+        left = prompt - (b.attention_mask.shape[1] - b.completion_mask.shape[1])
+        return torch.nn.functional.pad(t, (left, completion - b.completion_mask.shape[1]), value=value)
+
+    def completions(name: str) -> torch.Tensor | None:
+        parts = [getattr(b, name) for b in batches]
+        if any(p is None for p in parts):
+            return None
+        return torch.cat([torch.nn.functional.pad(p, (0, completion - p.shape[1])) for p in parts])
+
+    return RolloutBatch(
+        input_ids=torch.cat([padded(b, b.input_ids, pad_id) for b in batches]),
+        attention_mask=torch.cat([padded(b, b.attention_mask, 0) for b in batches]),
+        completion_mask=completions("completion_mask"),
+        advantages=torch.cat([b.advantages for b in batches]),
+        old_logps=completions("old_logps"),
+        ref_logps=completions("ref_logps"),
+        sampling_logps=completions("sampling_logps"),
+        start_logps=completions("start_logps"),
+        start_entropies=completions("start_entropies"),
     )
 
 

@@ -94,7 +94,7 @@ class PolicyUpdate:
             config.lr_scheduler_type,
             self.optimizer,
             num_warmup_steps=config.warmup_optimizer_steps,
-            num_training_steps=config.max_steps * config.num_iterations,
+            num_training_steps=config.max_steps,
         )
 
     @property
@@ -198,14 +198,15 @@ class PolicyUpdate:
 
     def fixed_logps(self, batch: RolloutBatch) -> None:
         """What the update reads besides its own forwards, by passes without gradient before it: the old policy's
-        log-probs of every row (when the batch is reused, ``num_iterations > 1``), the entropies of every row (to
+        log-probs of every row (when a generation trains several optimizer steps), the entropies of every row (to
         rank them, ``top_entropy_quantile < 1``), or else of the rows the update skips (for the metrics, with
         ``score_skipped_rows``); and the reference log-probs (when ``beta > 0``). Anything already set is kept."""
         cfg = self.config
         n = batch.completion_mask.shape[0]
         groups = self.micro_batches(batch)
         trained = torch.cat(groups) if groups else torch.zeros(0, dtype=torch.long, device="cpu")
-        every = cfg.num_iterations > 1 or cfg.top_entropy_quantile < 1
+        reused = cfg.steps_per_generation_pass > 1
+        every = reused or cfg.top_entropy_quantile < 1
         if every:
             rows = torch.arange(n, device="cpu")
         else:
@@ -220,7 +221,7 @@ class PolicyUpdate:
         if busiest:
             logps, entropies = self.batch_logps(self.policy, batch, rows)
             batch.start_logps, batch.start_entropies = logps, entropies
-            if cfg.num_iterations > 1 and batch.old_logps is None:
+            if reused and batch.old_logps is None:
                 batch.old_logps = logps
         if cfg.beta > 0 and batch.ref_logps is None:
             if self.ref_model is not None:
@@ -251,8 +252,10 @@ class PolicyUpdate:
         threshold = entropy_threshold(everyone, torch.ones_like(everyone), cfg.top_entropy_quantile)
         return ((entropies * mask) >= threshold) & mask
 
-    def optimize(self, batch: RolloutBatch) -> dict[str, float]:
-        """``num_iterations`` optimizer steps over the batch, each accumulating over micro-batches.
+    def optimize(self, batch: RolloutBatch, num_items_in_batch: float | None = None) -> dict[str, float]:
+        """One optimizer step on the batch (one window of a generation), accumulating over micro-batches;
+        ``num_items_in_batch``: the completion tokens of every process that dapo, cispo and vespo divide the step's
+        loss by (None: the batch's; TRL's: the generation's over its windows).
 
         With several processes, DDP averages the gradients at the last micro-batch (FSDP2 at every micro-batch);
         every rank runs as many micro-batches as the busiest one (the extra ones with a zero loss), and the losses are
@@ -260,12 +263,15 @@ class PolicyUpdate:
 
         The metrics are TRL's over every completion of the job's batch, the rows the update skips included (their
         clip parts are 0; their entropies and log-probs come from `fixed_logps`' pass): ``clip_ratio/*`` (or
-        ``cispo_clip_ratio``), ``kl`` and ``entropy`` over each iteration, averaged over the iterations; the
-        ``sampling/*`` gap between the sampler's log-probs and those of the policy the step starts from."""
+        ``cispo_clip_ratio``), ``kl`` and ``entropy``; where the generation trains this step only, the ``sampling/*``
+        gap between the sampler's log-probs and those of the policy the step starts from (else the trainer's, over the
+        generation)."""
         cfg = self.config
         n, width = batch.completion_mask.shape
         world = self.world_size
-        total_tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) or 1
+        if num_items_in_batch is None:
+            num_items_in_batch = distributed.sum_over_ranks(int(batch.completion_mask.sum()))
+        total_tokens = max(num_items_in_batch, 1)
         groups = self.micro_batches(batch)
         n_micro = distributed.max_over_ranks(len(groups))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -278,111 +284,107 @@ class PolicyUpdate:
         # the old policy's log-probs of every row, for the sampling/* metrics: the update's own where it trains
         old_all = batch.old_logps.clone() if batch.old_logps is not None else start_logps
         old_all = old_all.clone() if old_all is not None else torch.full((n, width), math.nan, device="cpu")
-        losses: list[float] = []
-        iteration_metrics: list[dict[str, float]] = []
-        grad_norms: list[float] = []
         self.model.train()
-        for iteration in range(cfg.num_iterations):
-            parts = skipped_parts(cfg, batch, start_entropies)
-            loss_sum = 0.0
-            for i in range(n_micro):
-                if self.threads is not None:
-                    self.threads.update()
-                padding = i >= len(groups)
-                rows = torch.arange(1, device="cpu") if padding else groups[i]
-                part = select_rows(batch, rows)
-                mask = part.completion_mask.to(self.device)
-                with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
-                    logps, entropies = self.logps(self.policy, part)
-                    old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
-                    ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
-                    advantages = part.advantages.to(self.device)
-                    weights = None
-                    if part.sampling_logps is not None and cfg.importance_sampling_correction:
-                        weights, _ = sampling_correction(
-                            old,
-                            part.sampling_logps.to(self.device),
-                            mask,
-                            cfg.importance_sampling_mode,
-                            cfg.importance_sampling_clip_min,
-                            cfg.importance_sampling_clip_max,
-                        )
-                    sequence_mask = None
-                    if cfg.off_policy_mask_threshold is not None:
-                        behaviour = part.sampling_logps if part.sampling_logps is not None else old
-                        sequence_mask = off_policy_mask(
-                            advantages,
-                            logps,
-                            behaviour.to(self.device).to(logps.dtype),
-                            mask.to(logps.dtype),
-                            cfg.off_policy_mask_threshold,
-                        )
-                    keep = None if token_mask is None else token_mask[rows, : mask.shape[1]].to(self.device)
-                    loss, row_parts = grpo_loss_rows(
-                        logps,
+        parts = skipped_parts(cfg, batch, start_entropies)
+        loss_sum = policy_sum = 0.0
+        for i in range(n_micro):
+            if self.threads is not None:
+                self.threads.update()
+            padding = i >= len(groups)
+            rows = torch.arange(1, device="cpu") if padding else groups[i]
+            part = select_rows(batch, rows)
+            mask = part.completion_mask.to(self.device)
+            with distributed.gradient_sync(self.policy, sync=i == n_micro - 1):
+                logps, entropies = self.logps(self.policy, part)
+                old = part.old_logps.to(self.device) if part.old_logps is not None else logps.detach()
+                ref = part.ref_logps.to(self.device) if part.ref_logps is not None else None
+                advantages = part.advantages.to(self.device)
+                weights = None
+                if part.sampling_logps is not None and cfg.importance_sampling_correction:
+                    weights, _ = sampling_correction(
                         old,
-                        advantages,
+                        part.sampling_logps.to(self.device),
                         mask,
-                        loss_type=cfg.loss_type,
-                        epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta,
-                        ref_logps=ref,
-                        max_completion_length=cfg.max_completion_length,
-                        num_items_in_batch=total_tokens,
-                        importance_sampling_level=cfg.importance_sampling_level,
-                        delta=cfg.delta,
-                        sapo_temperature_pos=cfg.sapo_temperature_pos,
-                        sapo_temperature_neg=cfg.sapo_temperature_neg,
-                        vespo_gamma=vespo_gamma(cfg),
-                        sampling_weights=weights,
-                        use_bias_correction_kl=cfg.use_bias_correction_kl,
-                        token_mask=None if keep is None else keep.to(logps.dtype),
-                        sequence_mask=sequence_mask,
+                        cfg.importance_sampling_mode,
+                        cfg.importance_sampling_clip_min,
+                        cfg.importance_sampling_clip_max,
                     )
-                    loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
-                    if cfg.entropy_coef > 0:  # the mean entropy of the kept tokens of the job's batch
-                        kept_here = mask.to(entropies.dtype) * (1.0 if keep is None else keep.to(entropies.dtype))
-                        loss = loss - cfg.entropy_coef * (entropies * kept_here).sum() / bonus_tokens * world
-                    if padding:
-                        loss = loss * 0.0
-                    loss.backward()
-                if padding:
-                    continue
-                loss_sum += float(loss.detach())
-                for name, value in row_parts.items():
-                    parts[name][rows] = value.to(parts[name].dtype).cpu()
-                masked = mask.to(entropies.dtype)
-                parts["entropy"][rows] = (entropies.detach() * masked).sum(dim=-1).to(torch.float64).cpu()
-                if iteration == 0 and batch.old_logps is None:
-                    old_all[rows, : mask.shape[1]] = old.detach().to(old_all.dtype).cpu()
-            losses.append(loss_sum)
-            iteration_metrics.append(job_row_metrics(parts, sequence_level, world))
-            if self.masters is not None:
-                self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
-            else:
-                for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-            grad_norms.append(float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)))
-            if not math.isfinite(grad_norms[-1]):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteUpdate(
-                    f"the gradient norm is {grad_norms[-1]} (the loss is {sum(losses)}): lower learning_rate, or "
-                    "check the rewards"
+                sequence_mask = None
+                if cfg.off_policy_mask_threshold is not None:
+                    behaviour = part.sampling_logps if part.sampling_logps is not None else old
+                    sequence_mask = off_policy_mask(
+                        advantages,
+                        logps,
+                        behaviour.to(self.device).to(logps.dtype),
+                        mask.to(logps.dtype),
+                        cfg.off_policy_mask_threshold,
+                    )
+                keep = None if token_mask is None else token_mask[rows, : mask.shape[1]].to(self.device)
+                loss, row_parts = grpo_loss_rows(
+                    logps,
+                    old,
+                    advantages,
+                    mask,
+                    loss_type=cfg.loss_type,
+                    epsilon=cfg.epsilon,
+                    epsilon_high=cfg.epsilon_high,
+                    beta=cfg.beta,
+                    ref_logps=ref,
+                    max_completion_length=cfg.max_completion_length,
+                    num_items_in_batch=total_tokens,
+                    importance_sampling_level=cfg.importance_sampling_level,
+                    delta=cfg.delta,
+                    sapo_temperature_pos=cfg.sapo_temperature_pos,
+                    sapo_temperature_neg=cfg.sapo_temperature_neg,
+                    vespo_gamma=vespo_gamma(cfg),
+                    sampling_weights=weights,
+                    use_bias_correction_kl=cfg.use_bias_correction_kl,
+                    token_mask=None if keep is None else keep.to(logps.dtype),
+                    sequence_mask=sequence_mask,
                 )
-            rate = self.scheduler.get_last_lr()[0]  # the rate this optimizer step uses (TRL's `learning_rate`)
-            self.optimizer.step()
-            if self.masters is not None:
-                self.masters.write_back()
-            if not all_finite([p for p in self.model.parameters() if p.requires_grad]):  # as the module holds them
-                raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
-            self.scheduler.step()
+                loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
+                policy_part = loss.detach()
+                if cfg.entropy_coef > 0:  # the mean entropy of the kept tokens of the job's batch
+                    kept_here = mask.to(entropies.dtype) * (1.0 if keep is None else keep.to(entropies.dtype))
+                    loss = loss - cfg.entropy_coef * (entropies * kept_here).sum() / bonus_tokens * world
+                if padding:
+                    loss = loss * 0.0
+                loss.backward()
+            if padding:
+                continue
+            loss_sum += float(loss.detach())
+            policy_sum += float(policy_part)
+            for name, value in row_parts.items():
+                parts[name][rows] = value.to(parts[name].dtype).cpu()
+            masked = mask.to(entropies.dtype)
+            parts["entropy"][rows] = (entropies.detach() * masked).sum(dim=-1).to(torch.float64).cpu()
+            if batch.old_logps is None:
+                old_all[rows, : mask.shape[1]] = old.detach().to(old_all.dtype).cpu()
+        if self.masters is not None:
+            self.masters.take_grads()  # a parameter without any gradient gets zeros, as below
+        else:
+            for p in params:  # a step whose rows were all skipped still moves Adam's moments, as a zero gradient
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-        out = {k: sum(m[k] for m in iteration_metrics) / len(iteration_metrics) for k in iteration_metrics[0]}
-        out.update(sampling_metrics(cfg, batch, old_all))
-        out["loss"] = sum(losses) / cfg.num_iterations
-        out["grad_norm"] = sum(grad_norms) / len(grad_norms)
-        out["learning_rate"] = rate
+            raise NonFiniteUpdate(
+                f"the gradient norm is {grad_norm} (the loss is {loss_sum}): lower learning_rate, or check the rewards"
+            )
+        rate = self.scheduler.get_last_lr()[0]  # the rate this optimizer step uses (TRL's `learning_rate`)
+        self.optimizer.step()
+        if self.masters is not None:
+            self.masters.write_back()
+        if not all_finite([p for p in self.model.parameters() if p.requires_grad]):  # as the module holds them
+            raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        out = job_row_metrics(parts, sequence_level, world)
+        if cfg.steps_per_generation_pass == 1:  # else the trainer's, over the whole generation
+            out.update(sampling_metrics(cfg, batch, old_all))
+        out |= {"loss": loss_sum, "grad_norm": grad_norm, "learning_rate": rate}
+        if cfg.entropy_coef > 0:  # TRL's, with the bonus: the loss without it (of one micro-batch), and the coefficient
+            out |= {"policy_loss": policy_sum, "entropy_coef": cfg.entropy_coef}
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out

@@ -18,9 +18,9 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
-from fastgrpo.grpo.batch import build_batch, completion_lengths, completion_metrics, mask_tool_results
 from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint, set_rng_state
 from fastgrpo.grpo.evaluation import evaluate, evaluation_rows
+from fastgrpo.grpo.generation import Generation, generate, merge
 from fastgrpo.grpo.policy import disable_dropout, reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
@@ -33,7 +33,6 @@ from fastgrpo.grpo.run_dir import (
     checkpoints_written,
 )
 from fastgrpo.grpo.run_log import RunLog
-from fastgrpo.grpo.scoring import score_completions
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
 from fastgrpo.grpo.trl_callbacks import TrlCallbacks
 from fastgrpo.grpo.trl_form import TrlTrainerMethods, train_summary, trl_call
@@ -97,14 +96,17 @@ class GRPOTrainer(TrlTrainerMethods):
         self.eval_rows = evaluation_rows(
             config, self.reward_funcs, bool(tools), environments, eval_dataset, self.dist.world_size
         )
-        global_prompts = config.prompts_per_step * self.dist.world_size
+        global_prompts = config.prompts_per_generation * self.dist.world_size
         if len(self.dataset) < global_prompts:
             raise ValueError(
-                f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per step "
-                f"({config.prompts_per_step} on each of {self.dist.world_size} processes)"
+                f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per generation "
+                f"({config.prompts_per_generation} on each of {self.dist.world_size} processes)"
             )
         self.start_step, self.num_tokens = 0, 0.0
-        self.steps_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
+        self.generation: Generation | None = None  # the one the next optimizer steps train on
+        self.samples: list[tuple[Any, str, float, dict[str, Any]]] | None = None  # the last step's, if it generated
+        self.generations_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
+        self.config = config = config.with_total_steps(self.generations_per_epoch)  # max_steps -1: epochs
         random.seed(config.seed)
         torch.manual_seed(config.seed)
         # What can refuse the run does before anything is loaded; an overwritten run's files are deleted only once
@@ -173,7 +175,7 @@ class GRPOTrainer(TrlTrainerMethods):
         self.prompts = StepPrompts(
             self.dataset,
             self.tokenizer,
-            config.prompts_per_step,
+            config.prompts_per_generation,
             self.dist.rank,
             self.dist.world_size,
             config.seed,
@@ -222,66 +224,41 @@ class GRPOTrainer(TrlTrainerMethods):
         return prompt_ids, out, turns
 
     def train_step(self, step: int) -> dict[str, float]:
-        """Rollout, reward, advantages and policy update for one step; returns the step's metrics."""
+        """Optimizer step ``step`` (0-based): a new generation where the last one has trained all its steps (or none
+        is held, as after a resume, which samples that generation's prompts anew, as TRL), then the update on this
+        step's window of it; returns the step's metrics, with the generation's where it was made at this step."""
         cfg = self.config
-        rows = self.prompts.rows(step)
+        passes = cfg.steps_per_generation_pass
         t0 = time.perf_counter()
-        reset_peak_memory(self.device)
-        # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
-        with distributed.gathered(self.update.policy):
-            prompt_ids, out, turns = self.rollout(step, rows)
-            t1 = time.perf_counter()
-            advantages, reward_metrics, self._last_samples = score_completions(
-                cfg, self.reward_funcs, self.tokenizer, self.dist.rank, rows, out, step, turns
-            )
-            t2 = time.perf_counter()
-            draft_metrics = self.rollouts.learn()
-            t_learnt = synchronized(self.device)
-        memory: dict[str, float] = {}  # the allocated peak of each phase
-        reserved: dict[str, float] = {}  # beside it, the peak the allocator had reserved
-        if self.device.type == "cuda":  # captured states go back to the allocator for the update (the KV caches stay)
-            memory["memory/rollout_peak_mb"] = peak_memory_mb(self.device)
-            reserved["memory/rollout_peak_reserved_mb"] = peak_reserved_mb(self.device)
-            out.hidden_states = None
-            self.rollouts.release()
-            reset_peak_memory(self.device)
-        t_policy = time.perf_counter()
-        prompts_per_row = [p for p in prompt_ids for _ in range(len(out.completion_ids) // len(prompt_ids))]
-        batch = build_batch(prompts_per_row, out.completion_ids, self.tokenizer.pad_token_id, advantages, out.logprobs)
-        truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
-        if out.tool_masks is not None:  # tool results: no loss, KL or token metric, as TRL's tool_mask
-            mask_tool_results(batch, out.tool_masks)
-        if cfg.mask_truncated_completions:
-            batch.completion_mask[truncated] = 0
-        self.update.fixed_logps(batch)
-        t_logps = synchronized(self.device)
-        train_metrics = self.update.optimize(batch)
+        metrics: dict[str, float] = {"step": step + 1, "epoch": cfg.epoch(step + 1, self.generations_per_epoch)}
+        self.samples = None
+        if self.generation is None or step % passes == 0:
+            first, count = step // passes * cfg.generations_per_step, cfg.generations_per_step
+            made = [generate(self, first + i, step) for i in range(count)]
+            self.generation = made[0] if count == 1 else merge(made, self.tokenizer.pad_token_id)
+            metrics |= self.generation.metrics
+            self.samples = self.generation.samples
+        t_update = time.perf_counter()
+        window = self.generation.window(step % passes % cfg.windows_per_generation)
+        metrics |= self.update.optimize(window, self.generation.num_items_in_batch)
         t3 = synchronized(self.device)  # the optimizer step's kernels count in time/train
+        memory = {k: v for k, v in metrics.items() if k == "memory/rollout_peak_mb"}
         if self.device.type == "cuda":
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
-            reserved["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
-        lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
-        metrics = {
-            "step": step + 1,
-            "epoch": (step + 1) / self.steps_per_epoch,
-            **reward_metrics,
-            **completion_metrics(lengths, truncated, sum(map(len, prompts_per_row))),
-            **train_metrics,
-            **draft_metrics,
-            **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
-            **{"time/draft_learning": t_learnt - t2, "time/logprobs": t_logps - t_policy, "time/update": t3 - t_logps},
-            **{"time/train": t3 - t_policy, "time/step": t3 - t0, "step_time": (t3 - t0) / cfg.num_iterations},
-            **out.stats.metrics(),
-            **(turns.metrics() if turns is not None else {}),
+            metrics["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
+            reset_peak_memory(self.device)
+        metrics |= {
+            **{"time/update": t3 - t_update, "time/train": t3 - t_update + metrics.get("time/logprobs", 0.0)},
+            **{"time/step": t3 - t0, "step_time": t3 - t0},
             "memory/peak_mb": max(memory.values()) if memory else peak_memory_mb(self.device),
             **memory,
-            **reserved,
             **(self.threads.metrics() if self.threads is not None else {}),
         }
         metrics = distributed.reduce_metrics(metrics)
-        self.num_tokens = metrics["num_tokens"] = self.num_tokens + metrics["num_tokens"]  # TRL's: the run's so far
-        for key in ("completions/min_terminated_length", "completions/max_terminated_length"):
-            metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]  # no completion of the job ended
+        if "num_tokens" in metrics:  # TRL's: the run's so far, logged with each generation
+            self.num_tokens = metrics["num_tokens"] = self.num_tokens + metrics["num_tokens"]
+            for key in ("completions/min_terminated_length", "completions/max_terminated_length"):
+                metrics[key] = 0.0 if math.isnan(metrics[key]) else metrics[key]  # no completion of the job ended
         return metrics
 
     def close(self) -> None:
@@ -352,12 +329,14 @@ class GRPOTrainer(TrlTrainerMethods):
                     history.append(metrics)
                     if log is not None:
                         log.write(step + 1, metrics)
-                        log.samples(step + 1, self._last_samples)
+                        if self.samples is not None:
+                            log.samples(step + 1, self.samples)
                     if (step + 1) % cfg.logging_steps == 0 or any(k.startswith("eval/") for k in metrics):
                         events.logged(metrics)
-                    bar.set_postfix(
-                        reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}"
-                    )
+                    if "reward" in metrics:  # a step that generated
+                        bar.set_postfix(
+                            reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}"
+                        )
                     asked = events.control  # a callback's on_log or on_evaluate may have returned another one
                     stop = asked.should_training_stop
                     if (step + 1) % cfg.save_steps == 0 or step + 1 == cfg.max_steps or asked.should_save or stop:
@@ -367,7 +346,9 @@ class GRPOTrainer(TrlTrainerMethods):
                         break
                 events.end()
             self.summary = train_summary(
-                history, time.perf_counter() - start, cfg.generation_batch_size * self.dist.world_size
+                history,
+                time.perf_counter() - start,
+                cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * self.dist.world_size,
             )
         finally:
             if log is not None:

@@ -84,7 +84,8 @@ class TrlCallbacks:
         """The step that logged ``metrics`` ended: the callbacks' ``control`` (its ``should_*`` flags) after
         ``on_step_end``."""
         self.state.global_step, self.state.epoch = int(metrics["step"]), metrics["epoch"]
-        self.state.num_input_tokens_seen = int(metrics["num_tokens"])
+        if "num_tokens" in metrics:  # logged by a step that generated
+            self.state.num_input_tokens_seen = int(metrics["num_tokens"])
         self.control = self.handler.on_step_end(self.args, self.state, self.control)
         return self.control
 

@@ -1,0 +1,151 @@
+"""One generation of a training run: its completions sampled, scored and made a training batch, with the log-probs
+the update reads before it, and cut into the windows its optimizer steps train on (`fastgrpo.config.step_counts`)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
+from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
+from fastgrpo.grpo.batch import (
+    RolloutBatch,
+    build_batch,
+    completion_lengths,
+    completion_metrics,
+    concat_batches,
+    mask_tool_results,
+    select_rows,
+)
+from fastgrpo.grpo.policy_update import PolicyUpdate
+from fastgrpo.grpo.prompts import StepPrompts
+from fastgrpo.grpo.scoring import score_completions
+from fastgrpo.grpo.tool_use import ToolTurns
+from fastgrpo.grpo.update_metrics import sampling_metrics
+from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.training_rollouts import TrainingRollouts
+
+
+class Generating(Protocol):
+    """What a generation reads of the trainer (`fastgrpo.grpo.trainer.GRPOTrainer`)."""
+
+    config: GRPOConfig
+    device: torch.device
+    dist: distributed.DistInfo
+    prompts: StepPrompts
+    update: PolicyUpdate
+    rollouts: TrainingRollouts
+    reward_funcs: list[Any]
+    tokenizer: PreTrainedTokenizerBase
+
+    def rollout(
+        self, step: int, rows: list[dict[str, Any]]
+    ) -> tuple[list[list[int]], GenerationOutput, ToolTurns | None]: ...
+
+
+@dataclass
+class Generation:
+    """A generation's training batch (``N`` rows, this process's), ``windows``: ``[N / windows]`` row indices of
+    each optimizer step's part, ``num_items_in_batch``: the completion tokens of every process over the windows (what
+    dapo, cispo and vespo divide a step's loss by, as TRL), ``metrics``: what the generation logs (rewards, lengths,
+    rollout and time), ``samples``: the completions shown in the log."""
+
+    batch: RolloutBatch
+    windows: list[torch.Tensor]
+    num_items_in_batch: float
+    metrics: dict[str, float]
+    samples: list[tuple[Any, str, float, dict[str, Any]]]
+
+    def window(self, index: int) -> RolloutBatch:
+        """The rows optimizer step ``index`` of a pass trains on (the whole batch where there is one window)."""
+        if len(self.windows) == 1:
+            return self.batch
+        return select_rows(self.batch, self.windows[index])
+
+
+def windows(rows: int, count: int, seed: int, generation: int, rank: int) -> list[torch.Tensor]:
+    """``count`` disjoint windows of ``rows`` rows, as TRL shuffles a generation before slicing it: a random order of
+    the rows, seeded by the run's ``seed``, the ``generation`` and the process's ``rank`` (the same after a resume),
+    cut into equal parts."""
+    if count == 1:
+        return [torch.arange(rows, device="cpu")]
+    generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + generation * 1_009 + rank)
+    order = torch.randperm(rows, generator=generator, device="cpu")
+    return list(order.chunk(count))
+
+
+def generate(trainer: Generating, generation: int, step: int) -> Generation:
+    """Generation ``generation`` (0-based) of ``trainer``'s run, made before optimizer step ``step`` (0-based): its
+    prompts' completions (`GRPOTrainer.rollout`), rewards and advantages, the drafters' online update, the batch
+    and the log-probs the update reads (`PolicyUpdate.fixed_logps`)."""
+    cfg, device = trainer.config, trainer.device
+    rows = trainer.prompts.rows(generation)
+    t0 = time.perf_counter()
+    reset_peak_memory(device)
+    # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
+    with distributed.gathered(trainer.update.policy):
+        prompt_ids, out, turns = trainer.rollout(generation, rows)
+        t1 = time.perf_counter()
+        advantages, reward_metrics, samples = score_completions(
+            cfg, trainer.reward_funcs, trainer.tokenizer, trainer.dist.rank, rows, out, step, turns
+        )
+        t2 = time.perf_counter()
+        draft_metrics = trainer.rollouts.learn()
+        t_learnt = synchronized(device)
+    memory: dict[str, float] = {}
+    if device.type == "cuda":  # captured states go back to the allocator for the update (the KV caches stay)
+        memory["memory/rollout_peak_mb"] = peak_memory_mb(device)
+        memory["memory/rollout_peak_reserved_mb"] = peak_reserved_mb(device)
+        out.hidden_states = None
+        trainer.rollouts.release()
+        reset_peak_memory(device)
+    t_policy = time.perf_counter()
+    prompts_per_row = [p for p in prompt_ids for _ in range(len(out.completion_ids) // len(prompt_ids))]
+    batch = build_batch(prompts_per_row, out.completion_ids, trainer.tokenizer.pad_token_id, advantages, out.logprobs)
+    truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
+    if out.tool_masks is not None:  # tool results: no loss, KL or token metric, as TRL's tool_mask
+        mask_tool_results(batch, out.tool_masks)
+    if cfg.mask_truncated_completions:
+        batch.completion_mask[truncated] = 0
+    trainer.update.fixed_logps(batch)
+    t_logps = synchronized(device)
+    lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
+    metrics = {
+        **reward_metrics,
+        **completion_metrics(lengths, truncated, sum(map(len, prompts_per_row))),
+        **(sampling_metrics(cfg, batch, batch.old_logps) if cfg.steps_per_generation_pass > 1 else {}),
+        **draft_metrics,
+        **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
+        **{"time/draft_learning": t_learnt - t2, "time/logprobs": t_logps - t_policy},
+        **out.stats.metrics(),
+        **(turns.metrics() if turns is not None else {}),
+        **memory,
+    }
+    count = cfg.windows_per_generation
+    tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) / count
+    parts = windows(len(out.completion_ids), count, cfg.seed, generation, trainer.dist.rank)
+    return Generation(batch, parts, tokens, metrics, samples)
+
+
+def merge(generations: list[Generation], pad_id: int) -> Generation:
+    """Generations one optimizer step trains on together (``steps_per_generation`` below
+    ``gradient_accumulation_steps``): their rows in one window, their tokens summed; their metrics averaged as TRL
+    averages a step's logged values, but tokens and seconds, which add up, and memory peaks, the largest."""
+    batch = concat_batches([g.batch for g in generations], pad_id)
+    metrics: dict[str, float] = {}
+    for key in dict.fromkeys(k for g in generations for k in g.metrics):  # a drafter's figures may be in some only
+        values = [g.metrics[key] for g in generations if key in g.metrics]
+        if key == "num_tokens" or key.startswith("time/"):
+            metrics[key] = sum(values)
+        elif key.startswith("memory/"):
+            metrics[key] = max(values)
+        else:
+            metrics[key] = sum(values) / len(values)
+    rows = torch.arange(batch.completion_mask.shape[0], device="cpu")
+    tokens = sum(g.num_items_in_batch for g in generations)
+    return Generation(batch, [rows], tokens, metrics, [s for g in generations for s in g.samples])
