@@ -52,12 +52,16 @@ def test_generations_steps_and_learning_rates_are_counted_as_trl_counts_them(
     assert ["reward" in e for e in mine] == ["reward" in e for e in steps]
 
 
-def test_steps_on_a_reused_generation_train_what_trls_train(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("logging_steps", [1, 2])
+def test_steps_on_a_reused_generation_log_what_trls_log(
+    tiny_model_dir: Path, tmp_path: Path, logging_steps: int
+) -> None:
     """``num_iterations: 2``: the second optimizer step trains the first's completions again, its record without the
-    generation's metrics; every value TRL logs of each step is fastgrpo's (times aside; the entropy and the rewards'
+    generation's metrics; with ``logging_steps: 2`` a record holds the mean of the steps' figures (the last step's
+    counters, rate and gradient norm). Every value TRL logs is fastgrpo's (times aside; the entropy and the rewards'
     stds to float32's rounding, as TRL computes them in float32; the gradient, which the entropy bonus makes, to
     1e-4). The top token's completions of a group agree, so the policy loss is 0 up to rounding."""
-    options = dict(num_iterations=2, max_steps=2, entropy_coef=0.1)  # a gradient where a group's completions agree
+    options = dict(num_iterations=2, max_steps=2 * logging_steps, entropy_coef=0.1, logging_steps=logging_steps)
     their_log = run_trl(tiny_model_dir, tmp_path / "trl", options)[2]
     our_log = run_fastgrpo(tiny_model_dir, tmp_path / "own", options)[2]
     times = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -68,7 +72,7 @@ def test_steps_on_a_reused_generation_train_what_trls_train(tiny_model_dir: Path
             rel = 1e-6 if key == "entropy" or "loss" in key or key.endswith("std") else 1e-10
             rel = 1e-4 if key == "grad_norm" else rel  # the entropy's gradient, in float32 by other kernels
             assert mine[key] == pytest.approx(entry[key], rel=rel, abs=1e-7 if "loss" in key else 1e-12), key
-    assert "reward" not in our_log[1] and our_log[0]["loss"] != our_log[1]["loss"]
+    assert ("reward" in our_log[1]) == (logging_steps > 1) and our_log[0]["loss"] != our_log[1]["loss"]
 
 
 def test_a_generations_windows_are_disjoint_seeded_and_cover_it() -> None:

@@ -53,6 +53,29 @@ def completion_shown(completion: Any) -> str:
     return "\n    ".join(lines)
 
 
+# A logged record's counters, rate and gradient norm are its last step's, as transformers logs them.
+LAST_STEPS = ("step", "epoch", "learning_rate", "grad_norm", "num_tokens")
+
+
+def logged_record(steps: list[dict[str, float]]) -> dict[str, float]:
+    """The record transformers logs for the optimizer steps since its last log (``steps``, each one's metrics, oldest
+    first; ``logging_steps`` of them): the last step's `LAST_STEPS`, the largest memory peaks, the compilations
+    summed, and every other figure's mean over the steps that have it, as TRL averages the values it gathered since
+    (a generation's figures over the generations made)."""
+    record: dict[str, float] = {}
+    for key in dict.fromkeys(k for step in steps for k in step):
+        values = [step[key] for step in steps if key in step]
+        if key in LAST_STEPS:
+            record[key] = values[-1]
+        elif key.startswith("memory/"):
+            record[key] = max(values)
+        elif key.startswith("compile/"):
+            record[key] = sum(values)
+        else:
+            record[key] = sum(values) / len(values)
+    return record
+
+
 class RunLog:
     """The log of the run in ``output_dir`` (written by the main process only), continuing after ``start_step``."""
 
@@ -78,9 +101,8 @@ class RunLog:
         return SummaryWriter(str(out / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        """The metrics of step ``step`` (1-based), every ``logging_steps`` and at every evaluation (``eval/*``)."""
-        if step % self.config.logging_steps and not any(key.startswith("eval/") for key in metrics):
-            return
+        """The record logged after optimizer step ``step`` (1-based): a line of ``metrics.jsonl`` and TensorBoard's
+        scalars."""
         self.file.write(json.dumps(metrics) + "\n")
         self.file.flush()
         if self.tensorboard is not None:

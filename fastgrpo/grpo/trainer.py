@@ -32,7 +32,7 @@ from fastgrpo.grpo.run_dir import (
     checkpoint_bytes,
     checkpoints_written,
 )
-from fastgrpo.grpo.run_log import RunLog
+from fastgrpo.grpo.run_log import RunLog, logged_record
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
 from fastgrpo.grpo.trl_callbacks import TrlCallbacks
 from fastgrpo.grpo.trl_form import TrlTrainerMethods, train_summary, trl_call
@@ -307,6 +307,7 @@ class GRPOTrainer(TrlTrainerMethods):
             disable=not (cfg.progress_bar and main),
         )
         log, events = RunLog(cfg, self.start_step) if main else None, self.events
+        unlogged: list[dict[str, float]] = []  # the steps since the last logged record
         start = time.perf_counter()
         try:
             with self.threads or nullcontext(), tf32_matmuls(self.device):
@@ -327,12 +328,16 @@ class GRPOTrainer(TrlTrainerMethods):
                         metrics |= evaluated
                         events.evaluated(evaluated)
                     history.append(metrics)
-                    if log is not None:
-                        log.write(step + 1, metrics)
-                        if self.samples is not None:
-                            log.samples(step + 1, self.samples)
-                    if (step + 1) % cfg.logging_steps == 0 or any(k.startswith("eval/") for k in metrics):
-                        events.logged(metrics)
+                    unlogged.append(metrics)
+                    if log is not None and self.samples is not None:
+                        log.samples(step + 1, self.samples)
+                    has_eval = any(k.startswith("eval/") for k in metrics)
+                    if (step + 1) % cfg.logging_steps == 0 or has_eval or asked.should_log:
+                        record = logged_record(unlogged)
+                        unlogged.clear()
+                        if log is not None:
+                            log.write(step + 1, record)
+                        events.logged(record)
                     if "reward" in metrics:  # a step that generated
                         bar.set_postfix(
                             reward=f"{metrics['reward']:.3f}", tok_s=f"{metrics['rollout/tokens_per_second']:.0f}"
