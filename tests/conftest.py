@@ -47,6 +47,7 @@ LONGEST_FIRST = (
     "test_speculative.py",
     "test_target_step.py",
     "test_end_to_end.py",
+    "test_trl_recipes.py",
     "test_settled_shapes.py",
     "test_trainer.py",
     "test_bad_inputs.py",

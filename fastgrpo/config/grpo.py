@@ -295,8 +295,21 @@ class GRPOConfig(StepCounts, GRPOChecks):
     entropy_coef: float = option(
         0.0,
         help="an entropy bonus: the loss less this times the mean entropy of the step's trained tokens (the same "
-        "meaning for every loss_type); > 0 also trains the rows of advantage 0",
+        "meaning for every loss_type); > 0 also trains the rows of advantage 0; with use_adaptive_entropy the first "
+        "coefficient",
         valid=Range(0),
+    )
+    use_adaptive_entropy: bool = option(
+        False,
+        help="Skywork-OR1's adaptive entropy control, as TRL: after each optimizer step entropy_coef rises by "
+        "entropy_coef_delta while the step's mean entropy is at most entropy_target and falls otherwise, and the "
+        "bonus applies only after a step at or below the target (also trains the rows of advantage 0)",
+    )
+    entropy_coef_min: float = option(0.0, help="adaptive entropy control's lowest coefficient", valid=Range(0))
+    entropy_coef_max: float = option(1.0, help="adaptive entropy control's highest coefficient", valid=Range(0))
+    entropy_coef_delta: float = option(0.005, help="adaptive entropy control's step of the coefficient", valid=Range(0))
+    entropy_target: float = option(
+        0.2, help="adaptive entropy control's target entropy (nats per token)", valid=Range(0)
     )
     off_policy_mask_threshold: float | None = option(
         None,

@@ -45,6 +45,11 @@ class GRPOChecks:
                 (key, "no tools and no environment_factory (nothing is called)")
                 for key in ("max_tool_calling_iterations", "tool_timeout", "tool_workers", "strict_tool_calls")
             ]
+        if not self.use_adaptive_entropy:
+            unused += [
+                (key, "use_adaptive_entropy false (entropy_coef is a fixed bonus)")
+                for key in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+            ]
         for key, why in unused:
             if given.get(key) is not None:
                 raise ValueError(f"{key} has no effect with {why}: remove it")
@@ -84,6 +89,11 @@ class GRPOChecks:
             raise ValueError("output_dir must name a directory, got an empty string")
         self.check_counts()
         self._check_mask_range()
+        if self.entropy_coef_min > self.entropy_coef_max:
+            raise ValueError(
+                f"entropy_coef_min ({self.entropy_coef_min}) must not be above entropy_coef_max "
+                f"({self.entropy_coef_max})"
+            )
         if self.warmup_steps and self.warmup_ratio:
             raise ValueError("warmup_steps and warmup_ratio both set the warmup: give one of them")
         sequence_weights = not self.importance_sampling_mode.startswith("token")

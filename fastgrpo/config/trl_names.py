@@ -65,7 +65,6 @@ _SAMPLING = (
     "top_p, top_k, min_p only): a penalty that follows each tree path is not implemented, so it is refused rather "
     "than made lossy"
 )
-_ADAPTIVE = "adaptive entropy control is not implemented: entropy_coef is a fixed bonus"
 _REF_SYNC = "the reference model stays the initial policy (TR-DPO's syncing is not implemented)"
 _LOGS = "fastgrpo prints sample completions (log_completions) and writes metrics.jsonl and TensorBoard (report_to)"
 
@@ -98,11 +97,6 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "sync_ref_model": ((False,), _REF_SYNC),
     "ref_model_mixup_alpha": ((), _REF_SYNC),
     "ref_model_sync_steps": ((), _REF_SYNC),
-    "use_adaptive_entropy": ((False,), _ADAPTIVE),
-    "entropy_coef_min": ((), _ADAPTIVE),
-    "entropy_coef_max": ((), _ADAPTIVE),
-    "entropy_coef_delta": ((), _ADAPTIVE),
-    "entropy_target": ((), _ADAPTIVE),
     "model_init_kwargs": (
         (None, {}),
         "fastgrpo loads the model itself from `model` (a directory, a hub id or smollm2) with `dtype`",

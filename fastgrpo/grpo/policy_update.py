@@ -16,6 +16,7 @@ from transformers import PreTrainedModel, get_scheduler
 from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig
 from fastgrpo.grpo.batch import RolloutBatch, select_rows
+from fastgrpo.grpo.entropy_control import EntropyControl
 from fastgrpo.grpo.logprobs import CompletionLogprobs, completion_logprobs
 from fastgrpo.grpo.losses import (
     entropy_threshold,
@@ -73,7 +74,8 @@ class PolicyUpdate:
         trainable = [p for p in model.parameters() if p.requires_grad]
         self.compute_dtype = trainable[0].dtype
         keep_masters = config.master_weights and MasterWeights.needed(trainable)
-        forward = CompletionLogprobs(model, config.cast_lm_head_to_fp32, entropy_grad=config.entropy_coef > 0)
+        self.entropy = EntropyControl(config)  # the entropy bonus's coefficient
+        forward = CompletionLogprobs(model, config.cast_lm_head_to_fp32, entropy_grad=self.entropy.enabled)
         self.policy = distributed.wrap_policy(forward, config.fsdp, float32_shards=keep_masters)
         # FSDP2's float32 shards are the master weights; otherwise `MasterWeights` keeps them.
         self.float32_shards = keep_masters and distributed.is_sharded(self.policy)
@@ -194,7 +196,7 @@ class PolicyUpdate:
         """Whether the update leaves out the rows of advantage 0: their loss and gradient are exactly 0 without a KL
         term or an entropy bonus (and with bnpo's consecutive micro-batches kept)."""
         cfg = self.config
-        return cfg.beta == 0 and cfg.entropy_coef == 0 and cfg.loss_type != "bnpo"
+        return cfg.beta == 0 and not self.entropy.enabled and cfg.loss_type != "bnpo"
 
     def fixed_logps(self, batch: RolloutBatch) -> None:
         """What the update reads besides its own forwards, by passes without gradient before it: the old policy's
@@ -278,7 +280,9 @@ class PolicyUpdate:
         sequence_level = cfg.importance_sampling_level == "sequence"
         token_mask = self._entropy_mask(batch)
         kept = batch.completion_mask if token_mask is None else batch.completion_mask * token_mask
-        bonus_tokens = distributed.sum_over_ranks(float(kept.sum())) if cfg.entropy_coef > 0 else 1.0
+        bonus = self.entropy.enabled
+        bonus_tokens = distributed.sum_over_ranks(float(kept.sum())) if bonus else 1.0
+        coef = self.entropy.applied()
         start_logps = batch.start_logps
         start_entropies = batch.start_entropies
         # the old policy's log-probs of every row, for the sampling/* metrics: the update's own where it trains
@@ -286,7 +290,7 @@ class PolicyUpdate:
         old_all = old_all.clone() if old_all is not None else torch.full((n, width), math.nan, device="cpu")
         self.model.train()
         parts = skipped_parts(cfg, batch, start_entropies)
-        loss_sum = policy_sum = 0.0
+        loss_sum = policy_sum = trained_entropy = 0.0
         for i in range(n_micro):
             if self.threads is not None:
                 self.threads.update()
@@ -344,9 +348,12 @@ class PolicyUpdate:
                 )
                 loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
                 policy_part = loss.detach()
-                if cfg.entropy_coef > 0:  # the mean entropy of the kept tokens of the job's batch
+                if bonus:  # the mean entropy of the kept tokens of the job's batch
                     kept_here = mask.to(entropies.dtype) * (1.0 if keep is None else keep.to(entropies.dtype))
-                    loss = loss - cfg.entropy_coef * (entropies * kept_here).sum() / bonus_tokens * world
+                    entropy_sum = (entropies * kept_here).sum()
+                    loss = loss - coef * entropy_sum / bonus_tokens * world
+                    if not padding:
+                        trained_entropy += float(entropy_sum.detach())
                 if padding:
                     loss = loss * 0.0
                 loss.backward()
@@ -384,7 +391,8 @@ class PolicyUpdate:
         if cfg.steps_per_generation_pass == 1:  # else the trainer's, over the whole generation
             out.update(sampling_metrics(cfg, batch, old_all))
         out |= {"loss": loss_sum, "grad_norm": grad_norm, "learning_rate": rate}
-        if cfg.entropy_coef > 0:  # TRL's, with the bonus: the loss without it (of one micro-batch), and the coefficient
-            out |= {"policy_loss": policy_sum, "entropy_coef": cfg.entropy_coef}
+        if bonus:  # TRL's, with the bonus: the loss without it (of one micro-batch), and the coefficient after the step
+            self.entropy.observe(distributed.sum_over_ranks(trained_entropy), bonus_tokens)
+            out |= {"policy_loss": policy_sum, "entropy_coef": self.entropy.coef}
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out

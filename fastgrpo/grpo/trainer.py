@@ -208,6 +208,8 @@ class GRPOTrainer(TrlTrainerMethods):
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
         set_rng_state(state["rng"])
         self.start_step, self.num_tokens = state["step"], state.get("num_tokens", 0.0)
+        if "entropy_control" in state:
+            self.update.entropy.load_state_dict(state["entropy_control"])
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
 
     # -- one step -----------------------------------------------------------------------------------------
@@ -282,6 +284,8 @@ class GRPOTrainer(TrlTrainerMethods):
             state: dict[str, Any] = {"config": config_to_dict(self.config), "num_tokens": self.num_tokens}
             if not self.config.save_only_model:
                 state |= {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
+                if self.config.use_adaptive_entropy:  # the coefficient it has moved to, as TRL's checkpoints
+                    state["entropy_control"] = self.update.entropy.state_dict()
                 if masters is not None:
                     state["master_weights"] = masters
             path = save_checkpoint(self.output_dir, step, write_model, state, self.run_id, self.config.save_total_limit)
