@@ -128,7 +128,8 @@ def grpo_row(mode: str, lora: bool, dtype: str, compiled: bool, steps: list[dict
 
 
 def section_grpo(check: Check, section: Section) -> None:
-    """Two GRPO steps in each of 16 configurations. Only one run compiles its rollouts, on a GPU and when the
+    """Two GRPO steps in each of 16 configurations (``--quick``: each speculation mode in float32, LoRA and bfloat16
+    with the default mode: 7). Only one run compiles its rollouts, on a GPU and when the
     preflight found what compiling needs: `COMPILED_RUN`, the configuration a GPU run uses by default, whose compiled
     steps are what its seconds measure (the compiled step's own speed is the decode section's); the others run
     eagerly (``compile: off``), as every run does on a CPU, so that the section pays for one compilation, not 16."""
@@ -154,6 +155,8 @@ def section_grpo(check: Check, section: Section) -> None:
         for dtype in ("float32", "bfloat16"):
             for lora in loras:
                 for mode in ("off", "static", "paper", "adaptive"):
+                    if check.quick and (dtype, lora) != ("float32", False) and mode != "adaptive":
+                        continue  # quick: every mode once, LoRA and bfloat16 with the default mode
                     label = f"grpo {mode} lora={lora} {dtype}"
                     compiled = (mode, lora, dtype) == COMPILED_RUN and check.device.type == "cuda"
                     if not section.in_time(check, label, graphs=GRPO_COMPILED_GRAPHS if compiled else 0, layers=layers):

@@ -24,9 +24,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
 
 
-CASES = {
-    "num_iterations 2": dict(num_iterations=2, max_steps=3),
-    "steps_per_generation 2": dict(steps_per_generation=2, max_steps=3, lr_scheduler_type="linear"),
+CASES = {  # (num_iterations and steps_per_generation alone: test_trl_recipes, and the logged values below)
     "generation_batch_size 16, accumulation 2": dict(
         generation_batch_size=16, gradient_accumulation_steps=2, num_iterations=2, max_steps=3
     ),

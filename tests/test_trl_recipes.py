@@ -72,10 +72,20 @@ def for_trl(options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if not k.startswith(("vllm_", "use_vllm"))}
 
 
+TRL_RUNS: dict[str, Any] = {}  # TRL's counts by its options: TIS and MIS without vLLM are the quick start
+
+
+def trl_counts(model_dir: Path, out: Path, options: dict[str, Any]) -> Any:
+    key = repr(sorted(options.items()))
+    if key not in TRL_RUNS:
+        TRL_RUNS[key] = run_trl(model_dir, out, options, ROWS)
+    return TRL_RUNS[key]
+
+
 @pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
 def test_a_trl_recipe_trains_as_trl_counts_it(tiny_model_dir: Path, tmp_path: Path, recipe: dict[str, Any]) -> None:
     options = {"max_steps": 2, "lr_scheduler_type": "linear", **recipe}
-    theirs = run_trl(tiny_model_dir, tmp_path / "trl", for_trl(options), ROWS)
+    theirs = trl_counts(tiny_model_dir, tmp_path / "trl", for_trl(options))
     ours = run_fastgrpo(tiny_model_dir, tmp_path / "own", options, ROWS)
     assert ours[0].calls == theirs[0].calls  # generations, and the completions of each
     assert ours[1] == theirs[1]  # the completions of each optimizer step, and as many steps
