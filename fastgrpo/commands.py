@@ -216,7 +216,13 @@ def eval_command(args: argparse.Namespace, overrides: list[str]) -> None:
     # eval samples one completion per prompt, in batches of batch_size: training's group and batch are not used
     unused = {
         k: values.pop(k)
-        for k in ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps")
+        for k in (
+            "num_generations",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "steps_per_generation",
+            "generation_batch_size",
+        )
         if k in values
     }
     if "num_generations" in unused:

@@ -651,3 +651,24 @@ def test_dry_run_of_the_embedded_model(capsys: pytest.CaptureFixture[str], tmp_p
     text = capsys.readouterr().out
     assert "memory plan of smollm2: llama, 0.13 B parameters" in text and "total" in text
     assert not (tmp_path / "run").exists()
+
+
+def test_smaller_micro_batches_keep_the_generation_and_its_optimizer_steps() -> None:
+    """A suggestion in smaller micro-batches keeps a generation's completions and how many optimizer steps train it
+    (or how many generations one step trains), whatever ``steps_per_generation`` says."""
+    from fastgrpo.memory_plan.fitting import _smaller_micro_batches
+
+    for given in (
+        dict(per_device_train_batch_size=8, gradient_accumulation_steps=2, steps_per_generation=4),
+        dict(per_device_train_batch_size=8, gradient_accumulation_steps=4, steps_per_generation=2),
+        dict(per_device_train_batch_size=8, gradient_accumulation_steps=2),
+    ):
+        config = GRPOConfig(num_generations=4, **given)
+        suggested = list(_smaller_micro_batches(config))
+        assert suggested and all(c.generation_batch_size == config.generation_batch_size for c in suggested)
+        for c in suggested:
+            c.validate()
+            assert (c.windows_per_generation, c.generations_per_step) == (
+                config.windows_per_generation,
+                config.generations_per_step,
+            )

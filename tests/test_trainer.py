@@ -575,9 +575,9 @@ def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_
     trainer.device = torch.device("cuda", 0)
     caches = (trainer.rollouts.engine, trainer.rollouts.engine.drafters["eagle"])
     metrics = trainer.train_step(0)
-    # each timed phase ends once its queued work has (the draft's update, the log-probs, the update); the next step's
-    # update peak is counted from the end of this one
-    assert events == ["reset", "sync", "peak", "release", "reset", "sync", "update", "sync", "peak", "reset"]
+    # each timed phase ends once its queued work has (the draft's update, the log-probs, the update); a step's peaks
+    # are counted from its start (not the last step's evaluation or checkpoint)
+    assert events == ["reset", "reset", "sync", "peak", "release", "reset", "sync", "update", "sync", "peak"]
     assert all(owner.cache is not None for owner in caches)
     assert metrics["memory/rollout_peak_mb"] == 300.0 and metrics["memory/update_peak_mb"] == 200.0
     assert metrics["memory/rollout_peak_reserved_mb"] == 400.0 and metrics["memory/update_peak_reserved_mb"] == 350.0

@@ -127,3 +127,20 @@ def test_a_run_resumed_inside_a_generation_samples_its_prompts_anew(tiny_model_d
     resumed = GRPOTrainer(config(3), resume=True).train()
     assert [m["step"] for m in resumed] == [2, 3] and all("reward" in m for m in resumed)
     assert len(seen) == 3 and seen[1] == seen[0] and seen[2] != seen[0]
+
+
+def test_batches_of_several_generations_are_padded_to_the_widest() -> None:
+    """Generations trained in one step: prompts left-padded, completions right-padded, and a field one of them lacks
+    (no row of it was scored without gradient) NaN in its rows' completion columns."""
+    from fastgrpo.grpo.batch import build_batch, concat_batches
+
+    a = build_batch([[5, 6], [7]], [[1, 2, 3], [4]], 0, torch.tensor([1.0, -1.0]))
+    b = build_batch([[8, 9, 10]], [[11]], 0, torch.tensor([0.5]))
+    a.start_entropies = torch.ones(2, 3)
+    both = concat_batches([a, b], pad_id=0)
+    assert both.input_ids.tolist() == [[0, 5, 6, 1, 2, 3], [0, 0, 7, 4, 0, 0], [8, 9, 10, 11, 0, 0]]
+    assert both.completion_mask.tolist() == [[1, 1, 1], [1, 0, 0], [1, 0, 0]]
+    assert both.attention_mask.tolist() == [[0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0]]
+    assert both.advantages.tolist() == [1.0, -1.0, 0.5] and both.old_logps is None
+    assert both.start_entropies[:2].tolist() == [[1.0] * 3] * 2
+    assert both.start_entropies[2, 0].isnan() and both.start_entropies[2, 1:].tolist() == [0.0, 0.0]  # padding: 0

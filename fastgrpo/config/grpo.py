@@ -183,8 +183,9 @@ class GRPOConfig(StepCounts, GRPOChecks):
     )
     steps_per_generation: int | None = option(
         None,
-        help="micro-batches of completions one generation samples, trained on in steps_per_generation / "
-        "gradient_accumulation_steps optimizer steps, as TRL (None: gradient_accumulation_steps)",
+        help="micro-batches of completions one generation samples, as TRL (None: gradient_accumulation_steps): a "
+        "multiple of gradient_accumulation_steps trains it in that many optimizer steps, a divisor trains several "
+        "generations in one",
         valid=Range(1),
     )
     max_steps: int = option(-1, help="optimizer steps of the run (-1: num_train_epochs epochs of the dataset)")

@@ -86,7 +86,7 @@ class StepCounts:
         optimizer steps when below 1), else ``warmup_ratio``'s share."""
         if self.warmup_steps:
             return int(self.warmup_steps) if self.warmup_steps >= 1 else math.ceil(self.max_steps * self.warmup_steps)
-        return int(self.warmup_ratio * self.max_steps)
+        return math.ceil(self.warmup_ratio * self.max_steps)  # transformers reads a ratio so (as warmup_steps < 1)
 
     @property
     def evaluates(self) -> bool:

@@ -90,7 +90,7 @@ def select_rows(batch: RolloutBatch, rows: torch.Tensor) -> RolloutBatch:
 
 def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
     """The rows of ``batches`` in one batch, prompts left-padded and completions right-padded to the widest (``pad_id``
-    and 0 in the new columns)."""
+    and 0 in the new columns; a field some batches lack, NaN in their rows)."""
     prompt = max(b.attention_mask.shape[1] - b.completion_mask.shape[1] for b in batches)
     completion = max(b.completion_mask.shape[1] for b in batches)
 
@@ -99,9 +99,15 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         return torch.nn.functional.pad(t, (left, completion - b.completion_mask.shape[1]), value=value)
 
     def completions(name: str) -> torch.Tensor | None:
+        """One ``[N, C]`` field of every batch; NaN where a batch lacks it (none scored), None where all do."""
         parts = [getattr(b, name) for b in batches]
-        if any(p is None for p in parts):
+        if all(p is None for p in parts):
             return None
+        dtype = next(p.dtype for p in parts if p is not None)
+        parts = [
+            torch.full(b.completion_mask.shape, math.nan, dtype=dtype, device="cpu") if p is None else p
+            for b, p in zip(batches, parts, strict=True)
+        ]
         return torch.cat([torch.nn.functional.pad(p, (0, completion - p.shape[1])) for p in parts])
 
     return RolloutBatch(

@@ -3,6 +3,7 @@ the update reads before it, and cut into the windows its optimizer steps train o
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -135,12 +136,15 @@ def generate(trainer: Generating, generation: int, step: int) -> Generation:
 def merge(generations: list[Generation], pad_id: int) -> Generation:
     """Generations one optimizer step trains on together (``steps_per_generation`` below
     ``gradient_accumulation_steps``): their rows in one window, their tokens summed; their metrics averaged as TRL
-    averages a step's logged values, but tokens and seconds, which add up, and memory peaks, the largest."""
+    averages a step's logged values, but tokens, seconds and compilations, which add up, and memory peaks, the
+    largest."""
     batch = concat_batches([g.batch for g in generations], pad_id)
     metrics: dict[str, float] = {}
     for key in dict.fromkeys(k for g in generations for k in g.metrics):  # a drafter's figures may be in some only
         values = [g.metrics[key] for g in generations if key in g.metrics]
-        if key == "num_tokens" or key.startswith("time/"):
+        if key.endswith("terminated_length"):  # NaN where none ended: the job's reduction decides (`reduce_metrics`)
+            values = [v for v in values if not math.isnan(v)] or [math.nan]
+        if key in ("num_tokens", "spec/time_saved") or key.startswith(("time/", "compile/")):
             metrics[key] = sum(values)
         elif key.startswith("memory/"):
             metrics[key] = max(values)

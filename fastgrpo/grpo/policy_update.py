@@ -391,7 +391,7 @@ class PolicyUpdate:
         if cfg.steps_per_generation_pass == 1:  # else the trainer's, over the whole generation
             out.update(sampling_metrics(cfg, batch, old_all))
         out |= {"loss": loss_sum, "grad_norm": grad_norm, "learning_rate": rate}
-        if bonus:  # TRL's, with the bonus: the loss without it (of one micro-batch), and the coefficient after the step
+        if bonus:  # TRL's, with the bonus: the step's loss without it (TRL's per micro-batch), the coefficient after it
             self.entropy.observe(distributed.sum_over_ranks(trained_entropy), bonus_tokens)
             out |= {"policy_loss": policy_sum, "entropy_coef": self.entropy.coef}
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))

@@ -15,8 +15,8 @@ logger = logging.getLogger(__name__)
 
 
 class StepPrompts:
-    """The dataset's rows in a seeded order per epoch, cut into steps of ``global_prompts`` rows of which each of the
-    ``world_size`` processes takes ``per_rank`` consecutive ones, encoded once each."""
+    """The dataset's rows in a seeded order per epoch, cut into generations of ``global_prompts`` rows of which each of
+    the ``world_size`` processes takes ``per_rank`` consecutive ones, encoded once each."""
 
     def __init__(
         self,
@@ -44,16 +44,18 @@ class StepPrompts:
         self.encoded: dict[int, list[int]] = {}
         self._warned_truncation = False
 
-    def rows(self, step: int) -> list[dict[str, Any]]:
-        """This process's prompts of a step: a seeded permutation per epoch, so a resumed run sees the same ones (the
-        dataset's order without ``shuffle``).
+    def rows(self, generation: int) -> list[dict[str, Any]]:
+        """This process's prompts of a generation: a seeded permutation per epoch, so a resumed run sees the same
+        ones (the dataset's order without ``shuffle``); an epoch is as many whole generations as the dataset holds,
+        the rows past the last left out, as TRL's sampler leaves them.
 
-        The step's prompts for the whole job are cut into one consecutive share per rank, so a run on N processes
-        sees the prompts, in the same order, that one process sees with an N times larger batch."""
-        first = step * self.global_prompts + self.rank * self.per_rank
+        The generation's prompts for the whole job are cut into one consecutive share per rank, so a run on N
+        processes sees the prompts, in the same order, that one process sees with an N times larger batch."""
+        epoch, within = divmod(generation, max(len(self.dataset) // self.global_prompts, 1))
+        first = within * self.global_prompts + self.rank * self.per_rank
         rows = []
         for k in range(first, first + self.per_rank):
-            epoch, index = divmod(k, len(self.dataset))
+            index = k % len(self.dataset)
             if not self.shuffle:  # TRL's shuffle_dataset: false
                 rows.append(self.dataset[index])
                 continue

@@ -274,10 +274,10 @@ def remove_leftovers(out: Path, run_id: str) -> list[Path]:
 # (speculation and the draft change how fast completions come, never what they are). Any other change would mix two
 # runs in one, and is refused.
 SAFE_TO_CHANGE = {
-    "max_steps", "save_steps", "save_total_limit", "save_only_model", "logging_steps", "log_completions",
-    "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to", "overwrite_output_dir",
-    "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing", "dtype",
-    "master_weights", "logprob_chunk_tokens", "compile", "reward_timeout", "tool_timeout", "tool_workers",
+    "max_steps", "num_train_epochs", "save_steps", "save_total_limit", "save_only_model", "logging_steps",
+    "log_completions", "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to",
+    "overwrite_output_dir", "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing",
+    "dtype", "master_weights", "logprob_chunk_tokens", "compile", "reward_timeout", "tool_timeout", "tool_workers",
 }  # fmt: skip
 OPTION_GROUPS = ("dataset", "eval_dataset", "speculation", "draft_training")  # options of their own, `name.option`
 SAFE_PREFIXES = ("speculation.", "draft_training.")

@@ -109,18 +109,20 @@ class RunLog:
             for k, v in metrics.items():
                 self.tensorboard.add_scalar(k, v, step)
 
-    def samples(self, step: int, samples: list[tuple[Any, str, float, dict[str, Any]]]) -> None:
-        """A few ``(prompt, completion, reward, extra columns)`` of step ``step``, every ``log_completions_steps``
-        (the columns reward functions gave TRL's ``log_extra``); ``num_completions_to_print`` None: all."""
+    def samples(self, step: int, samples: list[tuple[Any, str, float, dict[str, Any]]]) -> bool:
+        """A few ``(prompt, completion, reward, extra columns)`` of the latest generation, printed after step
+        ``step`` when it is one of every ``log_completions_steps`` (the columns reward functions gave TRL's
+        ``log_extra``; ``num_completions_to_print`` None: all); whether they were."""
         cfg = self.config
         if not cfg.log_completions or step % cfg.log_completions_steps:
-            return
+            return False
         shown = samples if cfg.num_completions_to_print is None else samples[: cfg.num_completions_to_print]
         for prompt, completion, reward, extra in shown:
             text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
             columns = "".join(f"\n  {column}: {value}" for column, value in extra.items())
             written = completion_shown(completion)
             tqdm.write(f"[step {step}] reward={reward:.2f}\n  prompt: {text}\n  completion: {written}{columns}")
+        return True
 
     def close(self) -> None:
         self.file.close()

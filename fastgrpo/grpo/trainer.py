@@ -104,7 +104,7 @@ class GRPOTrainer(TrlTrainerMethods):
             )
         self.start_step, self.num_tokens = 0, 0.0
         self.generation: Generation | None = None  # the one the next optimizer steps train on
-        self.samples: list[tuple[Any, str, float, dict[str, Any]]] | None = None  # the last step's, if it generated
+        self.samples: list[tuple[Any, str, float, dict[str, Any]]] | None = None  # the latest generation's, unshown
         self.generations_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
         self.config = config = config.with_total_steps(self.generations_per_epoch)  # max_steps -1: epochs
         random.seed(config.seed)
@@ -232,8 +232,8 @@ class GRPOTrainer(TrlTrainerMethods):
         cfg = self.config
         passes = cfg.steps_per_generation_pass
         t0 = time.perf_counter()
+        reset_peak_memory(self.device)  # not the evaluation's or the checkpoint's of the step before
         metrics: dict[str, float] = {"step": step + 1, "epoch": cfg.epoch(step + 1, self.generations_per_epoch)}
-        self.samples = None
         if self.generation is None or step % passes == 0:
             first, count = step // passes * cfg.generations_per_step, cfg.generations_per_step
             made = [generate(self, first + i, step) for i in range(count)]
@@ -248,7 +248,6 @@ class GRPOTrainer(TrlTrainerMethods):
         if self.device.type == "cuda":
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
             metrics["memory/update_peak_reserved_mb"] = peak_reserved_mb(self.device)
-            reset_peak_memory(self.device)
         metrics |= {
             **{"time/update": t3 - t_update, "time/train": t3 - t_update + metrics.get("time/logprobs", 0.0)},
             **{"time/step": t3 - t0, "step_time": t3 - t0},
@@ -333,8 +332,8 @@ class GRPOTrainer(TrlTrainerMethods):
                         events.evaluated(evaluated)
                     history.append(metrics)
                     unlogged.append(metrics)
-                    if log is not None and self.samples is not None:
-                        log.samples(step + 1, self.samples)
+                    if log is not None and self.samples is not None and log.samples(step + 1, self.samples):
+                        self.samples = None  # the latest generation's, shown once at a log_completions_steps step
                     has_eval = any(k.startswith("eval/") for k in metrics)
                     if (step + 1) % cfg.logging_steps == 0 or has_eval or asked.should_log:
                         record = logged_record(unlogged)

@@ -36,25 +36,41 @@ def _largest(candidates: Iterator[GRPOConfig], plan: MemoryPlan, free_bytes: int
     raise StopIteration
 
 
+def _in_micro_batches(config: GRPOConfig, rows: int, b: int, **changes: int) -> GRPOConfig | None:
+    """``config`` with generations of ``rows`` completions in micro-batches of ``b``, and as many optimizer steps per
+    generation (or generations per step) as it had; None where they do not divide."""
+    micro = rows // b
+    if config.steps_per_generation is None:
+        return dataclasses.replace(config, per_device_train_batch_size=b, gradient_accumulation_steps=micro, **changes)
+    windows, generations = config.windows_per_generation, config.generations_per_step
+    if micro % windows:
+        return None
+    accumulated = micro // windows * generations
+    return dataclasses.replace(
+        config, per_device_train_batch_size=b, steps_per_generation=micro, gradient_accumulation_steps=accumulated,
+        **changes,
+    )  # fmt: skip
+
+
 def _smaller_micro_batches(config: GRPOConfig) -> Iterator[GRPOConfig]:
-    """The same completions per step in smaller micro-batches (more accumulation steps), largest first."""
+    """The same completions per generation in smaller micro-batches (more accumulation steps), largest first."""
     rows = config.generation_batch_size
     for b in range(config.per_device_train_batch_size - 1, 0, -1):
-        if rows % b == 0:
-            yield dataclasses.replace(config, per_device_train_batch_size=b, gradient_accumulation_steps=rows // b)
+        if rows % b == 0 and (fitted := _in_micro_batches(config, rows, b)) is not None:
+            yield fitted
 
 
 def _fewer_completions(config: GRPOConfig) -> Iterator[GRPOConfig]:
-    """Fewer completions per step, largest first: whole groups of ``num_generations`` while there is more than one,
-    then a single smaller group; each in the largest micro-batches (at most the current ones) that divide it."""
+    """Fewer completions per generation, largest first: whole groups of ``num_generations`` while there is more than
+    one, then a single smaller group; each in the largest micro-batches (at most the current ones) that divide it."""
     g = config.num_generations
     for rows in range(config.generation_batch_size - 1, 1, -1):
         if rows >= g and rows % g:
             continue
         b = max(d for d in range(1, min(config.per_device_train_batch_size, rows) + 1) if rows % d == 0)
-        yield dataclasses.replace(
-            config, num_generations=min(g, rows), per_device_train_batch_size=b, gradient_accumulation_steps=rows // b
-        )
+        fitted = _in_micro_batches(config, rows, b, num_generations=min(g, rows))
+        if fitted is not None:
+            yield fitted
 
 
 def _shorter_completions(config: GRPOConfig, plan: MemoryPlan, free_bytes: int) -> tuple[GRPOConfig, MemoryPlan]:
