@@ -2,9 +2,11 @@
 ``GRPOTrainer._generate_and_score_completions`` and the loss of ``GRPOTrainer._compute_loss``, each run on a stand-in
 trainer (an instance made without ``__init__``, its attributes set here), beside fastgrpo's reward code and its
 policy update (`PolicyUpdate.fixed_logps` and `optimize`, with its own micro-batches, which skip the rows of
-advantage 0) on a stand-in policy whose log-probs and entropies are parameters. Loss, gradient and every metric both
-log agree to 1e-10 relative, with a completion no reward function scores, an empty completion and a group whose
-advantages are all 0 in every batch."""
+advantage 0) on a stand-in policy whose log-probs and entropies are parameters. TRL accumulates 4 micro-batches of 3
+consecutive rows into one optimizer step (ranking entropies, averaging the bonus and logging metrics per micro-batch,
+adaptive entropy control moving at the step's end). Loss, gradient and every metric both log agree to 1e-10 relative
+(TRL's float32 shares to float32's rounding), with a completion no reward function scores, an empty completion and a
+group whose advantages are all 0 in every batch."""
 
 from __future__ import annotations
 
@@ -91,6 +93,7 @@ class Identity:
 
 
 VESPO = {"vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0}  # TRL's defaults
+ADAPTIVE = {"entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2}
 
 
 def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor]) -> Any:
@@ -122,6 +125,7 @@ def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dic
         gradient_accumulation_steps=1,
         gradient_checkpointing_kwargs=None,
         report_to=[],
+        **{key: options.get(key, default) for key, default in ADAPTIVE.items()},
         use_bias_correction_kl=options.get("use_bias_correction_kl", True),
         delta=options.get("delta"),
         sapo_temperature_pos=1.0,
@@ -177,18 +181,20 @@ def trl_trainer(options: dict[str, Any], t: dict[str, torch.Tensor], leaves: dic
         epsilon_high=options.get("epsilon_high") or options.get("epsilon", 0.2),
         max_completion_length=C,
         current_gradient_accumulation_steps=1,
-        _entropy_bonus_enabled=options.get("entropy_coef", 0.0) > 0,
+        _entropy_bonus_enabled=options.get("entropy_coef", 0.0) > 0 or options.get("use_adaptive_entropy", False),
         entropy_coef=options.get("entropy_coef", 0.0),
-        use_adaptive_entropy=False,
+        use_adaptive_entropy=options.get("use_adaptive_entropy", False),
+        _last_world_entropy=math.inf,
+        _entropy_window_stats=None,
         aux_loss_enabled=False,
     )
     return trainer
 
 
 def run_trl(options: dict[str, Any], t: dict[str, torch.Tensor]) -> tuple[dict, float, dict, dict]:
-    """TRL's advantages and reward metrics, then its loss and gradient: one micro-batch of the whole batch (its
-    metrics are then the batch's), or for bnpo, which normalises each micro-batch by its own tokens, fastgrpo's
-    consecutive micro-batches accumulated as TRL accumulates them."""
+    """TRL's advantages and reward metrics, then its loss, gradient and metrics over micro-batches of
+    ``per_device_train_batch_size`` consecutive rows, accumulated into one optimizer step as TRL accumulates them,
+    the metrics the mean of each micro-batch's as TRL logs them."""
     from accelerate import PartialState
 
     PartialState(cpu=True)  # TRL's warnings go through accelerate's logging, which needs its state
@@ -206,26 +212,19 @@ def _run_trl(options: dict[str, Any], t: dict[str, torch.Tensor], trainer: Any, 
     inputs = trl_grpo.GRPOTrainer._generate_and_score_completions(trainer, [{"prompt": str(i)} for i in range(N)])
     rewards = {k: v[-1] for k, v in trainer._metrics["train"].items()}
     trainer._metrics["train"].clear()
-    if options.get("loss_type") == "bnpo":
-        mb = options["per_device_train_batch_size"]
-        trainer.current_gradient_accumulation_steps = N // mb
-        loss = 0.0
-        for start in range(0, N, mb):
-            part = {k: v[start : start + mb] if torch.is_tensor(v) and v.dim() else v for k, v in inputs.items()}
-            step = trl_grpo.GRPOTrainer._compute_loss(trainer, trainer.model, part)
-            step.backward()
-            loss += float(step)
-        grads = {name: leaf.grad for name, leaf in leaves.items()}
-        leaves = {name: t[name].clone().requires_grad_() for name in ("theta", "phi")}
-        trainer._get_per_token_logps_and_entropies = trl_trainer(options, t, leaves)._get_per_token_logps_and_entropies
-        trainer.current_gradient_accumulation_steps = 1
-        trainer._metrics["train"].clear()
-        trl_grpo.GRPOTrainer._compute_loss(trainer, trainer.model, inputs)  # the batch's metrics
-    else:
-        step = trl_grpo.GRPOTrainer._compute_loss(trainer, trainer.model, inputs)
+    mb = options["per_device_train_batch_size"]
+    steps = N // mb  # micro-batches of consecutive rows, accumulated into one optimizer step of one generation
+    trainer.current_gradient_accumulation_steps = steps
+    trainer.args.gradient_accumulation_steps = trainer.args.steps_per_generation = steps
+    loss = 0.0
+    for start in range(0, N, mb):
+        trainer.accelerator.sync_gradients = start + mb >= N  # the optimizer step's boundary: its last micro-batch
+        part = {k: v[start : start + mb] if torch.is_tensor(v) and v.dim() else v for k, v in inputs.items()}
+        step = trl_grpo.GRPOTrainer._compute_loss(trainer, trainer.model, part)
         step.backward()
-        loss, grads = float(step), {name: leaf.grad for name, leaf in leaves.items()}
-    metrics = {k: v[-1] for k, v in trainer._metrics["train"].items()}
+        loss += float(step)
+    grads = {name: leaf.grad for name, leaf in leaves.items()}
+    metrics = {k: sum(v) / len(v) for k, v in trainer._metrics["train"].items()}  # TRL's log: the values' mean
     return inputs, loss, grads, {**rewards, **metrics}
 
 
@@ -285,6 +284,8 @@ def run_fastgrpo(options: dict[str, Any], t: dict[str, torch.Tensor]) -> tuple[t
 
 
 SHARED = (
+    "policy_loss",
+    "entropy_coef",
     "reward",
     "reward_std",
     "frac_reward_zero_std",
@@ -310,6 +311,15 @@ SHARED = (
 
 CASES = {
     "dapo": {},
+    "adaptive entropy luspo top entropy": {  # the entropies (near 2) below the target: the coefficient rises
+        "loss_type": "luspo",
+        "use_adaptive_entropy": True,
+        "entropy_coef": 0.02,
+        "entropy_target": 5.0,
+        "entropy_coef_delta": 0.01,
+        "top_entropy_quantile": 0.5,
+    },
+    "adaptive entropy vespo": {"loss_type": "vespo", "use_adaptive_entropy": True, "entropy_coef": 0.02},
     "dapo token_truncate correction": {
         "importance_sampling_correction": True,
         "importance_sampling_mode": "token_truncate",
@@ -381,7 +391,7 @@ CASES = {
 
 # What TRL computes from 0/1 flags turned float32 (``.float()``): counts, exact, divided in float32 at token level
 # (in float64 at sequence level, where the count is a tensor of the default dtype). fastgrpo's (float64) value is
-# TRL's to 1e-10, or rounded to float32 exactly TRL's.
+# TRL's to 1e-10, or within float32's rounding of TRL's (each micro-batch's share rounded, then averaged).
 FLOAT32_SHARES = {
     "frac_reward_zero_std",
     "clip_ratio/low_mean",
@@ -394,7 +404,7 @@ FLOAT32_SHARES = {
 
 
 def agrees(name: str, actual: float, expected: float) -> bool:
-    if name in FLOAT32_SHARES and torch.tensor(actual, dtype=torch.float32).item() == expected:
+    if name in FLOAT32_SHARES and abs(actual - expected) <= 2**-23 * max(abs(expected), abs(actual)):
         return True
     return close(actual, expected)
 
@@ -425,6 +435,8 @@ def test_loss_gradient_and_metrics_equal_trls(case: str) -> None:
     assert {"reward", "clip_ratio/low_mean", "entropy"} & set(shared)
     if options.get("loss_type") == "vespo":
         assert "vespo/phi_seq_mean" in shared
+    if options.get("use_adaptive_entropy") or options.get("entropy_coef"):
+        assert {"policy_loss", "entropy_coef"} <= set(shared)
     missing = [name for name in shared if name not in metrics]
     assert not missing, missing
     loss_keys = [n for n in SHARED if n.startswith(("clip_ratio", "cispo", "vespo")) or n == "kl"]

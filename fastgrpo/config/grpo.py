@@ -288,14 +288,15 @@ class GRPOConfig(StepCounts, GRPOChecks):
     )
     top_entropy_quantile: float = option(
         1.0,
-        help="keep in the policy loss only this top share of the step's completion tokens by entropy (Beyond the "
-        "80/20 Rule suggests 0.2; 1: all); ranked by the entropies of the policy the step starts from, all rows of "
-        "all processes together, from a pass without gradient before the update",
+        help="keep in the policy loss only this top share of the completion tokens by entropy (Beyond the 80/20 Rule "
+        "suggests 0.2; 1: all), ranked per accumulation_scope over every process, by the entropies of the policy the "
+        "step starts from (a pass without gradient before the update)",
         valid=Range(0, 1),
     )
     entropy_coef: float = option(
         0.0,
-        help="an entropy bonus: the loss less this times the mean entropy of the step's trained tokens (the same "
+        help="an entropy bonus: the loss less this times the mean entropy of the trained tokens (per "
+        "accumulation_scope; the same "
         "meaning for every loss_type); > 0 also trains the rows of advantage 0; with use_adaptive_entropy the first "
         "coefficient",
         valid=Range(0),
@@ -311,6 +312,13 @@ class GRPOConfig(StepCounts, GRPOChecks):
     entropy_coef_delta: float = option(0.005, help="adaptive entropy control's step of the coefficient", valid=Range(0))
     entropy_target: float = option(
         0.2, help="adaptive entropy control's target entropy (nats per token)", valid=Range(0)
+    )
+    accumulation_scope: str = option(
+        "micro_batch",
+        help="what top_entropy_quantile ranks, the entropy bonus averages and the update's metrics cover: each "
+        "micro-batch of per_device_train_batch_size rows of the step's shuffled completions, averaged over the step, "
+        "as TRL (`micro_batch`); or the whole step, every process's rows together (`step`)",
+        choices=("micro_batch", "step"),
     )
     off_policy_mask_threshold: float | None = option(
         None,

@@ -63,9 +63,8 @@ class Generation:
     samples: list[tuple[Any, str, float, dict[str, Any]]]
 
     def window(self, index: int) -> RolloutBatch:
-        """The rows optimizer step ``index`` of a pass trains on (the whole batch where there is one window)."""
-        if len(self.windows) == 1:
-            return self.batch
+        """The rows optimizer step ``index`` of a pass trains on, in the window's order (its micro-batches are
+        consecutive rows of it, `fastgrpo.grpo.micro_batch_stats`)."""
         return select_rows(self.batch, self.windows[index])
 
 
@@ -73,8 +72,6 @@ def windows(rows: int, count: int, seed: int, generation: int, rank: int) -> lis
     """``count`` disjoint windows of ``rows`` rows, as TRL shuffles a generation before slicing it: a random order of
     the rows, seeded by the run's ``seed``, the ``generation`` and the process's ``rank`` (the same after a resume),
     cut into equal parts."""
-    if count == 1:
-        return [torch.arange(rows, device="cpu")]
     generator = torch.Generator(device="cpu").manual_seed(seed * 1_000_003 + generation * 1_009 + rank)
     order = torch.randperm(rows, generator=generator, device="cpu")
     return list(order.chunk(count))
@@ -133,11 +130,11 @@ def generate(trainer: Generating, generation: int, step: int) -> Generation:
     return Generation(batch, parts, tokens, metrics, samples)
 
 
-def merge(generations: list[Generation], pad_id: int) -> Generation:
+def merge(generations: list[Generation], pad_id: int, seed: int, generation: int, rank: int) -> Generation:
     """Generations one optimizer step trains on together (``steps_per_generation`` below
-    ``gradient_accumulation_steps``): their rows in one window, their tokens summed; their metrics averaged as TRL
-    averages a step's logged values, but tokens, seconds and compilations, which add up, and memory peaks, the
-    largest."""
+    ``gradient_accumulation_steps``; ``generation``: the first's index): their rows in one window, shuffled as
+    `windows` shuffles one, their tokens summed; their metrics averaged as TRL averages a step's logged values, but
+    tokens, seconds and compilations, which add up, and memory peaks, the largest."""
     batch = concat_batches([g.batch for g in generations], pad_id)
     metrics: dict[str, float] = {}
     for key in dict.fromkeys(k for g in generations for k in g.metrics):  # a drafter's figures may be in some only
@@ -150,6 +147,6 @@ def merge(generations: list[Generation], pad_id: int) -> Generation:
             metrics[key] = max(values)
         else:
             metrics[key] = sum(values) / len(values)
-    rows = torch.arange(batch.completion_mask.shape[0], device="cpu")
+    rows = windows(batch.completion_mask.shape[0], 1, seed, generation, rank)  # ``generation``: the first's
     tokens = sum(g.num_items_in_batch for g in generations)
-    return Generation(batch, [rows], tokens, metrics, [s for g in generations for s in g.samples])
+    return Generation(batch, rows, tokens, metrics, [s for g in generations for s in g.samples])

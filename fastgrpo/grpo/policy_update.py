@@ -19,14 +19,14 @@ from fastgrpo.grpo.batch import RolloutBatch, select_rows
 from fastgrpo.grpo.entropy_control import EntropyControl
 from fastgrpo.grpo.logprobs import CompletionLogprobs, completion_logprobs
 from fastgrpo.grpo.losses import (
-    entropy_threshold,
     grpo_loss_rows,
     micro_batch_loss,
     micro_batch_rows,
     off_policy_mask,
     sampling_correction,
 )
-from fastgrpo.grpo.update_metrics import job_row_metrics, sampling_metrics, skipped_parts, vespo_gamma
+from fastgrpo.grpo.micro_batch_stats import bonus_weights, micro_batch_slices, sliced_metrics, top_entropy_mask
+from fastgrpo.grpo.update_metrics import sampling_metrics, skipped_parts, vespo_gamma
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
 
@@ -240,20 +240,6 @@ class PolicyUpdate:
         skip = self.skips_zero_advantages()
         return micro_batch_rows(batch.advantages, lengths, cfg.loss_type, skip, cfg.per_device_train_batch_size)
 
-    def _entropy_mask(self, batch: RolloutBatch) -> torch.Tensor | None:
-        """``[N, C]`` the tokens ``top_entropy_quantile`` keeps in the loss: those whose entropy under the policy the
-        step starts from is at least the job's quantile (the completion tokens of every row of every process, as
-        TRL ranks those of its micro-batch); None when all are kept."""
-        cfg = self.config
-        if cfg.top_entropy_quantile >= 1:
-            return None
-        mask = batch.completion_mask.bool()
-        entropies = batch.start_entropies
-        mine = entropies[mask].float()
-        everyone = torch.cat(distributed.gather(mine)) if self.world_size > 1 else mine
-        threshold = entropy_threshold(everyone, torch.ones_like(everyone), cfg.top_entropy_quantile)
-        return ((entropies * mask) >= threshold) & mask
-
     def optimize(self, batch: RolloutBatch, num_items_in_batch: float | None = None) -> dict[str, float]:
         """One optimizer step on the batch (one window of a generation), accumulating over micro-batches;
         ``num_items_in_batch``: the completion tokens of every process that dapo, cispo and vespo divide the step's
@@ -278,10 +264,16 @@ class PolicyUpdate:
         n_micro = distributed.max_over_ranks(len(groups))
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         sequence_level = cfg.importance_sampling_level == "sequence"
-        token_mask = self._entropy_mask(batch)
+        step_wide = cfg.accumulation_scope == "step"
+        slices = micro_batch_slices(n, cfg.per_device_train_batch_size, step_wide)
+        token_mask = None
+        if cfg.top_entropy_quantile < 1:  # ranked by the entropies of the policy the step starts from
+            quantile = cfg.top_entropy_quantile
+            token_mask = top_entropy_mask(batch.start_entropies, batch.completion_mask, slices, quantile, world)
         kept = batch.completion_mask if token_mask is None else batch.completion_mask * token_mask
         bonus = self.entropy.enabled
         bonus_tokens = distributed.sum_over_ranks(float(kept.sum())) if bonus else 1.0
+        bonus_share = None if step_wide else bonus_weights(kept, slices)  # TRL's: each micro-batch's mean
         coef = self.entropy.applied()
         start_logps = batch.start_logps
         start_entropies = batch.start_entropies
@@ -348,12 +340,16 @@ class PolicyUpdate:
                 )
                 loss = micro_batch_loss(loss, cfg.loss_type, rows.numel(), n, n_micro, world)
                 policy_part = loss.detach()
-                if bonus:  # the mean entropy of the kept tokens of the job's batch
+                if bonus:  # the mean entropy of the kept tokens: of each micro-batch's (averaged), or the step's
                     kept_here = mask.to(entropies.dtype) * (1.0 if keep is None else keep.to(entropies.dtype))
-                    entropy_sum = (entropies * kept_here).sum()
-                    loss = loss - coef * entropy_sum / bonus_tokens * world
+                    entropy_rows = (entropies * kept_here).sum(dim=-1)
+                    if bonus_share is None:
+                        loss = loss - coef * entropy_rows.sum() / bonus_tokens * world
+                    else:
+                        share = bonus_share[rows].to(self.device, entropy_rows.dtype)
+                        loss = loss - coef * (entropy_rows * share).sum()
                     if not padding:
-                        trained_entropy += float(entropy_sum.detach())
+                        trained_entropy += float(entropy_rows.detach().sum())
                 if padding:
                     loss = loss * 0.0
                 loss.backward()
@@ -387,12 +383,14 @@ class PolicyUpdate:
             raise NonFiniteUpdate("the optimizer step made a weight inf or nan: lower learning_rate")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        out = job_row_metrics(parts, sequence_level, world)
+        out = sliced_metrics(parts, slices, sequence_level, world)
         if cfg.steps_per_generation_pass == 1:  # else the trainer's, over the whole generation
             out.update(sampling_metrics(cfg, batch, old_all))
         out |= {"loss": loss_sum, "grad_norm": grad_norm, "learning_rate": rate}
         if bonus:  # TRL's, with the bonus: the step's loss without it (TRL's per micro-batch), the coefficient after it
             self.entropy.observe(distributed.sum_over_ranks(trained_entropy), bonus_tokens)
+            if not step_wide and cfg.loss_type in ("dapo", "cispo", "vespo"):
+                policy_sum /= len(slices)  # TRL's mean of its micro-batches' shares of the step's loss
             out |= {"policy_loss": policy_sum, "entropy_coef": self.entropy.coef}
         out["train/rows_trained"] = float(sum(g.numel() for g in groups))
         return out

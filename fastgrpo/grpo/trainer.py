@@ -237,7 +237,8 @@ class GRPOTrainer(TrlTrainerMethods):
         if self.generation is None or step % passes == 0:
             first, count = step // passes * cfg.generations_per_step, cfg.generations_per_step
             made = [generate(self, first + i, step) for i in range(count)]
-            self.generation = made[0] if count == 1 else merge(made, self.tokenizer.pad_token_id)
+            pad, rank = self.tokenizer.pad_token_id, self.dist.rank
+            self.generation = made[0] if count == 1 else merge(made, pad, cfg.seed, first, rank)
             metrics |= self.generation.metrics
             self.samples = self.generation.samples
         t_update = time.perf_counter()
