@@ -161,6 +161,8 @@ def run_fastgrpo(
         lr_scheduler_type="linear",
         max_steps=args.steps,
         save_steps=args.steps,
+        logging_steps=1,
+        gradient_checkpointing=False,
         save_only_model=True,
         seed=args.seed,
         speculation=SpeculationConfig(drafter=drafter),

@@ -79,6 +79,8 @@ def config_for(args, run: str) -> GRPOConfig:
         bf16=BF16,
         max_steps=args.steps,
         save_steps=args.steps,
+        logging_steps=1,
+        gradient_checkpointing=False,
         output_dir=str(Path(args.output) / run),
         speculation=spec,
         draft_training=draft_training,

@@ -126,6 +126,8 @@ def run_own(args: argparse.Namespace) -> tuple[list[float], list[dict]]:
         lr_scheduler_type="linear",
         max_steps=args.steps,
         save_steps=args.steps,
+        logging_steps=1,
+        gradient_checkpointing=False,
         save_only_model=True,
         seed=args.seed,
         speculation=spec,

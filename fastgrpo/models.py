@@ -298,6 +298,25 @@ def native_bf16(device: torch.device) -> bool:
     return True
 
 
+def autocast_bf16(bf16: bool | None, device: torch.device) -> bool:
+    """Whether the option ``bf16`` turns bfloat16 autocast on for ``device``: None (TRL's default) on a GPU with
+    bfloat16 units (a CUDA device this machine lacks, as in a dry run, counts as a recent GPU), off on a CPU, where
+    fastgrpo computes in float32 unless asked, as with ``dtype: auto``."""
+    if bf16 is not None:
+        return bf16
+    if device.type != "cuda":
+        return False
+    return native_bf16(device) if torch.cuda.is_available() else True
+
+
+def load_weights_into(model: PreTrainedModel, directory: Path) -> None:
+    """Copy the weights saved in ``directory`` (transformers' format, read through `load_model` onto the host) into
+    ``model``, in its dtype and on its device."""
+    saved = load_model(str(directory), str(model.dtype).removeprefix("torch."), "cpu")
+    with torch.no_grad():
+        model.load_state_dict(saved.state_dict())
+
+
 def warn_if_bf16_emulated(option: str, device: torch.device) -> None:
     """Warn, naming the config ``option`` that turned bfloat16 autocast on, when ``device`` would emulate it."""
     if not native_bf16(device):

@@ -316,6 +316,8 @@ def tiny_run(**options: Any) -> dict[str, Any]:
         "output_dir": "{tmp}/run",
         "progress_bar": False,
         "log_completions": False,
+        "logging_steps": 1,
+        "gradient_checkpointing": False,
         "speculation": {"mode": "off"},
         **options,
     }

@@ -58,6 +58,8 @@ def write_config(path: Path, model_dir: Path, **overrides) -> Path:
         "output_dir": str(path.parent / f"{path.stem}-run"),
         "progress_bar": False,
         "log_completions": False,
+        "logging_steps": 1,
+        "gradient_checkpointing": False,
         "speculation": {"mode": "off"},
     }
     values.update(overrides)

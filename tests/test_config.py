@@ -170,7 +170,7 @@ def test_subcommand_help_lists_every_option_with_its_default(capsys: pytest.Capt
     assert "--learning_rate V AdamW learning rate of the policy; valid: > 0 (default: 1.0e-06)" in text
     with pytest.raises(SystemExit):
         main(["generate", "--help"])
-    assert "(default: 256)" in " ".join(capsys.readouterr().out.split())
+    assert "(default: 512)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_profile_help_shows_the_profilers_default_token_counts() -> None:

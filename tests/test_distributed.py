@@ -42,6 +42,8 @@ def run_config(model_dir: Path, out: Path, per_device: int, **overrides) -> GRPO
         output_dir=str(out),
         progress_bar=False,
         log_completions=False,
+        logging_steps=1,
+        gradient_checkpointing=False,
         device="cpu",
         ddp_timeout=60,
         speculation={"mode": "adaptive", "c_peak": 8},

@@ -34,6 +34,11 @@ from fastgrpo.memory_plan.fitting import CARD_80GB_BYTES, check_fits, fitting_op
 from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, estimate_memory
 from fastgrpo.speculative.eagle.memory import draft_parameters
 
+# The run the README's memory table plans (TRL's defaults but completions of 256 tokens, layers not checkpointed), so
+# that what the checks recommend is a change away from it.
+PLANNED = {"max_completion_length": 256, "gradient_checkpointing": False}
+PLANNED_FLAGS = ["--max_completion_length", "256", "--gradient_checkpointing", "false"]
+
 # The published shapes of the models the plan is checked on.
 CONFIGS: dict[str, PretrainedConfig] = {
     "smollm2-135m": LlamaConfig(
@@ -474,7 +479,7 @@ def test_a_suffix_only_plan_holds_no_draft_head() -> None:
 def test_lora_and_fewer_generations_lower_the_peak() -> None:
     """Both lower the peak, which the backward sets in these full fine-tunes (fewer completions shrink the rollout
     and the backward)."""
-    base = GRPOConfig()
+    base = GRPOConfig(**PLANNED)
     fewer = dataclasses.replace(base, num_generations=4, per_device_train_batch_size=4)
     for name in ("qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"):
         full = estimate_memory(base, CONFIGS[name], "cuda")
@@ -488,7 +493,7 @@ def test_lora_and_fewer_generations_lower_the_peak() -> None:
 
 
 def test_check_fits_accepts_a_large_device_and_names_what_fits_a_small_one() -> None:
-    config = GRPOConfig(beta=0.04)
+    config = GRPOConfig(beta=0.04, **PLANNED)
     plan = estimate_memory(config, CONFIGS["qwen2.5-1.5b"], "cuda")
     check_fits(plan, plan.peak_bytes, config)  # exactly enough
     free = plan.peak_bytes - GIB
@@ -503,7 +508,7 @@ def test_check_fits_accepts_a_large_device_and_names_what_fits_a_small_one() -> 
 
 
 def test_check_fits_says_how_many_fsdp_processes_and_when_nothing_alone_fits() -> None:
-    config = GRPOConfig()
+    config = GRPOConfig(**PLANNED)
     plan = estimate_memory(config, CONFIGS["qwen2.5-7b"], "cuda")
     assert plan.peak_bytes > CARD_80GB_BYTES
     with pytest.raises(ValueError) as refusal:
@@ -523,7 +528,7 @@ def test_gradient_checkpointing_keeps_the_layer_inputs_and_recomputes_one_layer(
     """The update's activations become the layers' inputs, their shared arguments and what is saved outside them,
     plus one layer recomputed in the backward; Qwen2.5-7B with LoRA then fits an 80 GB card, which check_fits
     suggests."""
-    config = GRPOConfig(use_peft=True)
+    config = GRPOConfig(use_peft=True, **PLANNED)
     plain = estimate_memory(config, CONFIGS["qwen2.5-7b"], "cuda")
     checkpointed = estimate_memory(dataclasses.replace(config, gradient_checkpointing=True), CONFIGS["qwen2.5-7b"])
     rows, seq_len, kept = 8, 512 + 256, 8 * 256
@@ -582,7 +587,7 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
     printed = {}
     checkpointed_lora = ["--device", "cuda", "--gradient_checkpointing", "true", "--use_peft", "true"]
     for extra in ([], ["--use_peft", "true"], ["--device", "cuda"], checkpointed_lora):
-        main(["train", "--dry-run", "--model", str(model), "--output_dir", str(out), *extra])
+        main(["train", "--dry-run", "--model", str(model), "--output_dir", str(out), *PLANNED_FLAGS, *extra])
         printed[" ".join(extra)] = capsys.readouterr().out
     assert not out.exists()
     full, lora = printed[""], printed["--use_peft true"]
@@ -612,15 +617,15 @@ def test_dry_run_prints_the_plan_of_a_config_only_model_without_touching_output_
 def test_dry_run_recommends_per_card_count_a_7b_run_that_fits_and_keeps_float32_masters(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, processes: int, recommended: str
 ) -> None:
-    """Qwen2.5-7B (config only) with the default options on 1, 2, 4 and 8 cards of 80 GB: the dry run recommends
-    the nearest configuration that fits within 95 % of the card, float32 master weights kept (LoRA on one or two
-    cards, whose adapters train in float32; FSDP2's float32 shards on more: each card also keeps the full bfloat16
-    copy of the weights that rollouts compute with), and that configuration's own plan agrees."""
+    """Qwen2.5-7B (config only) with the default options (but `PLANNED`) on 1, 2, 4 and 8 cards of 80 GB: the dry
+    run recommends the nearest configuration that fits within 95 % of the card, float32 master weights kept (LoRA
+    on one or two cards, whose adapters train in float32; FSDP2's float32 shards on more: each card also keeps the
+    full bfloat16 copy of the weights that rollouts compute with), and that configuration's own plan agrees."""
     if torch.cuda.is_available():
         pytest.skip("on a GPU the dry run checks against that card's free memory, not an 80 GB card's")
     model = tmp_path / "qwen2.5-7b"
     CONFIGS["qwen2.5-7b"].save_pretrained(model)
-    args = ["--model", str(model), "--output_dir", str(tmp_path / "run"), "--device", "cuda"]
+    args = ["--model", str(model), "--output_dir", str(tmp_path / "run"), "--device", "cuda", *PLANNED_FLAGS]
     main(["train", "--dry-run", "--processes", str(processes), *args])
     text = capsys.readouterr().out
     assert f"{processes} process" in text and "fits: no" in text

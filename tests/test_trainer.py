@@ -50,6 +50,8 @@ def make_config(model_dir: Path, out: Path, **overrides) -> GRPOConfig:
         output_dir=str(out),
         progress_bar=False,
         log_completions=False,
+        logging_steps=1,
+        gradient_checkpointing=False,
     )
     values.update(overrides)
     return GRPOConfig(**values)

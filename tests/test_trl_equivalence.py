@@ -254,6 +254,7 @@ def run_fastgrpo(options: dict[str, Any], t: dict[str, torch.Tensor]) -> tuple[t
         num_generations=G,
         max_completion_length=C,
         max_grad_norm=1e12,
+        gradient_checkpointing=False,  # the table policy has no layers
         **{"per_device_train_batch_size": 3, "gradient_accumulation_steps": N // 3, **options},
     )
     completions = [str(i) for i in range(N)]

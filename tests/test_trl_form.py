@@ -36,6 +36,7 @@ def trl_args(out: Path, **overrides) -> GRPOConfig:
         output_dir=str(out),
         progress_bar=False,
         log_completions=False,
+        logging_steps=1,
     )
     return GRPOConfig(**{**values, **overrides})
 
@@ -250,3 +251,55 @@ def test_fastgrpos_form_refuses_trls_keywords(tmp_path: Path) -> None:
         GRPOTrainer("smollm2", length_reward, reward_funcs=length_reward)
     with pytest.raises(TypeError, match="give eval_dataset and the arguments after it by keyword"):
         GRPOTrainer("smollm2", length_reward, trl_args(tmp_path), ROWS, ROWS)  # TRL's fifth: eval_dataset
+
+
+@pytest.mark.parametrize("given", ["path", "bfloat16 model in memory"])  # the latter keeps no float32 masters
+def test_train_resume_from_checkpoint_goes_on_as_the_uninterrupted_run(
+    tiny_model_dir: Path, tmp_path: Path, given: str
+) -> None:
+    """TRL's ``trainer.train(resume_from_checkpoint=True)``: a trainer built beside a run that stopped at a checkpoint
+    is not refused; ``train()`` alone is, naming ``resume_from_checkpoint``, as is a path that is not the newest
+    checkpoint; resumed, the run's last two steps log what the uninterrupted run's did and end on its weights (a
+    model given in memory takes the checkpoint's weights), and the callbacks see one ``on_init_end``."""
+    from transformers import TrainerCallback
+
+    class StopAtTwo(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 2
+            return control
+
+    class Inits(TrainerCallback):
+        count = 0
+
+        def on_init_end(self, args, state, control, **kwargs):
+            Inits.count += 1
+
+    def token_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
+        return [float(sum(ids) % 5) for ids in completion_ids]  # varies where every completion is as long
+
+    def trainer(out: Path, callbacks: list) -> GRPOTrainer:
+        model = (
+            str(tiny_model_dir)
+            if given == "path"
+            else AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+        )
+        args = trl_args(out, max_steps=4, save_steps=2, temperature=1.0, master_weights=given == "path")
+        return GRPOTrainer(model=model, reward_funcs=token_reward, args=args, train_dataset=ROWS, callbacks=callbacks)
+
+    whole = trainer(tmp_path / "whole", [])
+    expected = whole.train()
+    trainer(tmp_path / "cut", [StopAtTwo()]).train()
+    resumed = trainer(tmp_path / "cut", [Inits()])  # the directory holds a run: TRL's constructor does not refuse
+    with pytest.raises(ValueError, match=r"holds a run that saved checkpoints: .*train\(resume_from_checkpoint=True\)"):
+        resumed.train()
+    with pytest.raises(ValueError, match="not True nor the newest checkpoint"):
+        resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-1"))
+    history = resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    assert [m["step"] for m in history] == [3, 4] and Inits.count == 1
+    for ours, theirs in zip(history, expected[2:], strict=True):
+        assert ours["reward"] == theirs["reward"] and ours["loss"] == pytest.approx(theirs["loss"], rel=1e-6)
+    first = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
+    for (name, mine), theirs in zip(resumed.model.state_dict().items(), whole.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=name)
+        assert name.endswith("norm.weight") or not torch.equal(mine.float(), first[name]), f"{name} trained"
+    assert resumed.state.global_step == 4

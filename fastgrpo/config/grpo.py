@@ -127,7 +127,7 @@ class GRPOConfig(StepCounts, GRPOChecks):
     # generation
     num_generations: int = option(8, help="completions sampled per prompt (the group)", valid=Range(2))
     max_prompt_length: int = option(512, help="longer prompts keep their last tokens", valid=Range(1))
-    max_completion_length: int = option(256, help="new tokens per completion at most", valid=Range(1))
+    max_completion_length: int = option(512, help="new tokens per completion at most", valid=Range(1))
     temperature: float = option(1.0, help="sampling temperature (0: greedy)", valid=Range(0))
     top_p: float = option(1.0, help="nucleus sampling mass", valid=Range(0, 1, low_open=True))
     top_k: int = option(0, help="sample among the k most likely tokens (0: all)", valid=Range(0))
@@ -198,11 +198,13 @@ class GRPOConfig(StepCounts, GRPOChecks):
     adam_beta2: float = option(0.999, help="AdamW beta2", valid=Range(0, 1, high_open=True))
     adam_epsilon: float = option(1e-8, help="AdamW epsilon", valid=Range(0, low_open=True))
     max_grad_norm: float = option(1.0, help="gradient clipping", valid=Range(0, low_open=True))
-    bf16: bool = option(
-        False, help="bfloat16 autocast for the policy update (fast on GPUs and CPUs with AMX or avx512_bf16 only)"
+    bf16: bool | None = option(
+        None,
+        help="bfloat16 autocast for the policy update (fast on GPUs, and on CPUs with AMX or avx512_bf16 only); None "
+        "(TRL's default): on a GPU with bfloat16 units, off on a CPU",
     )
     gradient_checkpointing: bool = option(
-        False,
+        True,
         help="recompute each decoder layer's activations in the backward pass instead of keeping them: a fraction "
         "of the update's activation memory for about a third more of its compute",
     )
@@ -339,16 +341,16 @@ class GRPOConfig(StepCounts, GRPOChecks):
     lora_dropout: float = option(0.05, help="LoRA dropout", valid=Range(0, 1, high_open=True))
     lora_target_modules: list[str] | None = option(None, help="modules to adapt (None: all linear layers)")
     # outputs
-    output_dir: str = option("runs/default", help="config, metrics and checkpoints of the run", path=True)
+    output_dir: str = option("trainer_output", help="config, metrics and checkpoints of the run", path=True)
     overwrite_output_dir: bool = option(
         False,
         help="start a new run in an output_dir that holds another one, deleting that run's metrics and checkpoints",
     )
     seed: int = option(42, help="seeds data order, sampling and initialisation", valid=Range(0, 2**63, high_open=True))
-    logging_steps: int = option(1, help="write metrics every this many steps", valid=Range(1))
-    save_steps: int = option(10, help="write a checkpoint every this many steps (and at the last)", valid=Range(1))
+    logging_steps: int = option(10, help="write metrics every this many steps", valid=Range(1))
+    save_steps: int = option(500, help="write a checkpoint every this many steps (and at the last)", valid=Range(1))
     save_total_limit: int | None = option(
-        2, help="keep this many checkpoints, removing the oldest (None: all)", valid=Range(1)
+        None, help="keep this many checkpoints, removing the oldest (None: all)", valid=Range(1)
     )
     save_only_model: bool = option(
         False,
@@ -358,9 +360,9 @@ class GRPOConfig(StepCounts, GRPOChecks):
     report_to: list[str] = option(
         default_factory=lambda: ["jsonl"], help="`jsonl` (metrics.jsonl) and/or `tensorboard`"
     )
-    log_completions: bool = option(True, help="print a few sample completions every log_completions_steps")
+    log_completions: bool = option(False, help="print a few sample completions every log_completions_steps")
     num_completions_to_print: int | None = option(
-        2, help="sample completions printed each time (None: all, as TRL's default)", valid=Range(0)
+        None, help="sample completions printed each time (None: all)", valid=Range(0)
     )
     log_completions_steps: int = option(5, help="steps between printed samples", valid=Range(1))
     progress_bar: bool = option(True, help="show a progress bar")

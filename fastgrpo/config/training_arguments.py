@@ -130,7 +130,10 @@ AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     "fsdp_config": ((None, {}), _RUN),
     "deepspeed": ((None,), _RUN),
     "debug": (("", [], None), _RUN),
-    "resume_from_checkpoint": ((None,), "resume with --resume (GRPOTrainer(..., resume=True))"),
+    "resume_from_checkpoint": (
+        (None,),
+        "resume with trainer.train(resume_from_checkpoint=True), GRPOTrainer(..., resume=True) or --resume",
+    ),
     "enable_jit_checkpoint": ((False,), "checkpoints are written every save_steps steps; a run resumes from the last"),
     "ddp_backend": ((None,), "fastgrpo's process group is nccl's on GPUs and gloo's on CPUs"),
 }

@@ -27,6 +27,7 @@ from fastgrpo.grpo.losses import (
 )
 from fastgrpo.grpo.micro_batch_stats import bonus_weights, micro_batch_slices, sliced_metrics, top_entropy_mask
 from fastgrpo.grpo.update_metrics import sampling_metrics, skipped_parts, vespo_gamma
+from fastgrpo.models import autocast_bf16
 from fastgrpo.precision import MasterWeights, fused_adamw
 from fastgrpo.threads import ThreadGovernor
 
@@ -66,6 +67,7 @@ class PolicyUpdate:
         self.config = config
         self.world_size = world_size
         self.device = next(model.parameters()).device
+        self.bf16 = autocast_bf16(config.bf16, self.device)
         self.threads: ThreadGovernor | None = None  # consulted before every micro-batch when set
         # The training forward, under DDP (or FSDP2 with `fsdp`) when several processes train; either makes rank 0's
         # weights everyone's. FSDP2 shards the parameters, so the optimizer is built on the sharded ones.
@@ -152,7 +154,7 @@ class PolicyUpdate:
         """``[B, C]`` completion log-probs by ``logprobs`` (the training forward, `CompletionLogprobs` possibly
         wrapped by DDP or FSDP2, which gives the entropies too; or `completion_logprobs` of another model), and the
         ``[B, C]`` entropies (None where ``logprobs`` gives none)."""
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.config.bf16):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.bf16):
             out = logprobs(
                 batch.input_ids.to(self.device),
                 batch.attention_mask.to(self.device),

@@ -31,11 +31,12 @@ from fastgrpo.grpo.run_dir import (
     check_output_dir,
     checkpoint_bytes,
     checkpoints_written,
+    resumable_run,
 )
 from fastgrpo.grpo.run_log import RunLog, logged_record
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
 from fastgrpo.grpo.trl_callbacks import TrlCallbacks
-from fastgrpo.grpo.trl_form import TrlTrainerMethods, train_summary, trl_call
+from fastgrpo.grpo.trl_form import Given, TrlTrainerMethods, train_summary, trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -43,6 +44,7 @@ from fastgrpo.models import (
     eos_token_ids,
     load_model,
     load_tokenizer,
+    load_weights_into,
     resolve_model_path,
     warn_if_bf16_emulated,
 )
@@ -73,13 +75,19 @@ class GRPOTrainer(TrlTrainerMethods):
         eval_dataset: Any = None,
         **trl: Any,
     ):
-        if not isinstance(config, GRPOConfig):  # TRL's form: the model (or nothing) where the config goes
+        trl_form = not isinstance(config, GRPOConfig)
+        if trl_form:  # TRL's form: the model (or nothing) where the config goes
             given = trl_call(config, model, tokenizer, dataset, resume, eval_dataset, trl)
             config, model, tokenizer, dataset, eval_dataset, callbacks = given
         elif trl:
             raise TypeError(f"GRPOTrainer(config, ...) takes no {', '.join(trl)}: TRL's arguments go with TRL's form")
         else:
             callbacks = []
+        self._build(Given(config, model, tokenizer, dataset, eval_dataset, trl_form), resume, TrlCallbacks(callbacks))
+
+    def _build(self, given: Given, resume: bool, events: TrlCallbacks) -> None:
+        """The trainer of ``given``: everything that can refuse the run does so before the model loads."""
+        config, model, tokenizer, dataset, eval_dataset, trl_form = self.given = given
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
         check_tools(config.speculation, bool(config.tools or config.environment_factory))
@@ -102,7 +110,7 @@ class GRPOTrainer(TrlTrainerMethods):
                 f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per generation "
                 f"({config.prompts_per_generation} on each of {self.dist.world_size} processes)"
             )
-        self.start_step, self.num_tokens = 0, 0.0
+        self.start_step, self.num_tokens, self.resumed_from = 0, 0.0, None
         self.generation: Generation | None = None  # the one the next optimizer steps train on
         self.samples: list[tuple[Any, str, float, dict[str, Any]]] | None = None  # the latest generation's, unshown
         self.generations_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
@@ -122,12 +130,19 @@ class GRPOTrainer(TrlTrainerMethods):
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
         self.lock = DirectoryLock(self.output_dir) if self.dist.is_main else None
         checkpoint, resume_state = None, None
+        self.held_run: str | None = None  # a run in output_dir that `train(resume_from_checkpoint=...)` may continue
         if resume:  # nothing is deleted: the run is claimed now, its checkpoint read
             with distributed.main_first(self.dist):
                 checkpoint, resume_state, self.run_id = prepare_output_dir(
                     self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
                 )
             check_resumed(config, self.output_dir, self.run_id, self.dist.is_main, checkpoint, resume_state, disk)
+        elif trl_form and not config.overwrite_output_dir and resumable_run(self.output_dir):  # as TRL's constructor
+            self.held_run = (
+                f"output_dir {self.output_dir} holds a run that saved checkpoints: continue it with "
+                "trainer.train(resume_from_checkpoint=True), choose another output_dir, or start a new run there with "
+                "overwrite_output_dir=True (which deletes the earlier run's files and keeps everything else)"
+            )
         elif self.dist.is_main:  # what the claim would refuse, now; the claim (and its deletions) after the set-up
             freed = check_output_dir(self.output_dir, resume, config.overwrite_output_dir)
             saves = checkpoints_written(0, config.max_steps, config.save_steps, config.save_total_limit)
@@ -137,11 +152,13 @@ class GRPOTrainer(TrlTrainerMethods):
         self.tools = RunTools(tools, environments, self.tokenizer, config) if tools or environments else None
         # A LoRA checkpoint holds the adapter only: the base model comes from `model` and the adapter is loaded on it.
         self.model = model or load_model(config.model if config.use_peft else source, config.dtype, self.dist.device)
+        if model is not None and checkpoint is not None and not config.use_peft:
+            load_weights_into(model, checkpoint)  # a model given in memory goes on from the checkpoint's weights
         self.device = next(self.model.parameters()).device
         load_reward_models(self.reward_funcs, self.device, config.dtype, config.chat_template_kwargs)
         if config.disable_dropout:
             disable_dropout(self.model)
-        if config.bf16:
+        if config.bf16:  # None turns autocast on only where the device has bfloat16 units
             warn_if_bf16_emulated("bf16", self.device)
         self.ref_model = reference_model(config, self.device) if config.beta > 0 else None
         if config.use_peft:
@@ -184,8 +201,8 @@ class GRPOTrainer(TrlTrainerMethods):
             config.chat_template_kwargs,
             self.tools.render if self.tools is not None else None,
         )
-        self.events = TrlCallbacks(callbacks, self)  # TRL's callbacks (none in fastgrpo's own form)
-        if not resume:  # everything that can refuse the run has: an overwritten run's files are deleted only now
+        self.events = events.bind(self)  # TRL's callbacks (none in fastgrpo's own form)
+        if not resume and self.held_run is None:  # all that can refuse the run has: an overwrite deletes only now
             with distributed.main_first(self.dist):
                 _, _, self.run_id = prepare_output_dir(
                     self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
@@ -208,6 +225,7 @@ class GRPOTrainer(TrlTrainerMethods):
         self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
         set_rng_state(state["rng"])
         self.start_step, self.num_tokens = state["step"], state.get("num_tokens", 0.0)
+        self.resumed_from = checkpoint
         if "entropy_control" in state:
             self.update.entropy.load_state_dict(state["entropy_control"])
         logger.info("resumed from %s at step %d", checkpoint, self.start_step)
@@ -298,8 +316,16 @@ class GRPOTrainer(TrlTrainerMethods):
         self.model.save_pretrained(path, **({} if weights is None else {"state_dict": weights}))
         self.tokenizer.save_pretrained(path)
 
-    def train(self) -> list[dict[str, float]]:
-        """Run until ``max_steps``; returns the metrics of the steps run by this call (the same on every rank)."""
+    def train(self, resume_from_checkpoint: bool | str | Path | None = None) -> list[dict[str, float]]:
+        """Run until ``max_steps``; returns the metrics of the steps run by this call (the same on every rank).
+        ``resume_from_checkpoint`` (TRL's): True, or the path of the newest checkpoint of the run in ``output_dir``,
+        continues that run first (`resume_checkpoint`)."""
+        if resume_from_checkpoint not in (None, False):
+            latest = self.resume_checkpoint(resume_from_checkpoint)
+            if self.resumed_from is None or self.resumed_from.resolve() != latest:
+                self._rebuild_resumed()
+        elif self.held_run is not None:
+            raise ValueError(self.held_run)
         cfg = self.config
         main = self.dist.is_main
         history = []

@@ -22,12 +22,10 @@ class LoopCallbacks(CallbackHandler):
     """transformers' `CallbackHandler` for a loop that plays ``DefaultFlowCallback``'s part itself (which
     transformers' constructor warns about when it is missing)."""
 
-    def __init__(self, callbacks: Iterable[TrainerCallback | type], model: Any, tokenizer: Any, update: Any):
+    def __init__(self, callbacks: Iterable[TrainerCallback | type]):
         self.callbacks: list[TrainerCallback] = []
         for callback in callbacks:
             self.add_callback(callback)
-        self.model, self.processing_class = model, tokenizer
-        self.optimizer, self.lr_scheduler = update.optimizer, update.scheduler
         self.train_dataloader = self.eval_dataloader = None
 
 
@@ -58,20 +56,29 @@ class TrlCallbacks:
     of a ``train()`` call, `step_begin` and `step_end` of each step (`step_end` says what the callbacks asked for),
     `logged`, `evaluated` and `saved`."""
 
-    def __init__(self, callbacks: Iterable[TrainerCallback | type], trainer: Any):
-        cfg = trainer.config
-        self.handler = LoopCallbacks(callbacks, trainer.model, trainer.tokenizer, trainer.update)
-        self.args = CallbackArgs(cfg)
-        self.state = TrainerState(
-            max_steps=cfg.max_steps,
-            logging_steps=cfg.logging_steps,
-            eval_steps=cfg.eval_interval,
-            save_steps=cfg.save_steps,
-            train_batch_size=cfg.per_device_train_batch_size,
-            is_local_process_zero=trainer.dist.is_main,
-            is_world_process_zero=trainer.dist.is_main,
-        )
-        self.control = self.handler.on_init_end(self.args, self.state, TrainerControl())
+    def __init__(self, callbacks: Iterable[TrainerCallback | type]):
+        self.handler = LoopCallbacks(callbacks)
+        self.args: CallbackArgs | None = None  # set by the first `bind`
+
+    def bind(self, trainer: Any) -> TrlCallbacks:
+        """Hand the callbacks ``trainer``'s model, tokenizer, optimizer and scheduler; the first time, its options and
+        state, and ``on_init_end`` (a trainer built again to resume keeps its callbacks, which saw it once)."""
+        self.handler.model, self.handler.processing_class = trainer.model, trainer.tokenizer
+        self.handler.optimizer, self.handler.lr_scheduler = trainer.update.optimizer, trainer.update.scheduler
+        if self.args is None:
+            cfg = trainer.config
+            self.args = CallbackArgs(cfg)
+            self.state = TrainerState(
+                max_steps=cfg.max_steps,
+                logging_steps=cfg.logging_steps,
+                eval_steps=cfg.eval_interval,
+                save_steps=cfg.save_steps,
+                train_batch_size=cfg.per_device_train_batch_size,
+                is_local_process_zero=trainer.dist.is_main,
+                is_world_process_zero=trainer.dist.is_main,
+            )
+            self.control = self.handler.on_init_end(self.args, self.state, TrainerControl())
+        return self
 
     def begin(self, step: int) -> None:
         self.state.global_step = step

@@ -5,10 +5,12 @@ the loaded model and tokenizer where given, the dataset's rows) before anything 
 from __future__ import annotations
 
 import dataclasses
+import gc
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, TrainerCallback, TrainerState
 
 from fastgrpo import distributed
@@ -16,6 +18,7 @@ from fastgrpo.config import GRPOConfig
 from fastgrpo.data import DataConfig
 from fastgrpo.data.prompts import prompt_problem
 from fastgrpo.data.records import ConversationalRow
+from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.report import read_metrics
 
 # TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
@@ -66,6 +69,18 @@ class FastgrpoArguments(NamedTuple):
     dataset: list[dict[str, Any]] | None
     eval_dataset: list[dict[str, Any]] | None
     callbacks: list[Any]
+
+
+class Given(NamedTuple):
+    """What a trainer is built from (`fastgrpo.grpo.trainer.GRPOTrainer`, either form), kept to build it again when
+    ``train(resume_from_checkpoint=...)`` resumes; ``trl_form``: it was called in TRL's form."""
+
+    config: GRPOConfig
+    model: PreTrainedModel | None
+    tokenizer: PreTrainedTokenizerBase | None
+    dataset: list[dict[str, Any]] | None
+    eval_dataset: list[dict[str, Any]] | None
+    trl_form: bool
 
 
 def trl_call(
@@ -215,10 +230,14 @@ def train_summary(history: list[dict[str, Any]], seconds: float, completions_per
 class TrlTrainerMethods:
     """TRL's `Trainer` attributes a GRPO script reads, on fastgrpo's trainer: `state` (read from the run's
     ``metrics.jsonl``, so a resumed run's history is whole, and ended as TRL's by the last `train` call's
-    `train_summary`) and `save_model`."""
+    `train_summary`), `save_model`, and what ``train(resume_from_checkpoint=...)`` resumes with."""
 
     summary: dict[str, Any] | None = None  # `train_summary` of the last `train` call
     events: Any  # the trainer's `fastgrpo.grpo.trl_callbacks.TrlCallbacks`
+    given: Given  # what the trainer was built from
+    resumed_from: Path | None  # the checkpoint it resumed from
+    _build: Callable[[Given, bool, Any], None]  # the trainer's: builds it from `given`
+    close: Callable[[], None]  # the trainer's: gives its output directory's lock back
     config: GRPOConfig
     output_dir: Path
     dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
@@ -240,6 +259,31 @@ class TrlTrainerMethods:
             max_steps=self.config.max_steps,
             log_history=logged,
         )
+
+    def resume_checkpoint(self, resume_from_checkpoint: bool | str | Path) -> Path:
+        """The checkpoint ``train(resume_from_checkpoint=...)`` continues from (resolved): the newest of the run in
+        ``output_dir``, which a path given must name (fastgrpo continues a run from its newest checkpoint, with its
+        optimizer, schedule, drafters and random state)."""
+        latest = latest_checkpoint(self.output_dir)
+        if latest is None:
+            raise FileNotFoundError(f"resume_from_checkpoint: no checkpoint of the run in output_dir {self.output_dir}")
+        asked = resume_from_checkpoint
+        if asked is not True and (not isinstance(asked, str | Path) or Path(asked).resolve() != latest.resolve()):
+            raise ValueError(
+                f"resume_from_checkpoint: {asked!r} is not True nor the newest checkpoint of the run in output_dir "
+                f"{self.output_dir} ({latest}): fastgrpo continues a run from its newest checkpoint"
+            )
+        return latest.resolve()
+
+    def _rebuild_resumed(self) -> None:
+        """Build this trainer again from what it was given, resuming the run in ``output_dir``; its callbacks stay."""
+        given, events = self.given, self.events
+        self.close()
+        vars(self).clear()  # the model, caches and optimizer state go before the checkpoint's load
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        self._build(given, True, events)
 
     def add_callback(self, callback: Any) -> None:
         """Add a ``TrainerCallback`` (an instance, or a class to make one of), as TRL's ``Trainer`` does."""

@@ -42,7 +42,7 @@ from fastgrpo.memory.activations import (
 )
 from fastgrpo.memory.items import GIB, MOMENTS, PHASE_OF, MemoryItem, MemoryItems
 from fastgrpo.memory.shapes import LoraShape, ModelShape, lora_shape
-from fastgrpo.models import DTYPES, resolve_dtype
+from fastgrpo.models import DTYPES, autocast_bf16, resolve_dtype
 from fastgrpo.precision import fused_adamw
 from fastgrpo.reward_model import RewardModel
 from fastgrpo.rewards import resolve_reward_funcs
@@ -257,7 +257,7 @@ def estimate_memory(
         items.resident("CUDA graph pool", graph_pool_bytes(run))
     for plugin in plugins(config.speculation):
         items.items += plugin.memory(run)
-    _update_items(items, config, shape, w, lora, grad_bytes, run.cuda)
+    _update_items(items, config, shape, w, lora, grad_bytes, run.cuda, autocast_bf16(config.bf16, device))
 
     if device.type == "cuda":
         items.resident("CUDA context", CUDA_CONTEXT_BYTES)
@@ -362,13 +362,14 @@ def _update_items(
     lora: LoraShape | None,
     grad_bytes: int,
     cuda: bool,
+    bf16: bool,
 ) -> None:
     """The policy update's saved activations for one micro-batch (with ``gradient_checkpointing``: what the
     checkpointed forward keeps, and one layer's recomputed activations) and its backward temporaries."""
     rows, seq_len = config.per_device_train_batch_size, config.max_prompt_length + config.max_completion_length
     run = TrainingForward(
         residual=w,
-        compute=2 if config.bf16 and w == 4 else w,
+        compute=2 if bf16 and w == 4 else w,
         full=lora is None,
         lora_modules=lora.modules if lora else frozenset(),
         lora_rank=config.lora_r,
