@@ -15,6 +15,7 @@ import inspect
 import logging
 import math
 import os
+import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -120,6 +121,24 @@ REWARD_FUNCS: dict[str, RewardFunc] = {
 }
 
 
+# The names TRL's `trl grpo` script takes in reward_funcs: functions of `trl.rewards` (the overlong punishment made
+# with the script's values), logged under their own names as TRL logs them.
+TRL_SCRIPT_REWARDS: dict[str, dict[str, int] | None] = {
+    "accuracy_reward": None,
+    "reasoning_accuracy_reward": None,
+    "think_format_reward": None,
+    "get_soft_overlong_punishment": {"max_completion_len": 1280, "soft_punish_cache": 256},
+}
+DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+")  # TRL's script's "my_lib.rewards.custom_reward"
+
+
+def trl_script_reward(name: str) -> RewardFunc:
+    """The reward function TRL's script names ``name`` (`TRL_SCRIPT_REWARDS`)."""
+    func = import_function(f"trl.rewards:{name}")
+    made = TRL_SCRIPT_REWARDS[name]
+    return func if made is None else func(**made)
+
+
 def _named(func: RewardFunc, name: str) -> RewardFunc:
     """``func`` under the name it was asked for, so that its metrics are ``rewards/<name>/...`` (``accuracy`` is
     `gsm8k_flexible`)."""
@@ -162,7 +181,8 @@ def import_function(spec: str, kind: str = "reward function") -> Callable[..., A
 
 
 def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list[RewardFunc]:
-    """Turn registry names, ``"module.path:function"`` strings and callables into reward functions, and a model (a
+    """Turn registry names (fastgrpo's, and TRL's script's `TRL_SCRIPT_REWARDS`), ``"module.path:function"`` (or
+    TRL's script's ``"module.path.function"``) strings and callables into reward functions, and a model (a
     directory or hub id of a sequence-classification model, or a ``PreTrainedModel``) into a `RewardModel`, checked
     but not loaded (`fastgrpo.reward_model.load_reward_models` loads it beside the policy)."""
     funcs: list[RewardFunc] = []
@@ -175,10 +195,15 @@ def resolve_reward_funcs(names_or_callables: Sequence[str | RewardFunc]) -> list
             funcs.append(_named(REWARD_FUNCS[spec], spec))
         elif isinstance(spec, str) and ":" in spec:
             funcs.append(import_function(spec))
+        elif spec in TRL_SCRIPT_REWARDS:
+            funcs.append(trl_script_reward(spec))
         elif isinstance(spec, str) and ("/" in spec or os.path.isdir(os.path.expanduser(spec))):
             funcs.append(RewardModel(spec))  # a sequence-classification reward model, as TRL reads one
+        elif isinstance(spec, str) and DOTTED.fullmatch(spec):
+            module, _, name = spec.rpartition(".")
+            funcs.append(import_function(f"{module}:{name}"))
         else:
-            valid = ", ".join(REWARD_FUNCS)
+            valid = ", ".join([*REWARD_FUNCS, *TRL_SCRIPT_REWARDS])
             raise ValueError(f"unknown reward function {spec!r}; valid names: {valid} (or 'module.path:function')")
     return funcs
 

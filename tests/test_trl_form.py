@@ -303,3 +303,57 @@ def test_train_resume_from_checkpoint_goes_on_as_the_uninterrupted_run(
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=name)
         assert name.endswith("norm.weight") or not torch.equal(mine.float(), first[name]), f"{name} trained"
     assert resumed.state.global_step == 4
+
+
+def test_a_trl_script_config_runs_as_trls_script_reads_it(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A YAML written for TRL's ``trl grpo`` script (``ModelConfig``'s and ``ScriptArguments``' keys beside
+    ``GRPOConfig``'s, its reward names and a dotted path) is read as that script reads it, and trains; its keys that
+    would change the run are refused by name."""
+    import yaml
+
+    from fastgrpo.config import load_config
+    from fastgrpo.config.trl_script import read_script_options
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in ROWS))
+    script = {
+        "model_name_or_path": str(tiny_model_dir),
+        "model_revision": "main",
+        "dtype": "float32",
+        "attn_implementation": None,
+        "lora_task_type": "CAUSAL_LM",
+        "load_in_4bit": False,
+        "dataset_name": str(rows),
+        "dataset_train_split": "train",
+        "dataset_test_split": "test",
+        "dataset_streaming": False,
+        "reward_funcs": ["think_format_reward", "get_soft_overlong_punishment", "bad_input_matrix.length_reward"],
+        "output_dir": str(tmp_path / "run"),
+        "num_generations": 4,
+        "per_device_train_batch_size": 4,
+        "max_completion_length": 8,
+        "max_steps": 1,
+        "logging_steps": 1,
+        "report_to": "none",
+        "use_cpu": True,
+        "disable_tqdm": True,
+    }
+    path = tmp_path / "script.yaml"
+    path.write_text(yaml.safe_dump(script))
+    config = load_config(path, [])
+    assert config.model == str(tiny_model_dir) and config.dataset.name == str(rows) and config.dataset.split == "train"
+    log = GRPOTrainer(config).train()[-1]
+    for name in ("think_format_reward", "soft_overlong_punishment_reward", "length_reward"):
+        assert f"rewards/{name}/mean" in log, name
+    with_eval = load_config(path, ["--eval_strategy", "steps", "--dataset_name", "org/data", "--dataset_config", "c"])
+    assert (with_eval.dataset.name, with_eval.dataset.config, with_eval.eval_dataset.split) == ("org/data", "c", "test")
+    scored = read_script_options({"reward_model_name_or_path": "org/scorer", "reward_funcs": ["think_format_reward"]})
+    assert scored == {"reward_funcs": ["org/scorer", "think_format_reward"]}, "the reward model first, as TRL's script"
+    for extra, message in (
+        (["--load_in_4bit", "true"], "load_in_4bit: quantized loading is not supported"),
+        (["--model", "smollm2", "--model_name_or_path", "x"], "model_name_or_path and model set one option"),
+        (["--dataset_name", "null", "--dataset_config", "c"], "dataset_config: names a part of dataset_name's"),
+        (["--dataset_streaming", "true"], "dataset_streaming: the dataset's rows are read whole"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            load_config(path, extra)

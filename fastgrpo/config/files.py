@@ -16,6 +16,7 @@ import yaml
 
 from fastgrpo.config.grpo import GRPOConfig, train_only_hint
 from fastgrpo.config.trl_names import read_trl_options
+from fastgrpo.config.trl_script import read_script_options
 from fastgrpo.config.yaml_loader import YAML11_BOOLEANS, DuplicateKeyError, YAMLLoader
 from fastgrpo.fields import joined
 from fastgrpo.paths import expand_user, read_text
@@ -253,12 +254,13 @@ def build_options(
 
 
 def _trl_names(classes: tuple[type, ...], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, and TRL's and
-    ``TrainingArguments``' other options as `fastgrpo.config.trl_names.read_trl_options` reads them."""
+    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, the keys of TRL's script
+    configs as `fastgrpo.config.trl_script.read_script_options` reads them, and TRL's and ``TrainingArguments``'
+    other options as `fastgrpo.config.trl_names.read_trl_options` reads them."""
     if GRPOConfig not in classes:
         return values
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    return read_trl_options(_canonical_names(classes, values), defaults)
+    return read_trl_options(read_script_options(_canonical_names(classes, values)), defaults)
 
 
 def _canonical_names(classes: tuple[type, ...] | None, values: dict[str, Any]) -> dict[str, Any]:

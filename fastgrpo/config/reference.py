@@ -11,6 +11,8 @@ from fastgrpo.config.files import yaml_value
 from fastgrpo.config.grpo import GRPOConfig
 from fastgrpo.config.training_arguments import IGNORED, READ
 from fastgrpo.config.trl_names import TRL_REFUSED, VLLM_OPTIONS
+from fastgrpo.config.trl_script import SCRIPT_AT_DEFAULT
+from fastgrpo.rewards import TRL_SCRIPT_REWARDS
 
 
 def option_rows(cls: type = GRPOConfig, prefix: str = "") -> list[tuple[str, str, Any, str]]:
@@ -104,6 +106,29 @@ def _trl_section() -> list[str]:
     return lines
 
 
+def _script_section() -> list[str]:
+    """The page's section on configs written for TRL's ``trl grpo`` script (`fastgrpo.config.trl_script`)."""
+    lines = [
+        "",
+        "## TRL's script configs",
+        "",
+        "A YAML file written for TRL's `trl grpo` script, with `ModelConfig`'s and `ScriptArguments`' keys beside",
+        "`GRPOConfig`'s, runs with `fastgrpo train --config` as that script reads it: `model_name_or_path` is `model`;",
+        "`dataset_name` (a local file, or a hub id where the hub is reachable), `dataset_config` and",
+        "`dataset_train_split` are `dataset.name`, `dataset.config` and `dataset.split`, and `dataset_test_split` the",
+        "split of `eval_dataset` where `eval_strategy` is `steps`; `reward_model_name_or_path` comes first among",
+        "`reward_funcs`, whose names may be the script's (" + ", ".join(f"`{k}`" for k in TRL_SCRIPT_REWARDS) + ",",
+        "from `trl.rewards`, the overlong punishment with the script's values) or dotted paths",
+        "(`my_lib.rewards.custom_reward`). `dtype`, `use_peft` and `lora_*` are fastgrpo's own options. The others:",
+        "",
+        "| script key | accepted | why any other value is refused |",
+        "|---|---|---|",
+    ]
+    for key, (accepted, reason) in SCRIPT_AT_DEFAULT.items():
+        lines.append(f"| `{key}` | {', '.join(yaml_value(v) for v in accepted)} | {reason} |")
+    return lines
+
+
 def options_markdown() -> str:
     """The option reference, ``docs/options.md``: ``python -m fastgrpo.config > docs/options.md`` writes it."""
     from fastgrpo.config.commands import COMMANDS
@@ -120,6 +145,7 @@ def options_markdown() -> str:
         "",
         *_table(option_rows()),
         *_trl_section(),
+        *_script_section(),
     ]
     train = {row[0]: row for row in option_rows()}
     for command, classes in COMMANDS.items():

@@ -42,6 +42,7 @@ class DataConfig:
         path=True,
     )
     path: str | None = option(None, help="the file a preset reads (None: the preset's hub dataset)", path=True)
+    config: str | None = option(None, help="the configuration (subset) of a hub dataset, as TRL's dataset_config")
     split: str = option(
         "train",
         help="split of a hub dataset, or of the arithmetic generator: `train`, or `test` (the questions `train` never "
@@ -119,6 +120,8 @@ class DataConfig:
                 + (" (dataset.limit keeps the first rows)" if key == "num_examples" else "")
             )
         file = self.local_file()
+        if "config" in given and (file is not None or self.name == "arithmetic" or self.name in PRESETS):
+            raise ValueError(f"dataset.config names a configuration of a hub dataset, not of {self.name}: remove it")
         if "split" in given and file is not None:
             raise ValueError(
                 f"dataset.split applies to hub datasets and the arithmetic generator, not to the local file {file}, "

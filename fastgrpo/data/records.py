@@ -119,7 +119,7 @@ def _read_source(cfg: DataConfig, preset: Preset | None) -> tuple[str, list[Reco
         return preset.hub_id, read_hub(preset.hub_id, preset.hub_config, cfg.split)
     path = cfg.local_file()
     if path is None:
-        return cfg.name, read_hub(cfg.name, None, cfg.split)
+        return cfg.name, read_hub(cfg.name, cfg.config, cfg.split)
     if path.is_dir():
         via = f" (a link to {path.resolve()})" if path.is_symlink() else ""
         raise ValueError(f"dataset: {path}{via} is a directory, not a dataset file (.jsonl, .json or .parquet)")

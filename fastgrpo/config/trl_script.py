@@ -1,0 +1,83 @@
+"""The keys of a config for TRL's ``trl grpo`` script (its ``ScriptArguments``, ``GRPOScriptArguments``,
+``ModelConfig`` and ``DatasetMixtureConfig`` beside ``GRPOConfig``, in one YAML file or on the command line) as
+fastgrpo's options: `read_script_options`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+_QUANTIZED = "quantized loading is not supported: the policy trains in the dtype it is loaded in (dtype)"
+_LORA = "fastgrpo's LoRA is plain LoRA on lora_target_modules (lora_r, lora_alpha, lora_dropout)"
+
+# Keys of TRL's script configs fastgrpo has no option for: accepted at these values, refused otherwise.
+SCRIPT_AT_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
+    "model_revision": (("main", None), "the model is read as it is: a local directory, or the hub's main revision"),
+    "attn_implementation": (
+        (None, "sdpa"),
+        "fastgrpo decodes with its own attention over its KV cache and trains with SDPA's",
+    ),
+    "lora_target_parameters": ((None,), _LORA),
+    "lora_modules_to_save": ((None,), _LORA),
+    "lora_task_type": (("CAUSAL_LM",), _LORA),
+    "use_rslora": ((False,), _LORA),
+    "use_dora": ((False,), _LORA),
+    "load_in_8bit": ((False,), _QUANTIZED),
+    "load_in_4bit": ((False,), _QUANTIZED),
+    "bnb_4bit_quant_type": (("nf4",), _QUANTIZED),
+    "use_bnb_nested_quant": ((False,), _QUANTIZED),
+    "bnb_4bit_quant_storage": ((None,), _QUANTIZED),
+    "dataset_streaming": ((False,), "the dataset's rows are read whole"),
+    "ignore_bias_buffers": ((False,), "fastgrpo's DDP wrapper broadcasts no buffers"),
+    "datasets": (([],), "a mixture of datasets is not read: give dataset_name"),
+    "streaming": ((False,), "the dataset's rows are read whole"),
+    "test_split_size": ((None,), "no split of the training rows is held out: give eval_dataset"),
+}
+
+_DATASET_KEYS = ("dataset_name", "dataset_config", "dataset_train_split", "dataset_test_split")
+
+
+def read_script_options(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` (one source's options by name) with TRL's script keys read as fastgrpo's options:
+    ``model_name_or_path`` as ``model``; ``dataset_name`` (a local file or a hub id), ``dataset_config`` and
+    ``dataset_train_split`` as ``dataset``, and ``dataset_test_split`` as ``eval_dataset`` where ``eval_strategy`` is
+    ``steps`` (as TRL's script passes it); ``reward_model_name_or_path`` first among ``reward_funcs`` (TRL's
+    script's names there are read by `fastgrpo.rewards.resolve_reward_funcs`); `SCRIPT_AT_DEFAULT`'s keys dropped at
+    the values that change nothing. What would set one option twice, or change the run otherwise, is refused,
+    naming the key."""
+    out = {k: v for k, v in values.items() if k not in SCRIPT_AT_DEFAULT and k not in _DATASET_KEYS}
+    refused = [
+        f"{key}: {SCRIPT_AT_DEFAULT[key][1]}"
+        for key, value in values.items()
+        if key in SCRIPT_AT_DEFAULT and not _changes_nothing(value, SCRIPT_AT_DEFAULT[key][0])
+    ]
+    if refused:
+        raise ValueError("\n".join(refused))
+    if "model_name_or_path" in values:
+        _one_option(values, "model_name_or_path", "model")
+        out["model"] = out.pop("model_name_or_path")
+    name = values.get("dataset_name")
+    if name is not None:
+        _one_option(values, "dataset_name", "dataset")
+        config = {"config": values["dataset_config"]} if values.get("dataset_config") is not None else {}
+        split = values.get("dataset_train_split", "train")
+        out["dataset"] = {"name": name, **config, **({"split": split} if split != "train" else {})}
+        if values.get("eval_strategy") == "steps":
+            _one_option(values, "dataset_test_split", "eval_dataset")
+            out["eval_dataset"] = {"name": name, **config, "split": values.get("dataset_test_split", "test")}
+    elif any(values.get(key) is not None for key in _DATASET_KEYS[1:]):
+        given = next(key for key in _DATASET_KEYS[1:] if values.get(key) is not None)
+        raise ValueError(f"{given}: names a part of dataset_name's dataset, and no dataset_name is given")
+    reward_model = out.pop("reward_model_name_or_path", None)
+    if reward_model is not None:
+        funcs = values.get("reward_funcs") or []
+        out["reward_funcs"] = [reward_model, *([funcs] if isinstance(funcs, str) else funcs)]
+    return out
+
+
+def _changes_nothing(value: Any, accepted: tuple[Any, ...]) -> bool:
+    return any(value == ok and type(value) is type(ok) for ok in accepted)
+
+
+def _one_option(values: dict[str, Any], trl_key: str, key: str) -> None:
+    if key in values:
+        raise ValueError(f"{trl_key} and {key} set one option (TRL's script's key and fastgrpo's): give one of them")
