@@ -253,14 +253,16 @@ def test_fastgrpos_form_refuses_trls_keywords(tmp_path: Path) -> None:
         GRPOTrainer("smollm2", length_reward, trl_args(tmp_path), ROWS, ROWS)  # TRL's fifth: eval_dataset
 
 
-@pytest.mark.parametrize("given", ["path", "bfloat16 model in memory"])  # the latter keeps no float32 masters
+@pytest.mark.parametrize("given", ["path", "bfloat16 model in memory", "bfloat16 model in memory, float32 masters"])
 def test_train_resume_from_checkpoint_goes_on_as_the_uninterrupted_run(
     tiny_model_dir: Path, tmp_path: Path, given: str
 ) -> None:
     """TRL's ``trainer.train(resume_from_checkpoint=True)``: a trainer built beside a run that stopped at a checkpoint
     is not refused; ``train()`` alone is, naming ``resume_from_checkpoint``, as is a path that is not the newest
     checkpoint; resumed, the run's last two steps log what the uninterrupted run's did and end on its weights (a
-    model given in memory takes the checkpoint's weights), and the callbacks see one ``on_init_end``."""
+    model given in memory takes the checkpoint's weights, where no float32 masters hold them, and the first build's
+    gradient hooks are gone where they do), and the callbacks see one ``on_init_end``. A run with no step left is
+    refused before anything of the trainer is undone."""
     from transformers import TrainerCallback
 
     class StopAtTwo(TrainerCallback):
@@ -283,7 +285,8 @@ def test_train_resume_from_checkpoint_goes_on_as_the_uninterrupted_run(
             if given == "path"
             else AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
         )
-        args = trl_args(out, max_steps=4, save_steps=2, temperature=1.0, master_weights=given == "path")
+        masters = given != "bfloat16 model in memory"
+        args = trl_args(out, max_steps=4, save_steps=2, temperature=1.0, master_weights=masters)
         return GRPOTrainer(model=model, reward_funcs=token_reward, args=args, train_dataset=ROWS, callbacks=callbacks)
 
     whole = trainer(tmp_path / "whole", [])
@@ -303,6 +306,9 @@ def test_train_resume_from_checkpoint_goes_on_as_the_uninterrupted_run(
         torch.testing.assert_close(mine, theirs, rtol=1e-6, atol=1e-7, msg=name)
         assert name.endswith("norm.weight") or not torch.equal(mine.float(), first[name]), f"{name} trained"
     assert resumed.state.global_step == 4
+    with pytest.raises(ValueError, match=r"has trained its max_steps \(4\): raise max_steps"):
+        resumed.train(resume_from_checkpoint=True)
+    resumed.save_model(tmp_path / "final")  # the trainer is whole
 
 
 def test_a_trl_script_config_runs_as_trls_script_reads_it(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -312,7 +318,7 @@ def test_a_trl_script_config_runs_as_trls_script_reads_it(tiny_model_dir: Path, 
     import yaml
 
     from fastgrpo.config import load_config
-    from fastgrpo.config.trl_script import read_script_options
+    from fastgrpo.config.trl_script import finish_script_options, read_script_options
 
     rows = tmp_path / "rows.jsonl"
     rows.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in ROWS))
@@ -347,8 +353,15 @@ def test_a_trl_script_config_runs_as_trls_script_reads_it(tiny_model_dir: Path, 
         assert f"rewards/{name}/mean" in log, name
     with_eval = load_config(path, ["--eval_strategy", "steps", "--dataset_name", "org/data", "--dataset_config", "c"])
     assert (with_eval.dataset.name, with_eval.dataset.config, with_eval.eval_dataset.split) == ("org/data", "c", "test")
-    scored = read_script_options({"reward_model_name_or_path": "org/scorer", "reward_funcs": ["think_format_reward"]})
+    scored = finish_script_options(
+        read_script_options({"reward_model_name_or_path": "org/scorer", "reward_funcs": ["think_format_reward"]})
+    )
     assert scored == {"reward_funcs": ["org/scorer", "think_format_reward"]}, "the reward model first, as TRL's script"
+    assert load_config(path, ["--model", "smollm2"]).model == "smollm2", "the command line overrides the file"
+    flags = ["--use_rslora", "0", "--use_dora", "no", "--dataset_config", "1.0", "--dataset_name", "org/data"]
+    assert load_config(path, flags).dataset.config == "1.0", "read as TRL's parser reads them"
+    own = load_config(path, ["--eval_strategy", "steps", "--eval_dataset.name", "arithmetic"]).eval_dataset
+    assert own.name == "arithmetic" and own.split == "train", "an eval_dataset given is kept"
     for extra, message in (
         (["--load_in_4bit", "true"], "load_in_4bit: quantized loading is not supported"),
         (["--model", "smollm2", "--model_name_or_path", "x"], "model_name_or_path and model set one option"),

@@ -16,7 +16,7 @@ import yaml
 
 from fastgrpo.config.grpo import GRPOConfig, train_only_hint
 from fastgrpo.config.trl_names import read_trl_options
-from fastgrpo.config.trl_script import read_script_options
+from fastgrpo.config.trl_script import finish_script_options, read_script_options
 from fastgrpo.config.yaml_loader import YAML11_BOOLEANS, DuplicateKeyError, YAMLLoader
 from fastgrpo.fields import joined
 from fastgrpo.paths import expand_user, read_text
@@ -254,13 +254,13 @@ def build_options(
 
 
 def _trl_names(classes: tuple[type, ...], values: dict[str, Any]) -> dict[str, Any]:
-    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, the keys of TRL's script
-    configs as `fastgrpo.config.trl_script.read_script_options` reads them, and TRL's and ``TrainingArguments``'
-    other options as `fastgrpo.config.trl_names.read_trl_options` reads them."""
+    """``values`` with TRL's names of options (the classes' ``ALIASES``) read as fastgrpo's, what TRL's script
+    configs set from several keys (`fastgrpo.config.trl_script.finish_script_options`), and TRL's and
+    ``TrainingArguments``' other options as `fastgrpo.config.trl_names.read_trl_options` reads them."""
     if GRPOConfig not in classes:
         return values
     defaults = {f.name: f.default for f in dataclasses.fields(GRPOConfig)}
-    return read_trl_options(read_script_options(_canonical_names(classes, values)), defaults)
+    return read_trl_options(finish_script_options(_canonical_names(classes, values)), defaults)
 
 
 def _canonical_names(classes: tuple[type, ...] | None, values: dict[str, Any]) -> dict[str, Any]:
@@ -312,8 +312,9 @@ def read_options(
     path: str | Path | None = None, overrides: list[str] | None = None, classes: tuple[type, ...] | None = None
 ) -> dict[str, Any]:
     """The options a YAML config (optional; ``~`` is expanded in its path) and ``--option value`` overrides set, as
-    nested plain data; ``classes``: the dataclasses they are for (see `parse_overrides`). A mapping of the file that
-    holds a key twice is refused, naming the file, the key and both lines."""
+    nested plain data; ``classes``: the dataclasses they are for (see `parse_overrides`), each source's TRL script
+    keys read as fastgrpo's (`fastgrpo.config.trl_script.read_script_options`) before the command line overrides
+    the file. A mapping of the file that holds a key twice is refused, naming the file, the key and both lines."""
     values: dict[str, Any] = {}
     if path is not None:
         path = Path(expand_user(path, "--config"))
@@ -331,7 +332,10 @@ def read_options(
             raise ValueError(f"{path}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
         if not isinstance(values, dict):
             raise ValueError(f"{path} must hold a mapping of options")
-    return _merge(_canonical_names(classes, values), parse_overrides(overrides or [], classes))
+    values, given = _canonical_names(classes, values), parse_overrides(overrides or [], classes)
+    if classes is not None and GRPOConfig in classes:  # the keys of TRL's script configs, in each source
+        values, given = read_script_options(values), read_script_options(given)
+    return _merge(values, given)
 
 
 def _named(f: Any) -> Any:

@@ -201,7 +201,7 @@ class GRPOConfig(StepCounts, GRPOChecks):
     bf16: bool | None = option(
         None,
         help="bfloat16 autocast for the policy update (fast on GPUs, and on CPUs with AMX or avx512_bf16 only); None "
-        "(TRL's default): on a GPU with bfloat16 units, off on a CPU",
+        "(the default, as TRL's, which turns it on everywhere): on a GPU with bfloat16 units, off on a CPU",
     )
     gradient_checkpointing: bool = option(
         True,

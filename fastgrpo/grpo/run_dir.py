@@ -210,14 +210,6 @@ def _earlier_run(out: Path, resume: bool, overwrite: bool) -> tuple[str | None, 
     return run_id, owned, foreign
 
 
-def resumable_run(out: Path) -> bool:
-    """Whether ``out`` holds a fastgrpo run that has saved a checkpoint (one `--resume` could continue)."""
-    if not out.is_dir():
-        return False
-    run_id = read_run_id(out)
-    return run_id is not None and any(CHECKPOINT_RE.match(p.name) and marked_by(p, run_id) for p in out.iterdir())
-
-
 def check_output_dir(out: Path, resume: bool, overwrite: bool) -> int:
     """Refuse now what `claim_output_dir` would refuse, deleting nothing (a run checks this before its long set-up and
     claims the directory after it); returns the bytes an overwrite would free there."""

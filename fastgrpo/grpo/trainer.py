@@ -31,7 +31,6 @@ from fastgrpo.grpo.run_dir import (
     check_output_dir,
     checkpoint_bytes,
     checkpoints_written,
-    resumable_run,
 )
 from fastgrpo.grpo.run_log import RunLog, logged_record
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
@@ -85,8 +84,9 @@ class GRPOTrainer(TrlTrainerMethods):
             callbacks = []
         self._build(Given(config, model, tokenizer, dataset, eval_dataset, trl_form), resume, TrlCallbacks(callbacks))
 
-    def _build(self, given: Given, resume: bool, events: TrlCallbacks) -> None:
-        """The trainer of ``given``: everything that can refuse the run does so before the model loads."""
+    def _build(self, given: Given, resume: bool, events: TrlCallbacks, lock: DirectoryLock | None = None) -> None:
+        """The trainer of ``given``: everything that can refuse the run does so before the model loads; ``lock``:
+        the output directory's, already held (a trainer built again to resume)."""
         config, model, tokenizer, dataset, eval_dataset, trl_form = self.given = given
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
@@ -128,7 +128,7 @@ class GRPOTrainer(TrlTrainerMethods):
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
             plan_for_trainer(config, model_config, self.dist.device)
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
-        self.lock = DirectoryLock(self.output_dir) if self.dist.is_main else None
+        self.lock = lock or (DirectoryLock(self.output_dir) if self.dist.is_main else None)
         checkpoint, resume_state = None, None
         self.held_run: str | None = None  # a run in output_dir that `train(resume_from_checkpoint=...)` may continue
         if resume:  # nothing is deleted: the run is claimed now, its checkpoint read
@@ -137,7 +137,7 @@ class GRPOTrainer(TrlTrainerMethods):
                     self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
                 )
             check_resumed(config, self.output_dir, self.run_id, self.dist.is_main, checkpoint, resume_state, disk)
-        elif trl_form and not config.overwrite_output_dir and resumable_run(self.output_dir):  # as TRL's constructor
+        elif trl_form and not config.overwrite_output_dir and latest_checkpoint(self.output_dir):  # as TRL's
             self.held_run = (
                 f"output_dir {self.output_dir} holds a run that saved checkpoints: continue it with "
                 "trainer.train(resume_from_checkpoint=True), choose another output_dir, or start a new run there with "

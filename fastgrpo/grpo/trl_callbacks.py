@@ -80,6 +80,11 @@ class TrlCallbacks:
             self.control = self.handler.on_init_end(self.args, self.state, TrainerControl())
         return self
 
+    def unbind(self) -> None:
+        """Let go of the trainer's model, tokenizer, optimizer and scheduler (before it is built again)."""
+        self.handler.model = self.handler.processing_class = None
+        self.handler.optimizer = self.handler.lr_scheduler = None
+
     def begin(self, step: int) -> None:
         self.state.global_step = step
         self.control = self.handler.on_train_begin(self.args, self.state, self.control)

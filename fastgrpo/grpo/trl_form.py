@@ -236,8 +236,9 @@ class TrlTrainerMethods:
     events: Any  # the trainer's `fastgrpo.grpo.trl_callbacks.TrlCallbacks`
     given: Given  # what the trainer was built from
     resumed_from: Path | None  # the checkpoint it resumed from
-    _build: Callable[[Given, bool, Any], None]  # the trainer's: builds it from `given`
-    close: Callable[[], None]  # the trainer's: gives its output directory's lock back
+    _build: Callable[..., None]  # the trainer's: builds it from `given`
+    lock: Any  # the output directory's `DirectoryLock` (rank 0's)
+    tools: Any  # the run's tools (None: none)
     config: GRPOConfig
     output_dir: Path
     dist: Any  # the trainer's `fastgrpo.distributed.DistInfo`
@@ -276,14 +277,40 @@ class TrlTrainerMethods:
         return latest.resolve()
 
     def _rebuild_resumed(self) -> None:
-        """Build this trainer again from what it was given, resuming the run in ``output_dir``; its callbacks stay."""
-        given, events = self.given, self.events
-        self.close()
+        """Build this trainer again from what it was given, resuming the run in ``output_dir`` from its newest
+        checkpoint; its callbacks and its output directory's lock stay. Refused before anything is undone where the
+        run has no step left or a model given in memory was wrapped in place (LoRA, FSDP2)."""
+        given, events, lock = self.given, self.events, self.lock
+        step = int(latest_checkpoint(self.output_dir).name.split("-")[1])  # type: ignore[union-attr]
+        if step >= self.config.max_steps:
+            raise ValueError(
+                f"resume_from_checkpoint: the run in output_dir {self.output_dir} has trained its max_steps "
+                f"({step}): raise max_steps to train on"
+            )
+        if given.model is not None and (self.config.use_peft or self.config.fsdp):
+            raise ValueError(
+                "resume_from_checkpoint: the model given in memory was wrapped in place (LoRA or FSDP2) and cannot be "
+                "built again: give the model by its id or directory"
+            )
+        if self.update.masters is not None:
+            self.update.masters.close()  # its gradient hooks are on the parameters of a model given in memory
+        if self.tools is not None:
+            self.tools.close()
+        events.unbind()
         vars(self).clear()  # the model, caches and optimizer state go before the checkpoint's load
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        self._build(given, True, events)
+        try:
+            self._build(given, True, events, lock)
+        except (ValueError, FileNotFoundError) as e:
+            if lock is not None:
+                lock.release()
+            raise type(e)(str(e).replace("--resume", "resume_from_checkpoint")) from e
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
 
     def add_callback(self, callback: Any) -> None:
         """Add a ``TrainerCallback`` (an instance, or a class to make one of), as TRL's ``Trainer`` does."""
