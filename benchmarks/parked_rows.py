@@ -82,12 +82,13 @@ def watch_parked(engine: RolloutEngine) -> Iterator[ParkedKV]:
             saved.setdefault(index, rows_of(parked.slot, parked.length))
         return out
 
-    def check(this, model, cache, drafters, rows, parked, tokens):
-        before = saved.pop(parked.seq.index)
-        seen.resumed += 1
-        if any(not torch.equal(a, b) for a, b in zip(before, rows_of(parked.slot, parked.length), strict=True)):
-            seen.changed.append((parked.seq.index, parked.slot))
-        return rejoin(this, model, cache, drafters, rows, parked, tokens)
+    def check(this, model, cache, drafters, rows, joining):
+        for parked, _ in joining:
+            before = saved.pop(parked.seq.index)
+            seen.resumed += 1
+            if any(not torch.equal(a, b) for a, b in zip(before, rows_of(parked.slot, parked.length), strict=True)):
+                seen.changed.append((parked.seq.index, parked.slot))
+        return rejoin(this, model, cache, drafters, rows, joining)
 
     with mock.patch.object(RolloutEngine, "_append", snapshot), mock.patch.object(Parking, "_rejoin", check):
         yield seen

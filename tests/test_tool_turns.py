@@ -19,6 +19,7 @@ from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
 from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.turns import Parking
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.eagle.drafter import EagleDrafter
 from fastgrpo.speculative.eagle.head import DraftHead
@@ -38,6 +39,7 @@ class ScriptedTurns:
     waiting: dict[int, list[int]] = field(default_factory=dict)
     turns: Counter = field(default_factory=Counter)
     blocked: int = 0  # `ready` calls that had to wait
+    gather: int = 1  # rows answered together: fewer wait on, unless the engine has no live row
 
     def result(self, row: int, turn: int) -> list[int]:
         return [20 + turn, 21, row % 7 + 30, 22, 23][: self.length]
@@ -57,8 +59,19 @@ class ScriptedTurns:
             self.blocked += 1
             while not done():
                 threading.Event().wait(0.001)
-        out = [(r, self.waiting.pop(r)) for r in done()]
-        return out
+        if not block and len(done()) < self.gather:
+            return []
+        return [(r, self.waiting.pop(r)) for r in done()]
+
+
+class RaggedTurns(ScriptedTurns):
+    """Results of 1 to 5 tokens, by row and turn: rows that resume together feed tool turns of other lengths."""
+
+    def result(self, row: int, turn: int) -> list[int]:
+        return [20 + turn, 21, row % 7 + 30, 22, 23][: 1 + (row + 2 * turn) % 5]
+
+
+TURNS = {"equal": lambda: ScriptedTurns(gather=2), "ragged": lambda: RaggedTurns(gather=2)}
 
 
 def reference_turns(model: PreTrainedModel, prompt: list[int], eos: int, turns: ScriptedTurns, row: int) -> list[int]:
@@ -92,23 +105,74 @@ def model_eos() -> tuple[PreTrainedModel, int, DraftHead]:
     return model, frequent_token(model, PROMPTS), trained_draft(model, epochs=10)
 
 
-def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos) -> None:
+@pytest.mark.parametrize("kind", ["equal", "ragged"])
+def test_greedy_turns_equal_generate_on_the_whole_conversation(model_eos, monkeypatch, kind: str) -> None:
+    """Rows whose tools answer in the same step (two at a time here) resume in one forward, tool turns of other
+    lengths padded."""
     model, eos, _ = model_eos
-    turns = ScriptedTurns()
+    turns, joined = TURNS[kind](), []
+    rejoin = Parking._rejoin
+
+    def counted(self, model, cache, drafters, rows, joining):
+        joined.append([len(tokens) for _, tokens in joining])
+        return rejoin(self, model, cache, drafters, rows, joining)
+
+    monkeypatch.setattr(Parking, "_rejoin", counted)
     out = RolloutEngine(model, [eos]).generate(
         PROMPTS, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 1, turns=turns
     )
     assert sum(turns.turns.values()) >= 3, "the test needs rows that call tools"
+    together = [lengths for lengths in joined if len(lengths) > 1]
+    assert together and (kind == "equal" or any(len(set(lengths)) > 1 for lengths in together)), joined
     for row, prompt in enumerate(PROMPTS):
-        expected = reference_turns(model, prompt, eos, ScriptedTurns(), row)
+        expected = reference_turns(model, prompt, eos, TURNS[kind](), row)
         assert out.completion_ids[row] == expected
         assert out.finish_reasons[row] == ("stop" if expected[-1] == eos else "length")
     assert set(out.finish_reasons) == {"stop", "length"}
     for ids, mask, logprobs in zip(out.completion_ids, out.tool_masks, out.logprobs, strict=True):
         assert len(mask) == len(ids) == len(logprobs)
         assert all(lp == 0.0 for lp, m in zip(logprobs, mask, strict=True) if not m)
-    assert out.stats.tool_prefill_tokens == 3 * sum(turns.turns.values())
+    if kind == "equal":
+        assert out.stats.tool_prefill_tokens == 3 * sum(turns.turns.values())
+    assert_logprobs_of_one_forward(model, PROMPTS, out)
     assert sum(1 - m for mask in out.tool_masks for m in mask) == out.stats.tool_prefill_tokens
+
+
+def assert_logprobs_of_one_forward(model: PreTrainedModel, prompts: list[list[int]], out: GenerationOutput) -> None:
+    """Every sampled token's log-prob is what one forward over its whole conversation gives it: no cache slot a
+    turn or a pad wrote over is read."""
+    for row, prompt in enumerate(prompts):
+        ids = torch.tensor([prompt + out.completion_ids[row]])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].double()
+        ref = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+        sampled = torch.tensor(out.tool_masks[row], dtype=torch.bool)
+        torch.testing.assert_close(torch.tensor(out.logprobs[row], dtype=torch.float64)[sampled], ref[sampled])
+
+
+class ShortAndLongTurns(ScriptedTurns):
+    """Row 0's tool turn is 1 token, row 1's 5, answered together."""
+
+    def result(self, row: int, turn: int) -> list[int]:
+        return [20, 21, 22, 23, 24][: 1 if row == 0 else 5]
+
+
+def test_a_short_turn_resuming_beside_a_long_one_keeps_its_slots(model_eos, monkeypatch) -> None:
+    """The row whose cache ends last feeds the shorter tool turn: its pads go past its end, not onto its last slot."""
+    model, eos, _ = model_eos
+    prompts = [[5, 6, 7, 8, 9] * 6, [5, 6, 7]]  # row 0 parks first, with the longer cache
+    joined = []
+    rejoin = Parking._rejoin
+
+    def counted(self, model, cache, drafters, rows, joining):
+        joined.append(sorted(len(tokens) for _, tokens in joining))
+        return rejoin(self, model, cache, drafters, rows, joining)
+
+    monkeypatch.setattr(Parking, "_rejoin", counted)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    out = RolloutEngine(model, [eos]).generate(prompts, params, 1, turns=ShortAndLongTurns(calls=1, gather=2))
+    assert [1, 5] in joined, joined
+    assert_logprobs_of_one_forward(model, prompts, out)
 
 
 class FillingTurns(ScriptedTurns):
@@ -142,16 +206,19 @@ def test_results_that_fill_the_completion_end_it_with_them(model_eos) -> None:
     assert out.stats.tool_prefill_tokens == 0, "nothing was fed: the rows ended"
 
 
-@pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix", "suffix without tool results"])
+@pytest.mark.parametrize(
+    "drafter", ["eagle", "suffix", "eagle+suffix", "suffix without tool results", "eagle+suffix ragged turns"]
+)
 def test_sampled_turns_with_speculation_equal_plain_sampling(model_eos, drafter: str) -> None:
     model, eos, draft = model_eos
+    kind = "ragged" if drafter.endswith("ragged turns") else "equal"
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
     uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=ScriptedTurns())
+    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=TURNS[kind]())
     engine = speculative_engine(model, [eos], drafter.split()[0], draft, TreeShape(8, 3, 4))
     if drafter.endswith("without tool results"):
         engine.drafters["suffix"].reads_tool_results = False
-    turns = ScriptedTurns()
+    turns = TURNS[kind]()
     out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=turns)
     assert sum(turns.turns.values()) >= 3
     assert out.completion_ids == plain.completion_ids

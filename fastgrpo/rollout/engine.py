@@ -391,7 +391,7 @@ class RolloutEngine:
         if paused:
             drafted = [drafter.park(paused) for drafter in self.drafters.values()]
             moves = call.parking.park(rows, order, paused, drafted, self.cache.max_rows)
-        if keep or paused:
+        if keep or paused or (call.parking is not None and call.parking.rows):  # rows to resume into later
             self.cache.select_rows(moves, upto=max(rows.host_len))
             for drafter in self.drafters.values():
                 drafter.select(order, index)

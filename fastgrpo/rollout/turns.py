@@ -16,11 +16,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 from transformers import PreTrainedModel
 
 from fastgrpo.rollout.cache import RowCache
 from fastgrpo.rollout.drafter import Drafter, Emitted
-from fastgrpo.rollout.forward import decoder_and_head, forward_chain
+from fastgrpo.rollout.forward import decoder_and_head, forward_block
 from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows, Generation, Sequence
 
@@ -92,6 +93,7 @@ class Parking:
         ready = self.turns.ready(block=not rows.size)
         if not rows.size:
             call.stats.tool_wait_time += time.perf_counter() - t0
+        joining: list[tuple[ParkedRow, list[int]]] = []
         for index, tokens in ready:
             parked = self.rows.pop(index)
             room = None if tokens is None else call.params.max_new_tokens - len(parked.seq.completion_ids) - len(tokens)
@@ -100,9 +102,9 @@ class Parking:
             if room == 0:  # they fill the completion: it ends with them, as in TRL's loop
                 parked.seq.append_tool_result(tokens)
                 continue
-            rows = self._rejoin(model, cache, drafters, rows, parked, tokens)
+            joining.append((parked, tokens))
             call.stats.tool_prefill_tokens += len(tokens)
-        return rows
+        return self._rejoin(model, cache, drafters, rows, joining) if joining else rows
 
     def _rejoin(
         self,
@@ -110,39 +112,67 @@ class Parking:
         cache: RowCache,
         drafters: list[Drafter],
         rows: ActiveRows,
-        parked: ParkedRow,
-        tokens: list[int],
+        joining: list[tuple[ParkedRow, list[int]]],
     ) -> ActiveRows:
-        """Move the row to cache row ``B`` (the first past the live ones), feed it its pending EOS and all but the
-        last of ``tokens`` at its own length, and append it to the live rows with the last one pending."""
-        live = rows.size
-        if parked.slot != live:
-            moves = list(range(max(live, parked.slot) + 1))
-            moves[live] = parked.slot
-            upto = parked.length
-            for other in self.rows.values():
-                if other.slot == live:  # swapped into the row this one leaves
-                    moves[parked.slot], other.slot, upto = live, parked.slot, max(upto, other.length)
-            cache.select_rows(moves, upto=upto)
-        seq, dev = parked.seq, rows.ids.device
-        fed = host_to_device([seq.completion_ids[-1], *tokens[:-1]], dev)
-        n = len(tokens)
-        base = host_to_device([parked.length], dev)
+        """Move the ``k`` rows of ``joining`` to cache rows ``B`` to ``B + k - 1`` (the first past the live ones),
+        feed each its pending EOS and all but the last of its tool turn's tokens at its own length, all in one
+        forward, and append them to the live rows with their last tokens pending. Shorter turns are padded; their
+        pads are written past their rows' lengths (no query of the row reads them, and decoding writes over them)."""
+        live, dev = rows.size, rows.ids.device
+        parked = [p for p, _ in joining]
+        for j, row in enumerate(parked):
+            _move(cache, row, live + j, [*self.rows.values(), *parked[j + 1 :]])
+        counts = [len(tokens) for _, tokens in joining]
+        width, ends = max(counts), [p.length + n for p, n in zip(parked, counts, strict=True)]
+        extent = max(ends) + (min(counts) < width)  # a slot past every row's end for the pads
+        fed = [[p.seq.completion_ids[-1], *t[:-1]] + [t[-1]] * (width - len(t)) for p, t in joining]
+        offsets = [[min(t, extent - 1 - p.length) for t in range(width)] for p in parked]
+        base = host_to_device([p.length for p in parked], dev)
+        steps = torch.arange(width, device=dev)
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
         decoder, _ = decoder_and_head(model)
-        hidden = forward_chain(decoder, cache, base, input_ids=fed[None], extent=parked.length + n, first=live)
-        seq.append_tool_result(tokens)
-        if seq.hidden is not None:
-            seq.hidden.append(hidden[0])
-        length = parked.length + n
-        joined = ActiveRows(
-            [seq],
-            host_to_device([seq.index], dev),
-            host_to_device([length], dev),
-            [length],
-            host_to_device([tokens[-1]], dev),
-            host_to_device([len(seq.completion_ids)], dev),
+        hidden = forward_block(
+            decoder,
+            cache,
+            base,
+            host_to_device(offsets, dev),
+            base[:, None] + steps[None, :],
+            causal,
+            input_ids=host_to_device(fed, dev),
+            extent=extent,
+            first=live,
         )
-        emitted = Emitted(host_to_device(tokens, dev)[None], hidden, host_to_device([n], dev), [n])
-        for drafter, state in zip(drafters, parked.drafted, strict=True):
-            drafter.rejoin(state, emitted)
+        for k, (row, tokens) in enumerate(joining):
+            row.seq.append_tool_result(tokens)
+            if row.seq.hidden is not None:
+                row.seq.hidden.append(hidden[k, : len(tokens)])
+        joined = ActiveRows(
+            [p.seq for p in parked],
+            host_to_device([p.seq.index for p in parked], dev),
+            host_to_device(ends, dev),
+            ends,
+            host_to_device([t[-1] for _, t in joining], dev),
+            host_to_device([len(p.seq.completion_ids) for p in parked], dev),
+        )
+        ids, counted = (
+            host_to_device([t + [t[-1]] * (width - len(t)) for _, t in joining], dev),
+            host_to_device(counts, dev),
+        )
+        for k, (row, n) in enumerate(zip(parked, counts, strict=True)):
+            emitted = Emitted(ids[k : k + 1, :n], hidden[k : k + 1, :n], counted[k : k + 1], [n])
+            for drafter, state in zip(drafters, row.drafted, strict=True):
+                drafter.rejoin(state, emitted)
         return rows.extend(joined)
+
+
+def _move(cache: RowCache, row: ParkedRow, target: int, others: list[ParkedRow]) -> None:
+    """Move parked ``row`` to cache row ``target``; the one of ``others`` there (if any) takes ``row``'s place."""
+    if row.slot == target:
+        return
+    moves = list(range(max(target, row.slot) + 1))
+    moves[target], upto = row.slot, row.length
+    for other in others:
+        if other.slot == target:  # swapped into the row this one leaves
+            moves[row.slot], other.slot, upto = target, row.slot, max(upto, other.length)
+    cache.select_rows(moves, upto=upto)
+    row.slot = target
