@@ -15,6 +15,7 @@ from parked_rows import LateTools, frequent_token, watch_parked
 from test_speculative import PROMPTS, speculative_engine, tiny_model, trained_draft
 from transformers import PreTrainedModel
 
+from fastgrpo.rollout import turns as turns_module
 from fastgrpo.rollout.drafter import Drafter
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.sequence import GenerationOutput
@@ -172,6 +173,48 @@ def test_a_short_turn_resuming_beside_a_long_one_keeps_its_slots(model_eos, monk
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     out = RolloutEngine(model, [eos]).generate(prompts, params, 1, turns=ShortAndLongTurns(calls=1, gather=2))
     assert [1, 5] in joined, joined
+    assert_logprobs_of_one_forward(model, prompts, out)
+
+
+class StaggeredTools(LateTools):
+    """`LateTools` whose results are 1 to 5 tokens and come in batches, every 6 steps (rows 0, 3, 6, ... two batches
+    later): rows resume together while others still wait, parked in the cache rows the resuming ones move to."""
+
+    def result(self, row: int, turn: int) -> list[int]:
+        return [20 + turn, 21, row % 7 + 30, 22, 23][: 1 + (row + turn) % 5]
+
+    def ended(self, row: int, completion: list[int]) -> bool:
+        turn = self.turns.get(row, 0)
+        if not super().ended(row, completion):
+            return False
+        self.waiting[row], self.due[row] = self.result(row, turn), (self.clock // 6 + (3 if row % 3 == 0 else 1)) * 6
+        return True
+
+
+def test_rows_resuming_together_swap_past_rows_still_waiting(model_eos, monkeypatch) -> None:
+    """Several rows resume in one forward while others still wait, moved out of the cache rows the resuming ones
+    take: greedy turns equal `generate` on the whole conversation, and every log-prob one forward's."""
+    model, eos, _ = model_eos
+    prompts = [*PROMPTS, [5, 6, 7], [10, 11, 12, 13], [9, 8], [14, 15, 16]]
+    swaps, joining_now, move, rejoin = [], [0], turns_module._move, Parking._rejoin
+
+    def recorded(cache, row, target, others):
+        swaps.append(joining_now[0] > 1 and row.slot != target and any(other.slot == target for other in others))
+        return move(cache, row, target, others)
+
+    def counted(self, model, cache, drafters, rows, joining):
+        joining_now[0] = len(joining)
+        return rejoin(self, model, cache, drafters, rows, joining)
+
+    monkeypatch.setattr(turns_module, "_move", recorded)
+    monkeypatch.setattr(Parking, "_rejoin", counted)
+    tools = StaggeredTools()
+    out = RolloutEngine(model, [eos]).generate(
+        prompts, SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 1, turns=tools
+    )
+    assert any(swaps), "a row resuming with others took the cache row of one still waiting"
+    for row, prompt in enumerate(prompts):
+        assert out.completion_ids[row] == reference_turns(model, prompt, eos, StaggeredTools(), row), row
     assert_logprobs_of_one_forward(model, prompts, out)
 
 

@@ -41,7 +41,8 @@ def window_attention_mask(
     Args:
         base_len: ``[B]`` slots every query sees.
         window_mask: ``[B, T, W]`` (or broadcastable) bool, query ``t`` sees slot ``base_len + w``.
-        kv_len: the slots the keys span, at least ``max(base_len) + W`` (default: exactly that, read from the device).
+        kv_len: the slots the keys span, past every slot a query sees (default: ``max(base_len) + W``, read from the
+            device).
 
     Returns:
         ``[B, 1, T, kv_len]``: 0 where attention is allowed, the dtype's minimum elsewhere; a view of a mask over
@@ -85,7 +86,7 @@ def window_block_mask(base_len: torch.Tensor, window_mask: torch.Tensor, kv_len:
     Args:
         base_len: ``[B]`` slots every query sees.
         window_mask: ``[B, T, W]`` (or broadcastable) bool, query ``t`` sees slot ``base_len + w``.
-        kv_len: the slots the keys span, at least ``max(base_len) + W``.
+        kv_len: the slots the keys span, past every slot a query sees.
     """
     b = base_len.shape[0]
     t, w = window_mask.shape[-2:]
@@ -127,10 +128,10 @@ def forward_block(
 ) -> torch.Tensor:
     """One decoder forward over ``T`` new tokens per row.
 
-    A decoding loop knows its rows' lengths on the host and passes ``extent`` (the slots the keys span, at least
-    ``max(base_len) + W``) and ``equal_lengths`` (every row has the same ``base_len``, and ``extent`` is that plus
-    ``W``), so that the forward never reads the device; without ``extent`` it is read from ``base_len`` (one
-    synchronisation).
+    A decoding loop knows its rows' lengths on the host and passes ``extent`` (the slots the keys span: past every
+    slot a query sees, ``max(base_len) + W`` where every row fills its window) and ``equal_lengths`` (every row has
+    the same ``base_len``, and ``extent`` is that plus ``W``), so that the forward never reads the device; without
+    ``extent`` it is read from ``base_len`` (one synchronisation).
 
     Args:
         decoder: a transformers base model (``model.get_decoder()``, or a draft's body).

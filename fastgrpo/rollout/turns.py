@@ -127,8 +127,8 @@ class Parking:
         extent = max(ends) + (min(counts) < width)  # a slot past every row's end for the pads
         fed = [[p.seq.completion_ids[-1], *t[:-1]] + [t[-1]] * (width - len(t)) for p, t in joining]
         offsets = [[min(t, extent - 1 - p.length) for t in range(width)] for p in parked]
+        positions = [[p.length + min(t, n - 1) for t in range(width)] for p, n in zip(parked, counts, strict=True)]
         base = host_to_device([p.length for p in parked], dev)
-        steps = torch.arange(width, device=dev)
         causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril()
         decoder, _ = decoder_and_head(model)
         hidden = forward_block(
@@ -136,7 +136,7 @@ class Parking:
             cache,
             base,
             host_to_device(offsets, dev),
-            base[:, None] + steps[None, :],
+            host_to_device(positions, dev),  # a pad at its row's last position: none past what decoding reaches
             causal,
             input_ids=host_to_device(fed, dev),
             extent=extent,
