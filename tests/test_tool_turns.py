@@ -218,6 +218,36 @@ def test_rows_resuming_together_swap_past_rows_still_waiting(model_eos, monkeypa
     assert_logprobs_of_one_forward(model, prompts, out)
 
 
+class FirstRowLate(LateTools):
+    """`LateTools` whose row 0 gets its first result only after every other row has ended."""
+
+    def ended(self, row: int, completion: list[int]) -> bool:
+        if not super().ended(row, completion):
+            return False
+        if row == 0 and self.turns[row] == 1:
+            self.due[row] = self.clock + 10 * MAX_NEW
+        return True
+
+
+def test_a_row_resuming_after_every_other_ended_finds_its_drafters_in_step(model_eos, monkeypatch) -> None:
+    """Every live row ends in a step while row 0 still waits on its tool: the drafters drop those rows too, so that
+    EAGLE drafts row 0 alone when it resumes, and the greedy completions equal plain decoding's."""
+    model, eos, draft = model_eos
+    alone, rejoin = [], Parking._rejoin
+
+    def counted(self, model, cache, drafters, rows, joining):
+        alone.append(rows.size == 0 and [p.seq.index for p, _ in joining] == [0])
+        return rejoin(self, model, cache, drafters, rows, joining)
+
+    monkeypatch.setattr(Parking, "_rejoin", counted)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
+    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 1, turns=FirstRowLate())
+    engine = speculative_engine(model, [eos], "eagle", draft, TreeShape(8, 3, 4))
+    out = engine.generate(PROMPTS, params, 1, turns=FirstRowLate())
+    assert any(alone), "row 0 resumed after every other row had ended"
+    assert out.completion_ids == plain.completion_ids and out.tool_masks == plain.tool_masks
+
+
 class FillingTurns(ScriptedTurns):
     """Each row's first turn that ends with the EOS calls a tool whose result is exactly the tokens left."""
 
