@@ -112,13 +112,19 @@ TRL_REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
 }
 
 
+def changes_nothing(value: Any, accepted: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of the ``accepted`` values of an option fastgrpo lacks (of the same type: 0 is not
+    False)."""
+    return any(value == ok and type(value) is type(ok) for ok in accepted)
+
+
 def trl_refusal(key: str, value: Any) -> str | None:
     """None when ``key`` is one of TRL's options that fastgrpo lacks and ``value`` changes nothing (it is ignored);
     the one line that refuses it otherwise (None too for a key TRL does not have)."""
     if key not in TRL_REFUSED:
         return None
     accepted, reason = TRL_REFUSED[key]
-    if any(value == ok and type(value) is type(ok) for ok in accepted):
+    if changes_nothing(value, accepted):
         return None
     return f"{key}: {reason}"
 

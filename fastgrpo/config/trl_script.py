@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from fastgrpo.config.trl_names import changes_nothing
 from fastgrpo.config.yaml_loader import YAML11_BOOLEANS
 
 _QUANTIZED = "quantized loading is not supported: the policy trains in the dtype it is loaded in (dtype)"
@@ -54,7 +55,7 @@ def read_script_options(values: dict[str, Any]) -> dict[str, Any]:
     refused = [
         f"{key}: {SCRIPT_AT_DEFAULT[key][1]}"
         for key, value in values.items()
-        if key in SCRIPT_AT_DEFAULT and not _changes_nothing(value, SCRIPT_AT_DEFAULT[key][0])
+        if key in SCRIPT_AT_DEFAULT and not changes_nothing(value, SCRIPT_AT_DEFAULT[key][0])
     ]
     if refused:
         raise ValueError("\n".join(refused))
@@ -109,10 +110,6 @@ def _as_read(key: str, value: Any) -> Any:
         if type(value) is int and value in (0, 1):
             return bool(value)
     return value
-
-
-def _changes_nothing(value: Any, accepted: tuple[Any, ...]) -> bool:
-    return any(value == ok and type(value) is type(ok) for ok in accepted)
 
 
 def _one_option(values: dict[str, Any], trl_key: str, key: str) -> None:

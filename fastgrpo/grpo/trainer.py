@@ -35,7 +35,7 @@ from fastgrpo.grpo.run_dir import (
 from fastgrpo.grpo.run_log import RunLog, logged_record
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
 from fastgrpo.grpo.trl_callbacks import TrlCallbacks
-from fastgrpo.grpo.trl_form import Given, TrlTrainerMethods, train_summary, trl_call
+from fastgrpo.grpo.trl_form import FastgrpoArguments, TrlTrainerMethods, train_summary, trl_call
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -74,20 +74,21 @@ class GRPOTrainer(TrlTrainerMethods):
         eval_dataset: Any = None,
         **trl: Any,
     ):
-        trl_form = not isinstance(config, GRPOConfig)
-        if trl_form:  # TRL's form: the model (or nothing) where the config goes
+        self.trl_form = not isinstance(config, GRPOConfig)
+        if self.trl_form:  # TRL's form: the model (or nothing) where the config goes
             given = trl_call(config, model, tokenizer, dataset, resume, eval_dataset, trl)
-            config, model, tokenizer, dataset, eval_dataset, callbacks = given
         elif trl:
             raise TypeError(f"GRPOTrainer(config, ...) takes no {', '.join(trl)}: TRL's arguments go with TRL's form")
         else:
-            callbacks = []
-        self._build(Given(config, model, tokenizer, dataset, eval_dataset, trl_form), resume, TrlCallbacks(callbacks))
+            given = FastgrpoArguments(config, model, tokenizer, dataset, eval_dataset, [])
+        self._build(given, resume, TrlCallbacks(given.callbacks))
 
-    def _build(self, given: Given, resume: bool, events: TrlCallbacks, lock: DirectoryLock | None = None) -> None:
-        """The trainer of ``given``: everything that can refuse the run does so before the model loads; ``lock``:
-        the output directory's, already held (a trainer built again to resume)."""
-        config, model, tokenizer, dataset, eval_dataset, trl_form = self.given = given
+    def _build(
+        self, given: FastgrpoArguments, resume: bool, events: TrlCallbacks, lock: DirectoryLock | None = None
+    ) -> None:
+        """The trainer of ``given`` (kept as `given`, to build it again to resume): everything that can refuse the
+        run does so before the model loads; ``lock``: the output directory's, already held (a trainer built again)."""
+        config, model, tokenizer, dataset, eval_dataset, _ = self.given = given
         config.validate()
         check_speculation(config.speculation)  # the drafters registered (`register_drafter`) included
         check_tools(config.speculation, bool(config.tools or config.environment_factory))
@@ -137,7 +138,7 @@ class GRPOTrainer(TrlTrainerMethods):
                     self.output_dir, resume, config.overwrite_output_dir, self.dist.is_main
                 )
             check_resumed(config, self.output_dir, self.run_id, self.dist.is_main, checkpoint, resume_state, disk)
-        elif trl_form and not config.overwrite_output_dir and latest_checkpoint(self.output_dir):  # as TRL's
+        elif self.trl_form and not config.overwrite_output_dir and latest_checkpoint(self.output_dir):  # as TRL's
             self.held_run = (
                 f"output_dir {self.output_dir} holds a run that saved checkpoints: continue it with "
                 "trainer.train(resume_from_checkpoint=True), choose another output_dir, or start a new run there with "
@@ -323,7 +324,7 @@ class GRPOTrainer(TrlTrainerMethods):
         if resume_from_checkpoint not in (None, False):
             latest = self.resume_checkpoint(resume_from_checkpoint)
             if self.resumed_from is None or self.resumed_from.resolve() != latest:
-                self._rebuild_resumed()
+                self._rebuild_resumed(latest)
         elif self.held_run is not None:
             raise ValueError(self.held_run)
         cfg = self.config

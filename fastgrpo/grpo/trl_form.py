@@ -19,6 +19,7 @@ from fastgrpo.data import DataConfig
 from fastgrpo.data.prompts import prompt_problem
 from fastgrpo.data.records import ConversationalRow
 from fastgrpo.grpo.checkpoint import latest_checkpoint
+from fastgrpo.grpo.run_dir import CHECKPOINT_RE
 from fastgrpo.report import read_metrics
 
 # TRL's arguments whose work fastgrpo's trainer does otherwise: refused when given, with what to use instead.
@@ -69,18 +70,6 @@ class FastgrpoArguments(NamedTuple):
     dataset: list[dict[str, Any]] | None
     eval_dataset: list[dict[str, Any]] | None
     callbacks: list[Any]
-
-
-class Given(NamedTuple):
-    """What a trainer is built from (`fastgrpo.grpo.trainer.GRPOTrainer`, either form), kept to build it again when
-    ``train(resume_from_checkpoint=...)`` resumes; ``trl_form``: it was called in TRL's form."""
-
-    config: GRPOConfig
-    model: PreTrainedModel | None
-    tokenizer: PreTrainedTokenizerBase | None
-    dataset: list[dict[str, Any]] | None
-    eval_dataset: list[dict[str, Any]] | None
-    trl_form: bool
 
 
 def trl_call(
@@ -234,7 +223,8 @@ class TrlTrainerMethods:
 
     summary: dict[str, Any] | None = None  # `train_summary` of the last `train` call
     events: Any  # the trainer's `fastgrpo.grpo.trl_callbacks.TrlCallbacks`
-    given: Given  # what the trainer was built from
+    given: FastgrpoArguments  # what the trainer was built from
+    trl_form: bool  # whether it was called in TRL's form
     resumed_from: Path | None  # the checkpoint it resumed from
     _build: Callable[..., None]  # the trainer's: builds it from `given`
     lock: Any  # the output directory's `DirectoryLock` (rank 0's)
@@ -276,12 +266,13 @@ class TrlTrainerMethods:
             )
         return latest.resolve()
 
-    def _rebuild_resumed(self) -> None:
+    def _rebuild_resumed(self, latest: Path) -> None:
         """Build this trainer again from what it was given, resuming the run in ``output_dir`` from its newest
-        checkpoint; its callbacks and its output directory's lock stay. Refused before anything is undone where the
-        run has no step left or a model given in memory was wrapped in place (LoRA, FSDP2)."""
-        given, events, lock = self.given, self.events, self.lock
-        step = int(latest_checkpoint(self.output_dir).name.split("-")[1])  # type: ignore[union-attr]
+        checkpoint ``latest`` (`resume_checkpoint`); its callbacks and its output directory's lock stay. Refused
+        before anything is undone where the run has no step left or a model given in memory was wrapped in place
+        (LoRA, FSDP2)."""
+        given, events, lock, trl_form = self.given, self.events, self.lock, self.trl_form
+        step = int(CHECKPOINT_RE.match(latest.name).group(1))  # type: ignore[union-attr]
         if step >= self.config.max_steps:
             raise ValueError(
                 f"resume_from_checkpoint: the run in output_dir {self.output_dir} has trained its max_steps "
@@ -298,6 +289,7 @@ class TrlTrainerMethods:
             self.tools.close()
         events.unbind()
         vars(self).clear()  # the model, caches and optimizer state go before the checkpoint's load
+        self.trl_form = trl_form
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -125,7 +125,8 @@ class Parking:
         counts = [len(tokens) for _, tokens in joining]
         width, ends = max(counts), [p.length + n for p, n in zip(parked, counts, strict=True)]
         extent = max(ends) + (min(counts) < width)  # a slot past every row's end for the pads
-        fed = [[p.seq.completion_ids[-1], *t[:-1]] + [t[-1]] * (width - len(t)) for p, t in joining]
+        padded = [t + [t[-1]] * (width - len(t)) for _, t in joining]  # each turn to ``width`` with its last token
+        fed = [[p.seq.completion_ids[-1], *t[:-1]] for p, t in zip(parked, padded, strict=True)]
         offsets = [[min(t, extent - 1 - p.length) for t in range(width)] for p in parked]
         positions = [[p.length + min(t, n - 1) for t in range(width)] for p, n in zip(parked, counts, strict=True)]
         base = host_to_device([p.length for p in parked], dev)
@@ -154,10 +155,7 @@ class Parking:
             host_to_device([t[-1] for _, t in joining], dev),
             host_to_device([len(p.seq.completion_ids) for p in parked], dev),
         )
-        ids, counted = (
-            host_to_device([t + [t[-1]] * (width - len(t)) for _, t in joining], dev),
-            host_to_device(counts, dev),
-        )
+        ids, counted = host_to_device(padded, dev), host_to_device(counts, dev)
         for k, (row, n) in enumerate(zip(parked, counts, strict=True)):
             emitted = Emitted(ids[k : k + 1, :n], hidden[k : k + 1, :n], counted[k : k + 1], [n])
             for drafter, state in zip(drafters, row.drafted, strict=True):
