@@ -31,10 +31,15 @@ class DistInfo:
     rank: int
     world_size: int
     device: torch.device
+    rollout: bool = False  # a rollout process (`rollout_processes`): it generates what training rank ``rank`` trains
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and not self.rollout
+
+
+_TRAINING: Any = None  # with rollout processes, the group of the training processes, which the collectives below use
+_MESSAGES: Any = None  # with rollout processes, a gloo group of every process for their messages (on the host)
 
 
 def env_int(name: str, default: int) -> int:
@@ -65,8 +70,11 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
-def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistInfo:
-    """Join the job torchrun started (once per process; later calls return the same answer)."""
+def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_processes: int = 0) -> DistInfo:
+    """Join the job torchrun started (once per process; later calls return the same answer); with
+    ``rollout_processes``, its last ranks are rollout processes and the others train (their group is the one the
+    collectives here use)."""
+    global _TRAINING, _MESSAGES
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
     local_rank = env_int("LOCAL_RANK", 0)
     for name in ("RANK", "WORLD_SIZE"):
@@ -80,26 +88,48 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0) -> DistIn
             timeout=timedelta(seconds=timeout_seconds),
             device_id=device if device.type == "cuda" else None,
         )
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if rollout_processes and world != rollout_processes + 1:
+        raise ValueError(
+            f"rollout_processes: {rollout_processes} rollout processes train with one training process: start "
+            f"{rollout_processes + 1} processes with torchrun (--nproc_per_node), not {world}"
+        )
     if not dist.is_initialized():
         return DistInfo(0, 1, device)
-    return DistInfo(dist.get_rank(), dist.get_world_size(), device)
+    if rollout_processes and _TRAINING is None:  # made by every process, once, in the same order
+        _TRAINING = dist.new_group(list(range(world - rollout_processes)))
+        _MESSAGES = dist.new_group(backend="gloo")
+    rollout = dist.get_rank() >= world - rollout_processes
+    return DistInfo(0 if rollout else dist.get_rank(), world - rollout_processes, device, rollout)
 
 
 def shutdown() -> None:
     """Destroy the process group. Free the modules wrapped in DistributedDataParallel first: a DDP reducer freed after
     this holds the group's last reference, and on gloo the group's destructor, run by the reducer's with the GIL held,
     waits for a worker thread that waits for the GIL (the process hangs)."""
+    global _TRAINING, _MESSAGES
     if dist.is_initialized():
         dist.destroy_process_group()
+    _TRAINING = _MESSAGES = None
 
 
 def gather(value: Any) -> list[Any]:
     """Every rank's ``value`` (any picklable object), in rank order; ``[value]`` in a single process."""
-    if not dist.is_initialized():
-        return [value]
-    out: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    if not dist.is_initialized() or not _trains():
+        return [value]  # a rollout process scores whole generations alone
+    out: list[Any] = [None] * dist.get_world_size(_TRAINING)
+    dist.all_gather_object(out, value, group=_TRAINING)
     return out
+
+
+def message_group() -> Any:
+    """The group rollout and training processes exchange their messages in (`fastgrpo.grpo.pipeline`)."""
+    return _MESSAGES
+
+
+def _trains() -> bool:
+    """This process trains (it is in the training processes' group)."""
+    return _TRAINING is None or dist.get_rank() < dist.get_world_size(_TRAINING)
 
 
 def max_over_ranks(value: int) -> int:
@@ -110,19 +140,20 @@ def sum_over_ranks(value: float) -> float:
     return sum(gather(value))
 
 
-def barrier() -> None:
+def barrier(job: bool = False) -> None:
+    """Wait for the training processes (``job``: for every process, rollout processes included)."""
     if dist.is_initialized():
-        dist.barrier()
+        dist.barrier(group=None if job else _TRAINING)
 
 
 @contextlib.contextmanager
 def main_first(info: DistInfo) -> Iterator[None]:
-    """Run the body on rank 0 before the other ranks (for work that fills a shared cache once)."""
+    """Run the body on rank 0 before every other process (for work that fills a shared cache once)."""
     if not info.is_main:
-        barrier()
+        barrier(job=True)
     yield
     if info.is_main:
-        barrier()
+        barrier(job=True)
 
 
 def is_sharded(module: torch.nn.Module) -> bool:
@@ -321,12 +352,12 @@ def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 def wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` under DistributedDataParallel when a process group is up (it broadcasts rank 0's parameters,
-    so every rank starts identical); ``module`` itself otherwise."""
-    if not dist.is_initialized():
+    so every rank starts identical); ``module`` itself otherwise (a rollout process's drafts learn alone)."""
+    if not dist.is_initialized() or not _trains():
         return module
     param = next(p for p in module.parameters() if p.requires_grad)
     device_ids = [param.device.index] if param.device.type == "cuda" else None
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids)
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=device_ids, process_group=_TRAINING)
 
 
 # How each step metric is combined across ranks (the rest are averaged: every rank holds the same number of rows).

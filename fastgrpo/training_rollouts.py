@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -21,7 +21,7 @@ from fastgrpo.rollout.cache import call_length
 from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.rollout.sequence import Generation, GenerationOutput
 from fastgrpo.rollout.turns import Turns
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.configured import controller_from_config
@@ -87,6 +87,8 @@ class TrainingRollouts:
         self.drafters: list[Drafter] = []
         self.profile: LatencyProfile | None = None
         self.pending: list[Rollout] = []  # rollouts the learners have not learnt from
+        # called with the call before each decoding step of `generate` (a rollout process takes new weights there)
+        self.between_steps: Callable[[Generation], None] | None = None
         if not self.plugins:
             return
         start = Path(start_from) if start_from is not None else None
@@ -152,7 +154,11 @@ class TrainingRollouts:
         """``num_generations`` completions of each prompt at training step ``step`` (sampled with `step_uniforms`),
         keeping what online learning needs for `learn`; with ``turns``, the completions call tools."""
         with self.decoding(prompt_ids, params, num_generations, step, rank, world_size, turns) as run:
-            run.finish()
+            if self.between_steps is None:
+                run.finish()
+            while not run.done:
+                self.between_steps(run.call)
+                run.step()
         return run.output()
 
     @contextmanager

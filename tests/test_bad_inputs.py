@@ -323,7 +323,7 @@ def test_resume_falls_back_to_the_latest_intact_checkpoint(
     latest = tmp_path / "c-run" / "checkpoint-2" / damaged
     with open(latest, "r+b") as f:
         f.truncate(latest.stat().st_size // 2)
-    with caplog.at_level(logging.INFO, logger="fastgrpo.grpo.trainer"):
+    with caplog.at_level(logging.INFO, logger="fastgrpo.grpo.restore"):
         main(["train", "--config", str(config), "--resume", "--max_steps", "3"])
     assert f"passing over checkpoint-2: {damaged}" in caplog.text
     assert "resumed from" in caplog.text and "checkpoint-1 at step 1" in caplog.text

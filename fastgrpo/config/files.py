@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from fastgrpo.config.grpo import GRPOConfig, train_only_hint
+from fastgrpo.config.grpo import GRPOConfig
 from fastgrpo.config.trl_names import read_trl_options
 from fastgrpo.config.trl_script import finish_script_options, read_script_options
 from fastgrpo.config.yaml_loader import YAML11_BOOLEANS, DuplicateKeyError, YAMLLoader
@@ -364,3 +364,11 @@ def yaml_value(value: Any) -> str:
     if value is dataclasses.MISSING:
         return "required"
     return yaml.safe_dump(value, default_flow_style=True, width=1000).strip().removesuffix("...").strip()
+
+
+def train_only_hint(key: str) -> str:
+    """What an unknown option of another command adds when ``key`` is an option of ``fastgrpo train`` (a train config
+    given to ``generate``); empty otherwise."""
+    if key in {f.name for f in dataclasses.fields(GRPOConfig)}:
+        return f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
+    return ""

@@ -4,7 +4,6 @@ them and its options fastgrpo lacks: `fastgrpo.config.trl_names`). Everything is
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -211,6 +210,26 @@ class GRPOConfig(StepCounts, GRPOChecks):
     logprob_chunk_tokens: int = option(
         1024, help="completion tokens per chunk of the LM head in the policy update", valid=Range(1)
     )
+    # asynchronous GRPO (as TRL's AsyncGRPOConfig)
+    rollout_processes: int = option(
+        0,
+        help="under torchrun, this many processes (the last ranks) only generate, on the newest weights they hold, "
+        "taking new weights between decoding steps, while the others train; 0: every process generates, then trains",
+        valid=Range(0),
+    )
+    max_staleness: int = option(
+        4,
+        help="optimizer steps a sample's oldest token may lag behind the weights it trains; the rollout processes "
+        "wait rather than sample further ahead, and a sample past it is dropped (counted)",
+        valid=Range(0),
+    )
+    weight_sync_steps: int = option(1, help="optimizer steps between weights sent to rollout processes", valid=Range(1))
+    queue_maxsize: int = option(1024, help="completions generated ahead and not yet trained, at most", valid=Range(1))
+    heartbeat_stale_after_s: float = option(
+        300.0,
+        help="seconds a process waits for a rollout process that sends nothing before the run stops, naming it",
+        valid=Range(0, low_open=True),
+    )
     # GRPO
     loss_type: str = option(
         "dapo",
@@ -379,11 +398,3 @@ class GRPOConfig(StepCounts, GRPOChecks):
 
 
 accept_trl_names(GRPOConfig)
-
-
-def train_only_hint(key: str) -> str:
-    """What an unknown option of another command adds when ``key`` is an option of ``fastgrpo train`` (a train config
-    given to ``generate``); empty otherwise."""
-    if key in {f.name for f in dataclasses.fields(GRPOConfig)}:
-        return f" ({key} is an option of fastgrpo train that this command does not use: remove it)"
-    return ""

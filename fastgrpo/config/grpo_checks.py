@@ -50,6 +50,11 @@ class GRPOChecks:
                 (key, "use_adaptive_entropy false (entropy_coef is a fixed bonus)")
                 for key in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
             ]
+        if not self.rollout_processes:
+            unused += [
+                (key, "rollout_processes 0 (every process generates, then trains: nothing is asynchronous)")
+                for key in ("max_staleness", "weight_sync_steps", "queue_maxsize", "heartbeat_stale_after_s")
+            ]
         for key, why in unused:
             if given.get(key) is not None:
                 raise ValueError(f"{key} has no effect with {why}: remove it")
@@ -120,6 +125,7 @@ class GRPOChecks:
                 f"importance_sampling_mode {self.importance_sampling_mode} clamps the ratio: set "
                 "importance_sampling_clip_min or importance_sampling_clip_max"
             )
+        self._check_asynchronous()
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
         self._validate_eval()
@@ -170,6 +176,25 @@ class GRPOChecks:
         from fastgrpo.rewards import resolve_reward_funcs
 
         resolve_reward_funcs(self.reward_funcs)
+
+    def _check_asynchronous(self) -> None:
+        """Rollout processes: weights sent often enough for the staleness bound, a queue that holds one generation,
+        and what they do not support yet refused by name."""
+        if not self.rollout_processes:
+            return
+        if self.weight_sync_steps > self.max_staleness + 1:
+            raise ValueError(
+                f"weight_sync_steps ({self.weight_sync_steps}) must be at most max_staleness + 1 "
+                f"({self.max_staleness + 1}): the rollout processes would wait for weights the trainers send later"
+            )
+        if self.queue_maxsize < self.generation_batch_size:
+            raise ValueError(
+                f"queue_maxsize ({self.queue_maxsize}) must hold one generation's {self.generation_batch_size} "
+                "completions (per_device_train_batch_size x steps_per_generation)"
+            )
+        for name, why in (("fsdp", "sharded weights"), ("use_peft", "LoRA adapters")):
+            if getattr(self, name):
+                raise ValueError(f"{name}: rollout_processes do not take {why} yet; use rollout_processes: 0")
 
     def _check_inputs_outside_output_dir(self) -> None:
         """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or

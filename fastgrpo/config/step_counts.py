@@ -64,6 +64,10 @@ class StepCounts:
         """Optimizer steps trained on each generation: its windows, ``num_iterations`` times over."""
         return self.windows_per_generation * self.num_iterations
 
+    def made_at(self, generation: int) -> int:
+        """The optimizer step (0-based) generation ``generation`` (0-based) is made before and first trained at."""
+        return generation // self.generations_per_step * self.steps_per_generation_pass
+
     def epoch(self, steps: int, generations_per_epoch: int) -> float:
         """TRL's ``epoch`` after ``steps`` optimizer steps: the micro-batches trained over those of an epoch
         (``generations_per_epoch`` generations, each trained ``num_iterations`` times)."""

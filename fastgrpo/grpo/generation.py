@@ -39,7 +39,8 @@ class Generating(Protocol):
     device: torch.device
     dist: distributed.DistInfo
     prompts: StepPrompts
-    update: PolicyUpdate
+    model: torch.nn.Module
+    update: PolicyUpdate | None
     rollouts: TrainingRollouts
     reward_funcs: list[Any]
     tokenizer: PreTrainedTokenizerBase
@@ -77,16 +78,36 @@ def windows(rows: int, count: int, seed: int, generation: int, rank: int) -> lis
     return list(order.chunk(count))
 
 
+@dataclass
+class Produced:
+    """A generation sampled and scored, before the update reads its log-probs (`prepare`): made by `produce`, on this
+    process or on a rollout process (`fastgrpo.grpo.pipeline`), which sends it whole. ``versions``: per row, the
+    weight version of its tokens as ``(first position, version)`` runs (None: sampled with the weights the update
+    starts from)."""
+
+    generation: int
+    batch: RolloutBatch
+    metrics: dict[str, float]
+    samples: list[tuple[Any, str, float, dict[str, Any]]]
+    versions: list[list[tuple[int, int]]] | None = None
+
+
 def generate(trainer: Generating, generation: int, step: int) -> Generation:
-    """Generation ``generation`` (0-based) of ``trainer``'s run, made before optimizer step ``step`` (0-based): its
-    prompts' completions (`GRPOTrainer.rollout`), rewards and advantages, the drafters' online update, the batch
-    and the log-probs the update reads (`PolicyUpdate.fixed_logps`)."""
+    """Generation ``generation`` (0-based) of ``trainer``'s run, made before optimizer step ``step`` (0-based):
+    `produce` then `prepare`."""
+    return prepare(trainer, produce(trainer, generation, step))
+
+
+def produce(trainer: Generating, generation: int, step: int) -> Produced:
+    """Generation ``generation``'s completions (`GRPOTrainer.rollout`), rewards and advantages, the drafters' online
+    update and the batch (``step``: the optimizer step it is made before, which the reward functions are told)."""
     cfg, device = trainer.config, trainer.device
     rows = trainer.prompts.rows(generation)
     t0 = time.perf_counter()
     reset_peak_memory(device)
-    # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head).
-    with distributed.gathered(trainer.update.policy):
+    # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head); a rollout
+    # process holds them whole (it trains nothing: no update).
+    with distributed.gathered(trainer.update.policy if trainer.update is not None else trainer.model):
         prompt_ids, out, turns = trainer.rollout(generation, rows)
         t1 = time.perf_counter()
         advantages, reward_metrics, samples = score_completions(
@@ -102,7 +123,6 @@ def generate(trainer: Generating, generation: int, step: int) -> Generation:
         out.hidden_states = None
         trainer.rollouts.release()
         reset_peak_memory(device)
-    t_policy = time.perf_counter()
     prompts_per_row = [p for p in prompt_ids for _ in range(len(out.completion_ids) // len(prompt_ids))]
     batch = build_batch(prompts_per_row, out.completion_ids, trainer.tokenizer.pad_token_id, advantages, out.logprobs)
     truncated = torch.tensor([r == "length" for r in out.finish_reasons], device="cpu")
@@ -110,24 +130,34 @@ def generate(trainer: Generating, generation: int, step: int) -> Generation:
         mask_tool_results(batch, out.tool_masks)
     if cfg.mask_truncated_completions:
         batch.completion_mask[truncated] = 0
-    trainer.update.fixed_logps(batch)
-    t_logps = synchronized(device)
     lengths = torch.tensor(completion_lengths(out.completion_ids, out.tool_masks), dtype=torch.float, device="cpu")
     metrics = {
         **reward_metrics,
         **completion_metrics(lengths, truncated, sum(map(len, prompts_per_row))),
-        **(sampling_metrics(cfg, batch, batch.old_logps) if cfg.steps_per_generation_pass > 1 else {}),
         **draft_metrics,
         **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
-        **{"time/draft_learning": t_learnt - t2, "time/logprobs": t_logps - t_policy},
+        "time/draft_learning": t_learnt - t2,
         **out.stats.metrics(),
         **(turns.metrics() if turns is not None else {}),
         **memory,
     }
+    return Produced(generation, batch, metrics, samples)
+
+
+def prepare(trainer: Generating, produced: Produced) -> Generation:
+    """``produced`` made a `Generation`: the log-probs the update reads before it (`PolicyUpdate.fixed_logps`) and
+    its windows."""
+    cfg, batch = trainer.config, produced.batch
+    t_policy = time.perf_counter()
+    trainer.update.fixed_logps(batch)
+    metrics = {**produced.metrics, "time/logprobs": synchronized(trainer.device) - t_policy}
+    if cfg.steps_per_generation_pass > 1:
+        metrics |= sampling_metrics(cfg, batch, batch.old_logps)
     count = cfg.windows_per_generation
     tokens = distributed.sum_over_ranks(int(batch.completion_mask.sum())) / count
-    parts = windows(len(out.completion_ids), count, cfg.seed, generation, trainer.dist.rank)
-    return Generation(batch, parts, tokens, metrics, samples)
+    rows = batch.completion_mask.shape[0]
+    parts = windows(rows, count, cfg.seed, produced.generation, trainer.dist.rank)
+    return Generation(batch, parts, tokens, metrics, produced.samples)
 
 
 def merge(generations: list[Generation], pad_id: int, seed: int, generation: int, rank: int) -> Generation:

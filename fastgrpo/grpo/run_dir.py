@@ -278,6 +278,7 @@ SAFE_TO_CHANGE = {
     "log_completions", "num_completions_to_print", "log_completions_steps", "progress_bar", "report_to",
     "overwrite_output_dir", "cpu_threads", "device", "ddp_timeout", "check_memory", "fsdp", "gradient_checkpointing",
     "dtype", "master_weights", "logprob_chunk_tokens", "compile", "reward_timeout", "tool_timeout", "tool_workers",
+    "heartbeat_stale_after_s",
 }  # fmt: skip
 OPTION_GROUPS = ("dataset", "eval_dataset", "speculation", "draft_training")  # options of their own, `name.option`
 SAFE_PREFIXES = ("speculation.", "draft_training.")

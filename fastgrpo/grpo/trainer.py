@@ -18,12 +18,14 @@ from fastgrpo import distributed
 from fastgrpo.config import GRPOConfig, config_to_dict
 from fastgrpo.data import load_dataset
 from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_memory, synchronized
-from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint, set_rng_state
+from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint
 from fastgrpo.grpo.evaluation import evaluate, evaluation_rows
-from fastgrpo.grpo.generation import Generation, generate, merge
+from fastgrpo.grpo.generation import Generation, generate, merge, prepare
+from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess
 from fastgrpo.grpo.policy import disable_dropout, reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
+from fastgrpo.grpo.restore import restore_run
 from fastgrpo.grpo.resume_checks import check_resumed
 from fastgrpo.grpo.run_dir import (
     DirectoryLock,
@@ -96,7 +98,7 @@ class GRPOTrainer(TrlTrainerMethods):
         if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
             check_tokenizer_files(config.model)
         self.config = config
-        self.dist = distributed.init(config.device, config.ddp_timeout)
+        self.dist = distributed.init(config.device, config.ddp_timeout, config.rollout_processes)
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
@@ -161,7 +163,7 @@ class GRPOTrainer(TrlTrainerMethods):
             disable_dropout(self.model)
         if config.bf16:  # None turns autocast on only where the device has bfloat16 units
             warn_if_bf16_emulated("bf16", self.device)
-        self.ref_model = reference_model(config, self.device) if config.beta > 0 else None
+        self.ref_model = reference_model(config, self.device) if config.beta > 0 and not self.dist.rollout else None
         if config.use_peft:
             self.model = wrap_lora(self.model, config, checkpoint)
         self.eos = eos_token_ids(self.model, self.tokenizer)
@@ -181,14 +183,20 @@ class GRPOTrainer(TrlTrainerMethods):
             generations = config.num_generations_eval or config.num_generations
             rows = max(rows, generations * max(1, config.per_device_eval_batch_size // generations))
         self.rollouts.reserve(rows, config.max_prompt_length, config.max_completion_length)
-        self.update = PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
+        # a rollout process trains nothing; the training process takes its generations (`fastgrpo.grpo.pipeline`)
+        self.update = (
+            None if self.dist.rollout else PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
+        )
+        self.feed: RolloutFeed | None = None
         # torch's CPU threads while `train` runs: fixed, or following the cores no other process is using.
         self.threads = None
         if self.device.type == "cpu":
             self.threads = ThreadGovernor(config.cpu_threads or None, adapt=config.cpu_threads == 0)
-            self.rollouts.engine.threads = self.update.threads = self.threads
+            self.rollouts.engine.threads = self.threads
+            if self.update is not None:
+                self.update.threads = self.threads
         if checkpoint is not None:
-            self._restore(checkpoint, resume_state)
+            restore_run(self, checkpoint, resume_state)
         self.sampling = config.sampling_params()
         self.prompts = StepPrompts(
             self.dataset,
@@ -202,7 +210,7 @@ class GRPOTrainer(TrlTrainerMethods):
             config.chat_template_kwargs,
             self.tools.render if self.tools is not None else None,
         )
-        self.events = events.bind(self)  # TRL's callbacks (none in fastgrpo's own form)
+        self.events = events if self.dist.rollout else events.bind(self)  # TRL's callbacks, where it trains
         if not resume and self.held_run is None:  # all that can refuse the run has: an overwrite deletes only now
             with distributed.main_first(self.dist):
                 _, _, self.run_id = prepare_output_dir(
@@ -210,27 +218,6 @@ class GRPOTrainer(TrlTrainerMethods):
                 )
 
     # -- set-up -------------------------------------------------------------------------------------------
-    def _restore(self, checkpoint: Path, state: dict[str, Any]) -> None:
-        distributed.load_optimizer_state(self.update.policy, self.update.optimizer, state["optimizer"])
-        self.update.scheduler.load_state_dict(state["scheduler"])
-        if self.update.keeps_masters:
-            if "master_weights" not in state:
-                raise ValueError(
-                    f"--resume: {checkpoint} holds no float32 master weights (it was saved by a run of another dtype, "
-                    "or without them): resume with the dtype it was saved with, or with master_weights: false to go "
-                    "on in low precision"
-                )
-            self.update.load_masters(state["master_weights"])
-        elif "master_weights" in state:
-            self.update.load_masters_unless_kept(state["master_weights"])
-        self.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
-        set_rng_state(state["rng"])
-        self.start_step, self.num_tokens = state["step"], state.get("num_tokens", 0.0)
-        self.resumed_from = checkpoint
-        if "entropy_control" in state:
-            self.update.entropy.load_state_dict(state["entropy_control"])
-        logger.info("resumed from %s at step %d", checkpoint, self.start_step)
-
     # -- one step -----------------------------------------------------------------------------------------
     def rollout(
         self, step: int, rows: list[dict[str, Any]]
@@ -255,14 +242,21 @@ class GRPOTrainer(TrlTrainerMethods):
         metrics: dict[str, float] = {"step": step + 1, "epoch": cfg.epoch(step + 1, self.generations_per_epoch)}
         if self.generation is None or step % passes == 0:
             first, count = step // passes * cfg.generations_per_step, cfg.generations_per_step
-            made = [generate(self, first + i, step) for i in range(count)]
+            made = [
+                generate(self, first + i, step) if self.feed is None else prepare(self, self.feed.take())
+                for i in range(count)
+            ]
             pad, rank = self.tokenizer.pad_token_id, self.dist.rank
             self.generation = made[0] if count == 1 else merge(made, pad, cfg.seed, first, rank)
             metrics |= self.generation.metrics
             self.samples = self.generation.samples
         t_update = time.perf_counter()
         window = self.generation.window(step % passes % cfg.windows_per_generation)
+        if self.feed is not None:
+            self.feed.before_update()
         metrics |= self.update.optimize(window, self.generation.num_items_in_batch)
+        if self.feed is not None:
+            self.feed.after_step(step + 1)
         t3 = synchronized(self.device)  # the optimizer step's kernels count in time/train
         memory = {k: v for k, v in metrics.items() if k == "memory/rollout_peak_mb"}
         if self.device.type == "cuda":
@@ -327,9 +321,16 @@ class GRPOTrainer(TrlTrainerMethods):
                 self._rebuild_resumed(latest)
         elif self.held_run is not None:
             raise ValueError(self.held_run)
+        if self.dist.rollout:  # it generates until the training process stops the run
+            try:
+                RolloutProcess(self).run()
+            finally:
+                self.close()
+            return []
         cfg = self.config
         main = self.dist.is_main
         history = []
+        self.feed = RolloutFeed(self) if cfg.rollout_processes else None
         bar = tqdm(
             range(self.start_step, cfg.max_steps),
             initial=self.start_step,
@@ -387,6 +388,8 @@ class GRPOTrainer(TrlTrainerMethods):
                 cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * self.dist.world_size,
             )
         finally:
+            if self.feed is not None:
+                self.feed.close()
             if log is not None:
                 log.close()
             self.close()

@@ -1,0 +1,311 @@
+"""Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training process trains.
+
+Under torchrun with ``rollout_processes: K``, rank 0 trains and the job's other K ranks are rollout processes. A
+rollout process makes generations one after the other (generation ``g`` by rollout process ``1 + g mod K``) on the
+newest weights it holds and sends each, whole (`Produced`), to the training process, which trains on them in order
+and sends its weights to every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken
+between decoding steps: rows in flight go on with them (their cache from the older weights kept), and every token's
+weight version is recorded (`Produced.versions`). A sample's staleness is the optimizer steps between its oldest
+token's weights and those its update starts from. A rollout process starts no generation whose samples would train
+more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions generated and not yet trained; a
+sample that comes past the bound all the same is dropped and counted. The update corrects for the sampler with the
+sampler's log-probabilities (``importance_sampling_correction``).
+
+Messages go through the job's store (`Mailbox`: a few numbers, checked without waiting), payloads point to point
+over a gloo group of every process (`distributed.message_group`), the weights over the job's own group, on the
+device. A rollout process beats at least every quarter of ``heartbeat_stale_after_s`` seconds while it decodes or
+waits, so that the training process names one that stays silent longer (it died or hangs), and one that failed,
+with its error.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fastgrpo import distributed
+from fastgrpo.grpo.generation import Generating, Produced, produce
+from fastgrpo.rollout.sequence import Generation as Call
+
+BEAT, ITEM, FAILED, BYE = 1, 2, 3, 4  # from a rollout process
+WEIGHTS, STATE, STOP = 5, 6, 7  # from the training process
+ITEMS, WEIGHT_TAG = 1, 2  # tags of the payloads and of the weights
+TRAINER = 0
+
+
+class Stopped(Exception):
+    """The training process ended the run."""
+
+
+class Mailbox:
+    """One way's messages between two processes through the job's store (``name``: the way): each a kind, three
+    numbers and a text; `post` by one process, `poll` (which does not wait) by the other."""
+
+    def __init__(self, name: str):
+        # torch.distributed has no public accessor of the store the job rendezvoused with
+        self.store = dist.PrefixStore(f"fastgrpo/pipeline/{name}/", dist.distributed_c10d._get_default_store())
+        self.sent = self.read = 0
+
+    def post(self, kind: int, a: int = 0, b: int = 0, c: int = 0, text: str = "") -> None:
+        self.store.set(str(self.sent), f"{kind},{a},{b},{c},{text}")
+        self.sent += 1
+        self.store.add("count", 1)
+
+    def poll(self) -> list[tuple[int, int, int, int, str]]:
+        """The messages posted since the last poll, oldest first."""
+        count, messages = self.store.add("count", 0), []
+        for i in range(self.read, count):
+            kind, a, b, c, text = self.store.get(str(i)).decode().split(",", 4)
+            messages.append((int(kind), int(a), int(b), int(c), text))
+        self.read = count
+        return messages
+
+
+def _payload(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
+def _received(data: torch.Tensor) -> Any:
+    return pickle.loads(data.numpy().tobytes())
+
+
+def version_runs(start: int, marks: list[tuple[int, list[int]]], lengths: list[int]) -> list[list[tuple[int, int]]]:
+    """Per row, ``(first position, weight version)`` runs of its ``lengths[row]`` tokens: the call began with weights
+    ``start``, and each mark ``(version, tokens of each row then)`` took new ones before a decoding step."""
+    runs: list[list[tuple[int, int]]] = []
+    for row, length in enumerate(lengths):
+        mine = [(0, start)]
+        for version, at in marks:
+            if at[row] >= length:
+                break
+            if at[row] == mine[-1][0]:
+                mine[-1] = (at[row], version)
+            else:
+                mine.append((at[row], version))
+        runs.append(mine)
+    return runs
+
+
+def token_lags(versions: list[list[tuple[int, int]]], lengths: list[int], version: int) -> list[int]:
+    """Each token's lag (``version`` less its weights') over the rows of ``lengths`` tokens."""
+    lags: list[int] = []
+    for runs, length in zip(versions, lengths, strict=True):
+        ends = [start for start, _ in runs[1:]] + [length]
+        lags += [lag for (start, v), end in zip(runs, ends, strict=True) for lag in [version - v] * (end - start)]
+    return lags
+
+
+class RolloutProcess:
+    """The loop of a rollout process (`run`): ``trainer`` is the run's `GRPOTrainer` built on it."""
+
+    def __init__(self, trainer: Generating):
+        cfg = self.cfg = trainer.config
+        self.trainer, self.group = trainer, distributed.message_group()
+        rank = dist.get_rank()
+        self.index, self.count = rank - 1, cfg.rollout_processes
+        self.up, self.down = Mailbox(f"up/{rank}"), Mailbox(f"down/{rank}")
+        self.version = trainer.start_step  # the optimizer steps of the weights held
+        # the next generation the training process takes, and those it dropped
+        self.next = trainer.start_step // cfg.steps_per_generation_pass * cfg.generations_per_step
+        self.dropped = 0
+        self.limit = max(cfg.queue_maxsize // cfg.generation_batch_size, 1)  # generations ahead at most
+        self.params = [p.data for p in trainer.model.parameters()]
+        self.beaten = time.monotonic()
+        self.marks: list[tuple[int, list[int]]] = []
+        self.call: Call | None = None
+        self.waited = self.synced = 0.0
+
+    def run(self) -> None:
+        """Generate, send and take weights until the training process stops the run."""
+        self.trainer.rollouts.between_steps = self._between_steps
+        g = self.next + (self.index - self.next) % self.count  # the first generation of this process
+        try:
+            while True:
+                self._wait_until_due(g)
+                data = _payload(self._produce(g))
+                self.up.post(ITEM, data.numel(), g)
+                dist.send(data, TRAINER, group=self.group, tag=ITEMS)
+                self.beaten = time.monotonic()
+                g += self.count
+        except Stopped:
+            self.up.post(BYE)
+        except BaseException as e:
+            self.up.post(FAILED, text=f"{type(e).__name__}: {e}")
+            raise
+
+    def _produce(self, generation: int) -> Produced:
+        start, self.marks, self.call = self.version, [], None
+        waited, synced = self.waited, self.synced
+        produced = produce(self.trainer, generation, self.cfg.made_at(generation))
+        if self.call is not None:  # a decoding step ran
+            lengths = [len(s.completion_ids) for s in self.call.seqs]
+            produced.versions = version_runs(start, self.marks, lengths)
+        produced.metrics |= {"async/rollout_wait": waited, "async/weight_receive": self.synced - synced}
+        self.waited = 0.0
+        return produced
+
+    def _between_steps(self, call: Call) -> None:
+        """Before a decoding step: take the weights that came (the rows go on with them), and beat."""
+        self.call = call
+        self._poll()
+        self._beat()
+
+    def _wait_until_due(self, g: int) -> None:
+        """Wait (taking weights) until generation ``g`` trains at most ``max_staleness`` steps after the weights
+        held, and the completions generated ahead fit the queue."""
+        t0 = time.monotonic()
+        while self.version < self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness or g - self.next >= self.limit:
+            if not self._poll():
+                self._beat()
+                if time.monotonic() - t0 > self.cfg.ddp_timeout:
+                    raise TimeoutError(
+                        f"the training process (rank {TRAINER}) sent nothing for {self.cfg.ddp_timeout} s"
+                    )
+                time.sleep(0.005)
+        self.waited += time.monotonic() - t0
+
+    def _poll(self) -> bool:
+        """Handle the training process's messages that came; whether any did."""
+        messages = self.down.poll()
+        for kind, version, self.next, self.dropped, _ in messages:
+            if kind == STOP:
+                raise Stopped
+            if kind == WEIGHTS:
+                t0 = time.monotonic()
+                for param in self.params:
+                    dist.recv(param, TRAINER, tag=WEIGHT_TAG)
+                self.synced += time.monotonic() - t0
+                self.version = version
+                if self.call is not None:
+                    self.marks.append((version, [len(s.completion_ids) for s in self.call.seqs]))
+        return bool(messages)
+
+    def _beat(self) -> None:
+        if time.monotonic() - self.beaten >= self.cfg.heartbeat_stale_after_s / 4:
+            self.up.post(BEAT)
+            self.beaten = time.monotonic()
+
+
+class RolloutFeed:
+    """The training process's side: a thread receives what the rollout processes send; `take` hands the next
+    generation in order (dropping those past ``max_staleness``), `after_step` sends the weights every
+    ``weight_sync_steps`` steps, `close` stops the rollout processes."""
+
+    def __init__(self, trainer: Generating):
+        cfg = self.cfg = trainer.config
+        self.group, self.model = distributed.message_group(), trainer.model
+        self.ranks = list(range(1, cfg.rollout_processes + 1))
+        self.up = {rank: Mailbox(f"up/{rank}") for rank in self.ranks}
+        self.down = {rank: Mailbox(f"down/{rank}") for rank in self.ranks}
+        self.version = trainer.start_step
+        self.next = trainer.start_step // cfg.steps_per_generation_pass * cfg.generations_per_step
+        self.dropped = 0
+        self.items: dict[int, Produced] = {}
+        self.error: str | None = None
+        self.ready = threading.Condition()
+        self.closing = False
+        self.sending: list[Any] = []  # the weights' sends in flight (the weights must not change until they end)
+        self.figures = {"async/trainer_wait": 0.0, "async/weight_send": 0.0, "async/dropped_samples": 0.0}
+        self.thread = threading.Thread(target=self._receive, name="fastgrpo-rollout-feed", daemon=True)
+        self.thread.start()
+
+    def take(self) -> Produced:
+        """The next generation whose staleness is within ``max_staleness`` (waiting for it), with the
+        ``async/*`` figures of the steps since the last one taken."""
+        t0 = time.monotonic()
+        while True:
+            with self.ready:
+                while self.next not in self.items and self.error is None:
+                    self.ready.wait(0.05)
+                if self.error is not None:
+                    raise RuntimeError(self.error)
+                produced, queued = self.items.pop(self.next), len(self.items)
+            self.next += 1
+            lengths = [int(n) for n in produced.batch.completion_mask.sum(1).tolist()]
+            oldest = min(runs[0][1] for runs in produced.versions) if produced.versions else self.version
+            if self.version - oldest <= self.cfg.max_staleness:
+                break
+            self.dropped += 1
+            self.figures["async/dropped_samples"] += len(lengths)
+            self._tell(STATE)
+        self.figures["async/trainer_wait"] += time.monotonic() - t0
+        lags = token_lags(produced.versions, lengths, self.version) if produced.versions else [0]
+        produced.metrics |= {
+            **self.figures,
+            "async/staleness": float(self.version - oldest),
+            "async/token_lag_mean": sum(lags) / max(len(lags), 1),
+            "async/token_lag_max": float(max(lags, default=0)),
+            "async/queue_depth": float(queued),
+        }
+        self.figures = dict.fromkeys(self.figures, 0.0)
+        return produced
+
+    def before_update(self) -> None:
+        """Wait until the weights sent last have left (the update is about to change them)."""
+        t0 = time.monotonic()
+        for work in self.sending:
+            work.wait()
+        self.sending = []
+        self.figures["async/weight_send"] += time.monotonic() - t0
+
+    def after_step(self, version: int) -> None:
+        """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
+        self.version = version
+        if version % self.cfg.weight_sync_steps == 0:
+            t0 = time.monotonic()
+            self._tell(WEIGHTS)
+            for rank in self.ranks:
+                self.sending += [dist.isend(p.data, rank, tag=WEIGHT_TAG) for p in self.model.parameters()]
+            self.figures["async/weight_send"] += time.monotonic() - t0
+
+    def close(self) -> None:
+        """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
+        self._tell(STOP)
+        if self.error is None:
+            self.before_update()
+            self.thread.join()
+        self.closing = True
+
+    def _tell(self, kind: int) -> None:
+        for box in self.down.values():
+            box.post(kind, self.version, self.next, self.dropped)
+
+    def _receive(self) -> None:
+        """The thread: every rollout process's messages and generations, until each says goodbye, one fails or
+        stays silent."""
+        live, seen = set(self.ranks), dict.fromkeys(self.ranks, time.monotonic())
+        rank = self.ranks[0]
+        try:
+            while live and not self.closing:
+                for rank in sorted(live):
+                    messages = self.up[rank].poll()
+                    if messages:
+                        seen[rank] = time.monotonic()
+                    for kind, size, generation, _, text in messages:
+                        if kind == FAILED:
+                            raise RuntimeError(f"failed: {text}")
+                        if kind == BYE:
+                            live.discard(rank)
+                        elif kind == ITEM:
+                            data = torch.empty(size, dtype=torch.uint8, device="cpu")
+                            dist.recv(data, rank, group=self.group, tag=ITEMS)
+                            with self.ready:
+                                self.items[generation] = _received(data)
+                                self.ready.notify()
+                            seen[rank] = time.monotonic()
+                    silent = time.monotonic() - seen[rank]
+                    if rank in live and silent > self.cfg.heartbeat_stale_after_s:
+                        raise RuntimeError(
+                            f"sent nothing for {silent:.0f} s (heartbeat_stale_after_s "
+                            f"{self.cfg.heartbeat_stale_after_s:g}): it died or hangs"
+                        )
+                time.sleep(0.005)
+        except Exception as e:  # named, for `take` to raise
+            with self.ready:
+                self.error = f"rollout process rank {rank}: {e}"
+                self.ready.notify()

@@ -1,0 +1,245 @@
+"""Asynchronous GRPO (`rollout_processes`, gloo, CPU): a rollout process and a training process train exactly what one
+synchronous process trains when no sample may be stale, keep every sample within ``max_staleness`` when either side
+is slow, and take new weights into rows in flight; a stale sample is dropped and counted, a silent or failing rollout
+process is named."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import fork_ranks, free_port, save_tiny_llama
+from safetensors.torch import load_file
+
+from fastgrpo import distributed
+from fastgrpo.config import load_config
+from fastgrpo.grpo import pipeline
+from fastgrpo.grpo.generation import Produced
+from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
+from fastgrpo.grpo.policy_update import PolicyUpdate
+from fastgrpo.grpo.trainer import GRPOTrainer
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0, tie_word_embeddings=True)
+
+
+def write_config(model_dir: Path, out: Path, **overrides) -> Path:
+    """``STEPS`` steps of 2 prompts x 4 completions in float64, 12 tokens at most, sampled at temperature 1."""
+    values = dict(
+        model=str(model_dir),
+        dtype="float64",
+        dataset={"num_examples": 32},
+        reward_funcs=["distributed_rewards:length_reward"],
+        num_generations=4,
+        per_device_train_batch_size=8,
+        max_completion_length=12,
+        learning_rate=1e-3,
+        max_steps=STEPS,
+        save_steps=STEPS,
+        output_dir=str(out),
+        progress_bar=False,
+        logging_steps=1,
+        gradient_checkpointing=False,
+        device="cpu",
+        ddp_timeout=120,
+    )
+    values.update(overrides)
+    path = out.parent / f"{out.name}.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
+    """One process of the job (``world`` 1: alone, without torchrun); ``slow``: ``update`` sleeps before each
+    optimizer step of the training process, ``decoding`` before each decoding step of the rollout process."""
+    if world > 1:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ["LOCAL_RANK"] = str(rank)
+    if slow == "update":
+        optimize = PolicyUpdate.optimize
+        PolicyUpdate.optimize = lambda self, *a, **k: (time.sleep(0.4), optimize(self, *a, **k))[1]
+    elif slow == "decoding":
+        between = RolloutProcess._between_steps
+        RolloutProcess._between_steps = lambda self, call: (time.sleep(0.05), between(self, call))[1]
+    try:
+        trainer = GRPOTrainer(load_config(config))
+        trainer.train()
+        del trainer
+    finally:
+        distributed.shutdown()
+
+
+def run(model_dir: Path, root: Path, processes: int, slow: str = "", **overrides) -> list[dict]:
+    """A run of one process, or of a training process and ``processes - 1`` rollout processes; its logged steps."""
+    out = root / "run"
+    if processes > 1:
+        overrides["rollout_processes"] = processes - 1
+    config = write_config(model_dir, out, **overrides)
+    fork_ranks(_train, (processes, free_port(), str(config), slow), nprocs=processes)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def synchronous(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("sync")
+    run(model_dir, root, 1)
+    return root / "run"
+
+
+def test_max_staleness_0_trains_exactly_what_one_synchronous_process_trains(
+    model_dir: Path, synchronous: Path, tmp_path: Path
+) -> None:
+    logged = run(model_dir, tmp_path, 2, max_staleness=0)
+    expected = [json.loads(line) for line in (synchronous / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
+    assert [m["loss"] for m in logged] == [m["loss"] for m in expected]
+    assert all(m["async/staleness"] == 0 and m["async/dropped_samples"] == 0 for m in logged)
+    one = load_file(str(synchronous / f"checkpoint-{STEPS}" / "model.safetensors"))
+    two = load_file(str(tmp_path / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
+    initial = load_file(str(model_dir / "model.safetensors"))
+    assert any(not torch.equal(one[k], initial[k]) for k in one), "the updates should move the weights"
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_slow_trainer_keeps_every_sample_within_max_staleness(model_dir: Path, tmp_path: Path) -> None:
+    """The rollout process runs ahead while the update sleeps, as far as the bound lets it: the samples come one step
+    stale, none more, and none is dropped."""
+    logged = run(model_dir, tmp_path, 2, slow="update", max_staleness=1, importance_sampling_correction=True)
+    staleness = [m["async/staleness"] for m in logged]
+    assert max(staleness) == 1 and staleness[0] == 0, staleness
+    assert all(m["async/dropped_samples"] == 0 for m in logged)
+    assert all(m["async/token_lag_max"] <= 1 for m in logged)
+
+
+def test_rows_in_flight_take_new_weights_between_decoding_steps(model_dir: Path, tmp_path: Path) -> None:
+    """Decoding slowed, the trainer's weights come while a generation decodes: its rows go on with them, so its
+    tokens are of two versions (their mean lag below the oldest's), and suffix trees verify them as plain steps
+    would."""
+    logged = run(
+        model_dir,
+        tmp_path,
+        2,
+        slow="decoding",
+        max_staleness=2,
+        speculation={"mode": "static", "drafter": "suffix", "nodes": 4},
+    )
+    assert all(m["async/staleness"] <= 2 for m in logged)
+    mixed = [m for m in logged if m["async/token_lag_mean"] < m["async/staleness"]]
+    assert mixed, [(m["async/staleness"], m["async/token_lag_mean"]) for m in logged]
+
+
+def test_version_runs_and_token_lags() -> None:
+    # two rows; weights 6 came when the rows held 3 and 5 tokens, weights 7 when they held 4 and 5 (the second ended)
+    runs = version_runs(5, [(6, [3, 5]), (7, [4, 5])], [6, 5])
+    assert runs == [[(0, 5), (3, 6), (4, 7)], [(0, 5)]]
+    assert token_lags(runs, [6, 5], 7) == [2, 2, 2, 1, 0, 0, 2, 2, 2, 2, 2]
+    assert version_runs(5, [(6, [0, 0])], [2, 2]) == [[(0, 6)], [(0, 6)]]  # weights taken before the first step
+
+
+def test_a_sample_past_max_staleness_is_dropped_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    told = []
+    feed = RolloutFeed.__new__(RolloutFeed)
+    feed.cfg = load_config(None, ["--max_staleness=1", "--rollout_processes=1"])
+    feed.version, feed.next, feed.dropped, feed.error = 5, 2, 0, None
+    feed.figures = {"async/trainer_wait": 0.0, "async/weight_send": 0.0, "async/dropped_samples": 0.0}
+    feed.ready = pipeline.threading.Condition()
+    monkeypatch.setattr(feed, "_tell", lambda kind: told.append((kind, feed.next, feed.dropped)))
+    mask = torch.ones(2, 3)
+    batch = type("Batch", (), {"completion_mask": mask})()
+    feed.items = {
+        2: Produced(2, batch, {}, [], [[(0, 3)], [(0, 3)]]),  # two steps stale: dropped
+        3: Produced(3, batch, {}, [], [[(0, 4), (1, 5)], [(0, 4)]]),
+    }
+    taken = feed.take()
+    assert taken.generation == 3 and feed.next == 4 and feed.dropped == 1
+    assert told == [(pipeline.STATE, 3, 1)]
+    assert taken.metrics["async/dropped_samples"] == 2 and taken.metrics["async/staleness"] == 1
+    assert taken.metrics["async/token_lag_mean"] == pytest.approx(4 / 6)
+
+
+def _dies(rank: int, port: int, config: str, errors: str, resume: bool) -> None:
+    """A process of a 2-process job whose rollout process dies as generation 2 begins (unless ``resume``); the
+    training process writes its error to ``errors``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(1)
+    produce = RolloutProcess._produce
+
+    def dies(self: RolloutProcess, g: int) -> Produced:
+        if g == 2:
+            os._exit(3)
+        return produce(self, g)
+
+    if not resume:
+        RolloutProcess._produce = dies
+    try:
+        trainer = GRPOTrainer(load_config(config), resume=resume)
+        trainer.train()
+        del trainer
+    except RuntimeError as e:
+        Path(errors).write_text(str(e))
+        os._exit(1)
+    finally:
+        distributed.shutdown()
+
+
+def test_a_rollout_process_that_dies_is_named_and_the_run_resumes(
+    model_dir: Path, synchronous: Path, tmp_path: Path
+) -> None:
+    """The training process names the dead rollout process within the heartbeat, its checkpoints intact; the run
+    resumed goes on from them and ends where the uninterrupted synchronous run ends (no sample trained twice)."""
+    config = write_config(
+        model_dir, tmp_path / "run", rollout_processes=1, max_staleness=0, save_steps=1, heartbeat_stale_after_s=5
+    )
+    errors = tmp_path / "error.txt"
+    for resume in (False, True):
+        port, context = free_port(), torch.multiprocessing.get_context("fork")
+        ranks = [context.Process(target=_dies, args=(r, port, str(config), str(errors), resume)) for r in (0, 1)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        if not resume:
+            message = errors.read_text()
+            assert [p.exitcode for p in ranks] == [1, 3]
+            assert re.fullmatch(
+                r"rollout process rank 1: sent nothing for \d+ s \(heartbeat_stale_after_s 5\).*", message
+            )
+            assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+        else:
+            assert [p.exitcode for p in ranks] == [0, 0]
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3, 4]
+    one = load_file(str(synchronous / f"checkpoint-{STEPS}" / "model.safetensors"))
+    two = load_file(str(tmp_path / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        (["--rollout_processes=1", "--max_staleness=1", "--weight_sync_steps=3"], "weight_sync_steps (3) must be at"),
+        (["--rollout_processes=1", "--queue_maxsize=4"], "queue_maxsize (4) must hold one generation's 8"),
+        (["--rollout_processes=1", "--use_peft=true"], "use_peft: rollout_processes do not take LoRA"),
+        (["--max_staleness=2"], "max_staleness has no effect with rollout_processes 0"),
+    ],
+)
+def test_asynchronous_options_are_checked(options: list[str], error: str) -> None:
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, options)
+
+
+def test_rollout_processes_need_their_processes() -> None:
+    with pytest.raises(ValueError, match="start 3 processes with torchrun"):
+        distributed.init("cpu", 60, rollout_processes=2)
