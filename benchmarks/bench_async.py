@@ -57,7 +57,7 @@ def row(name: str, logged: list[dict]) -> list[object]:
 
     per_second = tokens / seconds
     print(f"{name}: {per_second:.1f} completion tokens trained per second, reward {reward:.3f}", flush=True)
-    waits = [mean("async/staleness"), mean("async/trainer_wait"), mean("async/rollout_wait")]
+    waits = [mean("async/staleness"), mean("async/trainer_wait_seconds"), mean("async/rollout_wait_seconds")]
     return [name, len(logged), f"{tokens:.0f}", f"{seconds:.1f}", f"{per_second:.1f}", f"{reward:.3f}", *waits]
 
 

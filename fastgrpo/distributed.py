@@ -40,6 +40,7 @@ class DistInfo:
 
 _TRAINING: Any = None  # with rollout processes, the group of the training processes, which the collectives below use
 _MESSAGES: Any = None  # with rollout processes, a gloo group of every process for their messages (on the host)
+_ROLLOUT = False  # this process is a rollout process: it takes part in no collective of the training processes
 
 
 def env_int(name: str, default: int) -> int:
@@ -72,9 +73,9 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
 
 def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_processes: int = 0) -> DistInfo:
     """Join the job torchrun started (once per process; later calls return the same answer); with
-    ``rollout_processes``, its last ranks are rollout processes and the others train (their group is the one the
+    ``rollout_processes``, rank 0 trains and the other ranks are rollout processes (its group is the one the
     collectives here use)."""
-    global _TRAINING, _MESSAGES
+    global _TRAINING, _MESSAGES, _ROLLOUT
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
     local_rank = env_int("LOCAL_RANK", 0)
     for name in ("RANK", "WORLD_SIZE"):
@@ -99,7 +100,7 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_p
     if rollout_processes and _TRAINING is None:  # made by every process, once, in the same order
         _TRAINING = dist.new_group(list(range(world - rollout_processes)))
         _MESSAGES = dist.new_group(backend="gloo")
-    rollout = dist.get_rank() >= world - rollout_processes
+    rollout = _ROLLOUT = dist.get_rank() >= world - rollout_processes
     return DistInfo(0 if rollout else dist.get_rank(), world - rollout_processes, device, rollout)
 
 
@@ -107,15 +108,15 @@ def shutdown() -> None:
     """Destroy the process group. Free the modules wrapped in DistributedDataParallel first: a DDP reducer freed after
     this holds the group's last reference, and on gloo the group's destructor, run by the reducer's with the GIL held,
     waits for a worker thread that waits for the GIL (the process hangs)."""
-    global _TRAINING, _MESSAGES
+    global _TRAINING, _MESSAGES, _ROLLOUT
     if dist.is_initialized():
         dist.destroy_process_group()
-    _TRAINING = _MESSAGES = None
+    _TRAINING, _MESSAGES, _ROLLOUT = None, None, False
 
 
 def gather(value: Any) -> list[Any]:
     """Every rank's ``value`` (any picklable object), in rank order; ``[value]`` in a single process."""
-    if not dist.is_initialized() or not _trains():
+    if not dist.is_initialized() or _ROLLOUT:
         return [value]  # a rollout process scores whole generations alone
     out: list[Any] = [None] * dist.get_world_size(_TRAINING)
     dist.all_gather_object(out, value, group=_TRAINING)
@@ -125,11 +126,6 @@ def gather(value: Any) -> list[Any]:
 def message_group() -> Any:
     """The group rollout and training processes exchange their messages in (`fastgrpo.grpo.pipeline`)."""
     return _MESSAGES
-
-
-def _trains() -> bool:
-    """This process trains (it is in the training processes' group)."""
-    return _TRAINING is None or dist.get_rank() < dist.get_world_size(_TRAINING)
 
 
 def max_over_ranks(value: int) -> int:
@@ -353,7 +349,7 @@ def load_optimizer_state(policy: torch.nn.Module, optimizer: torch.optim.Optimiz
 def wrap_ddp(module: torch.nn.Module) -> torch.nn.Module:
     """``module`` under DistributedDataParallel when a process group is up (it broadcasts rank 0's parameters,
     so every rank starts identical); ``module`` itself otherwise (a rollout process's drafts learn alone)."""
-    if not dist.is_initialized() or not _trains():
+    if not dist.is_initialized() or _ROLLOUT:
         return module
     param = next(p for p in module.parameters() if p.requires_grad)
     device_ids = [param.device.index] if param.device.type == "cuda" else None

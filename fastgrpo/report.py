@@ -35,6 +35,15 @@ TOOL_CURVES = (  # drawn into tools.png by a run with tools
     ("tools/rows_waiting", "Rows waiting on a tool, per decoding step", "rows"),
     ("tools/prefill_tokens", "Tool-result tokens fed", "tokens per step"),
 )
+ASYNC_CURVES = (  # drawn into async.png by a run with rollout processes
+    ("async/staleness", "Staleness of the step's samples (oldest token)", "optimizer steps"),
+    ("async/token_lag/mean", "Mean lag of the samples' tokens", "optimizer steps"),
+    ("async/queue_depth", "Generations waiting to be trained", "generations"),
+    ("async/trainer_wait_seconds", "Training process waiting for a generation", "seconds per step"),
+    ("async/rollout_wait_seconds", "Rollout process waiting for weights", "seconds per generation"),
+    ("async/dropped_samples", "Samples dropped past max_staleness", "samples"),
+)
+OPTIONAL = ((TOOL_CURVES, (2, 2), "tools.png"), (ASYNC_CURVES, (2, 3), "async.png"))
 REQUIRED = ("step", "time/step")  # what every line of a run's metrics.jsonl holds (`reward`: a step that generated)
 # drawn dashed in the same panel and colour
 DASHED = {"spec/accept_length": "spec/tree_accept_length", "reward": "eval/reward"}
@@ -128,8 +137,8 @@ def summary(runs: dict[str, list[dict[str, float]]], last: int = 5) -> str:
 
 
 def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -> list[Path]:
-    """Write ``curves.png``, ``phases.png`` and, where a run used tools, ``tools.png`` into ``output_dir``; returns
-    their paths."""
+    """Write ``curves.png``, ``phases.png`` and, where a run used tools or rollout processes, ``tools.png`` or
+    ``async.png`` into ``output_dir``; returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -138,8 +147,9 @@ def plot_runs(runs: dict[str, list[dict[str, float]]], output_dir: str | Path) -
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     written = [_panels(runs, CURVES, (2, 3), out / "curves.png")]
-    if any(key in r for rows in runs.values() for r in rows for key, _, _ in TOOL_CURVES):
-        written.append(_panels(runs, TOOL_CURVES, (2, 2), out / "tools.png"))
+    for curves, grid, name in OPTIONAL:
+        if any(key in r for rows in runs.values() for r in rows for key, _, _ in curves):
+            written.append(_panels(runs, curves, grid, out / name))
 
     names = list(runs)
     fig, ax = plt.subplots(figsize=(max(4.0, 1.6 * len(runs) + 2) + 2.2, 4), layout="constrained")

@@ -87,8 +87,9 @@ class TrainingRollouts:
         self.drafters: list[Drafter] = []
         self.profile: LatencyProfile | None = None
         self.pending: list[Rollout] = []  # rollouts the learners have not learnt from
-        # called with the call before each decoding step of `generate` (a rollout process takes new weights there)
-        self.between_steps: Callable[[Generation], None] | None = None
+        # called with the call before each decoding step of `generate`, and with None after its last (a rollout
+        # process takes new weights there)
+        self.between_steps: Callable[[Generation | None], None] | None = None
         if not self.plugins:
             return
         start = Path(start_from) if start_from is not None else None
@@ -159,6 +160,8 @@ class TrainingRollouts:
             while not run.done:
                 self.between_steps(run.call)
                 run.step()
+            if self.between_steps is not None:
+                self.between_steps(None)
         return run.output()
 
     @contextmanager

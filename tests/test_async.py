@@ -118,7 +118,7 @@ def test_a_slow_trainer_keeps_every_sample_within_max_staleness(model_dir: Path,
     staleness = [m["async/staleness"] for m in logged]
     assert max(staleness) == 1 and staleness[0] == 0, staleness
     assert all(m["async/dropped_samples"] == 0 for m in logged)
-    assert all(m["async/token_lag_max"] <= 1 for m in logged)
+    assert all(m["async/token_lag/max"] <= 1 for m in logged)
 
 
 def test_rows_in_flight_take_new_weights_between_decoding_steps(model_dir: Path, tmp_path: Path) -> None:
@@ -134,8 +134,8 @@ def test_rows_in_flight_take_new_weights_between_decoding_steps(model_dir: Path,
         speculation={"mode": "static", "drafter": "suffix", "nodes": 4},
     )
     assert all(m["async/staleness"] <= 2 for m in logged)
-    mixed = [m for m in logged if m["async/token_lag_mean"] < m["async/staleness"]]
-    assert mixed, [(m["async/staleness"], m["async/token_lag_mean"]) for m in logged]
+    mixed = [m for m in logged if m["async/token_lag/mean"] < m["async/staleness"]]
+    assert mixed, [(m["async/staleness"], m["async/token_lag/mean"]) for m in logged]
 
 
 def test_version_runs_and_token_lags() -> None:
@@ -151,47 +151,57 @@ def test_a_sample_past_max_staleness_is_dropped_and_counted(monkeypatch: pytest.
     feed = RolloutFeed.__new__(RolloutFeed)
     feed.cfg = load_config(None, ["--max_staleness=1", "--rollout_processes=1"])
     feed.version, feed.next, feed.dropped, feed.error = 5, 2, 0, None
-    feed.figures = {"async/trainer_wait": 0.0, "async/weight_send": 0.0, "async/dropped_samples": 0.0}
-    feed.ready = pipeline.threading.Condition()
+    feed.figures = dict.fromkeys(("async/trainer_wait_seconds", "async/dropped_samples"), 0.0)
+    feed.ready, feed.thread = pipeline.threading.Condition(), pipeline.threading.current_thread()
     monkeypatch.setattr(feed, "_tell", lambda kind: told.append((kind, feed.next, feed.dropped)))
-    mask = torch.ones(2, 3)
-    batch = type("Batch", (), {"completion_mask": mask})()
+    batch = type("Batch", (), {"completion_mask": torch.ones(2, 3)})()
     feed.items = {
-        2: Produced(2, batch, {}, [], [[(0, 3)], [(0, 3)]]),  # two steps stale: dropped
-        3: Produced(3, batch, {}, [], [[(0, 4), (1, 5)], [(0, 4)]]),
+        2: Produced(2, batch, {}, [], [3, 3], [[(0, 3)], [(0, 3)]]),  # two steps stale: dropped
+        3: Produced(3, batch, {}, [], [3, 3], [[(0, 4), (1, 5)], [(0, 4)]]),
     }
     taken = feed.take()
     assert taken.generation == 3 and feed.next == 4 and feed.dropped == 1
-    assert told == [(pipeline.STATE, 3, 1)]
+    assert told == [(pipeline.PROGRESS, 4, 1)]  # the rollout processes learn of both
     assert taken.metrics["async/dropped_samples"] == 2 and taken.metrics["async/staleness"] == 1
-    assert taken.metrics["async/token_lag_mean"] == pytest.approx(4 / 6)
+    assert taken.metrics["async/token_lag/mean"] == pytest.approx(4 / 6)
 
 
-def _dies(rank: int, port: int, config: str, errors: str, resume: bool) -> None:
-    """A process of a 2-process job whose rollout process dies as generation 2 begins (unless ``resume``); the
-    training process writes its error to ``errors``."""
+def _job(rank: int, port: int, config: str, errors: str, resume: bool, dies: bool) -> None:
+    """A process of a 2-process job (``dies``: its rollout process dies as generation 2 begins); a failed process
+    writes its error to ``errors``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
     produce = RolloutProcess._produce
 
-    def dies(self: RolloutProcess, g: int) -> Produced:
+    def dying(self: RolloutProcess, g: int) -> Produced:
         if g == 2:
             os._exit(3)
         return produce(self, g)
 
-    if not resume:
-        RolloutProcess._produce = dies
+    if dies:
+        RolloutProcess._produce = dying
     try:
         trainer = GRPOTrainer(load_config(config), resume=resume)
         trainer.train()
         del trainer
-    except RuntimeError as e:
-        Path(errors).write_text(str(e))
+    except Exception as e:
+        Path(errors).with_suffix(f".{rank}").write_text(str(e))
         os._exit(1)
     finally:
         distributed.shutdown()
+
+
+def job(config: Path, errors: Path, resume: bool = False, dies: bool = False) -> list[int | None]:
+    """The exit codes of a 2-process job of ``config`` (see `_job`), each process forked and awaited alone."""
+    port, context = free_port(), torch.multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_job, args=(r, port, str(config), str(errors), resume, dies)) for r in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(120)
+    return [process.exitcode for process in ranks]
 
 
 def test_a_rollout_process_that_dies_is_named_and_the_run_resumes(
@@ -202,23 +212,12 @@ def test_a_rollout_process_that_dies_is_named_and_the_run_resumes(
     config = write_config(
         model_dir, tmp_path / "run", rollout_processes=1, max_staleness=0, save_steps=1, heartbeat_stale_after_s=5
     )
-    errors = tmp_path / "error.txt"
-    for resume in (False, True):
-        port, context = free_port(), torch.multiprocessing.get_context("fork")
-        ranks = [context.Process(target=_dies, args=(r, port, str(config), str(errors), resume)) for r in (0, 1)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(120)
-        if not resume:
-            message = errors.read_text()
-            assert [p.exitcode for p in ranks] == [1, 3]
-            assert re.fullmatch(
-                r"rollout process rank 1: sent nothing for \d+ s \(heartbeat_stale_after_s 5\).*", message
-            )
-            assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
-        else:
-            assert [p.exitcode for p in ranks] == [0, 0]
+    errors = tmp_path / "error"
+    assert job(config, errors, dies=True) == [1, 3]
+    message = errors.with_suffix(".0").read_text()
+    assert re.fullmatch(r"rollout process rank 1: sent nothing for \d+ s \(heartbeat_stale_after_s 5\).*", message)
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert job(config, errors, resume=True) == [0, 0]
     logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged] == [1, 2, 3, 4]
     one = load_file(str(synchronous / f"checkpoint-{STEPS}" / "model.safetensors"))
@@ -226,11 +225,20 @@ def test_a_rollout_process_that_dies_is_named_and_the_run_resumes(
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
+def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:
+    config = write_config(
+        model_dir, tmp_path / "run", rollout_processes=1, reward_funcs=["distributed_rewards:fail_on_rank_1"]
+    )
+    assert job(config, tmp_path / "error") == [1, 1]
+    message = (tmp_path / "error.0").read_text()
+    assert message.startswith("rollout process rank 1: failed: ") and "reward function failed on rank 1" in message
+
+
 @pytest.mark.parametrize(
     ("options", "error"),
     [
         (["--rollout_processes=1", "--max_staleness=1", "--weight_sync_steps=3"], "weight_sync_steps (3) must be at"),
-        (["--rollout_processes=1", "--queue_maxsize=4"], "queue_maxsize (4) must hold one generation's 8"),
+        (["--rollout_processes=1", "--queue_maxsize=4"], "queue_maxsize (4) must hold the 8 completions"),
         (["--rollout_processes=1", "--use_peft=true"], "use_peft: rollout_processes do not take LoRA"),
         (["--max_staleness=2"], "max_staleness has no effect with rollout_processes 0"),
     ],

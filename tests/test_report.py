@@ -85,6 +85,18 @@ def test_report_plots_the_tools_of_a_run_with_tools(tmp_path: Path, capsys: pyte
     assert "tools.png" in capsys.readouterr().out
 
 
+def test_report_plots_the_pipeline_of_an_asynchronous_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "async", 3, 1.5, draft=False)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row |= {"async/staleness": 1.0, "async/token_lag/mean": 0.5, "async/trainer_wait_seconds": 0.2}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    main(["report", str(run), "--output", str(tmp_path / "out")])
+    assert (tmp_path / "out" / "async.png").read_bytes()[:8] == PNG
+    assert "async.png" in capsys.readouterr().out
+    assert not (tmp_path / "out" / "tools.png").exists()
+
+
 def test_report_of_a_single_run_writes_into_it(tmp_path: Path) -> None:
     run = write_run(tmp_path / "run", 3, 1.5, draft=True)
     main(["report", str(run)])

@@ -213,8 +213,8 @@ class GRPOConfig(StepCounts, GRPOChecks):
     # asynchronous GRPO (as TRL's AsyncGRPOConfig)
     rollout_processes: int = option(
         0,
-        help="under torchrun, this many processes (the last ranks) only generate, on the newest weights they hold, "
-        "taking new weights between decoding steps, while the others train; 0: every process generates, then trains",
+        help="under torchrun with this many processes more, rank 0 trains and the others only generate, on the newest "
+        "weights they hold, taken between decoding steps (asynchronous GRPO); 0: every process generates, then trains",
         valid=Range(0),
     )
     max_staleness: int = option(

@@ -187,10 +187,11 @@ class GRPOChecks:
                 f"weight_sync_steps ({self.weight_sync_steps}) must be at most max_staleness + 1 "
                 f"({self.max_staleness + 1}): the rollout processes would wait for weights the trainers send later"
             )
-        if self.queue_maxsize < self.generation_batch_size:
+        step = self.generation_batch_size * self.generations_per_step
+        if self.queue_maxsize < step:
             raise ValueError(
-                f"queue_maxsize ({self.queue_maxsize}) must hold one generation's {self.generation_batch_size} "
-                "completions (per_device_train_batch_size x steps_per_generation)"
+                f"queue_maxsize ({self.queue_maxsize}) must hold the {step} completions an optimizer step trains on "
+                "(per_device_train_batch_size x gradient_accumulation_steps)"
             )
         for name, why in (("fsdp", "sharded weights"), ("use_peft", "LoRA adapters")):
             if getattr(self, name):

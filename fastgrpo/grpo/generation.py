@@ -81,14 +81,15 @@ def windows(rows: int, count: int, seed: int, generation: int, rank: int) -> lis
 @dataclass
 class Produced:
     """A generation sampled and scored, before the update reads its log-probs (`prepare`): made by `produce`, on this
-    process or on a rollout process (`fastgrpo.grpo.pipeline`), which sends it whole. ``versions``: per row, the
-    weight version of its tokens as ``(first position, version)`` runs (None: sampled with the weights the update
-    starts from)."""
+    process or on a rollout process (`fastgrpo.grpo.pipeline`), which sends it whole with ``lengths``, each row's
+    completion tokens, and ``versions``, per row the weight version of its tokens as ``(first position, version)``
+    runs."""
 
     generation: int
     batch: RolloutBatch
     metrics: dict[str, float]
     samples: list[tuple[Any, str, float, dict[str, Any]]]
+    lengths: list[int] | None = None
     versions: list[list[tuple[int, int]]] | None = None
 
 
@@ -173,6 +174,8 @@ def merge(generations: list[Generation], pad_id: int, seed: int, generation: int
             values = [v for v in values if not math.isnan(v)] or [math.nan]
         if key in ("num_tokens", "spec/time_saved") or key.startswith(("time/", "compile/")):
             metrics[key] = sum(values)
+        elif key.startswith("async/") and key.endswith(("_seconds", "_samples", "/max")):  # totals, largest
+            metrics[key] = max(values) if key.endswith("/max") else sum(values)
         elif key.startswith("memory/"):
             metrics[key] = max(values)
         else:

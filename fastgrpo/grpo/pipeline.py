@@ -8,18 +8,19 @@ between decoding steps: rows in flight go on with them (their cache from the old
 weight version is recorded (`Produced.versions`). A sample's staleness is the optimizer steps between its oldest
 token's weights and those its update starts from. A rollout process starts no generation whose samples would train
 more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions generated and not yet trained; a
-sample that comes past the bound all the same is dropped and counted. The update corrects for the sampler with the
-sampler's log-probabilities (``importance_sampling_correction``).
+sample that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the
+update corrects for the older weights with the sampler's log-probabilities.
 
 Messages go through the job's store (`Mailbox`: a few numbers, checked without waiting), payloads point to point
 over a gloo group of every process (`distributed.message_group`), the weights over the job's own group, on the
-device. A rollout process beats at least every quarter of ``heartbeat_stale_after_s`` seconds while it decodes or
-waits, so that the training process names one that stays silent longer (it died or hangs), and one that failed,
-with its error.
+device. A thread of each rollout process beats every quarter of ``heartbeat_stale_after_s`` seconds, but while a
+decoding step has run longer than half of it, so that the training process names a rollout process that stays silent
+longer (it died, or a step hangs), and one that failed, with its error.
 """
 
 from __future__ import annotations
 
+import logging
 import pickle
 import threading
 import time
@@ -32,9 +33,11 @@ from fastgrpo import distributed
 from fastgrpo.grpo.generation import Generating, Produced, produce
 from fastgrpo.rollout.sequence import Generation as Call
 
-BEAT, ITEM, FAILED, BYE = 1, 2, 3, 4  # from a rollout process
-WEIGHTS, STATE, STOP = 5, 6, 7  # from the training process
-ITEMS, WEIGHT_TAG = 1, 2  # tags of the payloads and of the weights
+logger = logging.getLogger(__name__)
+
+GENERATION, FAILED, BYE = 1, 2, 3  # from a rollout process
+WEIGHTS, PROGRESS, STOP = 4, 5, 6  # from the training process (each with its version, next generation and drops)
+PAYLOAD_TAG, WEIGHT_TAG = 1, 2
 TRAINER = 0
 
 
@@ -44,7 +47,8 @@ class Stopped(Exception):
 
 class Mailbox:
     """One way's messages between two processes through the job's store (``name``: the way): each a kind, three
-    numbers and a text; `post` by one process, `poll` (which does not wait) by the other."""
+    numbers and a text, `post`-ed by one process and `poll`-ed (without waiting) by the other; and a count of
+    heartbeats (`beat`, `beats`)."""
 
     def __init__(self, name: str):
         # torch.distributed has no public accessor of the store the job rendezvoused with
@@ -64,6 +68,12 @@ class Mailbox:
             messages.append((int(kind), int(a), int(b), int(c), text))
         self.read = count
         return messages
+
+    def beat(self) -> None:
+        self.store.add("beats", 1)
+
+    def beats(self) -> int:
+        return self.store.add("beats", 0)
 
 
 def _payload(obj: Any) -> torch.Tensor:
@@ -113,60 +123,67 @@ class RolloutProcess:
         # the next generation the training process takes, and those it dropped
         self.next = trainer.start_step // cfg.steps_per_generation_pass * cfg.generations_per_step
         self.dropped = 0
-        self.limit = max(cfg.queue_maxsize // cfg.generation_batch_size, 1)  # generations ahead at most
+        self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
         self.params = [p.data for p in trainer.model.parameters()]
-        self.beaten = time.monotonic()
+        self.step_began: float | None = None  # when the decoding step under way began
         self.marks: list[tuple[int, list[int]]] = []
         self.call: Call | None = None
-        self.waited = self.synced = 0.0
+        self.waited = self.received = 0.0
+        self.done = threading.Event()
 
     def run(self) -> None:
         """Generate, send and take weights until the training process stops the run."""
         self.trainer.rollouts.between_steps = self._between_steps
+        beating = threading.Thread(target=self._beat, name="fastgrpo-heartbeat", daemon=True)
+        beating.start()
         g = self.next + (self.index - self.next) % self.count  # the first generation of this process
         try:
             while True:
                 self._wait_until_due(g)
                 data = _payload(self._produce(g))
-                self.up.post(ITEM, data.numel(), g)
-                dist.send(data, TRAINER, group=self.group, tag=ITEMS)
-                self.beaten = time.monotonic()
+                self.up.post(GENERATION, data.numel(), g)
+                dist.send(data, TRAINER, group=self.group, tag=PAYLOAD_TAG)
                 g += self.count
         except Stopped:
             self.up.post(BYE)
         except BaseException as e:
             self.up.post(FAILED, text=f"{type(e).__name__}: {e}")
             raise
+        finally:
+            self.done.set()
 
     def _produce(self, generation: int) -> Produced:
         start, self.marks, self.call = self.version, [], None
-        waited, synced = self.waited, self.synced
+        waited, received = self.waited, self.received
         produced = produce(self.trainer, generation, self.cfg.made_at(generation))
-        if self.call is not None:  # a decoding step ran
-            lengths = [len(s.completion_ids) for s in self.call.seqs]
-            produced.versions = version_runs(start, self.marks, lengths)
-        produced.metrics |= {"async/rollout_wait": waited, "async/weight_receive": self.synced - synced}
+        rows = produced.batch.completion_mask.shape[0]
+        produced.lengths = [len(s.completion_ids) for s in self.call.seqs] if self.call else [1] * rows
+        produced.versions = version_runs(start, self.marks, produced.lengths)
+        produced.metrics |= {
+            "async/rollout_wait_seconds": waited,
+            "async/weight_receive_seconds": self.received - received,
+        }
         self.waited = 0.0
         return produced
 
-    def _between_steps(self, call: Call) -> None:
-        """Before a decoding step: take the weights that came (the rows go on with them), and beat."""
-        self.call = call
-        self._poll()
-        self._beat()
+    def _between_steps(self, call: Call | None) -> None:
+        """Before a decoding step of ``call`` (None: once it ended): take the weights that came, with which the rows
+        go on."""
+        self.step_began = None
+        if call is not None:
+            self.call = call
+            self._poll()
+            self.step_began = time.monotonic()
 
     def _wait_until_due(self, g: int) -> None:
         """Wait (taking weights) until generation ``g`` trains at most ``max_staleness`` steps after the weights
         held, and the completions generated ahead fit the queue."""
         t0 = time.monotonic()
-        while self.version < self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness or g - self.next >= self.limit:
+        due = self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness
+        while self.version < due or g - self.next >= self.limit:
             if not self._poll():
-                self._beat()
-                if time.monotonic() - t0 > self.cfg.ddp_timeout:
-                    raise TimeoutError(
-                        f"the training process (rank {TRAINER}) sent nothing for {self.cfg.ddp_timeout} s"
-                    )
                 time.sleep(0.005)
+            due = self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness
         self.waited += time.monotonic() - t0
 
     def _poll(self) -> bool:
@@ -179,16 +196,20 @@ class RolloutProcess:
                 t0 = time.monotonic()
                 for param in self.params:
                     dist.recv(param, TRAINER, tag=WEIGHT_TAG)
-                self.synced += time.monotonic() - t0
+                self.received += time.monotonic() - t0
                 self.version = version
                 if self.call is not None:
                     self.marks.append((version, [len(s.completion_ids) for s in self.call.seqs]))
         return bool(messages)
 
     def _beat(self) -> None:
-        if time.monotonic() - self.beaten >= self.cfg.heartbeat_stale_after_s / 4:
-            self.up.post(BEAT)
-            self.beaten = time.monotonic()
+        """The heartbeat thread: a beat every quarter of ``heartbeat_stale_after_s``, but while a decoding step has
+        run longer than half of it."""
+        period = self.cfg.heartbeat_stale_after_s / 4
+        while not self.done.wait(period):
+            began = self.step_began
+            if began is None or time.monotonic() - began < 2 * period:
+                self.up.beat()
 
 
 class RolloutFeed:
@@ -198,6 +219,12 @@ class RolloutFeed:
 
     def __init__(self, trainer: Generating):
         cfg = self.cfg = trainer.config
+        if cfg.max_staleness and not cfg.importance_sampling_correction:
+            logger.warning(
+                "rollout_processes: samples up to %d steps stale train as if the weights that sampled them were "
+                "the update's; importance_sampling_correction: true corrects for them",
+                cfg.max_staleness,
+            )
         self.group, self.model = distributed.message_group(), trainer.model
         self.ranks = list(range(1, cfg.rollout_processes + 1))
         self.up = {rank: Mailbox(f"up/{rank}") for rank in self.ranks}
@@ -210,7 +237,9 @@ class RolloutFeed:
         self.ready = threading.Condition()
         self.closing = False
         self.sending: list[Any] = []  # the weights' sends in flight (the weights must not change until they end)
-        self.figures = {"async/trainer_wait": 0.0, "async/weight_send": 0.0, "async/dropped_samples": 0.0}
+        self.figures = dict.fromkeys(
+            ("async/trainer_wait_seconds", "async/weight_send_seconds", "async/dropped_samples"), 0.0
+        )
         self.thread = threading.Thread(target=self._receive, name="fastgrpo-rollout-feed", daemon=True)
         self.thread.start()
 
@@ -221,25 +250,26 @@ class RolloutFeed:
         while True:
             with self.ready:
                 while self.next not in self.items and self.error is None:
+                    if not self.thread.is_alive():
+                        raise RuntimeError("the rollout processes ended before the run did")
                     self.ready.wait(0.05)
                 if self.error is not None:
                     raise RuntimeError(self.error)
                 produced, queued = self.items.pop(self.next), len(self.items)
             self.next += 1
-            lengths = [int(n) for n in produced.batch.completion_mask.sum(1).tolist()]
-            oldest = min(runs[0][1] for runs in produced.versions) if produced.versions else self.version
+            oldest = min(runs[0][1] for runs in produced.versions)
             if self.version - oldest <= self.cfg.max_staleness:
                 break
             self.dropped += 1
-            self.figures["async/dropped_samples"] += len(lengths)
-            self._tell(STATE)
-        self.figures["async/trainer_wait"] += time.monotonic() - t0
-        lags = token_lags(produced.versions, lengths, self.version) if produced.versions else [0]
+            self.figures["async/dropped_samples"] += len(produced.lengths)
+        self._tell(PROGRESS)  # the rollout processes may run as far ahead again
+        self.figures["async/trainer_wait_seconds"] += time.monotonic() - t0
+        lags = token_lags(produced.versions, produced.lengths, self.version)
         produced.metrics |= {
             **self.figures,
             "async/staleness": float(self.version - oldest),
-            "async/token_lag_mean": sum(lags) / max(len(lags), 1),
-            "async/token_lag_max": float(max(lags, default=0)),
+            "async/token_lag/mean": sum(lags) / len(lags),
+            "async/token_lag/max": float(max(lags)),
             "async/queue_depth": float(queued),
         }
         self.figures = dict.fromkeys(self.figures, 0.0)
@@ -248,10 +278,10 @@ class RolloutFeed:
     def before_update(self) -> None:
         """Wait until the weights sent last have left (the update is about to change them)."""
         t0 = time.monotonic()
-        for work in self.sending:
+        sending, self.sending = self.sending, []
+        for work in sending:
             work.wait()
-        self.sending = []
-        self.figures["async/weight_send"] += time.monotonic() - t0
+        self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
@@ -261,7 +291,7 @@ class RolloutFeed:
             self._tell(WEIGHTS)
             for rank in self.ranks:
                 self.sending += [dist.isend(p.data, rank, tag=WEIGHT_TAG) for p in self.model.parameters()]
-            self.figures["async/weight_send"] += time.monotonic() - t0
+            self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def close(self) -> None:
         """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
@@ -278,22 +308,23 @@ class RolloutFeed:
     def _receive(self) -> None:
         """The thread: every rollout process's messages and generations, until each says goodbye, one fails or
         stays silent."""
-        live, seen = set(self.ranks), dict.fromkeys(self.ranks, time.monotonic())
+        live, now = set(self.ranks), time.monotonic()
+        seen, beats = dict.fromkeys(self.ranks, now), dict.fromkeys(self.ranks, 0)
         rank = self.ranks[0]
         try:
             while live and not self.closing:
                 for rank in sorted(live):
-                    messages = self.up[rank].poll()
-                    if messages:
-                        seen[rank] = time.monotonic()
+                    messages, count = self.up[rank].poll(), self.up[rank].beats()
+                    if messages or count != beats[rank]:
+                        seen[rank], beats[rank] = time.monotonic(), count
                     for kind, size, generation, _, text in messages:
                         if kind == FAILED:
                             raise RuntimeError(f"failed: {text}")
                         if kind == BYE:
                             live.discard(rank)
-                        elif kind == ITEM:
+                        elif kind == GENERATION:
                             data = torch.empty(size, dtype=torch.uint8, device="cpu")
-                            dist.recv(data, rank, group=self.group, tag=ITEMS)
+                            dist.recv(data, rank, group=self.group, tag=PAYLOAD_TAG)
                             with self.ready:
                                 self.items[generation] = _received(data)
                                 self.ready.notify()

@@ -330,7 +330,6 @@ class GRPOTrainer(TrlTrainerMethods):
         cfg = self.config
         main = self.dist.is_main
         history = []
-        self.feed = RolloutFeed(self) if cfg.rollout_processes else None
         bar = tqdm(
             range(self.start_step, cfg.max_steps),
             initial=self.start_step,
@@ -342,6 +341,7 @@ class GRPOTrainer(TrlTrainerMethods):
         unlogged: list[dict[str, float]] = []  # the steps since the last logged record
         start = time.perf_counter()
         try:
+            self.feed = RolloutFeed(self) if cfg.rollout_processes else None
             with self.threads or nullcontext(), tf32_matmuls(self.device):
                 events.begin(self.start_step)
                 for step in bar:

@@ -283,7 +283,7 @@ class TrlTrainerMethods:
                 "resume_from_checkpoint: the model given in memory was wrapped in place (LoRA or FSDP2) and cannot be "
                 "built again: give the model by its id or directory"
             )
-        if self.update.masters is not None:
+        if self.update is not None and self.update.masters is not None:
             self.update.masters.close()  # its gradient hooks are on the parameters of a model given in memory
         if self.tools is not None:
             self.tools.close()
@@ -319,6 +319,8 @@ class TrlTrainerMethods:
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Write the policy (its full weights under FSDP2; the adapter with LoRA) and tokenizer to ``output_dir``
         (default: the run's ``output_dir``) in transformers' format, as TRL's ``save_model``; every rank takes part."""
+        if self.dist.rollout:  # a rollout process holds weights rank 0 sent: nothing of its own to write
+            return
         path = Path(output_dir) if output_dir is not None else self.output_dir
         weights, _, _ = self.update.full_state()
         if self.dist.is_main:
