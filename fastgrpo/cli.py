@@ -19,7 +19,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from fastgrpo import commands
-from fastgrpo.errors import EnvironmentFault, RewardFunctionError, Terminated, exit_code, interruption
+from fastgrpo.errors import (
+    EnvironmentFault,
+    RewardFunctionError,
+    RolloutFailed,
+    Terminated,
+    exit_code,
+    interruption,
+)
 
 OPTION_COMMANDS = ("train", "generate", "eval", "profile", "draft")  # the commands whose options are dataclasses
 
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
             keep_freed_memory()  # a FASTGRPO_MALLOC it does not know is refused as an option is
         with sigterm_as_interrupt():
             args.func(args, rest)
-    except (ValueError, OSError, RewardFunctionError, EnvironmentFault) as e:
+    except (ValueError, OSError, RewardFunctionError, EnvironmentFault, RolloutFailed) as e:
         # OSError: a file or directory the system refused (missing, not permitted, a full disk), named by the error
         print(f"fastgrpo {args.command}: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -14,6 +14,12 @@ class EnvironmentFault(RuntimeError):
     the completion."""
 
 
+class RolloutFailed(Exception):
+    """A rollout process (``rollout_processes``) failed or stayed silent past ``heartbeat_stale_after_s``; the message
+    names its rank and the checkpoint to resume from. Not a ``RuntimeError``: a checkpoint's write does not take it
+    for a full disk."""
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what ``kill`` and job schedulers send) received by a ``fastgrpo`` command: it unwinds as Ctrl-C does,
     so that what is half written is removed, and the command exits with 143."""

@@ -52,6 +52,7 @@ LONGEST_FIRST = (
     "test_trainer.py",
     "test_bad_inputs.py",
     "test_distributed.py",
+    "test_async.py",
     "test_controller.py",
     "test_fused_attention.py",
     "test_cold_steps.py",

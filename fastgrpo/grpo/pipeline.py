@@ -24,19 +24,22 @@ import logging
 import pickle
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fastgrpo import distributed
+from fastgrpo.errors import RolloutFailed
+from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced, produce
 from fastgrpo.rollout.sequence import Generation as Call
 
 logger = logging.getLogger(__name__)
 
-GENERATION, FAILED, BYE = 1, 2, 3  # from a rollout process
-WEIGHTS, PROGRESS, STOP = 4, 5, 6  # from the training process (each with its version, next generation and drops)
+GENERATION, FAILED, BYE, DRAFTS_SAVED = 1, 2, 3, 4  # from a rollout process
+WEIGHTS, PROGRESS, STOP, SAVE_DRAFTS = 5, 6, 7, 8  # from the training process (with its version, next and drops)
 PAYLOAD_TAG, WEIGHT_TAG = 1, 2
 TRAINER = 0
 
@@ -189,9 +192,12 @@ class RolloutProcess:
     def _poll(self) -> bool:
         """Handle the training process's messages that came; whether any did."""
         messages = self.down.poll()
-        for kind, version, self.next, self.dropped, _ in messages:
+        for kind, version, self.next, self.dropped, text in messages:
             if kind == STOP:
                 raise Stopped
+            if kind == SAVE_DRAFTS:  # into the checkpoint rank 0 writes (``text``: learners or not, its directory)
+                self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1")
+                self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:
                 t0 = time.monotonic()
                 for param in self.params:
@@ -240,6 +246,7 @@ class RolloutFeed:
         self.figures = dict.fromkeys(
             ("async/trainer_wait_seconds", "async/weight_send_seconds", "async/dropped_samples"), 0.0
         )
+        self.drafts_saved = threading.Event()
         self.thread = threading.Thread(target=self._receive, name="fastgrpo-rollout-feed", daemon=True)
         self.thread.start()
 
@@ -251,10 +258,10 @@ class RolloutFeed:
             with self.ready:
                 while self.next not in self.items and self.error is None:
                     if not self.thread.is_alive():
-                        raise RuntimeError("the rollout processes ended before the run did")
+                        raise self._failed("the rollout processes ended before the run did")
                     self.ready.wait(0.05)
                 if self.error is not None:
-                    raise RuntimeError(self.error)
+                    raise self._failed(self.error)
                 produced, queued = self.items.pop(self.next), len(self.items)
             self.next += 1
             oldest = min(runs[0][1] for runs in produced.versions)
@@ -293,6 +300,16 @@ class RolloutFeed:
                 self.sending += [dist.isend(p.data, rank, tag=WEIGHT_TAG) for p in self.model.parameters()]
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
+    def save_drafts(self, checkpoint: Path, learners: bool) -> None:
+        """Have the first rollout process write its drafters, which learn from its rollouts, into ``checkpoint``
+        (`TrainingRollouts.save`), and wait until it has."""
+        self.drafts_saved.clear()
+        box = self.down[self.ranks[0]]
+        box.post(SAVE_DRAFTS, self.version, self.next, self.dropped, f"{int(learners)}{checkpoint}")
+        while not self.drafts_saved.wait(0.05):
+            if self.error is not None:
+                raise self._failed(self.error)
+
     def close(self) -> None:
         """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
         self._tell(STOP)
@@ -300,6 +317,11 @@ class RolloutFeed:
             self.before_update()
             self.thread.join()
         self.closing = True
+
+    def _failed(self, error: str) -> RolloutFailed:
+        latest = latest_checkpoint(Path(self.cfg.output_dir))
+        where = f"continue from {latest} with --resume" if latest else "no checkpoint was written yet"
+        return RolloutFailed(f"{error}; the run stops ({where})")
 
     def _tell(self, kind: int) -> None:
         for box in self.down.values():
@@ -322,6 +344,8 @@ class RolloutFeed:
                             raise RuntimeError(f"failed: {text}")
                         if kind == BYE:
                             live.discard(rank)
+                        elif kind == DRAFTS_SAVED:
+                            self.drafts_saved.set()
                         elif kind == GENERATION:
                             data = torch.empty(size, dtype=torch.uint8, device="cpu")
                             dist.recv(data, rank, group=self.group, tag=PAYLOAD_TAG)

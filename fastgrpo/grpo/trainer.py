@@ -292,7 +292,10 @@ class GRPOTrainer(TrlTrainerMethods):
 
             def write_model(path: Path) -> None:
                 self.write_policy(path, weights)
-                self.rollouts.save(path, learners=not self.config.save_only_model)
+                if self.feed is None:
+                    self.rollouts.save(path, learners=not self.config.save_only_model)
+                else:  # the drafters that learn are a rollout process's
+                    self.feed.save_drafts(path, learners=not self.config.save_only_model)
 
             state: dict[str, Any] = {"config": config_to_dict(self.config), "num_tokens": self.num_tokens}
             if not self.config.save_only_model:
