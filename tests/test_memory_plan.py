@@ -34,8 +34,8 @@ from fastgrpo.memory_plan.fitting import CARD_80GB_BYTES, check_fits, fitting_op
 from fastgrpo.memory_plan.plan import CUDA_CONTEXT_BYTES, estimate_memory
 from fastgrpo.speculative.eagle.memory import draft_parameters
 
-# The run the README's memory table plans (TRL's defaults but completions of 256 tokens, layers not checkpointed), so
-# that what the checks recommend is a change away from it.
+# The run docs/benchmarks.md's memory table plans (TRL's defaults but completions of 256 tokens, layers not
+# checkpointed), so that what the checks recommend is a change away from it.
 PLANNED = {"max_completion_length": 256, "gradient_checkpointing": False}
 PLANNED_FLAGS = ["--max_completion_length", "256", "--gradient_checkpointing", "false"]
 
