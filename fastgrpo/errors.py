@@ -15,9 +15,9 @@ class EnvironmentFault(RuntimeError):
 
 
 class RolloutFailed(Exception):
-    """A rollout process (``rollout_processes``) failed or stayed silent past ``heartbeat_stale_after_s``; the message
-    names its rank and the checkpoint to resume from. Not a ``RuntimeError``: a checkpoint's write does not take it
-    for a full disk."""
+    """A rollout process (``rollout_processes``) failed or stayed silent past ``heartbeat_stale_after_s``, or they all
+    ended before the run did; the message says which and the checkpoint to resume from. Not a ``RuntimeError``: a
+    checkpoint's write does not take it for a full disk."""
 
 
 class Terminated(KeyboardInterrupt):

@@ -178,8 +178,8 @@ class GRPOChecks:
         resolve_reward_funcs(self.reward_funcs)
 
     def _check_asynchronous(self) -> None:
-        """Rollout processes: weights sent often enough for the staleness bound, a queue that holds one generation,
-        and what they do not support yet refused by name."""
+        """Rollout processes: weights sent often enough for the staleness bound, a queue that holds an optimizer
+        step's generations, and what they do not support yet refused by name."""
         if not self.rollout_processes:
             return
         if self.weight_sync_steps > self.max_staleness + 1:
@@ -190,8 +190,8 @@ class GRPOChecks:
         step = self.generation_batch_size * self.generations_per_step
         if self.queue_maxsize < step:
             raise ValueError(
-                f"queue_maxsize ({self.queue_maxsize}) must hold the {step} completions an optimizer step trains on "
-                "(per_device_train_batch_size x gradient_accumulation_steps)"
+                f"queue_maxsize ({self.queue_maxsize}) must hold the {step} completions of the generations an "
+                "optimizer step trains on"
             )
         for name, why in (("fsdp", "sharded weights"), ("use_peft", "LoRA adapters")):
             if getattr(self, name):

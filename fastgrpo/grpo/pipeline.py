@@ -151,6 +151,7 @@ class RolloutProcess:
             self.up.post(BYE)
         except BaseException as e:
             self.up.post(FAILED, text=f"{type(e).__name__}: {e}")
+            self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
             raise
         finally:
             self.done.set()
@@ -196,7 +197,8 @@ class RolloutProcess:
             if kind == STOP:
                 raise Stopped
             if kind == SAVE_DRAFTS:  # into the checkpoint rank 0 writes (``text``: learners or not, its directory)
-                self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1")
+                if Path(text[1:]).is_dir():  # not when rank 0 gave up the checkpoint already
+                    self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1")
                 self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:
                 t0 = time.monotonic()
@@ -207,6 +209,17 @@ class RolloutProcess:
                 if self.call is not None:
                     self.marks.append((version, [len(s.completion_ids) for s in self.call.seqs]))
         return bool(messages)
+
+    def _await_stop(self) -> None:
+        """Wait until the training process stops the run, for ``heartbeat_stale_after_s`` at most."""
+        deadline = time.monotonic() + self.cfg.heartbeat_stale_after_s
+        while time.monotonic() < deadline:
+            try:
+                if any(kind == STOP for kind, *_ in self.down.poll()):
+                    return
+            except Exception:  # the store is gone with rank 0
+                return
+            time.sleep(0.05)
 
     def _beat(self) -> None:
         """The heartbeat thread: a beat every quarter of ``heartbeat_stale_after_s``, but while a decoding step has
@@ -305,7 +318,7 @@ class RolloutFeed:
         (`TrainingRollouts.save`), and wait until it has."""
         self.drafts_saved.clear()
         box = self.down[self.ranks[0]]
-        box.post(SAVE_DRAFTS, self.version, self.next, self.dropped, f"{int(learners)}{checkpoint}")
+        box.post(SAVE_DRAFTS, self.version, self.next, self.dropped, f"{int(learners)}{checkpoint.resolve()}")
         while not self.drafts_saved.wait(0.05):
             if self.error is not None:
                 raise self._failed(self.error)
@@ -315,7 +328,9 @@ class RolloutFeed:
         self._tell(STOP)
         if self.error is None:
             self.before_update()
-            self.thread.join()
+            self.thread.join(self.cfg.heartbeat_stale_after_s)
+            if self.thread.is_alive():
+                logger.warning("a rollout process has not stopped after %g s", self.cfg.heartbeat_stale_after_s)
         self.closing = True
 
     def _failed(self, error: str) -> RolloutFailed:

@@ -255,9 +255,9 @@ class GRPOTrainer(TrlTrainerMethods):
         if self.feed is not None:
             self.feed.before_update()
         metrics |= self.update.optimize(window, self.generation.num_items_in_batch)
-        if self.feed is not None:
-            self.feed.after_step(step + 1)
         t3 = synchronized(self.device)  # the optimizer step's kernels count in time/train
+        if self.feed is not None:  # sent after the timing's wait for the step's kernels
+            self.feed.after_step(step + 1)
         memory = {k: v for k, v in metrics.items() if k == "memory/rollout_peak_mb"}
         if self.device.type == "cuda":
             memory["memory/update_peak_mb"] = peak_memory_mb(self.device)
@@ -292,7 +292,7 @@ class GRPOTrainer(TrlTrainerMethods):
 
             def write_model(path: Path) -> None:
                 self.write_policy(path, weights)
-                if self.feed is None:
+                if self.feed is None or self.feed.closing:
                     self.rollouts.save(path, learners=not self.config.save_only_model)
                 else:  # the drafters that learn are a rollout process's
                     self.feed.save_drafts(path, learners=not self.config.save_only_model)
@@ -326,7 +326,8 @@ class GRPOTrainer(TrlTrainerMethods):
             raise ValueError(self.held_run)
         if self.dist.rollout:  # it generates until the training process stops the run
             try:
-                RolloutProcess(self).run()
+                with self.threads or nullcontext(), tf32_matmuls(self.device):
+                    RolloutProcess(self).run()
             finally:
                 self.close()
             return []

@@ -318,7 +318,8 @@ class TrlTrainerMethods:
 
     def save_model(self, output_dir: str | Path | None = None) -> None:
         """Write the policy (its full weights under FSDP2; the adapter with LoRA) and tokenizer to ``output_dir``
-        (default: the run's ``output_dir``) in transformers' format, as TRL's ``save_model``; every rank takes part."""
+        (default: the run's ``output_dir``) in transformers' format, as TRL's ``save_model``; every training process
+        takes part (a rollout process writes nothing)."""
         if self.dist.rollout:  # a rollout process holds weights rank 0 sent: nothing of its own to write
             return
         path = Path(output_dir) if output_dir is not None else self.output_dir
