@@ -40,9 +40,7 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def synchronized(device: torch.device) -> float:
-    """``time.perf_counter()`` once the work queued on ``device``'s current stream has finished (a GPU's; a CPU's is
-    done already): not the weights a training process sends to rollout processes on NCCL's streams, which end only
-    when those receive them."""
+    """``time.perf_counter()`` once the work queued on ``device`` has finished (a GPU's; a CPU's is done already)."""
     if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.synchronize(device)
     return time.perf_counter()
