@@ -157,10 +157,10 @@ class TrainingRollouts:
         with self.decoding(prompt_ids, params, num_generations, step, rank, world_size, turns) as run:
             if self.between_steps is None:
                 run.finish()
-            while not run.done:
-                self.between_steps(run.call)
-                run.step()
-            if self.between_steps is not None:
+            else:
+                while not run.done:
+                    self.between_steps(run.call)
+                    run.step()
                 self.between_steps(None)
         return run.output()
 

@@ -64,6 +64,11 @@ class StepCounts:
         """Optimizer steps trained on each generation: its windows, ``num_iterations`` times over."""
         return self.windows_per_generation * self.num_iterations
 
+    def first_generation(self, step: int) -> int:
+        """The first generation (0-based) optimizer step ``step`` (0-based) trains on: the one made at the start of
+        its pass, or the first of those it trains together."""
+        return step // self.steps_per_generation_pass * self.generations_per_step
+
     def made_at(self, generation: int) -> int:
         """The optimizer step (0-based) generation ``generation`` (0-based) is made before and first trained at."""
         return generation // self.generations_per_step * self.steps_per_generation_pass

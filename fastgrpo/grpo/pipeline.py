@@ -124,7 +124,7 @@ class RolloutProcess:
         self.up, self.down = Mailbox(f"up/{rank}"), Mailbox(f"down/{rank}")
         self.version = trainer.start_step  # the optimizer steps of the weights held
         # the next generation the training process takes, and those it dropped
-        self.next = trainer.start_step // cfg.steps_per_generation_pass * cfg.generations_per_step
+        self.next = cfg.first_generation(trainer.start_step)
         self.dropped = 0
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
         self.params = [p.data for p in trainer.model.parameters()]
@@ -249,7 +249,7 @@ class RolloutFeed:
         self.up = {rank: Mailbox(f"up/{rank}") for rank in self.ranks}
         self.down = {rank: Mailbox(f"down/{rank}") for rank in self.ranks}
         self.version = trainer.start_step
-        self.next = trainer.start_step // cfg.steps_per_generation_pass * cfg.generations_per_step
+        self.next = cfg.first_generation(trainer.start_step)
         self.dropped = 0
         self.items: dict[int, Produced] = {}
         self.error: str | None = None

@@ -241,7 +241,7 @@ class GRPOTrainer(TrlTrainerMethods):
         reset_peak_memory(self.device)  # not the evaluation's or the checkpoint's of the step before
         metrics: dict[str, float] = {"step": step + 1, "epoch": cfg.epoch(step + 1, self.generations_per_epoch)}
         if self.generation is None or step % passes == 0:
-            first, count = step // passes * cfg.generations_per_step, cfg.generations_per_step
+            first, count = cfg.first_generation(step), cfg.generations_per_step
             made = [
                 generate(self, first + i, step) if self.feed is None else prepare(self, self.feed.take())
                 for i in range(count)
