@@ -28,14 +28,21 @@ from pathlib import Path
 from record import REPO, Record
 
 ROWS = 16  # completions per optimizer step in every run (configs/default.yaml)
+# the synchronous runs: each of the two processes generates and trains 8 of a step's 16 completions
+SYNCHRONOUS = ["--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"]
 
 
-def run(name: str, options: list[str], steps: int, tmp: Path) -> list[dict]:
-    """A two-process ``fastgrpo train`` of the default config with ``options``; its logged steps."""
+def run(name: str, options: list[str], steps: int | None, tmp: Path) -> list[dict]:
+    """A two-process ``fastgrpo train`` of the default config (or the ``--config=`` first in ``options``) with
+    ``options``, of ``steps`` optimizer steps (None: the config's); its logged steps."""
     out = tmp / name
+    config = str(REPO / "configs" / "default.yaml")
+    if options and options[0].startswith("--config="):
+        config, options = options[0].split("=", 1)[1], options[1:]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    cmd += ["-m", "fastgrpo", "train", "--config", str(REPO / "configs" / "default.yaml")]
-    cmd += [f"--output_dir={out}", f"--max_steps={steps}", f"--save_steps={steps}", "--progress_bar=false"]
+    cmd += ["-m", "fastgrpo", "train", "--config", config, f"--output_dir={out}", "--progress_bar=false"]
+    if steps is not None:
+        cmd += [f"--max_steps={steps}", f"--save_steps={steps}"]
     cmd += ["--log_completions=false", *options]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"{name}: {' '.join(options)}", flush=True)
@@ -67,7 +74,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, nargs="+", default=[1, 4], help="the asynchronous runs' bounds")
     args = parser.parse_args()
     record = Record("bench_async")
-    runs = {"synchronous": ["--per_device_train_batch_size=8", "--gradient_accumulation_steps=1"]}
+    runs = {"synchronous": SYNCHRONOUS}
     for bound in args.max_staleness:
         runs[f"asynchronous, max_staleness {bound}"] = ["--rollout_processes=1", f"--max_staleness={bound}"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,9 @@
 speculation, over several seeds each; per step the reward's mean and spread over the seeds, a two-sample permutation
 test on each run's mean reward over the last five steps, and a plot. ``--compare entropy`` trains the same task with
 the default options against two of TRL's entropy options: ``top_entropy_quantile: 0.2`` (only the highest-entropy
-fifth of the tokens in the loss) and an entropy bonus (``entropy_coef``), each against the default.
+fifth of the tokens in the loss) and an entropy bonus (``entropy_coef``), each against the default. ``--compare
+async`` trains it with two processes under torchrun (gloo) each time, as `bench_async.py` does: synchronous DDP
+against one rollout process and one training process (``rollout_processes: 1``) at ``max_staleness`` 1 and 4.
 
 Speculation is lossless, but a tree's forward rounds unlike a one-token one, so in float32 a speculative run and a
 plain one part at the first sampled near-tie and then go their own ways: what must not change is how well the runs
@@ -10,7 +12,7 @@ learn, which the seeds' spread measures. ``--task default`` is `configs/default.
 ``--task gsm8k`` trains it on GSM8K's training rows from ``../shared/data/gsm8k`` (`gsm8k_strict` and
 `format` rewards, 256 tokens).
 
-    python benchmarks/bench_learning.py --seeds 0,1,2 [--task gsm8k] [--compare entropy] [-- --max_steps=12 ...]
+    python benchmarks/bench_learning.py --seeds 0,1,2 [--task gsm8k] [--compare entropy|async] [-- --max_steps=12 ...]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from bench_async import SYNCHRONOUS, run  # noqa: E402
 from record import REPO, Record  # noqa: E402
 
 from fastgrpo.config.files import load_config  # noqa: E402
@@ -40,7 +43,13 @@ ARMS = {
         "top_entropy_quantile 0.2": ["--top_entropy_quantile=0.2"],
         "entropy_coef 0.01": ["--entropy_coef=0.01"],
     },
+    "async": {
+        "synchronous": SYNCHRONOUS,
+        "max_staleness 1": ["--rollout_processes=1", "--max_staleness=1"],
+        "max_staleness 4": ["--rollout_processes=1", "--max_staleness=4"],
+    },
 }
+TWO_PROCESSES = {"async"}  # the comparisons whose runs are two-process torchrun jobs
 LAST = 5  # steps whose rewards are compared
 GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 TASKS = {
@@ -55,8 +64,11 @@ TASKS = {
 }
 
 
-def rewards(config: Path, task: str, seed: int, options: list[str], out: Path) -> list[float]:
-    """The reward of every step of one training run."""
+def rewards(config: Path, task: str, seed: int, options: list[str], out: Path, processes: int = 1) -> list[float]:
+    """The reward of every step of one training run (of two processes under torchrun with ``processes`` 2)."""
+    if processes == 2:
+        logged = run(out.name, [f"--config={config}", *TASKS[task], f"--seed={seed}", *options], None, out.parent)
+        return [m["reward"] for m in logged]
     overrides = [*TASKS[task], f"--seed={seed}", f"--output_dir={out}"]
     overrides += ["--progress_bar=false", "--log_completions=false", "--save_total_limit=1", *options]
     history = GRPOTrainer(load_config(config, overrides)).train()
@@ -121,7 +133,9 @@ def main() -> None:
         for seed in seeds:
             for index, (arm, options) in enumerate(arms.items()):
                 out = Path(tmp) / f"arm{index}-seed{seed}"
-                curves[arm].append(rewards(args.config, args.task, seed, [*options, *args.options], out))
+                processes = 2 if args.compare in TWO_PROCESSES else 1
+                run_options = [*options, *args.options]
+                curves[arm].append(rewards(args.config, args.task, seed, run_options, out, processes))
                 print(f"seed {seed}, {arm}: rewards {curves[arm][-1]}", flush=True)
     tails = {arm: [statistics.mean(run[-LAST:]) for run in runs] for arm, runs in curves.items()}
     rows = []
