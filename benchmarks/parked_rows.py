@@ -71,7 +71,7 @@ def watch_parked(engine: RolloutEngine) -> Iterator[ParkedKV]:
     """While in the block, snapshot each row's filled cache slots of ``engine`` when it parks and compare them with
     its cache row when it resumes (every `RolloutEngine` is watched; the snapshots read ``engine``'s cache)."""
     seen, saved = ParkedKV(), {}
-    append, rejoin = RolloutEngine._append, Parking._rejoin
+    append, rejoin = RolloutEngine.append, Parking._rejoin
 
     def rows_of(slot: int, length: int) -> list[torch.Tensor]:
         return [buf[slot, :, :length].clone() for layer in engine.cache.layers for buf in (layer.keys, layer.values)]
@@ -90,5 +90,5 @@ def watch_parked(engine: RolloutEngine) -> Iterator[ParkedKV]:
                 seen.changed.append((parked.seq.index, parked.slot))
         return rejoin(this, model, cache, drafters, rows, joining)
 
-    with mock.patch.object(RolloutEngine, "_append", snapshot), mock.patch.object(Parking, "_rejoin", check):
+    with mock.patch.object(RolloutEngine, "append", snapshot), mock.patch.object(Parking, "_rejoin", check):
         yield seen

@@ -151,10 +151,12 @@ class TrainingRollouts:
         rank: int = 0,
         world_size: int = 1,
         turns: Turns | None = None,
+        max_rows: int | None = None,
     ) -> GenerationOutput:
         """``num_generations`` completions of each prompt at training step ``step`` (sampled with `step_uniforms`),
-        keeping what online learning needs for `learn`; with ``turns``, the completions call tools."""
-        with self.decoding(prompt_ids, params, num_generations, step, rank, world_size, turns) as run:
+        keeping what online learning needs for `learn`; with ``turns``, the completions call tools; with
+        ``max_rows``, at most that many decode at once (`RolloutEngine.generate`)."""
+        with self.decoding(prompt_ids, params, num_generations, step, rank, world_size, turns, max_rows) as run:
             if self.between_steps is None:
                 run.finish()
             else:
@@ -174,6 +176,7 @@ class TrainingRollouts:
         rank: int = 0,
         world_size: int = 1,
         turns: Turns | None = None,
+        max_rows: int | None = None,
     ) -> Iterator[Decoding]:
         """`generate` one step at a time (`RolloutEngine.decoding`): what online learning needs is kept when the
         block ends with every row done."""
@@ -186,7 +189,8 @@ class TrainingRollouts:
         capture = any(learner.captures_hidden for learner in learners)
         capture |= self.draft_training.online and any(p.captures_hidden for p in waiting)
         engine = self.engine
-        with engine.decoding(prompt_ids, params, num_generations, None, capture, uniforms, turns) as run:
+        args = (prompt_ids, params, num_generations, None, capture, uniforms, turns, max_rows)
+        with engine.decoding(*args) as run:
             yield run
         if not run.done:
             return

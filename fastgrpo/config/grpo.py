@@ -62,9 +62,7 @@ class GRPOConfig(StepCounts, GRPOChecks):
         "on a GPU only",
         choices=COMPILE_CHOICES,
     )
-    ddp_timeout: int = option(
-        1800, help="seconds a collective waits for the other processes before the job fails", valid=Range(1)
-    )
+    ddp_timeout: int = option(1800, help="seconds a collective waits for the other processes", valid=Range(1))
     fsdp: bool = option(False, help="several processes: shard the policy with FSDP2 instead of replicating it (DDP)")
     cpu_threads: int = option(
         0,
@@ -172,14 +170,12 @@ class GRPOConfig(StepCounts, GRPOChecks):
         default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
     )
     draft_training: DraftTrainConfig = option(
-        default_factory=DraftTrainConfig, help="online and offline draft learning (`draft_training.*`)"
+        default_factory=DraftTrainConfig, help="draft learning (`draft_training.*`)"
     )
     # optimisation
     learning_rate: float = option(1e-6, help="AdamW learning rate of the policy", valid=Range(0, low_open=True))
     per_device_train_batch_size: int = option(8, help="completions per micro-batch on each process", valid=Range(1))
-    gradient_accumulation_steps: int = option(
-        1, help="micro-batches of per_device_train_batch_size completions per optimizer step", valid=Range(1)
-    )
+    gradient_accumulation_steps: int = option(1, help="micro-batches per optimizer step", valid=Range(1))
     steps_per_generation: int | None = option(
         None,
         help="micro-batches of completions one generation samples, as TRL (None: gradient_accumulation_steps): a "
@@ -227,8 +223,11 @@ class GRPOConfig(StepCounts, GRPOChecks):
     queue_maxsize: int = option(1024, help="completions generated ahead and not yet trained, at most", valid=Range(1))
     heartbeat_stale_after_s: float = option(
         300.0,
-        help="seconds a process waits for a rollout process that sends nothing before the run stops, naming it",
+        help="seconds a rollout process may be silent before the run stops, naming it",
         valid=Range(0, low_open=True),
+    )
+    max_inflight_tasks: int = option(
+        -1, help="completions a process decodes at once (rows refilled as others finish; -1: all)", valid=Range(-1)
     )
     # GRPO
     loss_type: str = option(

@@ -44,6 +44,12 @@ class StepCounts:
         return self.per_device_train_batch_size * self.micro_batches_per_generation
 
     @property
+    def rows_at_once(self) -> int:
+        """Completions a process's rollout decodes at once (``max_inflight_tasks``; -1: a whole generation's)."""
+        rows = self.generation_batch_size
+        return rows if self.max_inflight_tasks == -1 else min(rows, self.max_inflight_tasks)
+
+    @property
     def prompts_per_generation(self) -> int:
         return self.generation_batch_size // self.num_generations
 

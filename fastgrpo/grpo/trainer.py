@@ -178,7 +178,7 @@ class GRPOTrainer(TrlTrainerMethods):
             compile_backend(config.compile, self.device),
             config.speculation.draft,
         )
-        rows = config.generation_batch_size
+        rows = config.rows_at_once
         if config.evaluates:  # an eval call's rows (whole groups), when more
             generations = config.num_generations_eval or config.num_generations
             rows = max(rows, generations * max(1, config.per_device_eval_batch_size // generations))
@@ -226,9 +226,8 @@ class GRPOTrainer(TrlTrainerMethods):
         of processes); with tools their calls run, and the prompt ids may be each completion's own (environments)."""
         generations = self.config.num_generations  # with environments the prompts may be each completion's own
         prompt_ids, generations, turns = rollout_prompts(self.tools, rows, generations, self.prompts)
-        out = self.rollouts.generate(
-            prompt_ids, self.sampling, generations, step, self.dist.rank, self.dist.world_size, turns
-        )
+        at_once, rank, world = self.config.rows_at_once, self.dist.rank, self.dist.world_size
+        out = self.rollouts.generate(prompt_ids, self.sampling, generations, step, rank, world, turns, at_once)
         return prompt_ids, out, turns
 
     def train_step(self, step: int) -> dict[str, float]:

@@ -1,11 +1,15 @@
-"""A generation call handed out step by step (`fastgrpo.rollout.engine.RolloutEngine.decoding`)."""
+"""A generation call handed out step by step (`fastgrpo.rollout.engine.RolloutEngine.decoding`), whose rows are
+refilled as they finish when it decodes fewer at once than it has (`Refill`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput
+from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence
+
+Admit = Callable[[ActiveRows, list[list[int]], int, list[Sequence], Generation], ActiveRows]
 
 
 class CompiledSoFar(NamedTuple):
@@ -26,11 +30,38 @@ class CompiledSoFar(NamedTuple):
         return cls(seconds, graphs, sum(p.compile_shapes for p in parts), eager)
 
 
+@dataclass
+class Refill:
+    """The prompts of a call that wait for room: a call decodes at most ``max_rows`` rows at once (None: all of them
+    from the start), and before each step `__call__` takes the next prompts whose ``num_generations`` completions
+    (``seqs``, prompt-major) all fit beside the live rows and those waiting on tools, with the engine's ``admit``
+    (`fastgrpo.rollout.engine.RolloutEngine.admit`)."""
+
+    admit: Admit
+    prompts: list[list[int]]
+    seqs: list[Sequence]
+    num_generations: int
+    max_rows: int | None
+
+    def __call__(self, rows: ActiveRows, call: Generation) -> ActiveRows:
+        """``rows`` and the rows taken in."""
+        while self.prompts:
+            parked = 0 if call.parking is None else len(call.parking.rows)
+            fit = min(len(self.prompts), (self.max_rows - rows.size - parked) // self.num_generations)
+            if fit <= 0:
+                break
+            taken, self.prompts = self.prompts[:fit], self.prompts[fit:]
+            seqs, self.seqs = self.seqs[: fit * self.num_generations], self.seqs[fit * self.num_generations :]
+            rows = self.admit(rows, taken, self.num_generations, seqs, call)
+            call.stats.refills += 1
+        return rows
+
+
 class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
     `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
     active), ``compiled_so_far`` (`CompiledSoFar`), its value when the call began
-    (``compiled_before``) and whether its steps run ``compiled``."""
+    (``compiled_before``), whether its steps run ``compiled``, and the prompts ``waiting`` for room (`Refill`)."""
 
     def __init__(
         self,
@@ -40,19 +71,24 @@ class Decoding:
         compiled: bool,
         call: Generation,
         rows: ActiveRows,
+        waiting: Refill,
     ):
         self._step, self._compiled_so_far, self._compiled = step, compiled_so_far, compiled
-        self.call, self.rows = call, rows
+        self.call, self.rows, self.waiting = call, rows, waiting
         self._compiled_before = compiled_before
         self._output: GenerationOutput | None = None
 
     @property
     def done(self) -> bool:
-        """No row is live and none waits on a tool."""
-        return not self.rows.size and (self.call.parking is None or not self.call.parking.rows)
+        """No row is live, none waits on a tool and no prompt for room."""
+        parked = self.call.parking is not None and self.call.parking.rows
+        return not self.rows.size and not parked and not self.waiting.prompts
 
     def step(self) -> None:
-        self.rows = self._step(self.rows, self.call)
+        """Take in the prompts that fit (`Refill`), then decode one step."""
+        self.rows = self.waiting(self.rows, self.call)
+        if not self.done:  # (all the rows taken in may have ended at their first token)
+            self.rows = self._step(self.rows, self.call)
 
     def finish(self) -> None:
         """Step until every row is done."""

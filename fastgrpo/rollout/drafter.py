@@ -42,7 +42,7 @@ class Prefill:
     ``prompt_len`` ``[P]`` tokens, ``hidden`` ``[P, T, H]`` the target's hidden states there, ``rows`` ``[R]`` the
     prompt of each row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden
     state it was drawn from. On the host: ``prompts`` the prompts' tokens, ``row_prompt`` the prompt of each row and
-    ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is row ``i`` at the start)."""
+    ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is the prefill's row ``i``)."""
 
     prompt_ids: torch.Tensor
     prompt_len: torch.Tensor
@@ -123,6 +123,11 @@ class Drafter:
     def start(self, prefill: Prefill) -> None:
         """Set up the per-row state of a call's rows after the prefill."""
         raise NotImplementedError
+
+    def admit(self, prefill: Prefill) -> None:
+        """Rows join the call after the live ones, prefilled (``prefill``'s rows; `fastgrpo.rollout.decoding.Refill`):
+        set up their state as `start` does."""
+        raise NotImplementedError(f"the {self.name or type(self).__name__} drafter cannot take rows in mid-call")
 
     def propose(self, rows: ActiveRows, shape: TreeShape) -> Proposal:
         """A tree of ``shape`` for every active row, rooted at the row's pending token, with node scores."""

@@ -6,9 +6,11 @@ a drafter proposes a tree per row (propose), one target forward verifies every t
 (verify), and the emitted tokens are appended, finished rows dropped and the caches compacted (postprocess). A plain
 step verifies the pending token alone and emits one token per row; a speculative step emits the accepted path plus
 one. A row that ends (EOS, a stop string or the length limit) leaves the batch at once, so the concurrency falls
-during the call; it is recorded per step. A step reads the device once, in postprocess (`HostStep`): the host keeps
-every length it needs itself, so that on a GPU the host runs ahead of the device (`fastgrpo.rollout.host`); with
-a compile ``backend`` the verification runs as a compiled graph (`fastgrpo.rollout.target_step`).
+during the call (it is recorded per step), unless the call decodes fewer rows at once than it has: then the prompts
+waiting take the finished rows' places (`fastgrpo.rollout.decoding.Refill`, prefilled by `fastgrpo.rollout.prefill`).
+A step reads the device once, in postprocess (`HostStep`): the host keeps every length it needs itself, so that on a
+GPU the host runs ahead of the device (`fastgrpo.rollout.host`); with a compile ``backend`` the verification runs as a
+compiled graph (`fastgrpo.rollout.target_step`).
 """
 
 from __future__ import annotations
@@ -23,15 +25,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
-from fastgrpo.rollout.decoding import CompiledSoFar, Decoding
-from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Prefill, Proposal
-from fastgrpo.rollout.forward import decoder_and_head, forward_chain
+from fastgrpo.rollout.decoding import CompiledSoFar, Decoding, Refill
+from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Proposal
+from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
 from fastgrpo.rollout.lora import merged_lora
-from fastgrpo.rollout.sampling import policy_logprobs, process_logits, sample
+from fastgrpo.rollout.prefill import prefill
 from fastgrpo.rollout.scheduling import Controller, StaticController
-from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, fill_holes
+from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
 from fastgrpo.rollout.shape_menu import settle_engine, walk_depth
 from fastgrpo.rollout.target_step import TargetStep
 from fastgrpo.rollout.tree import TreeShape
@@ -134,6 +136,7 @@ class RolloutEngine:
         capture_hidden: bool = False,
         uniforms: torch.Tensor | None = None,
         turns: Turns | None = None,
+        max_rows: int | None = None,
     ) -> GenerationOutput:
         """Sample ``num_generations`` completions for each prompt (token id lists, no padding).
 
@@ -141,8 +144,10 @@ class RolloutEngine:
         each (completion, position) is chosen by one uniform: ``uniforms`` ``[len(prompt_ids) * num_generations,
         max_new_tokens]`` gives them, otherwise they are drawn from ``generator``. With ``turns`` (the call's tools,
         `fastgrpo.rollout.turns`), a completion goes on after the tool calls its turns end with: its rows wait on
-        their tools aside while the others decode."""
-        with self.decoding(prompt_ids, params, num_generations, generator, capture_hidden, uniforms, turns) as run:
+        their tools aside while the others decode. With ``max_rows``, at most that many completions decode at once: the
+        prompts' completions join, a prompt's all together, as others finish (rows refilled), in the prompts' order."""
+        args = (prompt_ids, params, num_generations, generator, capture_hidden, uniforms, turns, max_rows)
+        with self.decoding(*args) as run:
             run.finish()
         return run.output()
 
@@ -156,6 +161,7 @@ class RolloutEngine:
         capture_hidden: bool = False,
         uniforms: torch.Tensor | None = None,
         turns: Turns | None = None,
+        max_rows: int | None = None,
     ) -> Iterator[Decoding]:
         """`generate` one step at a time: the call, prefilled, to `Decoding.step` until `Decoding.done` inside the
         block, then `Decoding.output`. Each step runs inside the block's setup (inference mode, the rollout's
@@ -168,6 +174,8 @@ class RolloutEngine:
             raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
+        if max_rows is not None and max_rows < num_generations:
+            raise ValueError(f"max_rows ({max_rows}) must hold a prompt's {num_generations} completions")
         extra = tuple(m for d in self.drafters.values() for m in d.modules)
         modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
         for module, _ in modes:
@@ -179,15 +187,21 @@ class RolloutEngine:
                 rollout_attention(self.model, *extra),
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
-                rows = len(prompt_ids) * num_generations
-                noise = params.noise(rows, generator, uniforms, self.device)
+                total = len(prompt_ids) * num_generations
+                noise = params.noise(total, generator, uniforms, self.device)
                 parking = None if turns is None else Parking(turns)
                 eos = self.eos.to(self.device)
-                call = Generation.start(rows, params, eos, noise, self.tokenizer, capture_hidden, parking)
+                call = Generation.start(total, params, eos, noise, self.tokenizer, capture_hidden, parking)
                 compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
-                self._begin(call, call_length(max(map(len, prompt_ids)), params.max_new_tokens))
-                rows = self.prefill(prompt_ids, num_generations, call)
-                run = Decoding(self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows)
+                at_once = total if max_rows is None else min(total, max_rows)
+                begun = at_once // num_generations  # prompts begun at once
+                self._begin(call, at_once, max(map(len, prompt_ids)))
+                seqs = call.seqs[: begun * num_generations]
+                rows = prefill(self, prompt_ids[:begun], num_generations, seqs, call)
+                waiting = Refill(self.admit, prompt_ids[begun:], call.seqs[len(seqs) :], num_generations, max_rows)
+                run = Decoding(
+                    self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows, waiting
+                )
                 yield run
                 if run.done:
                     run.output()  # made inside the block, as the steps' tensors were
@@ -200,11 +214,12 @@ class RolloutEngine:
         the calls of each compiled function that ran eagerly (the target's and the drafters')."""
         return CompiledSoFar.of([self.target, *self.drafters.values()])
 
-    def _begin(self, call: Generation, length: int) -> None:
-        """Size the caches for the call, or for the reserved calls when larger (reused when big enough; zeroed once at
-        allocation, so always finite) and tell the controller a call starts."""
-        rows = self.target.rows(max(len(call.seqs), self.reserved[0]))
-        length = max(length, self.reserved[1])
+    def _begin(self, call: Generation, rows: int, prompt_len: int) -> None:
+        """Size the caches for ``rows`` rows at once of prompts up to ``prompt_len`` tokens, or for the reserved calls
+        when larger (reused when big enough; zeroed once at allocation, so always finite) and tell the controller a
+        call starts."""
+        rows = self.target.rows(max(rows, self.reserved[0]))
+        length = max(call_length(prompt_len, call.params.max_new_tokens), self.reserved[1])
         bound = self.controller.max_shape if self.controller is not None else None
         slots = cache_slots(length, bound.nodes if bound is not None else 1)
         if self.cache is None or not self.cache.holds(rows, slots):
@@ -220,42 +235,19 @@ class RolloutEngine:
         """Before a call's first step, run every shape its compiled steps can meet (`settle_engine`)."""
         settle_engine(self, params)
 
-    def prefill(self, prompt_ids: list[list[int]], num_generations: int, call: Generation) -> ActiveRows:
-        """Prefill each prompt once (right-padded at slot 0), replicate its rows, sample and append each row's first
-        token; returns the rows still active."""
-        t0 = time.perf_counter()
-        dev = self.device
-        prompt_len = [len(p) for p in prompt_ids]
-        lens = host_to_device(prompt_len, dev)
-        width = max(prompt_len)
-        ids = host_to_device([t for p in prompt_ids for t in p + [0] * (width - len(p))], dev).view(-1, width)
-        decoder, head = decoder_and_head(self.model)
-        hidden = forward_chain(decoder, self.cache, torch.zeros_like(lens), input_ids=ids, extent=width)  # [P, T, H]
-        last = hidden[torch.arange(len(prompt_ids), device=dev), lens - 1]
-        row_prompt = [i for i in range(len(prompt_ids)) for _ in range(num_generations)]
-        rows = host_to_device(row_prompt, dev)
-        if num_generations > 1:
-            self.cache.select_rows(row_prompt, upto=width)
-        for seq in call.seqs:
-            prompt = seq.index // num_generations
-            seq.prompt_len = prompt_len[prompt]
-            if seq.hidden is not None:
-                seq.hidden.append(hidden[prompt, : seq.prompt_len])
-        zeros = torch.zeros_like(rows)
-        lengths = [prompt_len[p] for p in row_prompt]
-        active = ActiveRows(call.seqs, torch.arange(rows.numel(), device=dev), lens[rows], lengths, zeros, zeros)
-        logits = head(last)[rows]
-        logprobs = process_logits(logits, call.params)
-        first = sample(logprobs, call.params, None if call.noise is None else call.noise[:, 0])
-        if self.drafters:
-            prefill = Prefill(ids, lens, hidden, rows, first, last[rows], prompt_ids, row_prompt, call.seqs)
-            for drafter in self.drafters.values():
-                drafter.start(prefill)
-        ones = torch.ones_like(first)
-        verified = Verified(first[:, None], policy_logprobs(logits, logprobs, first, call.params)[:, None], ones, last)
-        active = self._append(active, verified, HostStep.read(verified, call.eos), call)
-        call.stats.prefill_time = time.perf_counter() - t0
-        return active
+    def admit(
+        self,
+        rows: ActiveRows,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        seqs: list[Sequence],
+        call: Generation,
+    ) -> ActiveRows:
+        """Take ``prompt_ids``' completions ``seqs`` into the call beside the live ``rows`` (`prefill`, into the cache
+        rows past them, where rows waiting on tools make way); returns the live rows followed by the new ones."""
+        if call.parking is not None:
+            call.parking.vacate(self.cache, rows.size, len(seqs))
+        return prefill(self, prompt_ids, num_generations, seqs, call, rows)
 
     def step(self, rows: ActiveRows, call: Generation) -> ActiveRows:
         """One decoding step over the active rows (and those that rejoin them after their tools returned); returns
@@ -357,7 +349,7 @@ class RolloutEngine:
                 stats.drafter_trees[drafter.name] = stats.drafter_trees.get(drafter.name, 0) + 1
         emitted_before = stats.tokens_emitted
         rows.host_len = [length + n for length, n in zip(rows.host_len, host.count, strict=True)]
-        remaining = self._append(rows, verified, host, call)
+        remaining = self.append(rows, verified, host, call)
         stats.tokens_per_forward.append(stats.tokens_emitted - emitted_before)
         stats.step_times.append(time.perf_counter() - start)
         stats.cold_steps += cold
@@ -366,7 +358,7 @@ class RolloutEngine:
             stats.time_saved += self.controller.observe(rows.size, shape, timed, accepted, host.path_rank) or 0.0
         return remaining
 
-    def _append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:
+    def append(self, rows: ActiveRows, verified: Verified, host: HostStep, call: Generation) -> ActiveRows:
         """Append the first ``count[b]`` emitted tokens to each row's sequence and drop the rows that ended, moving
         kept rows into the freed cache rows (`fill_holes`) and rows whose turn called tools past them
         (`fastgrpo.rollout.turns`)."""
@@ -393,6 +385,6 @@ class RolloutEngine:
             moves = call.parking.park(rows, order, paused, drafted, self.cache.max_rows)
         if keep or paused or (call.parking is not None and call.parking.rows):  # rows to resume into later
             self.cache.select_rows(moves, upto=max(rows.host_len))
-            for drafter in self.drafters.values():
-                drafter.select(order, index)
+        for drafter in self.drafters.values():  # (also when none is left: rows may be taken in after them)
+            drafter.select(order, index)
         return rows.select(order, index)

@@ -82,6 +82,15 @@ class Parking:
             self.rows[seq.index] = ParkedRow(seq, slot, length, [states[k] for states in drafted])
         return moves
 
+    def vacate(self, cache: RowCache, first: int, count: int) -> None:
+        """Move the rows parked in cache rows ``first`` to ``first + count - 1`` (where rows are about to be taken in,
+        `fastgrpo.rollout.decoding.Refill`) to free rows past them."""
+        end, taken = first + count, {p.slot for p in self.rows.values()}
+        free = (r for r in range(end, cache.max_rows) if r not in taken)
+        for row in self.rows.values():
+            if first <= row.slot < end:
+                _move(cache, row, next(free), [])
+
     def resume(
         self, model: PreTrainedModel, cache: RowCache, drafters: list[Drafter], rows: ActiveRows, call: Generation
     ) -> ActiveRows:

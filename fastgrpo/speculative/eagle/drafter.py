@@ -143,12 +143,20 @@ class EagleDrafter(Drafter):
         return changed
 
     def start(self, prefill: Prefill) -> None:
-        """The prompt's pairs (x_{j+1}, h_j), then the first sampled token's."""
+        self.state = self._pairs(prefill)
+
+    def admit(self, prefill: Prefill) -> None:
+        """The new rows' pairs after the live rows' (their draft cache rows are read from slot 0 on)."""
+        self.state = self.state.joined(self._pairs(prefill))
+
+    @staticmethod
+    def _pairs(prefill: Prefill) -> PendingPairs:
+        """The prompt's pairs (x_{j+1}, h_j), then the first sampled token's, of each row of ``prefill``."""
         rows, prompt_ids = prefill.rows, prefill.prompt_ids
         n = rows.numel()
         spare = torch.zeros(n, 1, dtype=prompt_ids.dtype, device=prompt_ids.device)
         hidden = prefill.hidden[rows, :-1]
-        self.state = PendingPairs(
+        pairs = PendingPairs(
             draft_len=torch.zeros_like(rows),
             tokens=torch.cat([prompt_ids[rows, 1:], spare], 1),
             hidden=torch.cat([hidden, hidden.new_zeros(n, 1, hidden.shape[-1])], 1),
@@ -157,7 +165,8 @@ class EagleDrafter(Drafter):
             host_count=[len(prefill.prompts[p]) - 1 for p in prefill.row_prompt],
         )
         first = prefill.first
-        self.state.push(first[:, None], prefill.first_hidden[:, None], torch.ones_like(first), [1] * n)
+        pairs.push(first[:, None], prefill.first_hidden[:, None], torch.ones_like(first), [1] * n)
+        return pairs
 
     def backlog(self) -> int:
         return max(self.state.host_count)

@@ -243,12 +243,16 @@ class SuffixDrafter(Drafter):
         return False
 
     def start(self, prefill: Prefill) -> None:
+        self.rows, self.learner.rows = [], []
+        self.admit(prefill)
+
+    def admit(self, prefill: Prefill) -> None:
         memories = [self.learner.memory(p) for p in prefill.prompts]
-        self.rows = []
         for seq, p in zip(prefill.seqs, prefill.row_prompt, strict=True):
             mem = memories[p]
-            self.rows.append(_Row(seq.completion_ids, mem, mem.add([], room=ROW_CELLS)))
-        self.learner.rows = list(self.rows)
+            row = _Row(seq.completion_ids, mem, mem.add([], room=ROW_CELLS))
+            self.rows.append(row)
+            self.learner.rows.append(row)
         self.learner.evict()
 
     def deepest(self, shape: TreeShape) -> int:

@@ -1,0 +1,133 @@
+"""Rows refilled as they finish (`fastgrpo.rollout.decoding.Refill`): a call that decodes at most ``max_rows``
+completions at once takes a prompt's completions into the rows of finished ones, and its output is still exactly
+the output of one call that decodes them all at once: greedy and sampled under the same uniforms, with the EAGLE
+head, the suffix drafter or both drafting, and with rows waiting on tools beside the refilled ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from parked_rows import frequent_token
+from test_speculative import EOS, speculative_engine, tiny_model
+from test_tool_turns import MAX_NEW, TURNS, assert_logprobs_of_one_forward
+from transformers import PreTrainedModel
+
+from fastgrpo.rollout.engine import RolloutEngine
+from fastgrpo.rollout.tree import TreeShape
+from fastgrpo.rollout.turns import Parking
+from fastgrpo.sampling_params import SamplingParams
+from fastgrpo.speculative.eagle.head import DraftHead
+
+# prompts of other lengths, so that refilled rows prefill beside rows at other positions
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4], [40, 41, 42], [50, 51, 52, 53, 54, 55]]
+TREE = TreeShape(8, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def model_draft() -> tuple[PreTrainedModel, DraftHead]:
+    model = tiny_model("qwen2")
+    torch.manual_seed(1)
+    return model, DraftHead(model.config).double()
+
+
+def refilled(out, max_rows: int) -> None:
+    """At most ``max_rows`` rows decoded at once, and the prompts that did not fit taken in as rows finished."""
+    assert max(out.stats.concurrency) <= max_rows
+    assert out.stats.refills >= 2, out.stats.concurrency
+
+
+@pytest.mark.parametrize(
+    ("drafter", "max_rows"), [(None, 2), (None, 5), ("eagle", 5), ("suffix", 2), ("eagle+suffix", 5)]
+)
+def test_greedy_with_refilled_rows_equals_one_call(model_draft, drafter: str | None, max_rows: int) -> None:
+    """With the suffix drafter twice: the second call also drafts from the first call's completions."""
+    model, draft = model_draft
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2)
+    engine = RolloutEngine(model, [EOS]) if drafter is None else speculative_engine(model, [EOS], drafter, draft, TREE)
+    for _ in range(2 if drafter and "suffix" in drafter else 1):
+        out = engine.generate(PROMPTS, params, 2, max_rows=max_rows)
+        assert out.completion_ids == reference.completion_ids
+        assert out.finish_reasons == reference.finish_reasons
+        torch.testing.assert_close(torch.tensor(sum(out.logprobs, [])), torch.tensor(sum(reference.logprobs, [])))
+    refilled(out, max_rows)
+    if drafter is not None:
+        assert out.stats.tree_nodes, "trees should be drafted for the refilled rows"
+
+
+@pytest.mark.parametrize("drafter", ["suffix", "eagle+suffix"])
+def test_sampled_with_refilled_rows_equals_plain_sampling(model_draft, drafter: str) -> None:
+    model, draft = model_draft
+    params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9)
+    uniforms = torch.rand(len(PROMPTS) * 2, 16, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    plain = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, uniforms=uniforms)
+    engine = speculative_engine(model, [EOS], drafter, draft, TREE)
+    engine.generate(PROMPTS, params, 2, uniforms=uniforms.flip(0))  # the suffix drafter's memory, for trees to accept
+    out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, max_rows=4)
+    assert out.completion_ids == plain.completion_ids
+    torch.testing.assert_close(torch.tensor(sum(out.logprobs, [])), torch.tensor(sum(plain.logprobs, [])))
+    refilled(out, 4)
+    assert out.stats.accept_length > 1.0
+
+
+def test_hidden_states_of_refilled_rows_are_those_of_one_call(model_draft) -> None:
+    model, _ = model_draft
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, capture_hidden=True)
+    out = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, capture_hidden=True, max_rows=2)
+    for a, b in zip(out.hidden_states, reference.hidden_states, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("drafter", [None, "eagle+suffix"])
+def test_refilled_rows_beside_rows_waiting_on_tools(model_draft, monkeypatch, drafter: str | None) -> None:
+    """Rows waiting on tools sit past the live ones, where refilled rows are prefilled: they move out of the way
+    with their caches (checked by every sampled token's log-prob being one forward's over its conversation), and
+    the drafters keep the parked rows' state through the refills."""
+    model, draft = model_draft
+    vacated = []
+    vacate = Parking.vacate
+
+    def counted(self, cache, first, count):
+        vacated.append(sum(first <= p.slot < first + count for p in self.rows.values()))
+        return vacate(self, cache, first, count)
+
+    monkeypatch.setattr(Parking, "vacate", counted)
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
+    uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    eos = frequent_token(model, PROMPTS)  # turns end often
+    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=TURNS["ragged"]())
+    engine = RolloutEngine(model, [eos]) if drafter is None else speculative_engine(model, [eos], drafter, draft, TREE)
+    turns = TURNS["ragged"]()
+    out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=turns, max_rows=4)
+    assert sum(turns.turns.values()) >= 3, "the test needs rows that call tools"
+    assert any(vacated) or drafter, "the test needs rows waiting on tools where rows are taken in"
+    assert out.completion_ids == plain.completion_ids
+    assert out.tool_masks == plain.tool_masks
+    assert_logprobs_of_one_forward(model, [p for p in PROMPTS for _ in range(2)], out)
+    assert max(out.stats.concurrency) <= 4
+
+
+def test_max_rows_must_hold_a_prompts_completions(model_draft) -> None:
+    model, _ = model_draft
+    with pytest.raises(ValueError, match=r"max_rows \(3\) must hold a prompt's 4 completions"):
+        RolloutEngine(model, [EOS]).generate(PROMPTS, SamplingParams(max_new_tokens=4), 4, max_rows=3)
+
+
+def test_a_run_with_max_inflight_tasks_trains_what_one_without_trains(tmp_path) -> None:
+    """`max_inflight_tasks` 4 of 8 completions per generation: the same rewards, losses and weights (float64)."""
+    from conftest import save_tiny_llama
+    from test_trainer import make_config, make_trainer
+
+    model_dir = save_tiny_llama(tmp_path / "model", seed=0, tie_word_embeddings=True)
+
+    def run(name: str, rows: int) -> tuple[list[dict], list[torch.Tensor]]:
+        trainer = make_trainer(make_config(model_dir, tmp_path / name, dtype="float64", max_inflight_tasks=rows))
+        history = trainer.train()
+        return history, [p.detach().clone() for p in trainer.model.parameters()]
+
+    (whole, weights), (refilled, weights_refilled) = run("whole", -1), run("refilled", 4)
+    for key in ("reward", "loss", "completions/mean_length"):
+        assert [m[key] for m in whole] == [m[key] for m in refilled], key
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights_refilled, strict=True))
+    assert max(m["spec/concurrency_mean"] for m in refilled) <= 4 < max(m["spec/concurrency_mean"] for m in whole)
