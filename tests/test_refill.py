@@ -5,11 +5,13 @@ head, the suffix drafter or both drafting, and with rows waiting on tools beside
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
-from parked_rows import frequent_token
+from parked_rows import LateTools, frequent_token, watch_parked
 from test_speculative import EOS, speculative_engine, tiny_model
-from test_tool_turns import MAX_NEW, TURNS, assert_logprobs_of_one_forward
+from test_tool_turns import MAX_NEW, assert_logprobs_of_one_forward
 from transformers import PreTrainedModel
 
 from fastgrpo.rollout.engine import RolloutEngine
@@ -80,11 +82,16 @@ def test_hidden_states_of_refilled_rows_are_those_of_one_call(model_draft) -> No
 
 
 @pytest.mark.parametrize("drafter", [None, "eagle+suffix"])
-def test_refilled_rows_beside_rows_waiting_on_tools(model_draft, monkeypatch, drafter: str | None) -> None:
-    """Rows waiting on tools sit past the live ones, where refilled rows are prefilled: they move out of the way
-    with their caches (checked by every sampled token's log-prob being one forward's over its conversation), and
-    the drafters keep the parked rows' state through the refills."""
+def test_refilled_rows_beside_rows_waiting_on_tools(model_draft, drafter: str | None) -> None:
+    """Rows waiting on tools (answering four steps late) sit past the live ones, where refilled rows are prefilled:
+    they move out of the way with their caches (each resumed row finds its keys and values as it left them), and the
+    drafters keep the parked rows' state through the refills."""
     model, draft = model_draft
+    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
+    uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    eos = frequent_token(model, PROMPTS)  # turns end often
+    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=LateTools())
+    engine = RolloutEngine(model, [eos]) if drafter is None else speculative_engine(model, [eos], drafter, draft, TREE)
     vacated = []
     vacate = Parking.vacate
 
@@ -92,20 +99,24 @@ def test_refilled_rows_beside_rows_waiting_on_tools(model_draft, monkeypatch, dr
         vacated.append(sum(first <= p.slot < first + count for p in self.rows.values()))
         return vacate(self, cache, first, count)
 
-    monkeypatch.setattr(Parking, "vacate", counted)
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9)
-    uniforms = torch.rand(len(PROMPTS) * 2, MAX_NEW, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    eos = frequent_token(model, PROMPTS)  # turns end often
-    plain = RolloutEngine(model, [eos]).generate(PROMPTS, params, 2, uniforms=uniforms, turns=TURNS["ragged"]())
-    engine = RolloutEngine(model, [eos]) if drafter is None else speculative_engine(model, [eos], drafter, draft, TREE)
-    turns = TURNS["ragged"]()
-    out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=turns, max_rows=4)
-    assert sum(turns.turns.values()) >= 3, "the test needs rows that call tools"
-    assert any(vacated) or drafter, "the test needs rows waiting on tools where rows are taken in"
+    with mock.patch.object(Parking, "vacate", counted), watch_parked(engine) as parked:
+        out = engine.generate(PROMPTS, params, 2, uniforms=uniforms, turns=LateTools(), max_rows=4)
+    assert any(vacated), "the test needs rows waiting on tools where rows are taken in"
+    assert parked.resumed >= 2 and parked.changed == []
     assert out.completion_ids == plain.completion_ids
     assert out.tool_masks == plain.tool_masks
     assert_logprobs_of_one_forward(model, [p for p in PROMPTS for _ in range(2)], out)
-    assert max(out.stats.concurrency) <= 4
+    refilled(out, 4)
+
+
+def test_rows_ending_at_their_first_token_while_prompts_wait(model_draft) -> None:
+    """One token per completion: every row taken in ends at once, and the next prompts are taken in at once too."""
+    model, _ = model_draft
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2)
+    out = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, max_rows=3)
+    assert out.completion_ids == reference.completion_ids and out.stats.target_forwards == 0
+    assert out.stats.refills == len(PROMPTS) - 1
 
 
 def test_max_rows_must_hold_a_prompts_completions(model_draft) -> None:

@@ -394,6 +394,16 @@ def test_compiled_steps_leave_parked_rows_as_they_were(model_eos, compiled, draf
     parked_rows_hold(engine, model, eos, temperature)
 
 
+def test_compiled_steps_refill_rows_beside_parked_rows(model_eos, compiled) -> None:
+    """Six of the twelve completions decoding at once under compiled steps (`fastgrpo.rollout.decoding.Refill`): the
+    prompts taken in are prefilled where parked rows made way, and the completions are still eager decoding's."""
+    model, eos, _ = model_eos
+    engine, drafters = compiled
+    engine.speculate([drafters["eagle"], drafters["suffix"]], tree=TreeShape(8, 3, 4, drafter="eagle+suffix"))
+    out = parked_rows_hold(engine, model, eos, 1.0, max_rows=6)
+    assert out.stats.refills >= 1 and max(out.stats.concurrency) <= 6
+
+
 def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(model_eos) -> None:
     """The same with inductor's own code for the target steps and the EAGLE proposals, sampled, with merged trees: no
     resumed row's keys and values change and the completions equal eager decoding's; after an in-place update of the
@@ -429,9 +439,11 @@ def test_inductor_steps_leave_parked_rows_as_they_were_and_follow_the_weights(mo
     assert engine.compiled_so_far().eager_calls == {"plain_step": 0, "tree_step": 0, "eagle_proposal": 0}
 
 
-def parked_rows_hold(engine: RolloutEngine, model, eos: int, temperature: float) -> GenerationOutput:
-    """``engine``'s completions with tools answering late equal an eager engine's, and every resumed row finds its
-    keys and values as it left them; returns ``engine``'s output."""
+def parked_rows_hold(
+    engine: RolloutEngine, model, eos: int, temperature: float, max_rows: int | None = None
+) -> GenerationOutput:
+    """``engine``'s completions with tools answering late (at most ``max_rows`` decoding at once) equal an eager
+    engine's, and every resumed row finds its keys and values as it left them; returns ``engine``'s output."""
     params = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature)
     uniforms = None
     if temperature:
@@ -440,7 +452,7 @@ def parked_rows_hold(engine: RolloutEngine, model, eos: int, temperature: float)
         )
     eager = RolloutEngine(model, [eos]).generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTools())
     with watch_parked(engine) as parked:
-        out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTools())
+        out = engine.generate(PROMPTS, params, 3, uniforms=uniforms, turns=LateTools(), max_rows=max_rows)
     assert parked.changed == []
     assert out.completion_ids == eager.completion_ids
     assert out.tool_masks == eager.tool_masks

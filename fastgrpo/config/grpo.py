@@ -170,7 +170,7 @@ class GRPOConfig(StepCounts, GRPOChecks):
         default_factory=SpeculationConfig, help="speculative rollouts (`speculation.*`)"
     )
     draft_training: DraftTrainConfig = option(
-        default_factory=DraftTrainConfig, help="draft learning (`draft_training.*`)"
+        default_factory=DraftTrainConfig, help="online and offline draft learning (`draft_training.*`)"
     )
     # optimisation
     learning_rate: float = option(1e-6, help="AdamW learning rate of the policy", valid=Range(0, low_open=True))
@@ -223,11 +223,11 @@ class GRPOConfig(StepCounts, GRPOChecks):
     queue_maxsize: int = option(1024, help="completions generated ahead and not yet trained, at most", valid=Range(1))
     heartbeat_stale_after_s: float = option(
         300.0,
-        help="seconds a rollout process may be silent before the run stops, naming it",
+        help="seconds a process waits for a rollout process that sends nothing before the run stops, naming it",
         valid=Range(0, low_open=True),
     )
     max_inflight_tasks: int = option(
-        -1, help="completions a process decodes at once (rows refilled as others finish; -1: all)", valid=Range(-1)
+        -1, help="completions a process decodes at once at most, refilling finished rows (-1: all)", valid=Range(-1)
     )
     # GRPO
     loss_type: str = option(

@@ -50,6 +50,15 @@ class StepCounts:
         return rows if self.max_inflight_tasks == -1 else min(rows, self.max_inflight_tasks)
 
     @property
+    def rollout_rows(self) -> int:
+        """Completions a process's rollouts decode at once at most: `rows_at_once`, or an evaluation's (whole groups)
+        when more; its KV caches are made for them."""
+        if not self.evaluates:
+            return self.rows_at_once
+        generations = self.num_generations_eval or self.num_generations
+        return max(self.rows_at_once, generations * max(1, self.per_device_eval_batch_size // generations))
+
+    @property
     def prompts_per_generation(self) -> int:
         return self.generation_batch_size // self.num_generations
 

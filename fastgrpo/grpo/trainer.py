@@ -178,11 +178,7 @@ class GRPOTrainer(TrlTrainerMethods):
             compile_backend(config.compile, self.device),
             config.speculation.draft,
         )
-        rows = config.rows_at_once
-        if config.evaluates:  # an eval call's rows (whole groups), when more
-            generations = config.num_generations_eval or config.num_generations
-            rows = max(rows, generations * max(1, config.per_device_eval_batch_size // generations))
-        self.rollouts.reserve(rows, config.max_prompt_length, config.max_completion_length)
+        self.rollouts.reserve(config.rollout_rows, config.max_prompt_length, config.max_completion_length)
         # a rollout process trains nothing; the training process takes its generations (`fastgrpo.grpo.pipeline`)
         self.update = (
             None if self.dist.rollout else PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)

@@ -166,7 +166,7 @@ def planned_run(
         DTYPES[plan_dtype(config.dtype, device)].itemsize,
         world_size,
         device.type == "cuda",
-        rows=step_rows(config.rows_at_once, compiled),
+        rows=step_rows(config.rollout_rows, compiled),
         length=call_length(config.max_prompt_length, config.max_completion_length),
         bound=tree_bound(config.speculation),
         compiled=compiled,

@@ -12,7 +12,7 @@ random draws (it may depend on anything before them: the context, the other rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -42,7 +42,8 @@ class Prefill:
     ``prompt_len`` ``[P]`` tokens, ``hidden`` ``[P, T, H]`` the target's hidden states there, ``rows`` ``[R]`` the
     prompt of each row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden
     state it was drawn from. On the host: ``prompts`` the prompts' tokens, ``row_prompt`` the prompt of each row and
-    ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is the prefill's row ``i``)."""
+    ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is the prefill's row ``i``);
+    at a call's start, ``waiting`` the prompts it takes in later (`fastgrpo.rollout.decoding.Refill`)."""
 
     prompt_ids: torch.Tensor
     prompt_len: torch.Tensor
@@ -53,6 +54,7 @@ class Prefill:
     prompts: list[list[int]]
     row_prompt: list[int]
     seqs: list[Sequence]
+    waiting: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

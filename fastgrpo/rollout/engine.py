@@ -197,7 +197,7 @@ class RolloutEngine:
                 begun = at_once // num_generations  # prompts begun at once
                 self._begin(call, at_once, max(map(len, prompt_ids)))
                 seqs = call.seqs[: begun * num_generations]
-                rows = prefill(self, prompt_ids[:begun], num_generations, seqs, call)
+                rows = prefill(self, prompt_ids[:begun], num_generations, seqs, call, waiting=prompt_ids[begun:])
                 waiting = Refill(self.admit, prompt_ids[begun:], call.seqs[len(seqs) :], num_generations, max_rows)
                 run = Decoding(
                     self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows, waiting

@@ -40,10 +40,12 @@ def prefill(
     seqs: list[Sequence],
     call: Generation,
     live: ActiveRows | None = None,
+    waiting: list[list[int]] | None = None,
 ) -> ActiveRows:
-    """Prefill ``prompt_ids`` (right-padded) into the cache rows past the ``live`` ones (None: from row 0), replicate
-    each prompt's row for its ``num_generations`` completions ``seqs`` (prompt-major), sample and append each one's
-    first token; returns the live rows followed by the new ones, those that ended at their first token dropped."""
+    """Prefill ``prompt_ids`` (right-padded) into the cache rows past the ``live`` ones (None: from row 0, the call's
+    start, which takes in the prompts ``waiting`` later), replicate each prompt's row for its ``num_generations``
+    completions ``seqs`` (prompt-major), sample and append each one's first token; returns the live rows followed by
+    the new ones, those that ended at their first token dropped."""
     t0 = time.perf_counter()
     dev, cache = engine.device, engine.cache
     first = 0 if live is None else live.size
@@ -72,7 +74,7 @@ def prefill(
     logprobs = process_logits(logits, call.params)
     tokens = sample(logprobs, call.params, None if call.noise is None else call.noise[index, 0])
     if engine.drafters:
-        told = Prefill(ids, lens, hidden, rows, tokens, last[rows], prompt_ids, row_prompt, seqs)
+        told = Prefill(ids, lens, hidden, rows, tokens, last[rows], prompt_ids, row_prompt, seqs, waiting or [])
         for drafter in engine.drafters.values():
             drafter.start(told) if live is None else drafter.admit(told)
     sampled = policy_logprobs(logits, logprobs, tokens, call.params)

@@ -244,6 +244,8 @@ class SuffixDrafter(Drafter):
 
     def start(self, prefill: Prefill) -> None:
         self.rows, self.learner.rows = [], []
+        for prompt in prefill.waiting:  # used by this call: not evicted before their rows are taken in
+            self.learner.memory(prompt)
         self.admit(prefill)
 
     def admit(self, prefill: Prefill) -> None:
