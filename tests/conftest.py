@@ -53,6 +53,7 @@ LONGEST_FIRST = (
     "test_bad_inputs.py",
     "test_distributed.py",
     "test_async.py",
+    "test_refill.py",
     "test_controller.py",
     "test_fused_attention.py",
     "test_cold_steps.py",
