@@ -718,8 +718,7 @@ CASES: list[Case] = [
     train("a rollout queue too short for one step", REFUSED, "queue_maxsize (2) must hold", rollout_processes=1,
           queue_maxsize=2),
     train("a staleness bound without rollout processes", REFUSED, "max_staleness has no effect", max_staleness=2),
-    train("fewer rows at once than a prompt's completions", REFUSED, "max_inflight_tasks (1) must hold a prompt's "
-          "num_generations", max_inflight_tasks=1),
+    train("no completion decoding at once", REFUSED, "max_inflight_tasks must be at least 1", max_inflight_tasks=0),
     train("LoRA dropout above 1", REFUSED, "lora_dropout", use_peft=True, lora_dropout=1.5),
     train("log completions every 0 steps", REFUSED, "log_completions_steps", log_completions_steps=0),
     train("unknown loss type", REFUSED, "loss_type", loss_type="ppo"),

@@ -1,7 +1,8 @@
 """Rows refilled as they finish (`fastgrpo.rollout.decoding.Refill`): a call that decodes at most ``max_rows``
-completions at once takes a prompt's completions into the rows of finished ones, and its output is still exactly
-the output of one call that decodes them all at once: greedy and sampled under the same uniforms, with the EAGLE
-head, the suffix drafter or both drafting, and with rows waiting on tools beside the refilled ones."""
+completions at once takes the next completions into the rows of finished ones (a prompt's completions split across
+intakes where they do not all fit), and its output is still exactly the output of one call that decodes them all at
+once: greedy and sampled under the same uniforms, with the EAGLE head, the suffix drafter or both drafting, and with
+rows waiting on tools beside the refilled ones."""
 
 from __future__ import annotations
 
@@ -116,13 +117,37 @@ def test_rows_ending_at_their_first_token_while_prompts_wait(model_draft) -> Non
     reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2)
     out = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, max_rows=3)
     assert out.completion_ids == reference.completion_ids and out.stats.target_forwards == 0
-    assert out.stats.refills == len(PROMPTS) - 1
+    assert out.stats.refills == 3  # 3 completions at the start, then 3 at each intake: 12 in all
 
 
-def test_max_rows_must_hold_a_prompts_completions(model_draft) -> None:
+def test_a_call_needs_a_row(model_draft) -> None:
     model, _ = model_draft
-    with pytest.raises(ValueError, match=r"max_rows \(3\) must hold a prompt's 4 completions"):
-        RolloutEngine(model, [EOS]).generate(PROMPTS, SamplingParams(max_new_tokens=4), 4, max_rows=3)
+    with pytest.raises(ValueError, match="max_rows must be at least 1, got 0"):
+        RolloutEngine(model, [EOS]).generate(PROMPTS, SamplingParams(max_new_tokens=4), 4, max_rows=0)
+
+
+def test_a_prompts_completions_split_across_intakes_prefill_it_each_time(model_draft, monkeypatch) -> None:
+    """Three rows at once of two completions per prompt: an intake may take one completion of a prompt and the next
+    intake the other, each prefilling the prompt (its forward over the prompt's tokens); the rows taken in at once
+    are as many as are free, once two are."""
+    from fastgrpo.rollout import engine as engine_module
+
+    model, _ = model_draft
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    reference = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2)
+    intakes = []
+    prefill = engine_module.prefill
+
+    def counted(engine, prompt_ids, row_prompt, seqs, call, live=None, waiting=None):
+        intakes.append((len(prompt_ids), [s.index for s in seqs]))
+        return prefill(engine, prompt_ids, row_prompt, seqs, call, live, waiting)
+
+    monkeypatch.setattr(engine_module, "prefill", counted)
+    out = RolloutEngine(model, [EOS]).generate(PROMPTS, params, 2, max_rows=3)
+    assert out.completion_ids == reference.completion_ids
+    assert intakes[0] == (2, [0, 1, 2])  # prompt 1's first completion begins; its second waits
+    assert [index for _, taken in intakes for index in taken] == list(range(12))
+    assert all(2 <= len(taken) <= 3 for _, taken in intakes[1:-1])
 
 
 def test_a_run_with_max_inflight_tasks_trains_what_one_without_trains(tmp_path) -> None:

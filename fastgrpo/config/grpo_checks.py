@@ -178,14 +178,11 @@ class GRPOChecks:
         resolve_reward_funcs(self.reward_funcs)
 
     def _check_asynchronous(self) -> None:
-        """Rows decoded at once that hold a prompt's completions; with rollout processes, weights sent often enough
-        for the staleness bound, a queue that holds an optimizer step's generations, and what they do not support yet
-        refused by name."""
-        if self.max_inflight_tasks != -1 and self.max_inflight_tasks < self.num_generations:
-            raise ValueError(
-                f"max_inflight_tasks ({self.max_inflight_tasks}) must hold a prompt's num_generations "
-                f"({self.num_generations}) completions, which decode together, or be -1 (all at once)"
-            )
+        """Rows decoded at once, if bounded, at least one; with rollout processes, weights sent often enough for the
+        staleness bound, a queue that holds an optimizer step's generations, and what they do not support yet refused
+        by name."""
+        if self.max_inflight_tasks == 0:
+            raise ValueError("max_inflight_tasks must be at least 1 completion decoding at once, or -1 (no bound)")
         if not self.rollout_processes:
             return
         if self.weight_sync_steps > self.max_staleness + 1:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence
 
-Admit = Callable[[ActiveRows, list[list[int]], int, list[Sequence], Generation], ActiveRows]
+Admit = Callable[[ActiveRows, list[list[int]], list[int], list[Sequence], Generation], ActiveRows]
 
 
 class CompiledSoFar(NamedTuple):
@@ -32,27 +32,39 @@ class CompiledSoFar(NamedTuple):
 
 @dataclass
 class Refill:
-    """The prompts of a call that wait for room: a call decodes at most ``max_rows`` rows at once (None: all of them
-    from the start), and before each step `__call__` takes the next prompts whose ``num_generations`` completions
-    (``seqs``, prompt-major) all fit beside the live rows and those waiting on tools, with the engine's ``admit``
-    (`fastgrpo.rollout.engine.RolloutEngine.admit`)."""
+    """The completions of a call that wait for room, in order: ``pending`` their prompts' indices in ``prompts`` and
+    their sequences. A call decodes at most ``max_rows`` rows at once, and before each step `__call__` takes in as
+    many of them as fit beside the live rows and those waiting on tools, once ``batch`` rows are free (or all that
+    wait, when fewer), with the engine's ``admit`` (`fastgrpo.rollout.engine.RolloutEngine.admit`): a prompt is
+    prefilled once per intake, however many of its completions join."""
 
     admit: Admit
     prompts: list[list[int]]
-    seqs: list[Sequence]
-    num_generations: int
-    max_rows: int | None
+    pending: list[tuple[int, Sequence]]
+    max_rows: int
+    batch: int
+
+    def take(self, count: int) -> tuple[list[list[int]], list[int], list[Sequence]]:
+        """The next ``count`` completions: their distinct prompts, the prompt of each (an index into them) and their
+        sequences."""
+        taken, self.pending = self.pending[:count], self.pending[count:]
+        used = list(dict.fromkeys(p for p, _ in taken))
+        local = {p: i for i, p in enumerate(used)}
+        return [self.prompts[p] for p in used], [local[p] for p, _ in taken], [seq for _, seq in taken]
+
+    @property
+    def waiting(self) -> list[list[int]]:
+        """The prompts of the completions still waiting."""
+        return [self.prompts[p] for p in dict.fromkeys(p for p, _ in self.pending)]
 
     def __call__(self, rows: ActiveRows, call: Generation) -> ActiveRows:
         """``rows`` and the rows taken in."""
-        while self.prompts:
+        while self.pending:
             parked = 0 if call.parking is None else len(call.parking.rows)
-            fit = min(len(self.prompts), (self.max_rows - rows.size - parked) // self.num_generations)
-            if fit <= 0:
+            free = self.max_rows - rows.size - parked
+            if free < min(self.batch, len(self.pending)):
                 break
-            taken, self.prompts = self.prompts[:fit], self.prompts[fit:]
-            seqs, self.seqs = self.seqs[: fit * self.num_generations], self.seqs[fit * self.num_generations :]
-            rows = self.admit(rows, taken, self.num_generations, seqs, call)
+            rows = self.admit(rows, *self.take(free), call)
             call.stats.refills += 1
         return rows
 
@@ -82,7 +94,7 @@ class Decoding:
     def done(self) -> bool:
         """No row is live, none waits on a tool and no prompt for room."""
         parked = self.call.parking is not None and self.call.parking.rows
-        return not self.rows.size and not parked and not self.waiting.prompts
+        return not self.rows.size and not parked and not self.waiting.pending
 
     def step(self) -> None:
         """Take in the prompts that fit (`Refill`), then decode one step."""

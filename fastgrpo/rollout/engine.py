@@ -145,7 +145,7 @@ class RolloutEngine:
         max_new_tokens]`` gives them, otherwise they are drawn from ``generator``. With ``turns`` (the call's tools,
         `fastgrpo.rollout.turns`), a completion goes on after the tool calls its turns end with: its rows wait on
         their tools aside while the others decode. With ``max_rows``, at most that many completions decode at once: the
-        prompts' completions join, a prompt's all together, as others finish (rows refilled), in the prompts' order."""
+        others join in order as rows finish (rows refilled, `fastgrpo.rollout.decoding.Refill`)."""
         args = (prompt_ids, params, num_generations, generator, capture_hidden, uniforms, turns, max_rows)
         with self.decoding(*args) as run:
             run.finish()
@@ -174,8 +174,8 @@ class RolloutEngine:
             raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
-        if max_rows is not None and max_rows < num_generations:
-            raise ValueError(f"max_rows ({max_rows}) must hold a prompt's {num_generations} completions")
+        if max_rows is not None and max_rows < 1:
+            raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         extra = tuple(m for d in self.drafters.values() for m in d.modules)
         modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
         for module, _ in modes:
@@ -194,11 +194,11 @@ class RolloutEngine:
                 call = Generation.start(total, params, eos, noise, self.tokenizer, capture_hidden, parking)
                 compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
                 at_once = total if max_rows is None else min(total, max_rows)
-                begun = at_once // num_generations  # prompts begun at once
+                pending = [(i // num_generations, seq) for i, seq in enumerate(call.seqs)]
+                waiting = Refill(self.admit, prompt_ids, pending, at_once, num_generations)
                 self._begin(call, at_once, max(map(len, prompt_ids)))
-                seqs = call.seqs[: begun * num_generations]
-                rows = prefill(self, prompt_ids[:begun], num_generations, seqs, call, waiting=prompt_ids[begun:])
-                waiting = Refill(self.admit, prompt_ids[begun:], call.seqs[len(seqs) :], num_generations, max_rows)
+                begun, row_prompt, seqs = waiting.take(at_once)
+                rows = prefill(self, begun, row_prompt, seqs, call, waiting=waiting.waiting)
                 run = Decoding(
                     self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows, waiting
                 )
@@ -239,15 +239,16 @@ class RolloutEngine:
         self,
         rows: ActiveRows,
         prompt_ids: list[list[int]],
-        num_generations: int,
+        row_prompt: list[int],
         seqs: list[Sequence],
         call: Generation,
     ) -> ActiveRows:
-        """Take ``prompt_ids``' completions ``seqs`` into the call beside the live ``rows`` (`prefill`, into the cache
-        rows past them, where rows waiting on tools make way); returns the live rows followed by the new ones."""
+        """Take the completions ``seqs`` (row ``i`` of prompt ``prompt_ids[row_prompt[i]]``) into the call beside the
+        live ``rows`` (`prefill`, into the cache rows past them, where rows waiting on tools make way); returns the live
+        rows followed by the new ones."""
         if call.parking is not None:
             call.parking.vacate(self.cache, rows.size, len(seqs))
-        return prefill(self, prompt_ids, num_generations, seqs, call, rows)
+        return prefill(self, prompt_ids, row_prompt, seqs, call, rows)
 
     def step(self, rows: ActiveRows, call: Generation) -> ActiveRows:
         """One decoding step over the active rows (and those that rejoin them after their tools returned); returns

@@ -1,6 +1,6 @@
 """The prefill stage: each distinct prompt read into the target's cache once, its rows replicated for its samples,
 each row's first token sampled and the drafters told. At a call's start the rows take cache rows ``0`` on; rows
-admitted later (refilled as others finish, `fastgrpo.rollout.decoding.Decoding`) take the cache rows just past the
+taken in later (refilled as others finish, `fastgrpo.rollout.decoding.Refill`) take the cache rows just past the
 live ones, the live rows emitting nothing in that forward.
 """
 
@@ -36,16 +36,16 @@ class Engine(Protocol):
 def prefill(
     engine: Engine,
     prompt_ids: list[list[int]],
-    num_generations: int,
+    row_prompt: list[int],
     seqs: list[Sequence],
     call: Generation,
     live: ActiveRows | None = None,
     waiting: list[list[int]] | None = None,
 ) -> ActiveRows:
     """Prefill ``prompt_ids`` (right-padded) into the cache rows past the ``live`` ones (None: from row 0, the call's
-    start, which takes in the prompts ``waiting`` later), replicate each prompt's row for its ``num_generations``
-    completions ``seqs`` (prompt-major), sample and append each one's first token; returns the live rows followed by
-    the new ones, those that ended at their first token dropped."""
+    start, which takes in the prompts ``waiting`` later), replicate them for the completions ``seqs`` (row ``i`` of
+    prompt ``row_prompt[i]``), sample and append each one's first token; returns the live rows followed by the new
+    ones, those that ended at their first token dropped."""
     t0 = time.perf_counter()
     dev, cache = engine.device, engine.cache
     first = 0 if live is None else live.size
@@ -58,9 +58,8 @@ def prefill(
         decoder, cache, torch.zeros_like(lens), input_ids=ids, extent=width, first=first
     )  # [P, T, H]
     last = hidden[torch.arange(len(prompt_ids), device=dev), lens - 1]
-    row_prompt = [i for i in range(len(prompt_ids)) for _ in range(num_generations)]
     rows = host_to_device(row_prompt, dev)
-    if num_generations > 1:
+    if row_prompt != list(range(len(prompt_ids))):
         cache.select_rows(list(range(first)) + [first + p for p in row_prompt], upto=width)
     for seq, prompt in zip(seqs, row_prompt, strict=True):
         seq.prompt_len = prompt_len[prompt]
