@@ -5,7 +5,7 @@ engine and the same uniforms (so the same completions, but where a batch of anot
 
 - ``all at once``: one call decoding every completion together (the most memory);
 - ``waves``: the prompts in calls of ``--at-once`` completions, one after the other (each waits for its longest);
-- ``refilled``: one call with ``max_rows`` ``--at-once``: a prompt's completions take finished rows' places.
+- ``refilled``: one call with ``max_rows`` ``--at-once``: the next completions take finished rows' places.
 
 Per way: seconds per completion token (the calls' wall time over their tokens, over all rounds), the mean rows per
 decoding step and the decoding steps. ``--speculation`` off (the default) or the run's adaptive speculation, its
