@@ -34,15 +34,14 @@ class CompiledSoFar(NamedTuple):
 class Refill:
     """The completions of a call that wait for room, in order: ``pending`` their prompts' indices in ``prompts`` and
     their sequences. A call decodes at most ``max_rows`` rows at once, and before each step `__call__` takes in as
-    many of them as fit beside the live rows and those waiting on tools, once ``batch`` rows are free (or all that
-    wait, when fewer), with the engine's ``admit`` (`fastgrpo.rollout.engine.RolloutEngine.admit`): a prompt is
-    prefilled once per intake, however many of its completions join."""
+    many of them as fit beside the live rows and those waiting on tools, with the engine's ``admit``
+    (`fastgrpo.rollout.engine.RolloutEngine.admit`): one forward per intake, in which each of their prompts is
+    prefilled once, however many of its completions join."""
 
     admit: Admit
     prompts: list[list[int]]
     pending: list[tuple[int, Sequence]]
     max_rows: int
-    batch: int
 
     def take(self, count: int) -> tuple[list[list[int]], list[int], list[Sequence]]:
         """The next ``count`` completions: their distinct prompts, the prompt of each (an index into them) and their
@@ -62,7 +61,7 @@ class Refill:
         while self.pending:
             parked = 0 if call.parking is None else len(call.parking.rows)
             free = self.max_rows - rows.size - parked
-            if free < min(self.batch, len(self.pending)):
+            if free <= 0:
                 break
             rows = self.admit(rows, *self.take(free), call)
             call.stats.refills += 1

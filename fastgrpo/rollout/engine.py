@@ -195,7 +195,7 @@ class RolloutEngine:
                 compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
                 at_once = total if max_rows is None else min(total, max_rows)
                 pending = [(i // num_generations, seq) for i, seq in enumerate(call.seqs)]
-                waiting = Refill(self.admit, prompt_ids, pending, at_once, num_generations)
+                waiting = Refill(self.admit, prompt_ids, pending, at_once)
                 self._begin(call, at_once, max(map(len, prompt_ids)))
                 begun, row_prompt, seqs = waiting.take(at_once)
                 rows = prefill(self, begun, row_prompt, seqs, call, waiting=waiting.waiting)
