@@ -91,12 +91,12 @@ class Decoding:
 
     @property
     def done(self) -> bool:
-        """No row is live, none waits on a tool and no prompt for room."""
+        """No row is live, none waits on a tool and no completion for room."""
         parked = self.call.parking is not None and self.call.parking.rows
         return not self.rows.size and not parked and not self.waiting.pending
 
     def step(self) -> None:
-        """Take in the prompts that fit (`Refill`), then decode one step."""
+        """Take in the completions that fit (`Refill`), then decode one step."""
         self.rows = self.waiting(self.rows, self.call)
         if not self.done:  # (all the rows taken in may have ended at their first token)
             self.rows = self._step(self.rows, self.call)
