@@ -8,8 +8,8 @@ engine and the same uniforms (so the same completions, but where a batch of anot
 - ``refilled``: one call with ``max_rows`` ``--at-once``: the next completions take finished rows' places.
 
 Per way: seconds per completion token (the calls' wall time over their tokens, over all rounds), the mean rows per
-decoding step and the decoding steps. ``--speculation`` off (the default) or the run's adaptive speculation, its
-drafters warmed on ``--warmup`` rollouts first.
+decoding step, the decoding steps and the share of them that verified a draft tree. ``--speculation`` off (the
+default) or the run's adaptive speculation, its drafters warmed on ``--warmup`` rollouts first.
 
     python benchmarks/bench_refill.py [--rounds 4] [--prompts 4] [--at-once 16] [--speculation adaptive]
 """
@@ -49,7 +49,7 @@ def main() -> None:
         for step in range(args.warmup if args.speculation != "off" else 1):
             run.rollout(1000 + step, run.prompts.rows(1000 + step))
             run.rollouts.learn()
-        seconds, tokens, concurrency, steps = ({w: [] for w in WAYS} for _ in range(4))
+        seconds, tokens, concurrency, steps, trees = ({w: [] for w in WAYS} for _ in range(5))
         for step in range(args.rounds):
             prompt_ids = run.prompts.encode(run.prompts.rows(step))
             uniforms = step_uniforms(run.config.seed, step, rows, params.max_new_tokens)
@@ -71,6 +71,7 @@ def main() -> None:
                 per_step = [c for out in outs for c in out.stats.concurrency]
                 concurrency[way].append(statistics.mean(per_step))
                 steps[way].append(len(per_step))
+                trees[way].append(sum(len(out.stats.tree_nodes) for out in outs))
             print(f"round {step + 1}: " + ", ".join(f"{w} {seconds[w][-1]:.2f} s" for w in WAYS), flush=True)
     base = sum(seconds["waves"]) / sum(tokens["waves"])
     table = []
@@ -85,13 +86,15 @@ def main() -> None:
                 f"{base / per_token:.2f}",
                 f"{statistics.mean(concurrency[way]):.1f}",
                 f"{statistics.mean(steps[way]):.0f}",
+                f"{sum(trees[way]) / sum(steps[way]):.0%}",
             ]
         )
     record.table(
         f"Generations of {args.prompts} prompts x 8 completions, {args.rounds} rounds, speculation {args.speculation}",
-        ["way", "rows at once", "completion tokens", "ms per token", "speed vs waves", "mean rows per step", "steps"],
+        ["way", "rows at once", "completion tokens", "ms per token", "speed vs waves", "mean rows per step", "steps",
+         "tree steps"],
         table,
-    )
+    )  # fmt: skip
     record.save()
 
 
