@@ -125,6 +125,8 @@ class GRPOChecks:
                 f"importance_sampling_mode {self.importance_sampling_mode} clamps the ratio: set "
                 "importance_sampling_clip_min or importance_sampling_clip_max"
             )
+        if self.max_inflight_tasks == 0:
+            raise ValueError("max_inflight_tasks must be at least 1 completion decoding at once, or -1 (no bound)")
         self._check_asynchronous()
         if self.fsdp and self.use_peft:
             raise ValueError("fsdp: sharding a LoRA policy is not supported; LoRA adapters are small, use DDP")
@@ -178,11 +180,8 @@ class GRPOChecks:
         resolve_reward_funcs(self.reward_funcs)
 
     def _check_asynchronous(self) -> None:
-        """Rows decoded at once, if bounded, at least one; with rollout processes, weights sent often enough for the
-        staleness bound, a queue that holds an optimizer step's generations, and what they do not support yet refused
-        by name."""
-        if self.max_inflight_tasks == 0:
-            raise ValueError("max_inflight_tasks must be at least 1 completion decoding at once, or -1 (no bound)")
+        """Rollout processes: weights sent often enough for the staleness bound, a queue that holds an optimizer step's
+        generations, and what they do not support yet refused by name."""
         if not self.rollout_processes:
             return
         if self.weight_sync_steps > self.max_staleness + 1:

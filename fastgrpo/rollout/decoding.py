@@ -72,7 +72,7 @@ class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
     `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
     active), ``compiled_so_far`` (`CompiledSoFar`), its value when the call began
-    (``compiled_before``), whether its steps run ``compiled``, and the prompts ``waiting`` for room (`Refill`)."""
+    (``compiled_before``), whether its steps run ``compiled``, and the completions ``waiting`` for room (`Refill`)."""
 
     def __init__(
         self,

@@ -6,7 +6,7 @@ a drafter proposes a tree per row (propose), one target forward verifies every t
 (verify), and the emitted tokens are appended, finished rows dropped and the caches compacted (postprocess). A plain
 step verifies the pending token alone and emits one token per row; a speculative step emits the accepted path plus
 one. A row that ends (EOS, a stop string or the length limit) leaves the batch at once, so the concurrency falls
-during the call (it is recorded per step), unless the call decodes fewer rows at once than it has: then the prompts
+during the call (it is recorded per step), unless the call decodes fewer rows at once than it has: then the completions
 waiting take the finished rows' places (`fastgrpo.rollout.decoding.Refill`, prefilled by `fastgrpo.rollout.prefill`).
 A step reads the device once, in postprocess (`HostStep`): the host keeps every length it needs itself, so that on a
 GPU the host runs ahead of the device (`fastgrpo.rollout.host`); with a compile ``backend`` the verification runs as a

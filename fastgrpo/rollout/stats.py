@@ -37,7 +37,7 @@ class GenerationStats:
     waiting: list[int] = field(default_factory=list)  # with tools: rows waiting on them at each step
     tool_prefill_tokens: int = 0  # tokens of tool turns fed to the rows' caches (`fastgrpo.rollout.turns`)
     tool_wait_time: float = 0.0  # seconds spent waiting on tools while no row was live
-    refills: int = 0  # prefills of prompts taken in as rows finished (`fastgrpo.rollout.decoding.Refill`)
+    refills: int = 0  # intakes of waiting completions as rows finished, a prefill forward each (`Refill`)
 
     @property
     def total_time(self) -> float:
