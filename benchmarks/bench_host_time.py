@@ -3,7 +3,8 @@ launch, where a GPU would idle. The default run's rollouts (`configs/default.yam
 generations per prompt, up to 128 tokens at T=1) at 16 and 64 rows (2 and 8 prompts), with speculation off and with
 static trees of the suffix drafter (the drafter that runs on the host), each rollout after ``--warmup`` rollouts that
 fill the suffix memory. Per step, in milliseconds: the schedule (the controller's choice), the suffix drafter's
-proposal (its search and tree, and the tree's copy to the device), and the postprocess (the step's read, the
+proposal (its search and tree, and the tree's copy to the device; the search and the trees, array operations over
+all rows that every step pays whatever its rows, also apart), and the postprocess (the step's read, the
 sequences' appends, the drafters' bookkeeping, finished rows dropped, the controller told). On a CPU the device work
 is synchronous, so these are the host's own costs; the whole step's time is shown beside them for scale only (it is
 a CPU's compute, not a GPU's).
@@ -40,9 +41,13 @@ from fastgrpo.speculative.controller import AdaptiveController
 from fastgrpo.speculative.eagle.drafter import EagleCost
 from fastgrpo.speculative.merged import priced
 from fastgrpo.speculative.profiler import LatencyProfile
+from fastgrpo.speculative.suffix import drafter as suffix_drafter
 from fastgrpo.speculative.suffix.drafter import SuffixDrafter
 
 ROWS = (16, 64)
+COLUMNS = ["rows", "speculation", "steps", "schedule", "suffix propose", "search", "trees", "postprocess"]
+COLUMNS += ["host total", "CPU step"]
+HOST = ("schedule", "suffix propose", "postprocess")  # the host's parts of a step (search and trees are in propose)
 SPECULATION = {
     "off": ["--speculation.mode=off"],
     "suffix trees": ["--speculation.mode=static", "--speculation.drafter=suffix", "--speculation.nodes=8"],
@@ -50,7 +55,7 @@ SPECULATION = {
 
 
 class Timed:
-    """Wraps ``owner.name`` so that each call's seconds are appended to ``seconds``."""
+    """Wraps ``owner.name`` so that each call's seconds are appended to ``seconds`` (`restore` unwraps it)."""
 
     def __init__(self, owner: object, name: str):
         self.seconds: list[float] = []
@@ -64,6 +69,7 @@ class Timed:
                 self.seconds.append(time.perf_counter() - t0)
 
         setattr(owner, name, timed)
+        self.restore = lambda: setattr(owner, name, inner)
 
 
 def measure(rows: int, speculation: str, rollouts: int, warmup: int, tmp: Path) -> list[str]:
@@ -81,19 +87,24 @@ def measure(rows: int, speculation: str, rollouts: int, warmup: int, tmp: Path) 
     parts = {"schedule": Timed(engine, "schedule"), "postprocess": Timed(engine, "postprocess")}
     parts["step"] = Timed(engine, "step")
     suffix = engine.drafters.get("suffix")
-    if isinstance(suffix, SuffixDrafter):
+    if isinstance(suffix, SuffixDrafter):  # the proposal, and the two array parts of it that every step pays in full
         parts["suffix propose"] = Timed(suffix, "propose")
-    for step in range(warmup, warmup + rollouts):
-        run.rollout(step, run.prompts.rows(step))
+        parts["search"], parts["trees"] = Timed(suffix_drafter, "search"), Timed(suffix_drafter, "draft_tree")
+    try:
+        for step in range(warmup, warmup + rollouts):
+            run.rollout(step, run.prompts.rows(step))
+    finally:
+        for part in parts.values():
+            part.restore()
     steps = len(parts["step"].seconds)
 
     def ms(name: str) -> str:
         part = parts.get(name)
         return f"{1e3 * statistics.median(part.seconds):.3f}" if part is not None and part.seconds else "-"
 
-    host = sum(1e3 * statistics.median(p.seconds) for n, p in parts.items() if n != "step" and p.seconds)
+    host = sum(1e3 * statistics.median(parts[n].seconds) for n in HOST if n in parts and parts[n].seconds)
     print(f"{rows} rows, {speculation}: {steps} steps, host {host:.2f} ms per step", flush=True)
-    parts_ms = [ms(name) for name in ("schedule", "suffix propose", "postprocess")]
+    parts_ms = [ms(name) for name in ("schedule", "suffix propose", "search", "trees", "postprocess")]
     return [rows, speculation, steps, *parts_ms, f"{host:.3f}", ms("step")]
 
 
@@ -186,7 +197,7 @@ def main() -> None:
     record.table(
         "Host milliseconds per decoding step (medians over the steps of "
         f"{args.rollouts} rollouts): the parts a GPU would wait on, and the whole CPU step for scale",
-        ["rows", "speculation", "steps", "schedule", "suffix propose", "postprocess", "host total", "CPU step"],
+        COLUMNS,
         table,
     )
     record.save()
