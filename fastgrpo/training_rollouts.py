@@ -226,12 +226,13 @@ class TrainingRollouts:
         self.pending.clear()
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
-    def save(self, checkpoint: str | Path, learners: bool = True) -> None:
-        """Write the drafters' state into ``checkpoint/draft``: each drafter's own files (`DrafterPlugin.save`: the
-        EAGLE head as a saved draft, which ``speculation.draft`` reads) and, with ``learners``, every learner's state
-        (`LEARNERS`: the draft's optimizer, the suffix drafter's memory) and what the controller has learnt
-        and the drafters of their costs (`SCHEDULE`), so that a resumed run drafts what the uninterrupted one would."""
-        directory = Path(checkpoint) / DRAFT_DIR
+    def save(self, checkpoint: str | Path, learners: bool = True, folder: str = DRAFT_DIR) -> None:
+        """Write the drafters' state into ``checkpoint/draft`` (or ``folder``): each drafter's own files
+        (`DrafterPlugin.save`: the EAGLE head as a saved draft, which ``speculation.draft`` reads) and, with
+        ``learners``, every learner's state (`LEARNERS`: the draft's optimizer, the suffix drafter's memory) and what
+        the controller has learnt and the drafters of their costs (`SCHEDULE`), so that a resumed run drafts what the
+        uninterrupted one would."""
+        directory = Path(checkpoint) / folder
         for plugin in self.plugins:
             drafter = self.drafter(plugin.name)
             if drafter is not None:
@@ -248,11 +249,13 @@ class TrainingRollouts:
             directory.mkdir(parents=True, exist_ok=True)
             (directory / SCHEDULE).write_text(json.dumps(schedule))
 
-    def restore(self, checkpoint: str | Path) -> None:
-        """Restore what `save` wrote into ``checkpoint``: a drafter whose files are there is built from them anew, and
-        the learners and the controller take their saved states. What is missing or damaged is passed over with a
-        warning that names the file and says what starts afresh."""
-        directory = Path(checkpoint) / DRAFT_DIR
+    def restore(self, checkpoint: str | Path, folder: str = DRAFT_DIR) -> None:
+        """Restore what `save` wrote into ``checkpoint`` (``folder`` where it is there, else ``draft``): a drafter
+        whose files are there is built from them anew, and the learners and the controller take their saved states.
+        What is missing or damaged is passed over with a warning that names the file and says what starts afresh."""
+        directory = Path(checkpoint) / folder
+        if not directory.is_dir():
+            directory = Path(checkpoint) / DRAFT_DIR
         if not self.plugins:
             return
         if not directory.is_dir():

@@ -21,9 +21,11 @@ from fastgrpo import distributed
 from fastgrpo.config import load_config
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
+from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.speculative.plugin import LEARNERS
 
 STEPS = 3
 
@@ -164,29 +166,48 @@ def test_a_sample_past_max_staleness_is_dropped_and_counted(monkeypatch: pytest.
     }
     taken = feed.take()
     assert taken.generation == 3 and feed.next == 4 and feed.dropped == 1
-    assert told == [(pipeline.PROGRESS, 4, 1)]  # the rollout processes learn of both
+    assert told == [(pipeline.PROGRESS, 3, 1), (pipeline.PROGRESS, 4, 1)]  # the rollout processes learn of each
     assert taken.metrics["async/dropped_samples"] == 2 and taken.metrics["async/staleness"] == 1
     assert taken.metrics["async/token_lag/mean"] == pytest.approx(4 / 6)
 
 
-def _job(rank: int, port: int, config: str, errors: str, resume: bool, dies: bool) -> None:
-    """A process of a 2-process job (``dies``: its rollout process dies as generation 2 begins); a failed process
-    writes its error to ``errors``."""
+def _job(rank: int, world: int, port: int, config: str, errors: str, resume: bool, dies: bool, stale: int) -> None:
+    """A process of a ``world``-process job (``dies``: its rollout process dies as generation 2 begins; ``stale``:
+    generation ``stale`` comes as if sampled 10 steps before the run began, and is dropped); a failed process writes
+    its error to ``errors``, the training process the generations it trained to ``errors`` with the suffix
+    ``.taken``, a resumed rollout process the prompts its suffix drafter remembers to the suffix ``.memory{rank}``."""
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank)
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    produce = RolloutProcess._produce
+    produce, received, take = RolloutProcess._produce, pipeline._received, RolloutFeed.take
 
     def dying(self: RolloutProcess, g: int) -> Produced:
         if g == 2:
             os._exit(3)
         return produce(self, g)
 
+    def staled(data: torch.Tensor) -> Produced:
+        produced = received(data)
+        if produced.generation == stale:
+            produced.versions = [[(0, -10)] for _ in produced.versions]
+        return produced
+
+    def taking(self: RolloutFeed) -> Produced:
+        produced = take(self)
+        with Path(errors).with_suffix(".taken").open("a") as f:
+            f.write(f"{produced.generation}\n")
+        return produced
+
     if dies:
         RolloutProcess._produce = dying
+    pipeline._received, RolloutFeed.take = staled, taking
     try:
         trainer = GRPOTrainer(load_config(config), resume=resume)
+        suffix = trainer.rollouts.drafter("suffix")
+        if resume and trainer.dist.rollout and suffix is not None:
+            prompts = sorted(prompt for prompt, *_ in suffix.learner.state_dict()["prompts"])
+            Path(errors).with_suffix(f".memory{rank}").write_text(json.dumps(prompts))
         trainer.train()
         del trainer
     except Exception as e:
@@ -196,10 +217,13 @@ def _job(rank: int, port: int, config: str, errors: str, resume: bool, dies: boo
         distributed.shutdown()
 
 
-def job(config: Path, errors: Path, resume: bool = False, dies: bool = False) -> list[int | None]:
-    """The exit codes of a 2-process job of ``config`` (see `_job`), each process forked and awaited alone."""
+def job(
+    config: Path, errors: Path, resume: bool = False, dies: bool = False, stale: int = -1, world: int = 2
+) -> list[int | None]:
+    """The exit codes of a ``world``-process job of ``config`` (see `_job`), each process forked and awaited alone."""
     port, context = free_port(), torch.multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_job, args=(r, port, str(config), str(errors), resume, dies)) for r in (0, 1)]
+    args = (world, port, str(config), str(errors), resume, dies, stale)
+    ranks = [context.Process(target=_job, args=(r, *args)) for r in range(world)]
     for process in ranks:
         process.start()
     for process in ranks:
@@ -229,6 +253,52 @@ def test_a_rollout_process_that_dies_is_named_and_the_run_resumes(
     one = load_file(str(synchronous / f"checkpoint-{STEPS}" / "model.safetensors"))
     two = load_file(str(tmp_path / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_resumed_run_trains_no_generation_twice_and_each_rollout_process_keeps_its_drafters(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Two rollout processes with suffix drafters; generation 1 is dropped, so the run trains generations 0 and 2,
+    saving after each step with each rollout process's drafters (learnt from its own generations: 0 and 2, 1 and 3).
+    Resumed from its checkpoint, it goes on with generation 3 (not 2 again), and each rollout process drafts from its
+    own memory."""
+    options = dict(
+        rollout_processes=2, max_staleness=0, save_steps=1, speculation={"mode": "static", "drafter": "suffix"}
+    )
+    errors, run_dir = tmp_path / "error", tmp_path / "run"
+    assert job(write_config(model_dir, run_dir, max_steps=2, **options), errors, stale=1, world=3) == [0, 0, 0]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["async/dropped_samples"] for m in logged] == [0, 8]
+    saved = run_dir / "checkpoint-2"
+    assert torch.load(saved / "trainer_state.pt", weights_only=False)["generations_dropped"] == 1
+    memories = {
+        rank: sorted(p for p, *_ in torch.load(saved / folder / LEARNERS)["suffix"]["prompts"])
+        for rank, folder in ((1, "draft"), (2, "draft-rank2"))
+    }
+    assert memories[1] != memories[2]
+    assert job(write_config(model_dir, run_dir, max_steps=3, **options), errors, resume=True, world=3) == [0, 0, 0]
+    assert (tmp_path / "error.taken").read_text().split() == ["0", "2", "3"]
+    for rank, prompts in memories.items():
+        assert json.loads(errors.with_suffix(f".memory{rank}").read_text()) == prompts
+
+
+def _mailboxes(rank: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        first = Mailbox("down/1", Mailbox.session())
+        first.post(pipeline.STOP)
+        assert first.poll() == [(pipeline.STOP, 0, 0, 0, "")]
+        second = Mailbox("down/1", Mailbox.session())  # a later `train` call's
+        assert second.poll() == []
+        second.post(pipeline.PROGRESS, 1, 2, 3)
+        assert second.poll() == [(pipeline.PROGRESS, 1, 2, 3, "")]
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_the_mailboxes_of_a_later_train_call_start_empty() -> None:
+    fork_ranks(_mailboxes, (free_port(),), nprocs=1)
 
 
 def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:

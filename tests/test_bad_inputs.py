@@ -25,7 +25,7 @@ from transformers import T5Config
 
 from fastgrpo.cli import main
 from fastgrpo.grpo import trainer as trainer_module
-from fastgrpo.grpo.checkpoint import STATE_FILE
+from fastgrpo.grpo.checkpoint import LAYOUT, STATE_FILE
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.models import load_tokenizer
 from fastgrpo.rollout.engine import RolloutEngine
@@ -591,11 +591,11 @@ def test_a_checkpoint_of_an_older_layout_is_refused_with_one_line(capsys, model_
     out = tmp_path / "c-run"
     state_file = out / "checkpoint-1" / "trainer_state.pt"
     state = torch.load(state_file, weights_only=False)
-    assert state.pop("layout") == 2
+    assert state.pop("layout") == LAYOUT
     torch.save(state, state_file)
     err = refused(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
     (line,) = [line for line in err.splitlines() if line.startswith("fastgrpo train: error:")]
-    assert "checkpoint-1 was written by an older fastgrpo (checkpoint layout 1, this one reads 2)" in line
+    assert f"checkpoint-1 was written by an older fastgrpo (checkpoint layout 1, this one reads {LAYOUT})" in line
     (out / "fastgrpo_run.json").unlink()
     err = refused(capsys, "train", "--config", str(config), "--resume", "--max_steps", "2")
     assert "older than its run marks cannot be resumed" in err and (out / "checkpoint-1").is_dir()

@@ -210,7 +210,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir: Path, tmp_pa
         make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)
 
 
-@pytest.mark.parametrize("layout", [None, 1, 3])
+@pytest.mark.parametrize("layout", [None, 2, 4])
 def test_a_checkpoint_of_another_layout_is_refused_before_any_weight_is_read(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: int | None
 ) -> None:
@@ -220,7 +220,7 @@ def test_a_checkpoint_of_another_layout_is_refused_before_any_weight_is_read(
     from fastgrpo.grpo.checkpoint import LAYOUT, STATE_FILE, save_checkpoint
     from fastgrpo.grpo.run_dir import claim_output_dir
 
-    assert LAYOUT == 2  # the parameters are an older layout, none, and a newer one
+    assert LAYOUT == 3  # the parameters are an older layout, none, and a newer one
     run_id = claim_output_dir(tmp_path, resume=False, overwrite=False)
     checkpoint = save_checkpoint(tmp_path, 2, lambda directory: None, {"optimizer": {}, "scheduler": {}}, run_id)
     state = torch.load(checkpoint / STATE_FILE, weights_only=False)
@@ -233,9 +233,9 @@ def test_a_checkpoint_of_another_layout_is_refused_before_any_weight_is_read(
     monkeypatch.setattr(trainer_module, "load_model", load_model)
     with pytest.raises(ValueError) as refused:
         make_trainer(make_config(tiny_model_dir, tmp_path), resume=True)
-    age = "a newer" if layout == 3 else "an older"
+    age = "a newer" if layout == 4 else "an older"
     assert str(refused.value) == (
-        f"--resume: {checkpoint} was written by {age} fastgrpo (checkpoint layout {layout or 1}, this one reads 2) "
+        f"--resume: {checkpoint} was written by {age} fastgrpo (checkpoint layout {layout or 1}, this one reads 3) "
         "and cannot be resumed; start a new run from its weights with --model"
     )
 

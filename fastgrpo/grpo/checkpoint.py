@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 # The layout of what a checkpoint holds (its state's keys, the files beside the state, draft/), saved in its state:
 # resuming from a checkpoint of another layout is refused, never misread. Raise it whenever what is saved changes.
-LAYOUT = 2
+LAYOUT = 3  # 3: an asynchronous run's generations dropped
 
 
 def rng_state() -> dict[str, Any]:

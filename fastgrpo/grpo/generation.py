@@ -44,6 +44,8 @@ class Generating(Protocol):
     rollouts: TrainingRollouts
     reward_funcs: list[Any]
     tokenizer: PreTrainedTokenizerBase
+    start_step: int  # the optimizer steps done when the run began or resumed
+    generations_dropped: int  # by an asynchronous run, before those its next step trains on (when it resumed)
 
     def rollout(
         self, step: int, rows: list[dict[str, Any]]

@@ -11,11 +11,12 @@ more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completio
 sample that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the
 update corrects for the older weights with the sampler's log-probabilities.
 
-Messages go through the job's store (`Mailbox`: a few numbers, checked without waiting), payloads point to point
-over a gloo group of every process (`distributed.message_group`), the weights over the job's own group, on the
-device. A thread of each rollout process beats every quarter of ``heartbeat_stale_after_s`` seconds, but while a
-decoding step has run longer than half of it, so that the training process names a rollout process that stays silent
-longer (it died, or a step hangs), and one that failed, with its error.
+Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting;
+apart for each `train` call), payloads point to point over a gloo group of every process
+(`distributed.message_group`), the weights over the job's own group, on the device. A thread of each rollout process
+beats every quarter of ``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it,
+so that the training process names a rollout process that stays silent longer (it died, or a step hangs), and one
+that failed, with its error. A checkpoint holds the generations dropped so far; a resumed run goes on after them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from fastgrpo import distributed
 from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced, produce
+from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.rollout.sequence import Generation as Call
+from fastgrpo.training_rollouts import DRAFT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -48,35 +51,11 @@ class Stopped(Exception):
     """The training process ended the run."""
 
 
-class Mailbox:
-    """One way's messages between two processes through the job's store (``name``: the way): each a kind, three
-    numbers and a text, `post`-ed by one process and `poll`-ed (without waiting) by the other; and a count of
-    heartbeats (`beat`, `beats`)."""
-
-    def __init__(self, name: str):
-        # torch.distributed has no public accessor of the store the job rendezvoused with
-        self.store = dist.PrefixStore(f"fastgrpo/pipeline/{name}/", dist.distributed_c10d._get_default_store())
-        self.sent = self.read = 0
-
-    def post(self, kind: int, a: int = 0, b: int = 0, c: int = 0, text: str = "") -> None:
-        self.store.set(str(self.sent), f"{kind},{a},{b},{c},{text}")
-        self.sent += 1
-        self.store.add("count", 1)
-
-    def poll(self) -> list[tuple[int, int, int, int, str]]:
-        """The messages posted since the last poll, oldest first."""
-        count, messages = self.store.add("count", 0), []
-        for i in range(self.read, count):
-            kind, a, b, c, text = self.store.get(str(i)).decode().split(",", 4)
-            messages.append((int(kind), int(a), int(b), int(c), text))
-        self.read = count
-        return messages
-
-    def beat(self) -> None:
-        self.store.add("beats", 1)
-
-    def beats(self) -> int:
-        return self.store.add("beats", 0)
+def drafts_folder(rank: int) -> str:
+    """The folder of a checkpoint that the drafters of the job's rank ``rank`` are saved in: ``draft`` for the first
+    rollout process (and any run's only one), which a run without rollout processes reads; ``draft-rank{rank}`` for
+    the others."""
+    return DRAFT_DIR if rank <= 1 else f"{DRAFT_DIR}-rank{rank}"
 
 
 def _payload(obj: Any) -> torch.Tensor:
@@ -121,11 +100,12 @@ class RolloutProcess:
         self.trainer, self.group = trainer, distributed.message_group()
         rank = dist.get_rank()
         self.index, self.count = rank - 1, cfg.rollout_processes
-        self.up, self.down = Mailbox(f"up/{rank}"), Mailbox(f"down/{rank}")
+        session = Mailbox.session()
+        self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
         # the next generation the training process takes, and those it dropped
-        self.next = cfg.first_generation(trainer.start_step)
-        self.dropped = 0
+        self.dropped = trainer.generations_dropped
+        self.next = cfg.first_generation(trainer.start_step) + self.dropped
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
         self.params = [p.data for p in trainer.model.parameters()]
         self.step_began: float | None = None  # when the decoding step under way began
@@ -198,7 +178,8 @@ class RolloutProcess:
                 raise Stopped
             if kind == SAVE_DRAFTS:  # into the checkpoint rank 0 writes (``text``: learners or not, its directory)
                 if Path(text[1:]).is_dir():  # not when rank 0 gave up the checkpoint already
-                    self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1")
+                    folder = drafts_folder(self.index + 1)
+                    self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1", folder=folder)
                 self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:
                 t0 = time.monotonic()
@@ -246,11 +227,12 @@ class RolloutFeed:
             )
         self.group, self.model = distributed.message_group(), trainer.model
         self.ranks = list(range(1, cfg.rollout_processes + 1))
-        self.up = {rank: Mailbox(f"up/{rank}") for rank in self.ranks}
-        self.down = {rank: Mailbox(f"down/{rank}") for rank in self.ranks}
+        session = Mailbox.session()
+        self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
+        self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
         self.version = trainer.start_step
-        self.next = cfg.first_generation(trainer.start_step)
-        self.dropped = 0
+        self.dropped = trainer.generations_dropped  # so far (those of the checkpoint resumed from)
+        self.next = cfg.first_generation(trainer.start_step) + self.dropped
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()
@@ -259,7 +241,7 @@ class RolloutFeed:
         self.figures = dict.fromkeys(
             ("async/trainer_wait_seconds", "async/weight_send_seconds", "async/dropped_samples"), 0.0
         )
-        self.drafts_saved = threading.Event()
+        self.drafts_saved = 0  # of the rollout processes asked to (`save_drafts`)
         self.thread = threading.Thread(target=self._receive, name="fastgrpo-rollout-feed", daemon=True)
         self.thread.start()
 
@@ -282,6 +264,7 @@ class RolloutFeed:
                 break
             self.dropped += 1
             self.figures["async/dropped_samples"] += len(produced.lengths)
+            self._tell(PROGRESS)  # at once: the generation after it may wait on weights that wait on it
         self._tell(PROGRESS)  # the rollout processes may run as far ahead again
         self.figures["async/trainer_wait_seconds"] += time.monotonic() - t0
         lags = token_lags(produced.versions, produced.lengths, self.version)
@@ -294,6 +277,12 @@ class RolloutFeed:
         }
         self.figures = dict.fromkeys(self.figures, 0.0)
         return produced
+
+    def state(self) -> dict[str, int]:
+        """What a checkpoint holds of the feed: the generations dropped so far. A generation is dropped only while
+        a pass's generations are taken, so a run resumed at any step takes up its pass's generations after them
+        (`fastgrpo.config.step_counts.StepCounts.first_generation` of the step, plus the drops)."""
+        return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
         """Wait until the weights sent last have left (the update is about to change them)."""
@@ -314,14 +303,17 @@ class RolloutFeed:
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def save_drafts(self, checkpoint: Path, learners: bool) -> None:
-        """Have the first rollout process write its drafters, which learn from its rollouts, into ``checkpoint``
-        (`TrainingRollouts.save`), and wait until it has."""
-        self.drafts_saved.clear()
-        box = self.down[self.ranks[0]]
-        box.post(SAVE_DRAFTS, self.version, self.next, self.dropped, f"{int(learners)}{checkpoint.resolve()}")
-        while not self.drafts_saved.wait(0.05):
-            if self.error is not None:
-                raise self._failed(self.error)
+        """Have every rollout process write its drafters, which learn from its own rollouts, into ``checkpoint``
+        (`TrainingRollouts.save`, into its `drafts_folder`), and wait until each has."""
+        with self.ready:
+            self.drafts_saved = 0
+        for box in self.down.values():
+            box.post(SAVE_DRAFTS, self.version, self.next, self.dropped, f"{int(learners)}{checkpoint.resolve()}")
+        with self.ready:
+            while self.drafts_saved < len(self.ranks):
+                if self.error is not None:
+                    raise self._failed(self.error)
+                self.ready.wait(0.05)
 
     def close(self) -> None:
         """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
@@ -360,7 +352,9 @@ class RolloutFeed:
                         if kind == BYE:
                             live.discard(rank)
                         elif kind == DRAFTS_SAVED:
-                            self.drafts_saved.set()
+                            with self.ready:
+                                self.drafts_saved += 1
+                                self.ready.notify()
                         elif kind == GENERATION:
                             data = torch.empty(size, dtype=torch.uint8, device="cpu")
                             dist.recv(data, rank, group=self.group, tag=PAYLOAD_TAG)

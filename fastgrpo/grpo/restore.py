@@ -7,8 +7,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fastgrpo import distributed
 from fastgrpo.grpo.checkpoint import set_rng_state
+from fastgrpo.grpo.pipeline import drafts_folder
+from fastgrpo.training_rollouts import DRAFT_DIR
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +36,11 @@ def restore_run(trainer: Any, checkpoint: Path, state: dict[str, Any]) -> None:
             update.load_masters_unless_kept(state["master_weights"])
         if "entropy_control" in state:
             update.entropy.load_state_dict(state["entropy_control"])
-    trainer.rollouts.restore(checkpoint)  # first: loading a draft draws from the random generators
+    # first: loading a draft draws from the random generators; a rollout process reads its own drafters
+    folder = drafts_folder(torch.distributed.get_rank()) if trainer.dist.rollout else DRAFT_DIR
+    trainer.rollouts.restore(checkpoint, folder)
     set_rng_state(state["rng"])
     trainer.start_step, trainer.num_tokens = state["step"], state.get("num_tokens", 0.0)
+    trainer.generations_dropped = state.get("generations_dropped", 0)  # by an asynchronous run's training process
     trainer.resumed_from = checkpoint
     logger.info("resumed from %s at step %d", checkpoint, trainer.start_step)

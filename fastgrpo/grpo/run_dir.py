@@ -357,7 +357,7 @@ def resumed_options(out: Path, given: dict[str, Any], saved: dict[str, Any] | No
 def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device: Any) -> int:
     """About what one checkpoint of the run takes on disk: the policy's weights (a LoRA run's adapters only), and
     unless ``save_only_model`` AdamW's two moments with float32 master weights where the weights are low precision;
-    each drafter's files and learner's state (`DrafterPlugin.checkpoint_bytes`)."""
+    each drafter's files and learner's state (`DrafterPlugin.checkpoint_bytes`), of every rollout process."""
     from fastgrpo.memory.shapes import lora_shape
     from fastgrpo.memory_plan.plan import planned_run
     from fastgrpo.speculative.registry import plugins
@@ -373,4 +373,5 @@ def checkpoint_bytes(config: GRPOConfig, model_config: PretrainedConfig, device:
         trained = shape.num_parameters()
         weights, state = trained * width, adam_state
     optimizer = 0 if config.save_only_model else trained * state
-    return weights + optimizer + sum(plugin.checkpoint_bytes(run) for plugin in plugins(config.speculation))
+    drafts = sum(plugin.checkpoint_bytes(run) for plugin in plugins(config.speculation))
+    return weights + optimizer + drafts * max(config.rollout_processes, 1)  # each rollout process's own

@@ -113,7 +113,7 @@ class GRPOTrainer(TrlTrainerMethods):
                 f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per generation "
                 f"({config.prompts_per_generation} on each of {self.dist.world_size} processes)"
             )
-        self.start_step, self.num_tokens, self.resumed_from = 0, 0.0, None
+        self.start_step, self.num_tokens, self.resumed_from, self.generations_dropped = 0, 0.0, None, 0
         self.generation: Generation | None = None  # the one the next optimizer steps train on
         self.samples: list[tuple[Any, str, float, dict[str, Any]]] | None = None  # the latest generation's, unshown
         self.generations_per_epoch = max(len(self.dataset) // global_prompts, 1)  # TRL's `epoch` counts them
@@ -293,6 +293,7 @@ class GRPOTrainer(TrlTrainerMethods):
                     self.feed.save_drafts(path, learners=not self.config.save_only_model)
 
             state: dict[str, Any] = {"config": config_to_dict(self.config), "num_tokens": self.num_tokens}
+            state |= self.feed.state() if self.feed is not None else {}
             if not self.config.save_only_model:
                 state |= {"optimizer": optimizer_state, "scheduler": self.update.scheduler.state_dict()}
                 if self.config.use_adaptive_entropy:  # the coefficient it has moved to, as TRL's checkpoints

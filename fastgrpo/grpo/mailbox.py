@@ -1,0 +1,47 @@
+"""The asynchronous pipeline's messages (`fastgrpo.grpo.pipeline`): one way between two processes of the job, through
+the store the job rendezvoused with."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+class Mailbox:
+    """One way's messages between two processes through the job's store (``name``: the way): each a kind, three
+    numbers and a text, `post`-ed by one process and `poll`-ed (without waiting) by the other; and a count of
+    heartbeats (`beat`, `beats`)."""
+
+    def __init__(self, name: str, session: int):
+        self.store = dist.PrefixStore(f"fastgrpo/pipeline/{session}/{name}/", _job_store())
+        self.sent = self.read = 0
+
+    @staticmethod
+    def session() -> int:
+        """This process's count of pipelines begun in the job, this one's included: every process of the job begins
+        one per `train` call, so that the mailboxes of a later call start empty."""
+        return _job_store().add(f"fastgrpo/pipeline/sessions/{dist.get_rank()}", 1)
+
+    def post(self, kind: int, a: int = 0, b: int = 0, c: int = 0, text: str = "") -> None:
+        self.store.set(str(self.sent), f"{kind},{a},{b},{c},{text}")
+        self.sent += 1
+        self.store.add("count", 1)
+
+    def poll(self) -> list[tuple[int, int, int, int, str]]:
+        """The messages posted since the last poll, oldest first."""
+        count, messages = self.store.add("count", 0), []
+        for i in range(self.read, count):
+            kind, a, b, c, text = self.store.get(str(i)).decode().split(",", 4)
+            messages.append((int(kind), int(a), int(b), int(c), text))
+        self.read = count
+        return messages
+
+    def beat(self) -> None:
+        self.store.add("beats", 1)
+
+    def beats(self) -> int:
+        return self.store.add("beats", 0)
+
+
+def _job_store() -> dist.Store:
+    """The store the job rendezvoused with (torch.distributed has no public accessor of it)."""
+    return dist.distributed_c10d._get_default_store()
