@@ -566,6 +566,27 @@ def test_plan_for_trainer_counts_free_reserved_and_the_context(monkeypatch: pyte
     assert cpu.device == "cpu" and cpu.dtype == "float32"
 
 
+UPDATE_ITEMS = ("policy gradients", "DDP", "AdamW", "float32 master", "reference model", "update activations")
+
+
+def test_an_asynchronous_job_plans_one_training_process_and_rollout_processes_without_the_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With ``rollout_processes: 1`` in a job of 2, the training process is planned alone (no DDP buckets: it has no
+    peer to reduce with) and the rollout process holds nothing of the update, each of its items one of the
+    training process's."""
+    config, shape, cpu = GRPOConfig(rollout_processes=1, beta=0.04), CONFIGS["qwen2.5-0.5b"], torch.device("cpu")
+    monkeypatch.setattr(fitting, "world_size", lambda: 2)
+    training = plan_for_trainer(config, shape, cpu)
+    assert training.world_size == 1 and training.items == estimate_memory(config, shape, cpu, 1).items
+    assert estimate_memory(config, shape, cpu, 2).item("DDP gradient buckets")  # what a second trainer would add
+    rollout = plan_for_trainer(config, shape, cpu, rollout=True)
+    assert not [item.name for item in rollout.items if item.name.startswith(UPDATE_ITEMS)]
+    assert set(rollout.items) < set(training.items) and rollout.item("KV cache")
+    assert rollout.peak_bytes == rollout.rollout_bytes < training.peak_bytes
+    assert "a rollout process beside 1 training" in rollout.summary()
+
+
 def test_a_gpu_phase_reports_its_allocated_and_its_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the allocated peak and the reserved one (which also holds the allocator's cached blocks and the CUDA
     graphs' pools the plan counts) are read apart, in MiB; on the CPU both are the process's largest resident set."""

@@ -129,7 +129,7 @@ class GRPOTrainer(TrlTrainerMethods):
         check_training_options(config, model_config)
         disk = checkpoint_bytes(config, model_config, self.dist.device) if self.dist.is_main else 0
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
-            plan_for_trainer(config, model_config, self.dist.device)
+            plan_for_trainer(config, model_config, self.dist.device, self.dist.rollout)
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
         self.lock = lock or (DirectoryLock(self.output_dir) if self.dist.is_main else None)
         checkpoint, resume_state = None, None

@@ -23,7 +23,8 @@ RECIPE_SHARE = 0.95  # a recommended configuration plans at most this share of t
 
 def _fits(config: GRPOConfig, plan: MemoryPlan, free_bytes: int, world_size: int | None = None) -> MemoryPlan | None:
     """``config`` re-estimated like ``plan`` (same model and device); the new plan when it fits ``free_bytes``."""
-    new = estimate_memory(config, plan.shape, plan.device, plan.world_size if world_size is None else world_size)
+    processes = plan.world_size if world_size is None else world_size
+    new = estimate_memory(config, plan.shape, plan.device, processes, plan.rollout)
     return new if new.peak_bytes <= free_bytes else None
 
 
@@ -198,6 +199,11 @@ def world_size() -> int:
     return env_int("WORLD_SIZE", 1)
 
 
+def training_processes(config: GRPOConfig, processes: int) -> int:
+    """The processes of a job of ``processes`` that train: those past its ``rollout_processes``."""
+    return max(processes - config.rollout_processes, 1)
+
+
 def available_bytes(device: torch.device | str) -> int:
     """The device memory a process's run may use in all, on CUDA device ``device``: what is free now
     (``torch.cuda.mem_get_info``), plus what this process's caching allocator holds already
@@ -208,7 +214,9 @@ def available_bytes(device: torch.device | str) -> int:
     return free + torch.cuda.memory_reserved(device) + CUDA_CONTEXT_BYTES
 
 
-def plan_for_trainer(config: GRPOConfig, model_config: PretrainedConfig, device: torch.device) -> MemoryPlan:
+def plan_for_trainer(
+    config: GRPOConfig, model_config: PretrainedConfig, device: torch.device, rollout: bool = False
+) -> MemoryPlan:
     """The run's memory plan on ``device``, refused (``ValueError`` from `check_fits`) on CUDA when it does not fit.
 
     Free-memory convention: the plan estimates everything the process will hold on the device, including what it
@@ -219,10 +227,11 @@ def plan_for_trainer(config: GRPOConfig, model_config: PretrainedConfig, device:
     hold is in ``memory_reserved`` (with the allocator's cached free blocks, which the run can reuse too), and the
     plan counts it. The condition is that every live device tensor of the process is one the plan counts (not a
     second copy of the model, say). Other processes' memory on the same GPU is not free and is not counted.
-    ``model_config`` is the policy's transformers config (``model.config``, also for a peft model). The world size
-    is torch.distributed's (or ``WORLD_SIZE``). On a device other than CUDA the plan is returned unchecked."""
+    ``model_config`` is the policy's transformers config (``model.config``, also for a peft model). The training
+    processes are torch.distributed's world (or ``WORLD_SIZE``) less the ``rollout_processes``; with ``rollout``
+    the plan is a rollout process's. On a device other than CUDA the plan is returned unchecked."""
     device = torch.device(device)
-    plan = estimate_memory(config, model_config, device, world_size())
+    plan = estimate_memory(config, model_config, device, training_processes(config, world_size()), rollout)
     if device.type == "cuda":
         check_fits(plan, available_bytes(device), config)
     return plan
@@ -328,7 +337,7 @@ def dry_run(config: GRPOConfig, processes: int | None = None) -> str:
         device = torch.device("cuda", env_int("LOCAL_RANK", 0))
     else:
         device = resolve_device(config.device, env_int("LOCAL_RANK", 0))
-    plan = estimate_memory(config, model_config, device, processes or world_size())
+    plan = estimate_memory(config, model_config, device, training_processes(config, processes or world_size()))
     lines = [f"memory plan of {config.model}: {plan.summary()}", "", plan.table(), ""]
     if plan.shape.model_type not in SUPPORTED_FAMILIES:
         lines.append(f"note: {plan.shape.model_type} is outside the families the estimate models exactly")

@@ -80,6 +80,7 @@ class MemoryPlan:
     trainable: int
     use_peft: bool
     gradient_checkpointing: bool = False
+    rollout: bool = False  # a rollout process's (`rollout_processes`): nothing of the update
 
     def item(self, name: str) -> MemoryItem:
         """The item called ``name`` (KeyError when the plan has none: it would be 0 everywhere)."""
@@ -117,6 +118,7 @@ class MemoryPlan:
         """One line: the model, precision, training mode and the sizes the estimate assumed."""
         mode = f"LoRA ({self.trainable / 1e6:.1f} M adapter parameters)" if self.use_peft else "full fine-tune"
         procs = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
+        procs = f"a rollout process beside {self.world_size} training" if self.rollout else procs
         if self.shards > 1:
             procs += f", FSDP-sharded {self.shards} ways"
         return (
@@ -178,9 +180,11 @@ def estimate_memory(
     model_config: PretrainedConfig | ModelShape,
     device: torch.device | str = "cuda",
     world_size: int = 1,
+    rollout: bool = False,
 ) -> MemoryPlan:
     """Estimate the device memory one process of ``config``'s run takes on ``device`` (a CUDA device this machine
-    lacks is fine: the plan is arithmetic), with ``world_size`` processes in the job (FSDP shards over them).
+    lacks is fine: the plan is arithmetic), with ``world_size`` training processes in the job (FSDP shards over
+    them); with ``rollout``, a rollout process's (`rollout_processes`), which holds nothing of the update.
 
     ``model_config`` is the policy's transformers config (or its `ModelShape`). See the module docstring for the
     phases; the comment above each ``items.add`` gives the item's rule."""
@@ -198,6 +202,7 @@ def estimate_memory(
     masters = config.master_weights and grad_bytes == 2
     moment_bytes = 4 if masters else grad_bytes
     items = MemoryItems()
+    train = items if not rollout else MemoryItems()  # the update's items (a rollout process's are dropped)
 
     # Policy weights. Under FSDP2 each rank keeps its shard, and the rollout and the draft update compute with a
     # full copy kept for the whole run at fixed addresses (a captured graph reads them there), which each rollout
@@ -232,21 +237,21 @@ def estimate_memory(
         backward = trainable * 4 + _largest_trainable(shape, lora, config.lora_r) * grad_bytes
     else:
         backward = trainable * grad_bytes
-    items.add("policy gradients", 0, 0, backward, trainable * (4 if masters else grad_bytes) / shards)
+    train.add("policy gradients", 0, 0, backward, trainable * (4 if masters else grad_bytes) / shards)
     if world_size > 1 and shards == 1:
-        items.add("DDP gradient buckets", 0, 0, trainable * grad_bytes, trainable * grad_bytes)
-    items.resident(f"AdamW moments ({_dtype_name(moment_bytes, dtype)}, x2)", 2 * trainable * moment_bytes / shards)
+        train.add("DDP gradient buckets", 0, 0, trainable * grad_bytes, trainable * grad_bytes)
+    train.resident(f"AdamW moments ({_dtype_name(moment_bytes, dtype)}, x2)", 2 * trainable * moment_bytes / shards)
     if masters:
-        items.resident(
+        train.resident(
             "float32 master weights" + (" (FSDP2's shards)" if sharded_masters else ""), trainable * 4 / shards
         )
     # AdamW's step fused (on CUDA, `fused_adamw`) updates in place; the default loop (elsewhere) makes a buffer the
     # size of one parameter's moment (the square root of the second moment) at a time.
     if not fused_adamw(device):
         largest = _largest_trainable(shape, lora, config.lora_r)
-        items.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
+        train.add("AdamW step buffer", 0, 0, 0, largest * moment_bytes / shards)
     if config.beta > 0 and not lora:
-        items.resident(f"reference model ({dtype})", params * w)
+        train.resident(f"reference model ({dtype})", params * w)
     for scorer in (f for f in resolve_reward_funcs(config.reward_funcs) if isinstance(f, RewardModel)):
         count = scorer.parameter_count()  # a hub id not downloaded yet: unknown, left out
         if count is not None:
@@ -257,7 +262,7 @@ def estimate_memory(
         items.resident("CUDA graph pool", graph_pool_bytes(run))
     for plugin in plugins(config.speculation):
         items.items += plugin.memory(run)
-    _update_items(items, config, shape, w, lora, grad_bytes, run.cuda, autocast_bf16(config.bf16, device))
+    _update_items(train, config, shape, w, lora, grad_bytes, run.cuda, autocast_bf16(config.bf16, device))
 
     if device.type == "cuda":
         items.resident("CUDA context", CUDA_CONTEXT_BYTES)
@@ -279,6 +284,7 @@ def estimate_memory(
         trainable=trainable,
         use_peft=config.use_peft,
         gradient_checkpointing=config.gradient_checkpointing,
+        rollout=rollout,
     )
 
 
@@ -355,15 +361,9 @@ def _rollout_items(items: MemoryItems, run: PlannedRun, lora: LoraShape | None) 
 
 
 def _update_items(
-    items: MemoryItems,
-    config: GRPOConfig,
-    shape: ModelShape,
-    w: int,
-    lora: LoraShape | None,
-    grad_bytes: int,
-    cuda: bool,
-    bf16: bool,
-) -> None:
+    items: MemoryItems, config: GRPOConfig, shape: ModelShape, w: int, lora: LoraShape | None, grad_bytes: int,
+    cuda: bool, bf16: bool,
+) -> None:  # fmt: skip
     """The policy update's saved activations for one micro-batch (with ``gradient_checkpointing``: what the
     checkpointed forward keeps, and one layer's recomputed activations) and its backward temporaries."""
     rows, seq_len = config.per_device_train_batch_size, config.max_prompt_length + config.max_completion_length
