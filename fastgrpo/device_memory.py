@@ -40,7 +40,9 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def synchronized(device: torch.device) -> float:
-    """``time.perf_counter()`` once the work queued on ``device`` has finished (a GPU's; a CPU's is done already)."""
+    """``time.perf_counter()`` once the work queued on ``device``'s current stream has finished (a GPU's; a CPU's is
+    done already): not the other streams', such as NCCL's, where an asynchronous run's weights may still be leaving
+    for the rollout processes."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()

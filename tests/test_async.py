@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from fastgrpo import distributed
 from fastgrpo.config import load_config
+from fastgrpo.device_memory import synchronized
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
@@ -327,3 +328,13 @@ def test_asynchronous_options_are_checked(options: list[str], error: str) -> Non
 def test_rollout_processes_need_their_processes() -> None:
     with pytest.raises(ValueError, match="start 3 processes with torchrun"):
         distributed.init("cpu", 60, rollout_processes=2)
+
+
+def test_timings_wait_on_the_compute_stream_not_on_weights_leaving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The training process's timings wait on its current stream only, not on NCCL's sends of weights in flight."""
+    waited = []
+    stream = type("Stream", (), {"synchronize": lambda self: waited.append("stream")})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append("device"))
+    synchronized(torch.device("cuda", 0))
+    assert waited == ["stream"]
