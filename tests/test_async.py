@@ -338,3 +338,16 @@ def test_timings_wait_on_the_compute_stream_not_on_weights_leaving(monkeypatch: 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append("device"))
     synchronized(torch.device("cuda", 0))
     assert waited == ["stream"]
+
+
+def test_weights_that_cannot_leave_for_a_dead_rollout_process_stop_the_run_once_it_is_named(tmp_path: Path) -> None:
+    """A send to a rollout process that died never completes: the update's wait ends as soon as the process is named
+    (not at the process group's timeout), with the run's one-line error."""
+    feed = RolloutFeed.__new__(RolloutFeed)
+    feed.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
+    feed.figures, feed.error = {"async/weight_send_seconds": 0.0}, None
+    stuck = type("Work", (), {"is_completed": lambda self: False, "wait": lambda self: pytest.fail("waited")})()
+    feed.sending = [stuck]
+    pipeline.threading.Timer(0.05, lambda: setattr(feed, "error", "rollout process rank 1: sent nothing")).start()
+    with pytest.raises(pipeline.RolloutFailed, match="^rollout process rank 1: sent nothing; the run stops"):
+        feed.before_update()

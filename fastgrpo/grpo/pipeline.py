@@ -285,11 +285,16 @@ class RolloutFeed:
         return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
-        """Wait until the weights sent last have left (the update is about to change them)."""
+        """Wait until the weights sent last have left (the update is about to change them); a rollout process named
+        dead or failed meanwhile (its sends would wait for the process group's timeout) stops the run."""
         t0 = time.monotonic()
         sending, self.sending = self.sending, []
+        while not all(work.is_completed() for work in sending):
+            if self.error is not None:
+                raise self._failed(self.error)
+            time.sleep(0.001)
         for work in sending:
-            work.wait()
+            work.wait()  # raises a send's error
         self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def after_step(self, version: int) -> None:
