@@ -4,7 +4,7 @@ generations per prompt, up to 128 tokens at T=1) at 16 and 64 rows (2 and 8 prom
 static trees of the suffix drafter (the drafter that runs on the host), each rollout after ``--warmup`` rollouts that
 fill the suffix memory. Per step, in milliseconds: the schedule (the controller's choice), the suffix drafter's
 proposal (its search and tree, and the tree's copy to the device; the search and the trees, array operations over
-all rows that every step pays whatever its rows, also apart), and the postprocess (the step's read, the
+all rows, as many a step at any row count, also apart), and the postprocess (the step's read, the
 sequences' appends, the drafters' bookkeeping, finished rows dropped, the controller told). On a CPU the device work
 is synchronous, so these are the host's own costs; the whole step's time is shown beside them for scale only (it is
 a CPU's compute, not a GPU's).

@@ -16,6 +16,7 @@ import torch
 import yaml
 from conftest import fork_ranks, free_port, save_tiny_llama
 from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 from fastgrpo import distributed
 from fastgrpo.config import load_config
@@ -25,6 +26,7 @@ from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
 from fastgrpo.grpo.policy_update import PolicyUpdate
+from fastgrpo.grpo.run_dir import checkpoint_bytes
 from fastgrpo.grpo.trainer import GRPOTrainer
 from fastgrpo.speculative.plugin import LEARNERS
 
@@ -351,3 +353,13 @@ def test_weights_that_cannot_leave_for_a_dead_rollout_process_stop_the_run_once_
     pipeline.threading.Timer(0.05, lambda: setattr(feed, "error", "rollout process rank 1: sent nothing")).start()
     with pytest.raises(pipeline.RolloutFailed, match="^rollout process rank 1: sent nothing; the run stops"):
         feed.before_update()
+
+
+def test_a_checkpoint_is_sized_with_every_rollout_process_drafters() -> None:
+    shape = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=1000)  # fmt: skip
+    off, one, two = (
+        checkpoint_bytes(load_config(None, options), shape, torch.device("cpu"))
+        for options in (["--speculation.mode=off"], [], ["--rollout_processes=2"])
+    )
+    assert two - one == one - off > 0  # the drafters' files and learners twice

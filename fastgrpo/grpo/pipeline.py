@@ -280,8 +280,10 @@ class RolloutFeed:
 
     def state(self) -> dict[str, int]:
         """What a checkpoint holds of the feed: the generations dropped so far. A generation is dropped only while
-        a pass's generations are taken, so a run resumed at any step takes up its pass's generations after them
-        (`fastgrpo.config.step_counts.StepCounts.first_generation` of the step, plus the drops)."""
+        a pass's generations are taken, so a run resumed at any step goes on from
+        `fastgrpo.config.step_counts.StepCounts.first_generation` of the step plus the drops: the pass's generation
+        again when it is resumed in its middle (with several generations a step, ``generations_per_step``, and one
+        dropped within the pass: the pass's generations from its second on, and the one after them)."""
         return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
@@ -323,12 +325,16 @@ class RolloutFeed:
     def close(self) -> None:
         """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
         self._tell(STOP)
-        if self.error is None:
-            self.before_update()
-            self.thread.join(self.cfg.heartbeat_stale_after_s)
-            if self.thread.is_alive():
-                logger.warning("a rollout process has not stopped after %g s", self.cfg.heartbeat_stale_after_s)
-        self.closing = True
+        try:
+            if self.error is None:
+                self.before_update()
+                self.thread.join(self.cfg.heartbeat_stale_after_s)
+                if self.thread.is_alive():
+                    logger.warning("a rollout process has not stopped after %g s", self.cfg.heartbeat_stale_after_s)
+        except RolloutFailed as e:  # named while the last weights were leaving: the run ends all the same
+            logger.warning("%s", e)
+        finally:
+            self.closing = True
 
     def _failed(self, error: str) -> RolloutFailed:
         latest = latest_checkpoint(Path(self.cfg.output_dir))

@@ -289,7 +289,7 @@ class GRPOTrainer(TrlTrainerMethods):
                 self.write_policy(path, weights)
                 if self.feed is None or self.feed.closing:
                     self.rollouts.save(path, learners=not self.config.save_only_model)
-                else:  # the drafters that learn are a rollout process's
+                else:  # the drafters that learn are the rollout processes'
                     self.feed.save_drafts(path, learners=not self.config.save_only_model)
 
             state: dict[str, Any] = {"config": config_to_dict(self.config), "num_tokens": self.num_tokens}

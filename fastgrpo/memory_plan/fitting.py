@@ -123,7 +123,8 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     def single(candidate: GRPOConfig) -> Callable[[], tuple[GRPOConfig, MemoryPlan]]:
         return lambda: _largest(iter([candidate]), plan, free_bytes)
 
-    if not config.use_peft:
+    trains_apart = config.rollout_processes > 0  # then neither LoRA nor FSDP2 is taken
+    if not config.use_peft and not trains_apart:
         attempt(single(dataclasses.replace(config, use_peft=True, fsdp=False)))
         if config.beta > 0:
             attempt(single(dataclasses.replace(config, beta=0.0)))
@@ -133,7 +134,7 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     attempt(lambda: _largest(_fewer_completions(config), plan, free_bytes))
     if config.max_completion_length > 1:
         attempt(lambda: _shorter_completions(config, plan, free_bytes))
-    if not config.use_peft:
+    if not config.use_peft and not trains_apart:
         sharded = dataclasses.replace(config, fsdp=True)
         for n in range(max(2, plan.world_size), 257):
             fitted = _fits(sharded, plan, free_bytes, world_size=n)

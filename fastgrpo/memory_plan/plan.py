@@ -118,7 +118,7 @@ class MemoryPlan:
         """One line: the model, precision, training mode and the sizes the estimate assumed."""
         mode = f"LoRA ({self.trainable / 1e6:.1f} M adapter parameters)" if self.use_peft else "full fine-tune"
         procs = f"{self.world_size} process{'es' if self.world_size > 1 else ''}"
-        procs = f"a rollout process beside {self.world_size} training" if self.rollout else procs
+        procs = f"a rollout process beside {procs} training" if self.rollout else procs
         if self.shards > 1:
             procs += f", FSDP-sharded {self.shards} ways"
         return (
