@@ -348,7 +348,7 @@ def test_weights_that_cannot_leave_for_a_dead_rollout_process_stop_the_run_once_
     feed = RolloutFeed.__new__(RolloutFeed)
     feed.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
     feed.figures, feed.error = {"async/weight_send_seconds": 0.0}, None
-    stuck = type("Work", (), {"is_completed": lambda self: False, "wait": lambda self: pytest.fail("waited")})()
+    stuck = type("Work", (), {"wait": lambda self: pipeline.threading.Event().wait(10)})()  # (never completes)
     feed.sending = [stuck]
     pipeline.threading.Timer(0.05, lambda: setattr(feed, "error", "rollout process rank 1: sent nothing")).start()
     with pytest.raises(pipeline.RolloutFailed, match="^rollout process rank 1: sent nothing; the run stops"):

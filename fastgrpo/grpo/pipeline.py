@@ -291,12 +291,23 @@ class RolloutFeed:
         dead or failed meanwhile (its sends would wait for the process group's timeout) stops the run."""
         t0 = time.monotonic()
         sending, self.sending = self.sending, []
-        while not all(work.is_completed() for work in sending):
+        done, failed = threading.Event(), []
+
+        def wait() -> None:  # (a gloo send tells that it completed only to its `wait`)
+            try:
+                for work in sending:
+                    work.wait()
+            except Exception as e:
+                failed.append(e)
+            finally:
+                done.set()
+
+        threading.Thread(target=wait, name="fastgrpo-weight-sends", daemon=True).start()
+        while not done.wait(0.05):
             if self.error is not None:
                 raise self._failed(self.error)
-            time.sleep(0.001)
-        for work in sending:
-            work.wait()  # raises a send's error
+        if failed:
+            raise failed[0]
         self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def after_step(self, version: int) -> None:
