@@ -570,7 +570,8 @@ def test_on_a_gpu_the_step_frees_the_rollout_before_the_update_and_reports_each_
         monkeypatch.setattr(module, "reset_peak_memory", lambda device: events.append("reset"))
         monkeypatch.setattr(module, "peak_memory_mb", lambda device: events.append("peak") or next(peaks))
         monkeypatch.setattr(module, "peak_reserved_mb", lambda device: next(reserved))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("sync"))
+    stream = type("Stream", (), {"synchronize": lambda self: events.append("sync")})()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     release, optimize = trainer.rollouts.release, trainer.update.optimize
     monkeypatch.setattr(trainer.rollouts, "release", lambda: events.append("release") or release())
     monkeypatch.setattr(trainer.update, "optimize", lambda *args: events.append("update") or optimize(*args))
