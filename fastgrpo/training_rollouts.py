@@ -37,6 +37,13 @@ DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integr
 SCHEDULE = "schedule.json"
 
 
+def drafts_folder(rank: int) -> str:
+    """The folder of a checkpoint that the drafters of the job's rank ``rank`` are saved in: ``draft`` for the first
+    rollout process (and any run's only one), which a run without rollout processes reads; ``draft-rank{rank}`` for
+    the others."""
+    return DRAFT_DIR if rank <= 1 else f"{DRAFT_DIR}-rank{rank}"
+
+
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
     """``[rows, width]`` float64 uniforms that pick the sampled tokens of one process's ``rows`` completions at a
     training step: drawn for the whole job's rows from a generator seeded by (seed, step), each process taking its

@@ -37,7 +37,7 @@ from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced, produce
 from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.rollout.sequence import Generation as Call
-from fastgrpo.training_rollouts import DRAFT_DIR
+from fastgrpo.training_rollouts import drafts_folder
 
 logger = logging.getLogger(__name__)
 
@@ -49,13 +49,6 @@ TRAINER = 0
 
 class Stopped(Exception):
     """The training process ended the run."""
-
-
-def drafts_folder(rank: int) -> str:
-    """The folder of a checkpoint that the drafters of the job's rank ``rank`` are saved in: ``draft`` for the first
-    rollout process (and any run's only one), which a run without rollout processes reads; ``draft-rank{rank}`` for
-    the others."""
-    return DRAFT_DIR if rank <= 1 else f"{DRAFT_DIR}-rank{rank}"
 
 
 def _payload(obj: Any) -> torch.Tensor:

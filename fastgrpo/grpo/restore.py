@@ -11,8 +11,7 @@ import torch
 
 from fastgrpo import distributed
 from fastgrpo.grpo.checkpoint import set_rng_state
-from fastgrpo.grpo.pipeline import drafts_folder
-from fastgrpo.training_rollouts import DRAFT_DIR
+from fastgrpo.training_rollouts import DRAFT_DIR, drafts_folder
 
 logger = logging.getLogger(__name__)
 
