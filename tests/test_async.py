@@ -308,23 +308,28 @@ def test_a_resumed_run_trains_no_generation_twice_and_each_rollout_process_keeps
         assert json.loads(errors.with_suffix(f".memory{rank}").read_text()) == prompts
 
 
-def _mailboxes(rank: int, port: int) -> None:
+def _mailboxes(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
         first = Mailbox("down/1", Mailbox.session())
-        first.post(pipeline.STOP)
-        assert first.poll() == [(pipeline.STOP, 0, 0, 0, "")]
+        if rank == 0:
+            first.post(pipeline.STOP)
+            assert first.poll() == [(pipeline.STOP, 0, 0, 0, "")]
+        torch.distributed.barrier()
         second = Mailbox("down/1", Mailbox.session())  # a later `train` call's
         assert second.poll() == []
-        second.post(pipeline.PROGRESS, 1, 2, 3)
-        assert second.poll() == [(pipeline.PROGRESS, 1, 2, 3, "")]
+        if rank == 1:
+            second.post(pipeline.PROGRESS, 1, 2, 3)
+            assert second.poll() == [(pipeline.PROGRESS, 1, 2, 3, "")]
+        Path(f"{out}.{rank}").write_text(str(Mailbox.session()))
     finally:
         torch.distributed.destroy_process_group()
 
 
-def test_the_mailboxes_of_a_later_train_call_start_empty() -> None:
-    fork_ranks(_mailboxes, (free_port(),), nprocs=1)
+def test_the_mailboxes_of_a_later_train_call_start_empty_and_every_process_reads_the_same(tmp_path: Path) -> None:
+    fork_ranks(_mailboxes, (free_port(), str(tmp_path / "session")), nprocs=2)
+    assert (tmp_path / "session.0").read_text() == (tmp_path / "session.1").read_text() == "3"
 
 
 def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:

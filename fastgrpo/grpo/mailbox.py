@@ -3,6 +3,9 @@ the store the job rendezvoused with."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.distributed as dist
 
 
@@ -16,10 +19,13 @@ class Mailbox:
         self.sent = self.read = 0
 
     @staticmethod
-    def session() -> int:
-        """This process's count of pipelines begun in the job, this one's included: every process of the job begins
-        one per `train` call, so that the mailboxes of a later call start empty."""
-        return _job_store().add(f"fastgrpo/pipeline/sessions/{dist.get_rank()}", 1)
+    def session(group: Any = None) -> int:
+        """The number of the pipeline every process of the job begins in a `train` call, counted by rank 0 and
+        broadcast over ``group`` (every process of the job; a collective), so that the mailboxes of a later call start
+        empty and every process reads the same ones, even after a call that one of them left early."""
+        number = torch.tensor([_job_store().add("fastgrpo/pipeline/sessions", 1) if dist.get_rank() == 0 else 0])
+        dist.broadcast(number, 0, group=group)
+        return int(number)
 
     def post(self, kind: int, a: int = 0, b: int = 0, c: int = 0, text: str = "") -> None:
         self.store.set(str(self.sent), f"{kind},{a},{b},{c},{text}")

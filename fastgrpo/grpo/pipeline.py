@@ -93,7 +93,7 @@ class RolloutProcess:
         self.trainer, self.group = trainer, distributed.message_group()
         rank = dist.get_rank()
         self.index, self.count = rank - 1, cfg.rollout_processes
-        session = Mailbox.session()
+        session = Mailbox.session(self.group)
         self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
         # the next generation the training process takes, and those it dropped
@@ -220,7 +220,7 @@ class RolloutFeed:
             )
         self.group, self.model = distributed.message_group(), trainer.model
         self.ranks = list(range(1, cfg.rollout_processes + 1))
-        session = Mailbox.session()
+        session = Mailbox.session(self.group)
         self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
         self.version = trainer.start_step
