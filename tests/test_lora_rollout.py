@@ -94,3 +94,67 @@ def test_disabled_adapters_or_none_stay_unmerged() -> None:
         assert not merged
     with merged_lora(make_tiny_model("llama")) as merged:  # no adapters at all
         assert not merged
+
+
+def adapters_of(model: PeftModel) -> list[torch.Tensor]:
+    return [p for name, p in model.named_parameters() if "lora_" in name]
+
+
+def decode_switching_adapters(
+    model: PeftModel, merge: bool, new: list[torch.Tensor]
+) -> tuple[list, list, dict[str, torch.Tensor]]:
+    """A call of 3 sampled steps, then the adapters replaced by ``new`` (as a rollout process takes weights between
+    decoding steps: with merging, inside `MergedAdapters.unmerged`), then the rest; its completions, log-probs and
+    the base weights the rest computed with."""
+    engine = RolloutEngine(model, [VOCAB - 1], merge_lora=merge)
+    with engine.decoding(PROMPTS, SAMPLED, 2, torch.Generator().manual_seed(5)) as run:
+        for _ in range(3):
+            run.step()
+        assert bool(engine.merged) == merge
+        with engine.merged.unmerged(), torch.no_grad():
+            for p, value in zip(adapters_of(model), new, strict=True):
+                p.copy_(value)
+        during = base_weights(model)
+        run.finish()
+    out = run.output()
+    assert not engine.merged, "inert once the call ended"
+    return out.completion_ids, out.logprobs, during
+
+
+def test_adapters_taken_between_decoding_steps_are_merged_in_their_place() -> None:
+    """New adapter weights taken while a call decodes with its adapters merged: the rest of the call computes with
+    them, as the unmerged layers do (which read the adapters at every product), and the base weights are left as
+    they were."""
+    new = [p.detach().clone() for p in adapters_of(lora_model(seed=7))]
+    outs, before = [], None
+    for merge in (True, False):
+        model = lora_model()
+        before = before or base_weights(model)
+        outs.append(decode_switching_adapters(model, merge, new))
+        assert all(torch.equal(p, value) for p, value in zip(adapters_of(model), new, strict=True))
+        for name, weight in base_weights(model).items():
+            torch.testing.assert_close(weight, before[name], rtol=0, atol=1e-14, msg=name)
+    (merged_ids, merged_logps, _), (live_ids, live_logps, _) = outs
+    assert merged_ids == live_ids
+    for a, b in zip(merged_logps, live_logps, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-10)
+    kept = [p.detach().clone() for p in adapters_of(lora_model())]
+    assert decode_switching_adapters(lora_model(), True, kept)[0] != merged_ids, "the new adapters changed the rest"
+
+
+def test_bfloat16_adapters_taken_between_decoding_steps_merge_into_the_base_as_it_was() -> None:
+    """In bfloat16 the adapters are taken out of the base weights by restoring their copies, not by subtraction: the
+    weights the rest of the call computes with are bit for bit those of a merge of the new adapters alone, and the
+    base is restored bit for bit afterwards."""
+    low, fresh = lora_model().to(torch.bfloat16), lora_model().to(torch.bfloat16)
+    before = base_weights(low)
+    new = [p.detach().clone() for p in adapters_of(lora_model(seed=7).to(torch.bfloat16))]
+    _, _, during = decode_switching_adapters(low, True, new)
+    with torch.no_grad():
+        for p, value in zip(adapters_of(fresh), new, strict=True):
+            p.copy_(value)
+    with merged_lora(fresh):
+        expected = base_weights(fresh)
+    assert all(torch.equal(during[k], v) for k, v in expected.items())
+    assert any(not torch.equal(during[k], before[k]) for k in before), "the merge changed the base"
+    assert all(torch.equal(base_weights(low)[k], v) for k, v in before.items())

@@ -11,12 +11,13 @@ more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completio
 sample that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the
 update corrects for the older weights with the sampler's log-probabilities.
 
-Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting;
-apart for each `train` call), payloads point to point over a gloo group of every process
-(`distributed.message_group`), the weights over the job's own group, on the device. A thread of each rollout process
-beats every quarter of ``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it,
-so that the training process names a rollout process that stays silent longer (it died, or a step hangs), and one
-that failed, with its error. A checkpoint holds the generations dropped so far; a resumed run goes on after them.
+Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting; apart
+for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
+weights over the job's own group, on the device (`synced_parameters`: with LoRA the adapters alone, taken apart from
+the base weights a call merged them into and merged again). A thread of each rollout process beats every quarter of
+``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it, so that the training
+process names a rollout process that stays silent longer (it died, or a step hangs), and one that failed, with its
+error. A checkpoint holds the generations dropped so far; a resumed run goes on after them.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ def _payload(obj: Any) -> torch.Tensor:
 
 def _received(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
+
+
+def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the training process sends of ``model`` and a rollout process receives into its own: the parameters the
+    update trains (every one, or the LoRA adapters, the frozen base weights being the same everywhere)."""
+    return [p.data for p in model.parameters() if p.requires_grad]
 
 
 def version_runs(start: int, marks: list[tuple[int, list[int]]], lengths: list[int]) -> list[list[tuple[int, int]]]:
@@ -100,7 +107,7 @@ class RolloutProcess:
         self.dropped = trainer.generations_dropped
         self.next = cfg.first_generation(trainer.start_step) + self.dropped
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
-        self.params = [p.data for p in trainer.model.parameters()]
+        self.params = synced_parameters(trainer.model)
         self.step_began: float | None = None  # when the decoding step under way began
         self.marks: list[tuple[int, list[int]]] = []
         self.call: Call | None = None
@@ -176,8 +183,9 @@ class RolloutProcess:
                 self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:
                 t0 = time.monotonic()
-                for param in self.params:
-                    dist.recv(param, TRAINER, tag=WEIGHT_TAG)
+                with self.trainer.rollouts.engine.merged.unmerged():  # LoRA adapters merged into a call's weights
+                    for param in self.params:
+                        dist.recv(param, TRAINER, tag=WEIGHT_TAG)
                 self.received += time.monotonic() - t0
                 self.version = version
                 if self.call is not None:
@@ -310,7 +318,7 @@ class RolloutFeed:
             t0 = time.monotonic()
             self._tell(WEIGHTS)
             for rank in self.ranks:
-                self.sending += [dist.isend(p.data, rank, tag=WEIGHT_TAG) for p in self.model.parameters()]
+                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in synced_parameters(self.model)]
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def save_drafts(self, checkpoint: Path, learners: bool) -> None:

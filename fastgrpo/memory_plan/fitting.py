@@ -123,8 +123,8 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     def single(candidate: GRPOConfig) -> Callable[[], tuple[GRPOConfig, MemoryPlan]]:
         return lambda: _largest(iter([candidate]), plan, free_bytes)
 
-    trains_apart = config.rollout_processes > 0  # then neither LoRA nor FSDP2 is taken
-    if not config.use_peft and not trains_apart:
+    trains_apart = config.rollout_processes > 0  # then FSDP2 is not taken
+    if not config.use_peft:
         attempt(single(dataclasses.replace(config, use_peft=True, fsdp=False)))
         if config.beta > 0:
             attempt(single(dataclasses.replace(config, beta=0.0)))

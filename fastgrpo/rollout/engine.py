@@ -30,7 +30,7 @@ from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Proposal
 from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
-from fastgrpo.rollout.lora import merged_lora
+from fastgrpo.rollout.lora import MergedAdapters, merged_lora
 from fastgrpo.rollout.prefill import prefill
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
@@ -55,7 +55,7 @@ class RolloutEngine:
         tree: a static tree shape for every speculative step; ``nodes == 1`` is a plain autoregressive step.
         controller: instead of ``tree``, chooses each step's shape (and drafter) from the number of active rows.
         merge_lora: run a peft LoRA policy with its adapters merged into the base weights during each call (see
-            `fastgrpo.rollout.lora`).
+            `fastgrpo.rollout.lora`; ``merged.unmerged()`` takes them apart while new adapter weights come).
         backend: the ``torch.compile`` backend the target's step runs with (``"inductor"``), None: eager (see
             `fastgrpo.rollout.target_step`).
 
@@ -79,6 +79,7 @@ class RolloutEngine:
         self.eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device="cpu")
         self.tokenizer = tokenizer
         self.merge_lora = merge_lora
+        self.merged = MergedAdapters()  # the LoRA layers merged while a call runs (`decoding`)
         self.target = TargetStep(backend)
         self.routes = LinearRoutes()  # the CPU routes of the model's and the drafters' products (measured on use)
         self.threads: ThreadGovernor | None = None  # consulted at every step when set (see `schedule`)
@@ -183,7 +184,7 @@ class RolloutEngine:
         try:
             with (
                 torch.inference_mode(),
-                merged_lora(self.model) if self.merge_lora else nullcontext(),
+                merged_lora(self.model) if self.merge_lora else nullcontext(MergedAdapters()) as self.merged,
                 rollout_attention(self.model, *extra),
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):

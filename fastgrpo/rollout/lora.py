@@ -32,20 +32,63 @@ def _plain(layer: nn.Module) -> bool:
     return type(weight) is nn.Parameter and weight.dtype.is_floating_point and not dora
 
 
+class MergedAdapters:
+    """The LoRA layers a `merged_lora` block merged into their base weights (none: falsy, and `unmerged` does
+    nothing), with ``saved`` copies of the 16-bit base weights (None per layer where subtraction unmerges it)."""
+
+    def __init__(self, layers: list[nn.Module] | None = None, saved: list[list[torch.Tensor] | None] | None = None):
+        self.layers, self.saved = layers or [], saved or []
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    @contextmanager
+    def unmerged(self) -> Iterator[None]:
+        """Inside the block the base weights are as before the merge (exactly, where copies are kept), so that the
+        adapters may change (new weights taken between decoding steps); afterwards the adapters, as they are then, are
+        merged again."""
+        if not self.layers:
+            yield
+            return
+        self.unmerge()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for layer in self.layers:
+                    layer.merge()
+
+    def unmerge(self) -> None:
+        """Take the adapters out of the base weights: float32 and float64 ones by subtraction, others from the
+        copies."""
+        with torch.no_grad():
+            for layer, copies in zip(self.layers, self.saved, strict=True):
+                if not layer.merged:
+                    continue
+                if copies is None:
+                    layer.unmerge()
+                else:
+                    base = layer.get_base_layer()
+                    params = [p for p in (base.weight, getattr(base, "bias", None)) if p is not None]
+                    for p, copy in zip(params, copies, strict=True):
+                        p.copy_(copy)
+                    layer.merged_adapters.clear()
+
+
 @contextmanager
-def merged_lora(model: nn.Module) -> Iterator[bool]:
-    """Inside the block, the active LoRA adapters of ``model`` are merged into its base weights; yields whether they
-    were. Nothing is merged when the model has no LoRA layer, or when a layer is merged already, its adapters are
-    disabled, its base weight is quantized or it is a DoRA layer. Afterwards float32 and float64 base weights are
-    unmerged by subtraction, others restored exactly."""
+def merged_lora(model: nn.Module) -> Iterator[MergedAdapters]:
+    """Inside the block, the active LoRA adapters of ``model`` are merged into its base weights; yields the layers
+    merged (`MergedAdapters`, falsy when none were). Nothing is merged when the model has no LoRA layer, or when a
+    layer is merged already, its adapters are disabled, its base weight is quantized or it is a DoRA layer.
+    Afterwards float32 and float64 base weights are unmerged by subtraction, others restored exactly."""
     if "peft" not in sys.modules:  # a model built with peft imported it
-        yield False
+        yield MergedAdapters()
         return
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
     if not layers or any(layer.merged or layer.disable_adapters or not _plain(layer) for layer in layers):
-        yield False
+        yield MergedAdapters()
         return
     with torch.no_grad():
         # what a merge writes: the base weight, and its bias where the adapter has one (peft's lora_bias)
@@ -54,16 +97,9 @@ def merged_lora(model: nn.Module) -> Iterator[bool]:
         saved = [None if ps[0].dtype in SUBTRACTED_DTYPES else [p.detach().clone() for p in ps] for ps in merged]
         for layer in layers:
             layer.merge()
+    adapters = MergedAdapters(layers, saved)
     try:
-        yield True
+        yield adapters
     finally:
-        with torch.no_grad():
-            for layer, params, copies in zip(layers, merged, saved, strict=True):
-                if not layer.merged:
-                    continue
-                if copies is None:
-                    layer.unmerge()
-                else:
-                    for p, copy in zip(params, copies, strict=True):
-                        p.copy_(copy)
-                    layer.merged_adapters.clear()
+        adapters.unmerge()
+        adapters.layers, adapters.saved = [], []  # inert once the block ends
