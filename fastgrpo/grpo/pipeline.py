@@ -281,10 +281,10 @@ class RolloutFeed:
 
     def state(self) -> dict[str, int]:
         """What a checkpoint holds of the feed: the generations dropped so far. A generation is dropped only while
-        a pass's generations are taken, so a run resumed at any step goes on from
+        a pass's generations are taken, before the one a pass of several steps trains (a pass of several generations,
+        ``generations_per_step`` above 1, is one step long), so a run resumed at any step goes on from
         `fastgrpo.config.step_counts.StepCounts.first_generation` of the step plus the drops: the pass's generation
-        again when it is resumed in its middle (with several generations a step, ``generations_per_step``, and one
-        dropped within the pass: the pass's generations from its second on, and the one after them)."""
+        again when it is resumed in its middle."""
         return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
