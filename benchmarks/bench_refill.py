@@ -2,7 +2,8 @@
 (`configs/default.yaml`: SmolLM2-135M-Instruct, up to 128 tokens at T=1), generations of ``--prompts`` prompts x 8
 completions, at most ``--at-once`` completions decoding at once, three ways in each round, side by side on the same
 engine and the same uniforms (so the same completions, but where a batch of another size rounds otherwise), each way
-drafting from the suffix memory the round began with (not from the completions of the ways before it):
+drafting from the suffix memory the round began with (not from the completions of the ways before it; the
+drafters' measured prices and the controller's corrections do carry over from way to way):
 
 - ``all at once``: one call decoding every completion together (the most memory);
 - ``waves``: the prompts in calls of ``--at-once`` completions, one after the other (each waits for its longest);
@@ -53,7 +54,7 @@ def main() -> None:
             run.rollout(1000 + step, run.prompts.rows(1000 + step))
             run.rollouts.learn()
         seconds, tokens, concurrency, steps, trees, drafting = ({w: [] for w in WAYS} for _ in range(6))
-        suffix = run.rollouts.drafter("suffix")
+        suffix, memory = run.rollouts.drafter("suffix"), None
         for step in range(args.rounds):
             prompt_ids = run.prompts.encode(run.prompts.rows(step))
             if suffix is not None:

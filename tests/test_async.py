@@ -24,12 +24,14 @@ from fastgrpo.device_memory import synchronized
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
-from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
+from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, synced_parameters, token_lags, version_runs
 from fastgrpo.grpo.run_dir import checkpoint_bytes
 from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.rollout.sequence import Generation as Call
 from fastgrpo.speculative.plugin import LEARNERS
 
 STEPS = 3
+MERGED: list[bool] = []  # in a rollout process held for weights: whether its call ran with LoRA adapters merged
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
             self.generation = generation
             return produce(self, generation)
 
-        def between_steps(self: RolloutProcess, call) -> None:
+        def between_steps(self: RolloutProcess, call: Call | None) -> None:
             if self.generation == 1 and call is not None:
                 if self.call is None:  # its first decoding step keeps the weights generation 1 began with
                     self.call, self.deadline = call, time.monotonic() + 60
@@ -97,13 +99,19 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
                 while not self.marks and time.monotonic() < self.deadline:  # its second waits for the next ones
                     if not self._poll():
                         time.sleep(0.005)
+                assert self.marks, "the update's first weights did not come within 60 s"
+                MERGED.append(bool(self.trainer.rollouts.engine.merged))
             between(self, call)
 
         RolloutProcess._produce, RolloutProcess._between_steps = produce_noting, between_steps
     try:
         trainer = GRPOTrainer(load_config(config))
         trainer.train()
-        if trainer.dist.rollout and trainer.config.use_peft:  # adapters merged, taken apart for every weights taken
+        if trainer.config.use_peft:  # the adapters alone travel
+            sent = {p.data_ptr() for p in synced_parameters(trainer.model)}
+            assert sent == {p.data_ptr() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        if trainer.dist.rollout and trainer.config.use_peft and slow == "decoding":  # merged while weights came
+            assert MERGED and all(MERGED), MERGED  # and taken apart for them: the base ends as it began
             model = trainer.model.get_base_model().state_dict()
             base = {k.replace(".base_layer", ""): v for k, v in model.items() if "lora_" not in k}
             initial = load_file(str(Path(trainer.config.model) / "model.safetensors"))
@@ -151,7 +159,8 @@ def test_lora_adapters_alone_travel_and_max_staleness_0_trains_what_one_process_
     """A LoRA run: the training process sends its adapters alone (the base weights are the same everywhere), and
     with no sample stale the rollout process samples what one synchronous process samples."""
     lora = {"use_peft": True, "lora_r": 4}
-    (tmp_path / "async").mkdir(), (tmp_path / "sync").mkdir()
+    (tmp_path / "async").mkdir()
+    (tmp_path / "sync").mkdir()
     logged = run(model_dir, tmp_path / "async", 2, max_staleness=0, **lora)
     expected = run(model_dir, tmp_path / "sync", 1, **lora)
     assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
@@ -342,24 +351,28 @@ def _mailboxes(rank: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
-        first = Mailbox("down/1", Mailbox.session())
+        group = torch.distributed.group.WORLD
+        first = Mailbox("down/1", Mailbox.session(group))
         if rank == 0:
             first.post(pipeline.STOP)
             assert first.poll() == [(pipeline.STOP, 0, 0, 0, "")]
+            # a pipeline rank 0 began alone, as in a `train` call the other process left before its own
+            torch.distributed.distributed_c10d._get_default_store().add("fastgrpo/pipeline/sessions", 1)
         torch.distributed.barrier()
-        second = Mailbox("down/1", Mailbox.session())  # a later `train` call's
+        second = Mailbox("down/1", Mailbox.session(group))  # a later `train` call's
         assert second.poll() == []
+        torch.distributed.barrier()
         if rank == 1:
             second.post(pipeline.PROGRESS, 1, 2, 3)
             assert second.poll() == [(pipeline.PROGRESS, 1, 2, 3, "")]
-        Path(f"{out}.{rank}").write_text(str(Mailbox.session()))
+        Path(f"{out}.{rank}").write_text(str(Mailbox.session(group)))
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_the_mailboxes_of_a_later_train_call_start_empty_and_every_process_reads_the_same(tmp_path: Path) -> None:
     fork_ranks(_mailboxes, (free_port(), str(tmp_path / "session")), nprocs=2)
-    assert (tmp_path / "session.0").read_text() == (tmp_path / "session.1").read_text() == "3"
+    assert (tmp_path / "session.0").read_text() == (tmp_path / "session.1").read_text() == "4"
 
 
 def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:

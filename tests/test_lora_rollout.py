@@ -102,7 +102,7 @@ def adapters_of(model: PeftModel) -> list[torch.Tensor]:
 
 def decode_switching_adapters(
     model: PeftModel, merge: bool, new: list[torch.Tensor]
-) -> tuple[list, list, dict[str, torch.Tensor]]:
+) -> tuple[list[list[int]], list[list[float]], dict[str, torch.Tensor]]:
     """A call of 3 sampled steps, then the adapters replaced by ``new`` (as a rollout process takes weights between
     decoding steps: with merging, inside `MergedAdapters.unmerged`), then the rest; its completions, log-probs and
     the base weights the rest computed with."""
@@ -129,7 +129,8 @@ def test_adapters_taken_between_decoding_steps_are_merged_in_their_place() -> No
     outs, before = [], None
     for merge in (True, False):
         model = lora_model()
-        before = before or base_weights(model)
+        if before is None:
+            before = base_weights(model)
         outs.append(decode_switching_adapters(model, merge, new))
         assert all(torch.equal(p, value) for p, value in zip(adapters_of(model), new, strict=True))
         for name, weight in base_weights(model).items():

@@ -3,8 +3,6 @@ the store the job rendezvoused with."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
@@ -19,11 +17,12 @@ class Mailbox:
         self.sent = self.read = 0
 
     @staticmethod
-    def session(group: Any = None) -> int:
+    def session(group: dist.ProcessGroup) -> int:
         """The number of the pipeline every process of the job begins in a `train` call, counted by rank 0 and
         broadcast over ``group`` (every process of the job; a collective), so that the mailboxes of a later call start
         empty and every process reads the same ones, even after a call that one of them left early."""
-        number = torch.tensor([_job_store().add("fastgrpo/pipeline/sessions", 1) if dist.get_rank() == 0 else 0])
+        counted = _job_store().add("fastgrpo/pipeline/sessions", 1) if dist.get_rank() == 0 else 0
+        number = torch.tensor([counted], device="cpu")  # the message group is gloo's
         dist.broadcast(number, 0, group=group)
         return int(number)
 

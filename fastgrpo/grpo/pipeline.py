@@ -183,7 +183,7 @@ class RolloutProcess:
                 self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:
                 t0 = time.monotonic()
-                with self.trainer.rollouts.engine.merged.unmerged():  # LoRA adapters merged into a call's weights
+                with self.trainer.rollouts.engine.merged.unmerged():  # (LoRA adapters merged into a call's: timed too)
                     for param in self.params:
                         dist.recv(param, TRAINER, tag=WEIGHT_TAG)
                 self.received += time.monotonic() - t0
@@ -281,8 +281,8 @@ class RolloutFeed:
 
     def state(self) -> dict[str, int]:
         """What a checkpoint holds of the feed: the generations dropped so far. A generation is dropped only while
-        a pass's generations are taken, before the one a pass of several steps trains (a pass of several generations,
-        ``generations_per_step`` above 1, is one step long), so a run resumed at any step goes on from
+        a pass's generations are taken, and several are taken only for a pass one step long (``generations_per_step``
+        above 1), so a run resumed at any step goes on from
         `fastgrpo.config.step_counts.StepCounts.first_generation` of the step plus the drops: the pass's generation
         again when it is resumed in its middle."""
         return {"generations_dropped": self.dropped}

@@ -181,13 +181,15 @@ class RolloutEngine:
         modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
         for module, _ in modes:
             module.eval()
+        outer = self.merged  # (a call inside another's block merges nothing more)
         try:
             with (
                 torch.inference_mode(),
-                merged_lora(self.model) if self.merge_lora else nullcontext(MergedAdapters()) as self.merged,
+                merged_lora(self.model) if self.merge_lora else nullcontext(MergedAdapters()) as merged,
                 rollout_attention(self.model, *extra),
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
+                self.merged = merged if merged else outer
                 total = len(prompt_ids) * num_generations
                 noise = params.noise(total, generator, uniforms, self.device)
                 parking = None if turns is None else Parking(turns)
@@ -207,6 +209,7 @@ class RolloutEngine:
                 if run.done:
                     run.output()  # made inside the block, as the steps' tensors were
         finally:
+            self.merged = outer
             for module, training in modes:
                 module.train(training)
 

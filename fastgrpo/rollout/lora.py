@@ -34,7 +34,8 @@ def _plain(layer: nn.Module) -> bool:
 
 class MergedAdapters:
     """The LoRA layers a `merged_lora` block merged into their base weights (none: falsy, and `unmerged` does
-    nothing), with ``saved`` copies of the 16-bit base weights (None per layer where subtraction unmerges it)."""
+    nothing), with ``saved``, per layer, copies of what its merge writes (its base weight, then its bias if any) in
+    16-bit dtypes, None where subtraction unmerges it."""
 
     def __init__(self, layers: list[nn.Module] | None = None, saved: list[list[torch.Tensor] | None] | None = None):
         self.layers, self.saved = layers or [], saved or []
@@ -55,7 +56,10 @@ class MergedAdapters:
             yield
         finally:
             with torch.no_grad():
-                for layer in self.layers:
+                for layer, copies in zip(self.layers, self.saved, strict=True):
+                    if copies is not None:  # a base parameter taken meanwhile is what the call's end restores
+                        for p, copy in zip(_merged_params(layer), copies, strict=True):
+                            copy.copy_(p)
                     layer.merge()
 
     def unmerge(self) -> None:
@@ -68,11 +72,15 @@ class MergedAdapters:
                 if copies is None:
                     layer.unmerge()
                 else:
-                    base = layer.get_base_layer()
-                    params = [p for p in (base.weight, getattr(base, "bias", None)) if p is not None]
-                    for p, copy in zip(params, copies, strict=True):
+                    for p, copy in zip(_merged_params(layer), copies, strict=True):
                         p.copy_(copy)
                     layer.merged_adapters.clear()
+
+
+def _merged_params(layer: nn.Module) -> list[torch.Tensor]:
+    """What a LoRA layer's merge writes: its base weight, and its bias where it has one (peft's lora_bias)."""
+    base = layer.get_base_layer()
+    return [p for p in (base.weight, getattr(base, "bias", None)) if p is not None]
 
 
 @contextmanager
@@ -91,9 +99,7 @@ def merged_lora(model: nn.Module) -> Iterator[MergedAdapters]:
         yield MergedAdapters()
         return
     with torch.no_grad():
-        # what a merge writes: the base weight, and its bias where the adapter has one (peft's lora_bias)
-        bases = [layer.get_base_layer() for layer in layers]
-        merged = [[p for p in (base.weight, getattr(base, "bias", None)) if p is not None] for base in bases]
+        merged = [_merged_params(layer) for layer in layers]
         saved = [None if ps[0].dtype in SUBTRACTED_DTYPES else [p.detach().clone() for p in ps] for ps in merged]
         for layer in layers:
             layer.merge()
