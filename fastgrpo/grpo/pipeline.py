@@ -66,6 +66,13 @@ def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.data for p in model.parameters() if p.requires_grad]
 
 
+def resume_point(trainer: Generating) -> tuple[int, int]:
+    """The first generation of a run begun or resumed at ``trainer.start_step``, the drops before it (see
+    `RolloutFeed.state`)."""
+    dropped = trainer.generations_dropped
+    return trainer.config.first_generation(trainer.start_step) + dropped, dropped
+
+
 def version_runs(start: int, marks: list[tuple[int, list[int]]], lengths: list[int]) -> list[list[tuple[int, int]]]:
     """Per row, ``(first position, weight version)`` runs of its ``lengths[row]`` tokens: the call began with weights
     ``start``, and each mark ``(version, tokens of each row then)`` took new ones before a decoding step."""
@@ -103,9 +110,7 @@ class RolloutProcess:
         session = Mailbox.session(self.group)
         self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
-        # the next generation the training process takes, and those it dropped
-        self.dropped = trainer.generations_dropped
-        self.next = cfg.first_generation(trainer.start_step) + self.dropped
+        self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
         self.params = synced_parameters(trainer.model)
         self.step_began: float | None = None  # when the decoding step under way began
@@ -226,14 +231,13 @@ class RolloutFeed:
                 "the update's; importance_sampling_correction: true corrects for them",
                 cfg.max_staleness,
             )
-        self.group, self.model = distributed.message_group(), trainer.model
-        self.ranks = list(range(1, cfg.rollout_processes + 1))
+        self.group, self.ranks = distributed.message_group(), list(range(1, cfg.rollout_processes + 1))
         session = Mailbox.session(self.group)
         self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
         self.version = trainer.start_step
-        self.dropped = trainer.generations_dropped  # so far (those of the checkpoint resumed from)
-        self.next = cfg.first_generation(trainer.start_step) + self.dropped
+        self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
+        self.params = synced_parameters(trainer.model)  # what `after_step` sends, as a rollout process receives it
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()
@@ -280,11 +284,9 @@ class RolloutFeed:
         return produced
 
     def state(self) -> dict[str, int]:
-        """What a checkpoint holds of the feed: the generations dropped so far. A generation is dropped only while
-        a pass's generations are taken, and several are taken only for a pass one step long (``generations_per_step``
-        above 1), so a run resumed at any step goes on from
-        `fastgrpo.config.step_counts.StepCounts.first_generation` of the step plus the drops: the pass's generation
-        again when it is resumed in its middle."""
+        """What a checkpoint holds of the feed: the generations dropped so far. Drops happen only while a pass takes
+        its generations, and a pass takes several only when it is one step long (``generations_per_step`` above 1),
+        so a run resumed at any step, inside a pass too, goes on from the step's first generation plus the drops."""
         return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
@@ -318,7 +320,7 @@ class RolloutFeed:
             t0 = time.monotonic()
             self._tell(WEIGHTS)
             for rank in self.ranks:
-                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in synced_parameters(self.model)]
+                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in self.params]
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def save_drafts(self, checkpoint: Path, learners: bool) -> None:
