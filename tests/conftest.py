@@ -68,9 +68,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under `make test`'s two workers, each computes on one thread: the two together use the two cores, as one
-    process on both does alone."""
+    process on both does alone. The tests, and the processes they start, trace their compiled steps without the fake
+    tensors' dispatch cache: over these two-layer models and the one-layer draft its entries are rarely met again,
+    and building them costs more than it saves (a third of the tracing of a step and a proposal; a model of many
+    layers, which repeats its layers' operations, gains from the cache, so that the package leaves it on)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
+    os.environ["TORCH_FAKE_TENSOR_DISPATCH_CACHE"] = "0"
+    torch._dynamo.config.fake_tensor_cache_enabled = False
 
 
 @pytest.fixture(scope="session", autouse=True)

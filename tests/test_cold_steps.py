@@ -36,16 +36,16 @@ def prices(controller: AdaptiveController) -> dict[tuple[int, TreeShape], float]
 
 
 def test_a_step_that_compiles_prices_nothing_out(fake_clock: SimpleNamespace, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Compiled steps (aot_eager) with the suffix drafter chosen adaptively, not settled before the call (as a shape
-    outside the engine's menu would be met): the steps that compiled a tree step or met a new shape take a hundred
-    times a replay, yet no observation moves any predicted price by more than 4x, and the next call still runs tree
-    steps."""
+    """Compiled steps (the ``eager`` backend) with the suffix drafter chosen adaptively, not settled before the call
+    (as a shape outside the engine's menu would be met): the steps that compiled a tree step or met a new shape take a
+    hundred times a replay, yet no observation moves any predicted price by more than 4x, and the next call still runs
+    tree steps."""
     torch._dynamo.reset()
     monkeypatch.setattr(RolloutEngine, "settle", lambda self, params: None)
     model = make_tiny_model("llama")
     drafter = SuffixDrafter()
     controller = AdaptiveController(flat_profile(), ControllerLimits(n_max=4), drafters={"suffix": drafter})
-    engine = RolloutEngine(model, [VOCAB], drafter=drafter, controller=controller, backend="aot_eager")
+    engine = RolloutEngine(model, [VOCAB], drafter=drafter, controller=controller, backend="eager")
     moves = []
     observe = controller.observe
 
@@ -108,7 +108,7 @@ def test_a_graph_break_falls_back_to_the_eager_step_with_one_warning(caplog: pyt
     for params in (SamplingParams(max_new_tokens=10, temperature=0.0), SamplingParams(max_new_tokens=10)):
         uniforms = torch.rand(len(PROMPTS) * 2, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         eager = RolloutEngine(model, [VOCAB]).generate(PROMPTS, params, 2, uniforms=uniforms)
-        compiled = RolloutEngine(model, [VOCAB], backend="aot_eager")
+        compiled = RolloutEngine(model, [VOCAB], backend="eager")
         with caplog.at_level(logging.WARNING, logger=compiled_module.logger.name):
             out = compiled.generate(PROMPTS, params, 2, uniforms=uniforms)
             out = compiled.generate(PROMPTS, params, 2, uniforms=uniforms)

@@ -3,8 +3,10 @@
 tokens, plain and speculative, greedy and sampled under the same uniforms, over padded rows and bucketed extents,
 and the weights as training leaves them.
 
-They compile with the ``aot_eager`` backend, which captures and checks the whole graph as inductor would receive it,
-in seconds; `test_tool_turns` compiles the same three functions with inductor itself, and follows the weights there."""
+They compile with the ``eager`` backend, which runs Dynamo's capture of each function (the graphs, their breaks and
+their symbolic sizes, as inductor receives them) as captured; AOT's trace of the same three functions is checked where
+they compile with inductor itself (`test_tool_turns`, which follows the weights there) and with ``aot_eager`` under
+flex attention (`test_fused_attention`)."""
 
 from __future__ import annotations
 
@@ -86,7 +88,7 @@ def test_the_compiled_step_is_one_graph_with_the_eager_tokens(
 ) -> None:
     """``fullgraph=True`` raises at the first graph break; rows end on the way, so the batch moves from 6 rows padded
     to 8 to a smaller bucket."""
-    eager, compiled = engines(model, draft, shape, "aot_eager")
+    eager, compiled = engines(model, draft, shape, "eager")
     a, b = same_outputs(eager, compiled, PARAMS[sampling])
     buckets = {row_bucket(rows) for rows in a.stats.concurrency}
     assert a.stats.concurrency[0] == 6 and len(buckets) > 1, "padded rows, and rows that ended on the way"
@@ -104,7 +106,7 @@ def test_the_compiled_steps_meet_other_tree_sizes_and_longer_contexts(model, dra
     eos = eos_midway(model)
     eager, compiled = (
         RolloutEngine(model, [eos], drafter=EagleDrafter(draft, model), tree=TREE, backend=compile)
-        for compile in (None, "aot_eager")
+        for compile in (None, "eager")
     )
     same_outputs(eager, compiled, params)
     for engine in (eager, compiled):
@@ -154,7 +156,7 @@ def test_the_eagle_expansion_compiles_for_bucketed_row_counts_only(model, draft,
     """As rows finish (6 live rows, then fewer), the compiled expansion is only ever called with a power-of-two
     number of rows, at least 2, and the compiled engine's tokens are the eager one's."""
     seen: list[int] = []
-    eager, compiled = engines(model, draft, TREE, "aot_eager")
+    eager, compiled = engines(model, draft, TREE, "eager")
     expansion, call = compiled.drafters["eagle"]._step, Compiled.__call__
 
     def counted(self: Compiled, device: torch.device, *args):
@@ -173,7 +175,7 @@ def test_greedy_calls_and_other_temperatures_run_the_sampled_graphs(model, draft
     sampled call at T=1, a greedy call and one at T=0.6 compile no graph and meet no shape, settle nothing again,
     and give the eager engine's tokens, plain and with trees."""
     for shape in (None, TREE):
-        eager, compiled = engines(model, draft, shape, "aot_eager")
+        eager, compiled = engines(model, draft, shape, "eager")
         same_outputs(eager, compiled, SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0))
         settled = set(compiled.settled)
         for params in (PARAMS["greedy"], SamplingParams(max_new_tokens=MAX_NEW, temperature=0.6)):

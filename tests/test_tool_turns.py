@@ -368,12 +368,13 @@ def test_a_suffix_memory_without_tool_results_keeps_the_models_turns_only(model_
 
 @pytest.fixture(scope="module")
 def compiled(model_eos) -> tuple[RolloutEngine, dict[str, Drafter]]:
-    """An engine whose target steps and EAGLE proposals run compiled (``aot_eager``), and its drafters: the tests
-    switch drafters on the same engine, whose compiled steps are then traced once for the module (the cases are
-    ordered so that each traces little that an earlier one did not)."""
+    """An engine whose target steps and EAGLE proposals run compiled (the ``eager`` backend: Dynamo's graphs run as
+    captured; inductor's own code for them is the last test's), and its drafters: the tests switch drafters on the
+    same engine, whose compiled steps are then traced once for the module (the cases are ordered so that each traces
+    little that an earlier one did not)."""
     model, eos, draft = model_eos
-    drafters = {"eagle": EagleDrafter(draft, model, "aot_eager"), "suffix": SuffixDrafter()}
-    return RolloutEngine(model, [eos], backend="aot_eager"), drafters
+    drafters = {"eagle": EagleDrafter(draft, model, "eager"), "suffix": SuffixDrafter()}
+    return RolloutEngine(model, [eos], backend="eager"), drafters
 
 
 @pytest.mark.parametrize(
