@@ -41,22 +41,23 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 # worker) start them first, so that no long module is left running alone at the end.
 LONGEST_FIRST = (
     "test_gpu_check.py",
-    "test_fsdp.py",
     "test_bad_input_matrix.py",
-    "test_tool_turns.py",
     "test_speculative.py",
-    "test_target_step.py",
+    "test_trainer.py",
+    "test_fsdp.py",
     "test_end_to_end.py",
+    "test_distributed.py",
+    "test_tool_turns.py",
+    "test_async.py",
+    "test_target_step.py",
+    "test_bad_inputs.py",
+    "test_fused_attention.py",
+    "test_embedded_model.py",
+    "test_trl_integration.py",
     "test_trl_recipes.py",
     "test_settled_shapes.py",
-    "test_trainer.py",
-    "test_bad_inputs.py",
-    "test_distributed.py",
-    "test_async.py",
-    "test_refill.py",
     "test_controller.py",
-    "test_fused_attention.py",
-    "test_cold_steps.py",
+    "test_captured_run.py",
 )
 
 
