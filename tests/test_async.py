@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import fork_ranks, free_port, save_tiny_llama
+from conftest import fork_ranks, free_port, make_tiny_model, save_tiny_llama
 from safetensors.torch import load_file
 from transformers import LlamaConfig
 
@@ -24,9 +24,10 @@ from fastgrpo.device_memory import synchronized
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
-from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, synced_parameters, token_lags, version_runs
+from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
 from fastgrpo.grpo.run_dir import checkpoint_bytes
 from fastgrpo.grpo.trainer import GRPOTrainer
+from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
 from fastgrpo.rollout.sequence import Generation as Call
 from fastgrpo.speculative.plugin import LEARNERS
 
@@ -373,6 +374,52 @@ def _mailboxes(rank: int, port: int, out: str) -> None:
 def test_the_mailboxes_of_a_later_train_call_start_empty_and_every_process_reads_the_same(tmp_path: Path) -> None:
     fork_ranks(_mailboxes, (free_port(), str(tmp_path / "session")), nprocs=2)
     assert (tmp_path / "session.0").read_text() == (tmp_path / "session.1").read_text() == "4"
+
+
+def _compared(rank: int, port: int, case: str, out: str) -> None:
+    """Rank 0 (the training process) and rank 1 (a rollout process) compare their trained parameters: the same
+    (``same``), one frozen on the training process alone (``frozen``), or in another dtype on the rollout process
+    (``dtype``); each writes the error it raised, or nothing."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        model = make_tiny_model("llama")
+        if case == "frozen" and rank == 0:
+            model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
+        if case == "dtype" and rank == 1:
+            model.float()
+        try:
+            check_same_parameters(model, torch.distributed.group.WORLD)
+            Path(f"{out}.{rank}").write_text("")
+        except ValueError as e:
+            Path(f"{out}.{rank}").write_text(str(e))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("same", ""),
+        (
+            "frozen",
+            "rollout_processes: rollout process 1 trains model.layers.1.mlp.up_proj.weight, which the training process "
+            "does not (frozen there); every process must train the same parameters, frozen before training starts",
+        ),
+        (
+            "dtype",
+            "rollout_processes: model.embed_tokens.weight is [128, 32] float64 on the training process but [128, 32] "
+            "float32 on rollout process 1; every process must load the same model in the same dtype",
+        ),
+    ],
+)
+def test_every_process_refuses_parameters_the_other_side_does_not_train_alike(
+    tmp_path: Path, case: str, error: str
+) -> None:
+    """The weights travel as bare tensors in order: before any is sent, both sides refuse, with the same line, a
+    parameter trained on one side only or held in another dtype (which would land in the wrong tensor)."""
+    fork_ranks(_compared, (free_port(), case, str(tmp_path / "error")), nprocs=2)
+    assert [(tmp_path / f"error.{rank}").read_text() for rank in range(2)] == [error, error]
 
 
 def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced, produce
 from fastgrpo.grpo.mailbox import Mailbox
+from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
 from fastgrpo.rollout.sequence import Generation as Call
 from fastgrpo.training_rollouts import drafts_folder
 
@@ -58,12 +59,6 @@ def _payload(obj: Any) -> torch.Tensor:
 
 def _received(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
-
-
-def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What the training process sends of ``model`` and a rollout process receives into its own: the parameters the
-    update trains (every one, or the LoRA adapters, the frozen base weights being the same everywhere)."""
-    return [p.data for p in model.parameters() if p.requires_grad]
 
 
 def resume_point(trainer: Generating) -> tuple[int, int]:
@@ -108,6 +103,7 @@ class RolloutProcess:
         rank = dist.get_rank()
         self.index, self.count = rank - 1, cfg.rollout_processes
         session = Mailbox.session(self.group)
+        check_same_parameters(trainer.model, self.group)
         self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
         self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
@@ -233,6 +229,7 @@ class RolloutFeed:
             )
         self.group, self.ranks = distributed.message_group(), list(range(1, cfg.rollout_processes + 1))
         session = Mailbox.session(self.group)
+        check_same_parameters(trainer.model, self.group)  # before anything is sent
         self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
         self.version = trainer.start_step

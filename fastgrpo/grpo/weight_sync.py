@@ -1,0 +1,60 @@
+"""What the training process sends of the policy to the rollout processes (`fastgrpo.grpo.pipeline`), and the check,
+before the first generation, that every rollout process would receive into the same parameters: the weights travel
+as bare tensors in order, so a parameter trained on one side and frozen on the other (a callback that freezes layers
+on the training process alone) would otherwise land in the wrong tensor, or leave a receive waiting until the process
+group's timeout."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+Signature = list[tuple[str, tuple[int, ...], str]]
+
+
+def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What the training process sends of ``model`` and a rollout process receives into its own: the parameters the
+    update trains (every one, or the LoRA adapters, the frozen base weights being the same everywhere)."""
+    return [p.data for p in model.parameters() if p.requires_grad]
+
+
+def signature(model: torch.nn.Module) -> Signature:
+    """``(name, shape, dtype)`` of each of `synced_parameters`, in their order."""
+    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in trained]
+
+
+def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+    """Raise ``ValueError`` on every process of ``group`` (rank 0 trains, the others roll out; a collective) unless
+    each one's `signature` is the training process's, naming the first rollout process and parameter that differ."""
+    mine = signature(model)
+    every: list[Signature | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    sent = every[0]
+    for rank, received in enumerate(every[1:], start=1):
+        if received != sent:
+            raise ValueError(f"rollout_processes: {difference(sent, received, rank)}")
+
+
+def difference(sent: Signature, received: Signature, rank: int) -> str:
+    """The first difference between the parameters the training process sends and those rank ``rank`` receives."""
+    ours, theirs = {s[0]: s for s in sent}, {s[0]: s for s in received}
+    for name, shape, dtype in sent:
+        if name not in theirs:
+            return (
+                f"the training process trains {name}, which rollout process {rank} does not (frozen there, or no "
+                "such parameter); every process must train the same parameters, frozen before training starts"
+            )
+        if theirs[name][1:] != (shape, dtype):
+            _, other_shape, other_dtype = theirs[name]
+            return (
+                f"{name} is {list(shape)} {dtype} on the training process but {list(other_shape)} {other_dtype} on "
+                f"rollout process {rank}; every process must load the same model in the same dtype"
+            )
+    extra = next((s[0] for s in received if s[0] not in ours), None)
+    if extra is not None:
+        return (
+            f"rollout process {rank} trains {extra}, which the training process does not (frozen there); every "
+            "process must train the same parameters, frozen before training starts"
+        )
+    return f"rollout process {rank} holds the trained parameters in another order than the training process"
