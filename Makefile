@@ -24,7 +24,7 @@ $(VENV)/.setup-done: pyproject.toml Makefile
 # or $$FASTGRPO_CACHE), not by the first command that needs it: a test suite's workers or torchrun's ranks would
 # otherwise all wait on it at once.
 setup: $(VENV)/.setup-done
-	$(BIN)/python -m compileall -q -j 0 fastgrpo > /dev/null
+	$(BIN)/python -m compileall -q -j 0 fastgrpo
 	$(BIN)/python -c "from fastgrpo.models import resolve_model_path as r; print('embedded model:', r('smollm2'))"
 
 train: setup

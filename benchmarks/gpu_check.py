@@ -223,8 +223,8 @@ def smoke_compile(device: torch.device) -> dict[str, Any]:
 
 def section_preflight(check: Check, section: Section) -> None:
     """What compiling needs, checked before anything compiles; sets ``check.compile_ok`` (and whether CUDA graph
-    recordings can be counted). On a CPU the compiling sections use ``aot_eager``, which needs neither a C compiler nor
-    Python's headers: they are reported, not required."""
+    recordings can be counted). On a CPU the compiling sections use ``aot_eager`` or ``eager``, which need neither a C
+    compiler nor Python's headers: they are reported, not required."""
     check.compile_ok = False  # until every required item is found (an exception here leaves it so)
     cuda = check.device.type == "cuda"
     items: dict[str, dict[str, Any]] = {}

@@ -376,17 +376,17 @@ def test_the_mailboxes_of_a_later_train_call_start_empty_and_every_process_reads
     assert (tmp_path / "session.0").read_text() == (tmp_path / "session.1").read_text() == "4"
 
 
-def _compared(rank: int, port: int, case: str, out: str) -> None:
-    """Rank 0 (the training process) and rank 1 (a rollout process) compare their trained parameters: the same
-    (``same``), one frozen on the training process alone (``frozen``), or in another dtype on the rollout process
-    (``dtype``); each writes the error it raised, or nothing."""
+def _compared(rank: int, world: int, port: int, case: str, out: str) -> None:
+    """Rank 0 (the training process) and the rollout processes compare their trained parameters: the same (``same``),
+    one frozen on the training process alone (``frozen``) or on the last rollout process alone (``rollout-frozen``),
+    or another dtype there (``dtype``); each writes the error it raised, or nothing."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         model = make_tiny_model("llama")
-        if case == "frozen" and rank == 0:
+        if (case == "frozen" and rank == 0) or (case == "rollout-frozen" and rank == world - 1):
             model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
-        if case == "dtype" and rank == 1:
+        if case == "dtype" and rank == world - 1:
             model.float()
         try:
             check_same_parameters(model, torch.distributed.group.WORLD)
@@ -398,28 +398,38 @@ def _compared(rank: int, port: int, case: str, out: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("case", "error"),
+    ("case", "world", "error"),
     [
-        ("same", ""),
+        ("same", 2, ""),
         (
             "frozen",
-            "rollout_processes: rollout process 1 trains model.layers.1.mlp.up_proj.weight, which the training process "
-            "does not (frozen there); every process must train the same parameters, frozen before training starts",
+            2,
+            "rollout process 1 trains model.layers.1.mlp.up_proj.weight, which the training process does not (frozen "
+            "there, or no such parameter); every process must train the same parameters, frozen before training starts",
+        ),
+        (
+            "rollout-frozen",
+            3,
+            "the training process trains model.layers.1.mlp.up_proj.weight, which rollout process 2 does not (frozen "
+            "there, or no such parameter); every process must train the same parameters, frozen before training starts",
         ),
         (
             "dtype",
-            "rollout_processes: model.embed_tokens.weight is [128, 32] float64 on the training process but [128, 32] "
-            "float32 on rollout process 1; every process must load the same model in the same dtype",
+            2,
+            "model.embed_tokens.weight is [128, 32] float64 on the training process but [128, 32] float32 on rollout "
+            "process 1; every process must load the same model in the same dtype",
         ),
     ],
 )
 def test_every_process_refuses_parameters_the_other_side_does_not_train_alike(
-    tmp_path: Path, case: str, error: str
+    tmp_path: Path, case: str, world: int, error: str
 ) -> None:
-    """The weights travel as bare tensors in order: before any is sent, both sides refuse, with the same line, a
-    parameter trained on one side only or held in another dtype (which would land in the wrong tensor)."""
-    fork_ranks(_compared, (free_port(), case, str(tmp_path / "error")), nprocs=2)
-    assert [(tmp_path / f"error.{rank}").read_text() for rank in range(2)] == [error, error]
+    """The weights travel as bare tensors in order: before any is sent, every process refuses, with the same line, a
+    parameter trained on one side only or held in another dtype (which would land in the wrong tensor); with two
+    rollout processes, the one that differs is named to all, the other one's agreement notwithstanding."""
+    fork_ranks(_compared, (world, free_port(), case, str(tmp_path / "error")), nprocs=world)
+    expected = f"rollout_processes: {error}" if error else ""
+    assert [(tmp_path / f"error.{rank}").read_text() for rank in range(world)] == [expected] * world
 
 
 def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ weights' write-backs and the LoRA merges keep those addresses too.
 
 Compiled with the ``eager`` backend, which runs the graphs Dynamo captures for inductor as captured, in float32
 (compared token for token with the eager steps); a graph break (FSDP2's hooks are excluded from tracing) is an error
-under ``fullgraph`` with any backend. The bfloat16 run with float32 master shards decodes eagerly: where its
+under ``fullgraph`` with any backend. AOT's trace of these graphs over gathered FSDP2 parameters is left to the GPU
+check's torchrun section. The bfloat16 run with float32 master shards decodes eagerly: where its
 weights live and what they hold does not depend on the backend. The ranks are forked from the test's process.
 """
 

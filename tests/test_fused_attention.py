@@ -92,9 +92,9 @@ def test_compiled_one_token_steps_of_equal_rows_take_no_dense_mask(model, monkey
 def test_compiled_tree_steps_verify_under_a_block_mask(
     model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Ragged rows verifying draft trees greedily: the compiled tree step and the compiled draft expansion (two
-    forwards in one graph) attend through flex attention, compile without falling back, and give the eager engine's
-    tokens."""
+    """Ragged rows verifying draft trees, sampled with top-k and top-p under the same uniforms: the compiled tree step
+    (the graph of those filters, which AOT traces here alone) and the compiled draft expansion (two forwards in one
+    graph) attend through flex attention, compile without falling back, and give the eager engine's tokens."""
     draft = DraftHead(model.config, "tiny").float()
     shape = TreeShape(4, 2, 3)
     assert shape.levels == 3, "the expansion runs two draft forwards"
@@ -104,7 +104,7 @@ def test_compiled_tree_steps_verify_under_a_block_mask(
     )
     spy = AttentionCalls(monkeypatch)
     with caplog.at_level(logging.WARNING, logger="fastgrpo.rollout.compiled"):
-        a, b = same_outputs(eager, compiled, PARAMS["greedy"], atol=ATOL)
+        a, b = same_outputs(eager, compiled, PARAMS["top-p"], atol=ATOL)
     assert not caplog.records, "every compiled function ran compiled"
     assert b.stats.target_forwards == a.stats.target_forwards and len(b.completion_ids) == 2 * len(PROMPTS)
     spy.only_block_masks_compiled()

@@ -254,7 +254,7 @@ def test_recordings_compile_nothing_after_the_first_plain_rollout(quick_run) -> 
     for name in ("plain", "speculative"):
         rollouts = results[name]["rollouts"]
         assert [r["prompt_length"] for r in rollouts] == [6, 12, 3, 9], name
-        assert rollouts[0]["graphs"] >= 1, name  # compiled with aot_eager on a CPU
+        assert rollouts[0]["graphs"] >= 1, name  # compiled (the ``eager`` backend on a CPU)
         assert all(r["captures"] is None and "reserved_mb" not in r for r in rollouts), name  # CUDA only
     assert [r["graphs"] for r in results["plain"]["rollouts"][1:]] == [0, 0, 0]
 

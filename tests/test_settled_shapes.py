@@ -4,7 +4,8 @@ prompts of lengths from 90 to 330 tokens, compile nothing and meet no new shape 
 graph is compiled nor shape met beyond the computed numbers.
 
 Compiled with the ``eager`` backend: Dynamo's capture run as captured, which traces, guards and counts graphs and
-shapes as under inductor, without AOT's second trace of every graph (checked in `test_target_step`)."""
+shapes as under inductor, without AOT's second trace of every graph (checked where the same functions compile with
+inductor, `test_tool_turns`, and with ``aot_eager``, `test_fused_attention` and `test_cold_steps`)."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ class RolloutProcess:
         rank = dist.get_rank()
         self.index, self.count = rank - 1, cfg.rollout_processes
         session = Mailbox.session(self.group)
-        check_same_parameters(trainer.model, self.group)
+        check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
         self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
         self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
@@ -229,7 +229,7 @@ class RolloutFeed:
             )
         self.group, self.ranks = distributed.message_group(), list(range(1, cfg.rollout_processes + 1))
         session = Mailbox.session(self.group)
-        check_same_parameters(trainer.model, self.group)  # before anything is sent
+        check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
         self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
         self.version = trainer.start_step

@@ -28,7 +28,7 @@ def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> N
     """Raise ``ValueError`` on every process of ``group`` (rank 0 trains, the others roll out; a collective) unless
     each one's `signature` is the training process's, naming the first rollout process and parameter that differ."""
     mine = signature(model)
-    every: list[Signature | None] = [None] * dist.get_world_size(group)
+    every: list[Signature] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(every, mine, group=group)
     sent = every[0]
     for rank, received in enumerate(every[1:], start=1):
@@ -54,7 +54,7 @@ def difference(sent: Signature, received: Signature, rank: int) -> str:
     extra = next((s[0] for s in received if s[0] not in ours), None)
     if extra is not None:
         return (
-            f"rollout process {rank} trains {extra}, which the training process does not (frozen there); every "
-            "process must train the same parameters, frozen before training starts"
+            f"rollout process {rank} trains {extra}, which the training process does not (frozen there, or no such "
+            "parameter); every process must train the same parameters, frozen before training starts"
         )
     return f"rollout process {rank} holds the trained parameters in another order than the training process"
