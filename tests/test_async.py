@@ -9,6 +9,8 @@ import json
 import os
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -348,11 +350,19 @@ def test_a_resumed_run_trains_no_generation_twice_and_each_rollout_process_keeps
         assert json.loads(errors.with_suffix(f".memory{rank}").read_text()) == prompts
 
 
-def _mailboxes(rank: int, port: int, out: str) -> None:
+@contextmanager
+def gloo_group(rank: int, world: int, port: int) -> Iterator[torch.distributed.ProcessGroup]:
+    """A forked process's default gloo group of ``world`` processes on ``port``, destroyed when the block ends."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        group = torch.distributed.group.WORLD
+        yield torch.distributed.group.WORLD
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _mailboxes(rank: int, port: int, out: str) -> None:
+    with gloo_group(rank, 2, port) as group:
         first = Mailbox("down/1", Mailbox.session(group))
         if rank == 0:
             first.post(pipeline.STOP)
@@ -367,8 +377,6 @@ def _mailboxes(rank: int, port: int, out: str) -> None:
             second.post(pipeline.PROGRESS, 1, 2, 3)
             assert second.poll() == [(pipeline.PROGRESS, 1, 2, 3, "")]
         Path(f"{out}.{rank}").write_text(str(Mailbox.session(group)))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_the_mailboxes_of_a_later_train_call_start_empty_and_every_process_reads_the_same(tmp_path: Path) -> None:
@@ -380,21 +388,17 @@ def _compared(rank: int, world: int, port: int, case: str, out: str) -> None:
     """Rank 0 (the training process) and the rollout processes compare their trained parameters: the same (``same``),
     one frozen on the training process alone (``frozen``) or on the last rollout process alone (``rollout-frozen``),
     or another dtype there (``dtype``); each writes the error it raised, or nothing."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port) as group:
         model = make_tiny_model("llama")
         if (case == "frozen" and rank == 0) or (case == "rollout-frozen" and rank == world - 1):
             model.model.layers[1].mlp.up_proj.weight.requires_grad_(False)
         if case == "dtype" and rank == world - 1:
             model.float()
         try:
-            check_same_parameters(model, torch.distributed.group.WORLD)
+            check_same_parameters(model, group)
             Path(f"{out}.{rank}").write_text("")
         except ValueError as e:
             Path(f"{out}.{rank}").write_text(str(e))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize(

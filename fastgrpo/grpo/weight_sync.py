@@ -12,16 +12,20 @@ import torch.distributed as dist
 Signature = list[tuple[str, tuple[int, ...], str]]
 
 
+def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters the update trains, named, in the model's order: every one, or the LoRA adapters (the frozen
+    base weights being the same everywhere)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What the training process sends of ``model`` and a rollout process receives into its own: the parameters the
-    update trains (every one, or the LoRA adapters, the frozen base weights being the same everywhere)."""
-    return [p.data for p in model.parameters() if p.requires_grad]
+    """What the training process sends of ``model`` and a rollout process receives into its own (`_trained`)."""
+    return [p.data for _, p in _trained(model)]
 
 
 def signature(model: torch.nn.Module) -> Signature:
     """``(name, shape, dtype)`` of each of `synced_parameters`, in their order."""
-    trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in trained]
+    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in _trained(model)]
 
 
 def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
