@@ -21,7 +21,7 @@ from fastgrpo.rollout.cache import call_length
 from fastgrpo.rollout.decoding import Decoding
 from fastgrpo.rollout.drafter import Drafter, Rollout
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.sequence import Generation, GenerationOutput
+from fastgrpo.rollout.sequence import Generation, GenerationOutput, Sequence
 from fastgrpo.rollout.turns import Turns
 from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.speculative.configured import controller_from_config
@@ -187,10 +187,7 @@ class TrainingRollouts:
     ) -> Iterator[Decoding]:
         """`generate` one step at a time (`RolloutEngine.decoding`): what online learning needs is kept when the
         block ends with every row done."""
-        uniforms = None
-        if not params.greedy:
-            rows = len(prompt_ids) * num_generations
-            uniforms = step_uniforms(self.seed, step, rows, params.max_new_tokens, rank, world_size)
+        uniforms = self._uniforms(params, len(prompt_ids) * num_generations, step, rank, world_size)
         waiting = self.waiting
         learners = [d.learner for d in self.drafters if d.learner is not None]
         capture = any(learner.captures_hidden for learner in learners)
@@ -199,13 +196,45 @@ class TrainingRollouts:
         args = (prompt_ids, params, num_generations, None, capture, uniforms, turns, max_rows)
         with engine.decoding(*args) as run:
             yield run
-        if not run.done:
+        if not run.done or run.handed_over:  # (a call that spans generations hands each over, `hand_over`)
             return
         out = run.output()
         if waiting:
             self._build(rollout=out)
         if any(d.learner is not None for d in self.drafters):
             self.pending.append(Rollout(prompt_ids, out, num_generations))
+
+    def extend(
+        self,
+        run: Decoding,
+        prompt_ids: list[list[int]],
+        num_generations: int,
+        step: int,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> list[Sequence]:
+        """Take the completions of step ``step`` into ``run``, a call of `decoding` under way (sampled with the uniforms
+        `generate` would sample them with at that step); their sequences, for `hand_over`
+        (`fastgrpo.rollout.decoding.Decoding.extend`)."""
+        uniforms = self._uniforms(run.call.params, len(prompt_ids) * num_generations, step, rank, world_size)
+        return run.extend(prompt_ids, num_generations, uniforms)
+
+    def hand_over(
+        self, run: Decoding, seqs: list[Sequence], prompt_ids: list[list[int]], num_generations: int
+    ) -> GenerationOutput:
+        """The completions ``seqs`` of ``run`` (the call's first ones, or those `extend` took in), all ended, kept for
+        `learn` as `generate`'s are (`fastgrpo.rollout.decoding.Decoding.hand_over`)."""
+        out = run.hand_over(seqs)
+        if any(d.learner is not None for d in self.drafters):
+            self.pending.append(Rollout(prompt_ids, out, num_generations))
+        return out
+
+    def _uniforms(
+        self, params: SamplingParams, rows: int, step: int, rank: int, world_size: int
+    ) -> torch.Tensor | None:
+        if params.greedy:
+            return None
+        return step_uniforms(self.seed, step, rows, params.max_new_tokens, rank, world_size)
 
     def learn(self) -> dict[str, float]:
         """Every drafter's online learning on the rollouts since the last call (the EAGLE head trains on their

@@ -26,7 +26,8 @@ from fastgrpo.device_memory import synchronized
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
-from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess, token_lags, version_runs
+from fastgrpo.grpo.pipeline import RolloutFeed, token_lags, version_runs
+from fastgrpo.grpo.rollout_process import InFlight, RolloutProcess
 from fastgrpo.grpo.run_dir import checkpoint_bytes
 from fastgrpo.grpo.trainer import GRPOTrainer
 from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
@@ -71,8 +72,8 @@ def write_config(model_dir: Path, out: Path, **overrides) -> Path:
 def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
     """One process of the job (``world`` 1: alone, without torchrun); ``slow``: ``update`` holds each optimizer step
     of the training process until the rollout process has sent the generation after it; ``decoding`` holds
-    generation 1 of the rollout process at its second decoding step until the update's first weights come (neither
-    leaves it to the clock)."""
+    generation 1 of the rollout process, once it has begun and generation 0 was sent, until the update's first weights
+    come (neither leaves it to the clock)."""
     if world > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
         os.environ["LOCAL_RANK"] = str(rank)
@@ -88,25 +89,21 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
 
         RolloutFeed.before_update = before_update
     elif slow == "decoding":
-        produce, between = RolloutProcess._produce, RolloutProcess._between_steps
-
-        def produce_noting(self: RolloutProcess, generation: int) -> Produced:
-            self.generation = generation
-            return produce(self, generation)
+        between = RolloutProcess._between_steps
 
         def between_steps(self: RolloutProcess, call: Call | None) -> None:
-            if self.generation == 1 and call is not None:
-                if self.call is None:  # its first decoding step keeps the weights generation 1 began with
-                    self.call, self.deadline = call, time.monotonic() + 60
-                    return
-                while not self.marks and time.monotonic() < self.deadline:  # its second waits for the next ones
+            oldest = self.flight[0] if self.flight else None
+            begun = oldest is not None and any(s.completion_ids for s in oldest.seqs)
+            if call is not None and oldest.generation == 1 and begun and not oldest.marks:
+                deadline = time.monotonic() + 60  # generation 1 begun, and 0 sent: wait for the update's weights
+                while not oldest.marks and time.monotonic() < deadline:
                     if not self._poll():
                         time.sleep(0.005)
-                assert self.marks, "the update's first weights did not come within 60 s"
+                assert oldest.marks, "the update's first weights did not come within 60 s"
                 MERGED.append(bool(self.trainer.rollouts.engine.merged))
             between(self, call)
 
-        RolloutProcess._produce, RolloutProcess._between_steps = produce_noting, between_steps
+        RolloutProcess._between_steps = between_steps
     try:
         trainer = GRPOTrainer(load_config(config))
         trainer.train()
@@ -149,6 +146,7 @@ def test_max_staleness_0_trains_exactly_what_one_synchronous_process_trains(
     assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
     assert [m["loss"] for m in logged] == [m["loss"] for m in expected]
     assert all(m["async/staleness"] == 0 and m["async/dropped_samples"] == 0 for m in logged)
+    assert all(m["async/overlapped_step_share"] == 0 for m in logged), "no generation may begin before it is due"
     one = load_file(str(synchronous / f"checkpoint-{STEPS}" / "model.safetensors"))
     two = load_file(str(tmp_path / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
     initial = load_file(str(model_dir / "model.safetensors"))
@@ -180,12 +178,14 @@ def test_lora_adapters_alone_travel_and_max_staleness_0_trains_what_one_process_
 
 def test_a_slow_trainer_keeps_every_sample_within_max_staleness(model_dir: Path, tmp_path: Path) -> None:
     """The rollout process runs ahead while the update waits, as far as the bound lets it: the samples come one step
-    stale, none more, and none is dropped."""
+    stale, none more, and none is dropped. Generation 1 is due at once, so it begins in the rows of generation 0 as
+    they end, in the same engine call."""
     logged = run(model_dir, tmp_path, 2, slow="update", max_staleness=1, importance_sampling_correction=True)
     staleness = [m["async/staleness"] for m in logged]
     assert staleness == [0, 1, 1], staleness
     assert all(m["async/dropped_samples"] == 0 for m in logged)
     assert all(m["async/token_lag/max"] <= 1 for m in logged)
+    assert logged[0]["async/overlapped_step_share"] > 0
     # the checkpoint holds the drafters of the rollout process, which learnt from every generation (rank 0's made none)
     learners = torch.load(tmp_path / "run" / f"checkpoint-{STEPS}" / "draft" / "learners.pt", weights_only=True)
     assert learners["suffix"]["calls"] >= STEPS and learners["suffix"]["prompts"]
@@ -248,9 +248,14 @@ def _job(rank: int, world: int, port: int, config: str, errors: str, resume: boo
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    produce, received, take = RolloutProcess._produce, pipeline._received, RolloutFeed.take
+    part, produce, received, take = RolloutProcess._part, RolloutProcess._produce, pipeline._received, RolloutFeed.take
 
-    def dying(self: RolloutProcess, g: int) -> Produced:
+    def dying_part(self: RolloutProcess, g: int) -> InFlight:  # (generations of a call that spans them)
+        if g == 2:
+            os._exit(3)
+        return part(self, g)
+
+    def dying(self: RolloutProcess, g: int) -> Produced:  # (generations of a call each)
         if g == 2:
             os._exit(3)
         return produce(self, g)
@@ -268,7 +273,7 @@ def _job(rank: int, world: int, port: int, config: str, errors: str, resume: boo
         return produced
 
     if dies:
-        RolloutProcess._produce = dying
+        RolloutProcess._part, RolloutProcess._produce = dying_part, dying
     pipeline._received, RolloutFeed.take = staled, taking
     try:
         trainer = GRPOTrainer(load_config(config), resume=resume)

@@ -26,9 +26,10 @@ from fastgrpo.grpo.batch import (
 from fastgrpo.grpo.policy_update import PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.scoring import score_completions
-from fastgrpo.grpo.tool_use import ToolTurns
+from fastgrpo.grpo.tool_use import RunTools, ToolTurns
 from fastgrpo.grpo.update_metrics import sampling_metrics
 from fastgrpo.rollout.sequence import GenerationOutput
+from fastgrpo.sampling_params import SamplingParams
 from fastgrpo.training_rollouts import TrainingRollouts
 
 
@@ -44,6 +45,8 @@ class Generating(Protocol):
     rollouts: TrainingRollouts
     reward_funcs: list[Any]
     tokenizer: PreTrainedTokenizerBase
+    sampling: SamplingParams
+    tools: RunTools | None
     start_step: int  # the optimizer steps done when the run began or resumed
     generations_dropped: int  # by an asynchronous run, before those its next step trains on (when it resumed)
 
@@ -102,23 +105,38 @@ def generate(trainer: Generating, generation: int, step: int) -> Generation:
 
 
 def produce(trainer: Generating, generation: int, step: int) -> Produced:
-    """Generation ``generation``'s completions (`GRPOTrainer.rollout`), rewards and advantages, the drafters' online
-    update and the batch (``step``: the optimizer step it is made before, which the reward functions are told)."""
-    cfg, device = trainer.config, trainer.device
+    """Generation ``generation``'s completions (`GRPOTrainer.rollout`), then `scored` (``step``: the optimizer step it
+    is made before, which the reward functions are told)."""
     rows = trainer.prompts.rows(generation)
     t0 = time.perf_counter()
-    reset_peak_memory(device)
+    reset_peak_memory(trainer.device)
     # FSDP2 gathers the full parameters for the rollout and the draft update (which reads the LM head); a rollout
     # process holds them whole (it trains nothing: no update).
     with distributed.gathered(trainer.update.policy if trainer.update is not None else trainer.model):
         prompt_ids, out, turns = trainer.rollout(generation, rows)
-        t1 = time.perf_counter()
-        advantages, reward_metrics, samples = score_completions(
-            cfg, trainer.reward_funcs, trainer.tokenizer, trainer.dist.rank, rows, out, step, turns
-        )
-        t2 = time.perf_counter()
-        draft_metrics = trainer.rollouts.learn()
-        t_learnt = synchronized(device)
+        return scored(trainer, generation, step, rows, prompt_ids, out, turns, time.perf_counter() - t0)
+
+
+def scored(
+    trainer: Generating,
+    generation: int,
+    step: int,
+    rows: list[dict[str, Any]],
+    prompt_ids: list[list[int]],
+    out: GenerationOutput,
+    turns: ToolTurns | None,
+    rollout_seconds: float,
+) -> Produced:
+    """The completions ``out`` of generation ``generation`` (of the dataset ``rows``, sampled in ``rollout_seconds``)
+    made a `Produced`: their rewards and advantages, the drafters' online update and the batch."""
+    cfg, device = trainer.config, trainer.device
+    t1 = time.perf_counter()
+    advantages, reward_metrics, samples = score_completions(
+        cfg, trainer.reward_funcs, trainer.tokenizer, trainer.dist.rank, rows, out, step, turns
+    )
+    t2 = time.perf_counter()
+    draft_metrics = trainer.rollouts.learn()
+    t_learnt = synchronized(device)
     memory: dict[str, float] = {}
     if device.type == "cuda":  # captured states go back to the allocator for the update (the KV caches stay)
         memory["memory/rollout_peak_mb"] = peak_memory_mb(device)
@@ -138,7 +156,7 @@ def produce(trainer: Generating, generation: int, step: int) -> Produced:
         **reward_metrics,
         **completion_metrics(lengths, truncated, sum(map(len, prompts_per_row))),
         **draft_metrics,
-        **{"time/rollout": t1 - t0, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
+        **{"time/rollout": rollout_seconds, "time/drafting": out.stats.draft_time, "time/reward": t2 - t1},
         "time/draft_learning": t_learnt - t2,
         **out.stats.metrics(),
         **(turns.metrics() if turns is not None else {}),

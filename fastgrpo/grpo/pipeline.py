@@ -1,15 +1,16 @@
 """Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training process trains.
 
 Under torchrun with ``rollout_processes: K``, rank 0 trains and the job's other K ranks are rollout processes. A
-rollout process makes generations one after the other (generation ``g`` by rollout process ``1 + g mod K``) on the
-newest weights it holds and sends each, whole (`Produced`), to the training process, which trains on them in order
-and sends its weights to every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken
+rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by rollout process ``1 + g mod
+K``) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
+sends each, whole (`Produced`), as soon as its completions all ended, to the training process, which trains on them in
+order and sends its weights to every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken
 between decoding steps: rows in flight go on with them (their cache from the older weights kept), and every token's
 weight version is recorded (`Produced.versions`). A sample's staleness is the optimizer steps between its oldest
-token's weights and those its update starts from. A rollout process starts no generation whose samples would train
-more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions generated and not yet trained; a
-sample that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the
-update corrects for the older weights with the sampler's log-probabilities.
+token's weights and those its update starts from. A rollout process starts no generation whose samples would train more
+than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions generated and not yet trained; a sample
+that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the update
+corrects for the older weights with the sampler's log-probabilities.
 
 Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting; apart
 for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
@@ -35,11 +36,9 @@ import torch.distributed as dist
 from fastgrpo import distributed
 from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
-from fastgrpo.grpo.generation import Generating, Produced, produce
+from fastgrpo.grpo.generation import Generating, Produced
 from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
-from fastgrpo.rollout.sequence import Generation as Call
-from fastgrpo.training_rollouts import drafts_folder
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +52,7 @@ class Stopped(Exception):
     """The training process ended the run."""
 
 
-def _payload(obj: Any) -> torch.Tensor:
+def payload(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
 
@@ -92,126 +91,6 @@ def token_lags(versions: list[list[tuple[int, int]]], lengths: list[int], versio
         ends = [start for start, _ in runs[1:]] + [length]
         lags += [lag for (start, v), end in zip(runs, ends, strict=True) for lag in [version - v] * (end - start)]
     return lags
-
-
-class RolloutProcess:
-    """The loop of a rollout process (`run`): ``trainer`` is the run's `GRPOTrainer` built on it."""
-
-    def __init__(self, trainer: Generating):
-        cfg = self.cfg = trainer.config
-        self.trainer, self.group = trainer, distributed.message_group()
-        rank = dist.get_rank()
-        self.index, self.count = rank - 1, cfg.rollout_processes
-        session = Mailbox.session(self.group)
-        check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
-        self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
-        self.version = trainer.start_step  # the optimizer steps of the weights held
-        self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
-        self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
-        self.params = synced_parameters(trainer.model)
-        self.step_began: float | None = None  # when the decoding step under way began
-        self.marks: list[tuple[int, list[int]]] = []
-        self.call: Call | None = None
-        self.waited = self.received = 0.0
-        self.done = threading.Event()
-
-    def run(self) -> None:
-        """Generate, send and take weights until the training process stops the run."""
-        self.trainer.rollouts.between_steps = self._between_steps
-        beating = threading.Thread(target=self._beat, name="fastgrpo-heartbeat", daemon=True)
-        beating.start()
-        g = self.next + (self.index - self.next) % self.count  # the first generation of this process
-        try:
-            while True:
-                self._wait_until_due(g)
-                data = _payload(self._produce(g))
-                self.up.post(GENERATION, data.numel(), g)
-                dist.send(data, TRAINER, group=self.group, tag=PAYLOAD_TAG)
-                g += self.count
-        except Stopped:
-            self.up.post(BYE)
-        except BaseException as e:
-            self.up.post(FAILED, text=f"{type(e).__name__}: {e}")
-            self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
-            raise
-        finally:
-            self.done.set()
-
-    def _produce(self, generation: int) -> Produced:
-        start, self.marks, self.call = self.version, [], None
-        waited, received = self.waited, self.received
-        produced = produce(self.trainer, generation, self.cfg.made_at(generation))
-        rows = produced.batch.completion_mask.shape[0]
-        produced.lengths = [len(s.completion_ids) for s in self.call.seqs] if self.call else [1] * rows
-        produced.versions = version_runs(start, self.marks, produced.lengths)
-        produced.metrics |= {
-            "async/rollout_wait_seconds": waited,
-            "async/weight_receive_seconds": self.received - received,
-        }
-        self.waited = 0.0
-        return produced
-
-    def _between_steps(self, call: Call | None) -> None:
-        """Before a decoding step of ``call`` (None: once it ended): take the weights that came, with which the rows
-        go on."""
-        self.step_began = None
-        if call is not None:
-            self.call = call
-            self._poll()
-            self.step_began = time.monotonic()
-
-    def _wait_until_due(self, g: int) -> None:
-        """Wait (taking weights) until generation ``g`` trains at most ``max_staleness`` steps after the weights
-        held, and the completions generated ahead fit the queue."""
-        t0 = time.monotonic()
-        due = self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness
-        while self.version < due or g - self.next >= self.limit:
-            if not self._poll():
-                time.sleep(0.005)
-            due = self.cfg.made_at(g - self.dropped) - self.cfg.max_staleness
-        self.waited += time.monotonic() - t0
-
-    def _poll(self) -> bool:
-        """Handle the training process's messages that came; whether any did."""
-        messages = self.down.poll()
-        for kind, version, self.next, self.dropped, text in messages:
-            if kind == STOP:
-                raise Stopped
-            if kind == SAVE_DRAFTS:  # into the checkpoint rank 0 writes (``text``: learners or not, its directory)
-                if Path(text[1:]).is_dir():  # not when rank 0 gave up the checkpoint already
-                    folder = drafts_folder(self.index + 1)
-                    self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1", folder=folder)
-                self.up.post(DRAFTS_SAVED)
-            if kind == WEIGHTS:
-                t0 = time.monotonic()
-                with self.trainer.rollouts.engine.merged.unmerged():  # (LoRA adapters merged into a call's: timed too)
-                    for param in self.params:
-                        dist.recv(param, TRAINER, tag=WEIGHT_TAG)
-                self.received += time.monotonic() - t0
-                self.version = version
-                if self.call is not None:
-                    self.marks.append((version, [len(s.completion_ids) for s in self.call.seqs]))
-        return bool(messages)
-
-    def _await_stop(self) -> None:
-        """Wait until the training process stops the run, for ``heartbeat_stale_after_s`` at most."""
-        deadline = time.monotonic() + self.cfg.heartbeat_stale_after_s
-        while time.monotonic() < deadline:
-            try:
-                if any(kind == STOP for kind, *_ in self.down.poll()):
-                    return
-            except Exception:  # the store is gone with rank 0
-                return
-            time.sleep(0.05)
-
-    def _beat(self) -> None:
-        """The heartbeat thread: a beat every quarter of ``heartbeat_stale_after_s``, but while a decoding step has
-        run longer than half of it."""
-        period = self.cfg.heartbeat_stale_after_s / 4
-        while not self.done.wait(period):
-            began = self.step_began
-            if began is None or time.monotonic() - began < 2 * period:
-                self.up.beat()
 
 
 class RolloutFeed:

@@ -21,12 +21,13 @@ from fastgrpo.device_memory import peak_memory_mb, peak_reserved_mb, reset_peak_
 from fastgrpo.grpo.checkpoint import latest_checkpoint, prepare_output_dir, save_checkpoint
 from fastgrpo.grpo.evaluation import evaluate, evaluation_rows
 from fastgrpo.grpo.generation import Generation, generate, merge, prepare
-from fastgrpo.grpo.pipeline import RolloutFeed, RolloutProcess
+from fastgrpo.grpo.pipeline import RolloutFeed
 from fastgrpo.grpo.policy import disable_dropout, reference_model, wrap_lora
 from fastgrpo.grpo.policy_update import NonFiniteUpdate, PolicyUpdate
 from fastgrpo.grpo.prompts import StepPrompts
 from fastgrpo.grpo.restore import restore_run
 from fastgrpo.grpo.resume_checks import check_resumed
+from fastgrpo.grpo.rollout_process import RolloutProcess
 from fastgrpo.grpo.run_dir import (
     DirectoryLock,
     check_disk_space,

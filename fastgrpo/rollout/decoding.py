@@ -1,15 +1,35 @@
 """A generation call handed out step by step (`fastgrpo.rollout.engine.RolloutEngine.decoding`), whose rows are
-refilled as they finish when it decodes fewer at once than it has (`Refill`)."""
+refilled as they finish when it decodes fewer at once than it has (`Refill`), and which may take in more completions
+while it runs and hand over a part of them once they all ended (`Decoding.extend`, `Decoding.hand_over`): a call that
+spans generations, each handed over as it ends while the next ones decode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import torch
+
+from fastgrpo.rollout.cache import call_length
+from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence
+from fastgrpo.rollout.stats import GenerationStats
+from fastgrpo.sampling_params import SamplingParams
 
 Admit = Callable[[ActiveRows, list[list[int]], list[int], list[Sequence], Generation], ActiveRows]
+
+
+def check_prompts(
+    prompt_ids: list[list[int]], num_generations: int, params: SamplingParams, uniforms: torch.Tensor | None
+) -> None:
+    """Refuse a call's (or an extension's) empty prompts and ``uniforms`` not of one per completion and position."""
+    if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+        raise ValueError("every prompt must have at least one token")
+    expected = (len(prompt_ids) * num_generations, params.max_new_tokens)
+    if uniforms is not None and tuple(uniforms.shape) != expected:
+        raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
 
 
 class CompiledSoFar(NamedTuple):
@@ -32,16 +52,22 @@ class CompiledSoFar(NamedTuple):
 
 @dataclass
 class Refill:
-    """The completions of a call that wait for room, in order: ``pending`` their prompts' indices in ``prompts`` and
+    """The completions of a call that wait for room, in order: ``pending`` their prompts' keys in ``prompts`` and
     their sequences. A call decodes at most ``max_rows`` rows at once, and before each step `__call__` takes in as
     many of them as fit beside the live rows and those waiting on tools, with the engine's ``admit``
     (`fastgrpo.rollout.engine.RolloutEngine.admit`): one forward per intake, in which each of their prompts is
     prefilled once, however many of its completions join."""
 
     admit: Admit
-    prompts: list[list[int]]
+    prompts: dict[int, list[int]]
     pending: list[tuple[int, Sequence]]
     max_rows: int
+
+    def add(self, prompt_ids: list[list[int]], seqs: list[Sequence], num_generations: int) -> None:
+        """``seqs`` wait after the others: ``num_generations`` completions of each of ``prompt_ids`` in turn."""
+        first = max(self.prompts, default=-1) + 1
+        self.prompts |= {first + i: prompt for i, prompt in enumerate(prompt_ids)}
+        self.pending += [(first + i // num_generations, seq) for i, seq in enumerate(seqs)]
 
     def take(self, count: int) -> tuple[list[list[int]], list[int], list[Sequence]]:
         """The next ``count`` completions: their distinct prompts, the prompt of each (an index into them) and their
@@ -49,7 +75,12 @@ class Refill:
         taken, self.pending = self.pending[:count], self.pending[count:]
         used = list(dict.fromkeys(p for p, _ in taken))
         local = {p: i for i, p in enumerate(used)}
-        return [self.prompts[p] for p in used], [local[p] for p, _ in taken], [seq for _, seq in taken]
+        prompts = [self.prompts[p] for p in used]
+        waiting = {p for p, _ in self.pending}
+        for p in used:  # (a prompt no completion waits for any more)
+            if p not in waiting:
+                del self.prompts[p]
+        return prompts, [local[p] for p, _ in taken], [seq for _, seq in taken]
 
     @property
     def waiting(self) -> list[list[int]]:
@@ -68,26 +99,57 @@ class Refill:
         return rows
 
 
+class CallSetup:
+    """What the steps of a call run inside (`RolloutEngine.inside`: inference mode, the rollout's attention, linear
+    routes and merged LoRA, the modules in eval mode), entered at once; `paused` leaves it for a while."""
+
+    def __init__(self, enter: Callable[[], AbstractContextManager[Any]]):
+        self._enter, self._stack = enter, ExitStack()
+        self._stack.enter_context(enter())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Outside the setup inside the block (the modules in their own modes and attention, LoRA unmerged, autograd
+        on), inside it again after."""
+        self._stack.close()
+        try:
+            yield
+        finally:
+            self._stack = ExitStack()
+            self._stack.enter_context(self._enter())
+
+
+@dataclass
 class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
-    `done`; `output` is its result (made once). Made by the engine with its ``step`` (rows, call -> rows still
-    active), ``compiled_so_far`` (`CompiledSoFar`), its value when the call began
-    (``compiled_before``), whether its steps run ``compiled``, and the completions ``waiting`` for room (`Refill`)."""
+    `done`; `output` is its result (made once). Made by the engine with its ``step_fn`` (rows, call -> rows still
+    active), ``compiled_so_far`` (`CompiledSoFar`), its value when the call began (``compiled_before``), whether its
+    steps run ``compiled``, the completions ``waiting`` for room (`Refill`), the ``setup`` its steps run inside and
+    the ``capacity`` of its caches, in tokens of prompt and completion per row.
 
-    def __init__(
-        self,
-        step: Callable[[ActiveRows, Generation], ActiveRows],
-        compiled_so_far: Callable[[], CompiledSoFar],
-        compiled_before: CompiledSoFar,
-        compiled: bool,
-        call: Generation,
-        rows: ActiveRows,
-        waiting: Refill,
-    ):
-        self._step, self._compiled_so_far, self._compiled = step, compiled_so_far, compiled
-        self.call, self.rows, self.waiting = call, rows, waiting
-        self._compiled_before = compiled_before
-        self._output: GenerationOutput | None = None
+    A call may also span generations: `extend` takes in more completions while it runs, `hand_over` gives back those
+    of one generation once they all ended (the others decoding on), and `paused` leaves the call's setup for work
+    between steps, such as scoring and training the drafters on what was handed over."""
+
+    step_fn: Callable[[ActiveRows, Generation], ActiveRows]
+    compiled_so_far: Callable[[], CompiledSoFar]
+    compiled_before: CompiledSoFar
+    compiled: bool
+    call: Generation
+    rows: ActiveRows
+    waiting: Refill
+    setup: CallSetup
+    capacity: int
+    handed_over: int = 0  # parts given back (`hand_over`)
+    _output: GenerationOutput | None = None
+    _free: list[int] = field(default_factory=list)  # noise rows of completions handed over, for those taken in later
+    _slots: int = -1  # noise rows (`Sequence.index`) so far
+
+    def __post_init__(self) -> None:
+        self._slots = len(self.call.seqs)
 
     @property
     def done(self) -> bool:
@@ -99,25 +161,83 @@ class Decoding:
         """Take in the completions that fit (`Refill`), then decode one step."""
         self.rows = self.waiting(self.rows, self.call)
         if not self.done:  # (all the rows taken in may have ended at their first token)
-            self.rows = self._step(self.rows, self.call)
+            self.rows = self.step_fn(self.rows, self.call)
 
     def finish(self) -> None:
         """Step until every row is done."""
         while not self.done:
             self.step()
 
+    def paused(self) -> AbstractContextManager[None]:
+        """Between steps, outside the call's setup inside the block (`CallSetup.paused`)."""
+        return self.setup.paused()
+
+    def extend(
+        self, prompt_ids: list[list[int]], num_generations: int, uniforms: torch.Tensor | None
+    ) -> list[Sequence]:
+        """Take ``num_generations`` completions of each of ``prompt_ids`` into the call, after those waiting (they join
+        as rows free up); ``uniforms`` ``[len(prompt_ids) * num_generations, max_new_tokens]`` pick their sampled tokens
+        (None when greedy). Returns their sequences, prompt-major, for `hand_over`."""
+        call = self.call
+        if call.parking is not None:
+            raise ValueError("a call with tools takes no completions in after it began")
+        check_prompts(prompt_ids, num_generations, call.params, uniforms)
+        longest = max(map(len, prompt_ids))
+        if call_length(longest, call.params.max_new_tokens) > self.capacity:
+            raise ValueError(
+                f"a prompt of {longest} tokens does not fit the call's caches, made for {self.capacity} tokens of "
+                "prompt and completion (`RolloutEngine.reserve` sizes them for the longest)"
+            )
+        total = len(prompt_ids) * num_generations
+        reused, self._free = self._free[:total], self._free[total:]
+        slots = reused + list(range(self._slots, self._slots + total - len(reused)))
+        self._slots += total - len(reused)
+        noise = call.params.noise(total, None, uniforms, self.rows.ids.device)
+        if noise is not None:
+            if reused:
+                call.noise[host_to_device(reused, noise.device)] = noise[: len(reused)]
+            call.noise = torch.cat([call.noise, noise[len(reused) :]])
+        seqs = [Sequence(slot, 0, hidden=[] if call.capture else None) for slot in slots]
+        call.seqs += seqs
+        self.waiting.add(prompt_ids, seqs, num_generations)
+        return seqs
+
+    def ended(self, seqs: list[Sequence]) -> bool:
+        """Whether every one of ``seqs`` ended (none is live, waits on a tool or for room)."""
+        parked = self.call.parking.rows.values() if self.call.parking is not None else []
+        busy = {id(s) for s in self.rows.seqs} | {id(s) for _, s in self.waiting.pending}
+        busy |= {id(p.seq) for p in parked}
+        return not any(id(s) in busy for s in seqs)
+
+    def hand_over(self, seqs: list[Sequence]) -> GenerationOutput:
+        """The output of ``seqs``, completions of the call that all ended (`ended`), with the call's statistics since
+        the part handed over before (begun afresh after); the call goes on without them."""
+        if not self.ended(seqs):
+            raise RuntimeError("a completion handed over has not ended: step the call until it has")
+        self._finish_stats()
+        out = self.call.output(seqs)
+        handed = {id(s) for s in seqs}
+        self.call.seqs = [s for s in self.call.seqs if id(s) not in handed]
+        self._free += [s.index for s in seqs]
+        self.call.stats, self.compiled_before = GenerationStats(), self.compiled_so_far()
+        self.handed_over += 1
+        return out
+
     def output(self) -> GenerationOutput:
-        """The completions (every row must be done), with the call's statistics: its decoding time is that of its
-        steps, and what the engine compiled (and ran eagerly though compiled) during them."""
+        """The completions (every row must be done) not handed over, with the call's statistics: its decoding time is
+        that of its steps, and what the engine compiled (and ran eagerly though compiled) during them."""
         if not self.done:
             raise RuntimeError("the generation call still has live rows: step it until done")
         if self._output is None:
-            stats, before, after = self.call.stats, self._compiled_before, self._compiled_so_far()
-            stats.decode_time = sum(stats.step_times)
-            stats.compiled = self._compiled
-            stats.compile_time, stats.compile_graphs = after.seconds - before.seconds, after.graphs - before.graphs
-            stats.compile_shapes = after.shapes - before.shapes
-            eager = {name: n - before.eager_calls.get(name, 0) for name, n in after.eager_calls.items()}
-            stats.eager_fallbacks = {name: n for name, n in eager.items() if n}
+            self._finish_stats()
             self._output = self.call.output()
         return self._output
+
+    def _finish_stats(self) -> None:
+        stats, before, after = self.call.stats, self.compiled_before, self.compiled_so_far()
+        stats.decode_time = sum(stats.step_times)
+        stats.compiled = self.compiled
+        stats.compile_time, stats.compile_graphs = after.seconds - before.seconds, after.graphs - before.graphs
+        stats.compile_shapes = after.shapes - before.shapes
+        eager = {name: n - before.eager_calls.get(name, 0) for name, n in after.eager_calls.items()}
+        stats.eager_fallbacks = {name: n for name, n in eager.items() if n}

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
-from fastgrpo.rollout.decoding import CompiledSoFar, Decoding, Refill
+from fastgrpo.rollout.decoding import CallSetup, CompiledSoFar, Decoding, Refill, check_prompts
 from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Proposal
 from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
@@ -116,14 +116,12 @@ class RolloutEngine:
 
     def reserve(self, rows: int, length: int) -> None:
         """Make the caches, when a call next makes them, large enough for any call of up to ``rows`` completions of
-        ``length`` tokens each (`call_length`), so that a run's calls all write the same buffers: compiled steps then
-        meet the same static addresses and extents in every call, and a GPU's captured graphs are recorded once per
-        run rather than again whenever a longer prompt comes."""
+        ``length`` tokens each (`call_length`), so that a run's calls all write the same buffers: compiled steps meet
+        the same addresses and extents in every call, and a GPU's graphs are captured once per run."""
         self.reserved = (rows, length)
 
     def release(self) -> None:
-        """Free the KV caches kept for the next call (the target's and the drafters'), so that the memory serves
-        other work until the next call allocates them again (at new addresses, which compiled steps record anew)."""
+        """Free the KV caches kept for the next call (the target's and the drafters'), which makes them anew."""
         self.cache = None
         for drafter in self.drafters.values():
             drafter.release()
@@ -167,16 +165,39 @@ class RolloutEngine:
         """`generate` one step at a time: the call, prefilled, to `Decoding.step` until `Decoding.done` inside the
         block, then `Decoding.output`. Each step runs inside the block's setup (inference mode, the rollout's
         attention, linear routes and merged LoRA), so that the steps of two engines' calls can alternate (their
-        blocks nested) and be timed side by side."""
-        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
-            raise ValueError("every prompt must have at least one token")
-        expected = (len(prompt_ids) * num_generations, params.max_new_tokens)
-        if uniforms is not None and tuple(uniforms.shape) != expected:
-            raise ValueError(f"uniforms must have shape {expected}, got {tuple(uniforms.shape)}")
+        blocks nested) and be timed side by side. The call may take in more completions as it runs and hand over those
+        of each generation as they end (`Decoding.extend`, `Decoding.hand_over`)."""
+        check_prompts(prompt_ids, num_generations, params, uniforms)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
+        setup = CallSetup(self.inside)
+        try:
+            total = len(prompt_ids) * num_generations
+            noise = params.noise(total, generator, uniforms, self.device)
+            parking = None if turns is None else Parking(turns)
+            eos = self.eos.to(self.device)
+            call = Generation.start(total, params, eos, noise, self.tokenizer, capture_hidden, parking)
+            compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
+            at_once = total if max_rows is None else min(total, max_rows)
+            waiting = Refill(self.admit, {}, [], at_once)
+            waiting.add(prompt_ids, call.seqs, num_generations)
+            length = self._begin(call, at_once, max(map(len, prompt_ids)))
+            begun, row_prompt, seqs = waiting.take(at_once)
+            rows = prefill(self, begun, row_prompt, seqs, call, waiting=waiting.waiting)
+            compiled = self.compiled_so_far, compiled_before, self.target.compiled
+            run = Decoding(self.step, *compiled, call, rows, waiting, setup, length)
+            yield run
+            if run.done:
+                run.output()  # made inside the block, as the steps' tensors were
+        finally:
+            setup.close()
+
+    @contextmanager
+    def inside(self) -> Iterator[None]:
+        """What every step of a call runs inside: inference mode, merged LoRA adapters (`merge_lora`), the rollout's
+        attention and linear routes, and the model and the drafters in eval mode (restored after)."""
         extra = tuple(m for d in self.drafters.values() for m in d.modules)
         modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
         for module, _ in modes:
@@ -190,24 +211,7 @@ class RolloutEngine:
                 nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
             ):
                 self.merged = merged if merged else outer
-                total = len(prompt_ids) * num_generations
-                noise = params.noise(total, generator, uniforms, self.device)
-                parking = None if turns is None else Parking(turns)
-                eos = self.eos.to(self.device)
-                call = Generation.start(total, params, eos, noise, self.tokenizer, capture_hidden, parking)
-                compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
-                at_once = total if max_rows is None else min(total, max_rows)
-                pending = [(i // num_generations, seq) for i, seq in enumerate(call.seqs)]
-                waiting = Refill(self.admit, prompt_ids, pending, at_once)
-                self._begin(call, at_once, max(map(len, prompt_ids)))
-                begun, row_prompt, seqs = waiting.take(at_once)
-                rows = prefill(self, begun, row_prompt, seqs, call, waiting=waiting.waiting)
-                run = Decoding(
-                    self.step, self.compiled_so_far, compiled_before, self.target.compiled, call, rows, waiting
-                )
-                yield run
-                if run.done:
-                    run.output()  # made inside the block, as the steps' tensors were
+                yield
         finally:
             self.merged = outer
             for module, training in modes:
@@ -218,10 +222,10 @@ class RolloutEngine:
         the calls of each compiled function that ran eagerly (the target's and the drafters')."""
         return CompiledSoFar.of([self.target, *self.drafters.values()])
 
-    def _begin(self, call: Generation, rows: int, prompt_len: int) -> None:
+    def _begin(self, call: Generation, rows: int, prompt_len: int) -> int:
         """Size the caches for ``rows`` rows at once of prompts up to ``prompt_len`` tokens, or for the reserved calls
         when larger (reused when big enough; zeroed once at allocation, so always finite) and tell the controller a
-        call starts."""
+        call starts; returns the tokens of prompt and completion per row they are sized for."""
         rows = self.target.rows(max(rows, self.reserved[0]))
         length = max(call_length(prompt_len, call.params.max_new_tokens), self.reserved[1])
         bound = self.controller.max_shape if self.controller is not None else None
@@ -234,6 +238,7 @@ class RolloutEngine:
             changed = [d.begin(rows, length, bound) for d in self.drafters.values()]
             self.controller.begin(draft_changed=any(changed))
         self.settle(call.params)
+        return length
 
     def settle(self, params: SamplingParams) -> None:
         """Before a call's first step, run every shape its compiled steps can meet (`settle_engine`)."""

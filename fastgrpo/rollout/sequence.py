@@ -167,15 +167,17 @@ class Generation:
         text = self.tokenizer.decode(completion[-window:], skip_special_tokens=False)
         return any(s in text for s in stop)
 
-    def output(self) -> GenerationOutput:
+    def output(self, seqs: list[Sequence] | None = None) -> GenerationOutput:
+        """The completions of ``seqs`` (by default the call's), with the call's statistics."""
+        seqs = self.seqs if seqs is None else seqs
         hidden = None
         if self.capture:
-            hidden = [torch.cat(s.hidden)[: s.prompt_len + len(s.completion_ids) - 1] for s in self.seqs]
+            hidden = [torch.cat(s.hidden)[: s.prompt_len + len(s.completion_ids) - 1] for s in seqs]
         return GenerationOutput(
-            [s.completion_ids for s in self.seqs],
-            [s.logprobs for s in self.seqs],
-            [s.finish_reason for s in self.seqs],
+            [s.completion_ids for s in seqs],
+            [s.logprobs for s in seqs],
+            [s.finish_reason for s in seqs],
             self.stats,
             hidden,
-            None if self.parking is None else [s.tool_mask for s in self.seqs],
+            None if self.parking is None else [s.tool_mask for s in seqs],
         )

@@ -135,6 +135,7 @@ class _Row:
     memory: PromptMemory
     sid: int
     read: int = 0  # completion tokens read into the memory
+    done: bool = False  # it left the call's rows (ended, or waits on a tool)
 
     def catch_up(self) -> None:
         if len(self.completion) > self.read:
@@ -187,14 +188,23 @@ class SuffixMemory:
 
     def learn(self, rollouts: list[Rollout]) -> dict[str, float]:
         """The completions are in the memory already (read while they were generated): apply the budget, to the last
-        call's prompts too (their oldest completions go first)."""
+        call's prompts too (their oldest completions go first). In a call that goes on (it spans generations,
+        `fastgrpo.rollout.decoding.Decoding.hand_over`), the prompts of its live rows are kept whole, and the others
+        it used count as used before them."""
         self.read_rows()
-        self.rows = []
+        self.rows = [row for row in self.rows if not row.done]
+        live = {id(row.memory) for row in self.rows}
+        if live:
+            self.calls += 1
+            for row in self.rows:
+                row.memory.last_used = self.calls
         self.evict()
         over = self.tokens - self.budget
         for mem in sorted(self.prompts.values(), key=lambda m: -m.tokens):
             if over <= 0:
                 break
+            if id(mem) in live:
+                continue
             before = mem.tokens
             mem.trim(max(before - over, len(mem.prompt)))
             over -= before - mem.tokens
@@ -277,6 +287,7 @@ class SuffixDrafter(Drafter):
         for i, row in enumerate(self.rows):
             if i not in kept:  # a finished row's last tokens, for its siblings still decoding
                 row.catch_up()
+                row.done = True
         self.rows = [self.rows[i] for i in order]
 
     def park(self, positions: list[int]) -> list[Any]:
@@ -286,6 +297,7 @@ class SuffixDrafter(Drafter):
         return parked
 
     def rejoin(self, state: _Row, emitted: Emitted) -> None:
+        state.done = False
         if not self.reads_tool_results:  # the next turn starts a sequence of its own (as a completion does)
             state.sid, state.read = state.memory.add([], room=ROW_CELLS), len(state.completion)
         self.rows.append(state)  # otherwise the tool turn is read from its completion, as any of its tokens
