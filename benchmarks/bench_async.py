@@ -9,7 +9,8 @@ completions of up to 128 tokens per optimizer step), ``--steps`` steps each, one
 Per run: completion tokens trained per second (the steps' completion tokens over the sum of their ``time/step``,
 which the training process spends generating or waiting for a generation as well as training), the mean reward of
 the last half of the steps, and for the asynchronous runs the samples' mean staleness, the training process's
-seconds waiting for generations and the rollout process's waiting for weights, per step.
+seconds waiting for generations and the rollout process's waiting for weights, per step, and the share of the rollout
+process's decoding steps that decoded completions of two generations (the next one taking the last one's rows).
 
     python benchmarks/bench_async.py [--steps 20] [--max-staleness 1 4]
 """
@@ -65,6 +66,7 @@ def row(name: str, logged: list[dict]) -> list[object]:
     per_second = tokens / seconds
     print(f"{name}: {per_second:.1f} completion tokens trained per second, reward {reward:.3f}", flush=True)
     waits = [mean("async/staleness"), mean("async/trainer_wait_seconds"), mean("async/rollout_wait_seconds")]
+    waits.append(mean("async/overlapped_step_share"))
     return [name, len(logged), f"{tokens:.0f}", f"{seconds:.1f}", f"{per_second:.1f}", f"{reward:.3f}", *waits]
 
 
@@ -87,7 +89,7 @@ def main() -> None:
     record.table(
         f"Two processes, {args.steps} steps of the default run each: completion tokens trained per second",
         ["run", "steps", "completion tokens", "step seconds", "tokens/s", "ratio", "late reward", "staleness",
-         "trainer wait s", "rollout wait s"],
+         "trainer wait s", "rollout wait s", "overlapped steps"],
         table,
     )  # fmt: skip
     record.save()
