@@ -186,7 +186,7 @@ class TrainingRollouts:
         max_rows: int | None = None,
     ) -> Iterator[Decoding]:
         """`generate` one step at a time (`RolloutEngine.decoding`): what online learning needs is kept when the
-        block ends with every row done."""
+        block ends with every row done, or, in a call that spans generations, as each is handed over (`hand_over`)."""
         uniforms = self._uniforms(params, len(prompt_ids) * num_generations, step, rank, world_size)
         waiting = self.waiting
         learners = [d.learner for d in self.drafters if d.learner is not None]

@@ -178,9 +178,11 @@ def test_lora_adapters_alone_travel_and_max_staleness_0_trains_what_one_process_
 
 def test_a_slow_trainer_keeps_every_sample_within_max_staleness(model_dir: Path, tmp_path: Path) -> None:
     """The rollout process runs ahead while the update waits, as far as the bound lets it: the samples come one step
-    stale, none more, and none is dropped. Generation 1 is due at once, so it begins in the rows of generation 0 as
-    they end, in the same engine call."""
-    logged = run(model_dir, tmp_path, 2, slow="update", max_staleness=1, importance_sampling_correction=True)
+    stale, none more, and none is dropped. Six of a generation's eight completions decode at once: generation 1 is
+    due at once, so it takes the rows of generation 0's first six as they end, beside its last two, in the same
+    engine call."""
+    options = {"max_staleness": 1, "importance_sampling_correction": True, "max_inflight_tasks": 6}
+    logged = run(model_dir, tmp_path, 2, slow="update", **options)
     staleness = [m["async/staleness"] for m in logged]
     assert staleness == [0, 1, 1], staleness
     assert all(m["async/dropped_samples"] == 0 for m in logged)
@@ -189,6 +191,14 @@ def test_a_slow_trainer_keeps_every_sample_within_max_staleness(model_dir: Path,
     # the checkpoint holds the drafters of the rollout process, which learnt from every generation (rank 0's made none)
     learners = torch.load(tmp_path / "run" / f"checkpoint-{STEPS}" / "draft" / "learners.pt", weights_only=True)
     assert learners["suffix"]["calls"] >= STEPS and learners["suffix"]["prompts"]
+
+
+def test_generations_whose_completions_end_in_the_prefill_are_sent(model_dir: Path, tmp_path: Path) -> None:
+    """One token per completion: every generation of the rollout process's call ends as it is taken in, and each is
+    sent all the same."""
+    logged = run(model_dir, tmp_path, 2, max_staleness=1, max_completion_length=1)
+    assert [m["step"] for m in logged] == list(range(1, STEPS + 1))
+    assert all(m["completions/mean_length"] == 1 for m in logged)
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -34,25 +34,26 @@ def model_draft() -> tuple[PreTrainedModel, DraftHead]:
     return model, DraftHead(model.config).double()
 
 
-def spanning(engine: RolloutEngine, params: SamplingParams, uniforms: list[torch.Tensor | None], between=None):
+def spanning(engine: RolloutEngine, params: SamplingParams, uniforms: list[torch.Tensor | None]):
     """The three generations in one call of ``AT_ONCE`` rows, each taken in once every completion before it has
-    begun, and handed over (then ``between(run)``, paused) as soon as its completions all ended; their outputs and the
-    most generations the call held at once."""
+    begun, and handed over as soon as its completions all ended (as a rollout process's call, `_span`); their outputs
+    and the most generations whose completions decoded in one step."""
     engine.reserve(AT_ONCE, call_length(max(map(len, PROMPTS)), MAX_NEW))
-    outputs, most = [], 1
+    outputs, most = [], 0
     with engine.decoding(GENERATIONS[0], params, 2, uniforms=uniforms[0], max_rows=AT_ONCE) as run:
         flight, taken = [list(run.call.seqs)], 1
-        while not run.done:
+        while True:
+            while flight and run.ended(flight[0]):
+                outputs.append(run.hand_over(flight.pop(0)))
+            if run.done:
+                break
             if not run.waiting.pending and taken < len(GENERATIONS):
                 flight.append(run.extend(GENERATIONS[taken], 2, uniforms[taken]))
                 taken += 1
-            most = max(most, sum(any(s in run.rows.seqs for s in seqs) for seqs in flight))
+            before = [sum(len(s.completion_ids) for s in seqs) for seqs in flight]
             run.step()
-            while flight and run.ended(flight[0]):
-                outputs.append(run.hand_over(flight.pop(0)))
-                if between is not None:
-                    with run.paused():
-                        between(run)
+            grew = [sum(len(s.completion_ids) for s in seqs) != b for seqs, b in zip(flight, before, strict=True)]
+            most = max(most, sum(grew))
     return outputs, most
 
 
@@ -101,8 +102,6 @@ def test_hidden_states_and_noise_rows_of_generations_taken_in(model_draft) -> No
         for p, u in zip(GENERATIONS, uniforms, strict=True)
     ]
     engine = RolloutEngine(model, [EOS])
-    rows = []
-    outputs, _ = spanning(engine, params, uniforms, between=lambda run: rows.append(run.call.noise.shape[0]))
     engine.reserve(AT_ONCE, call_length(max(map(len, PROMPTS)), MAX_NEW))
     with engine.decoding(GENERATIONS[0], params, 2, uniforms=uniforms[0], capture_hidden=True, max_rows=3) as run:
         seqs, later = list(run.call.seqs), run.extend(GENERATIONS[1], 2, uniforms[1])
@@ -111,25 +110,53 @@ def test_hidden_states_and_noise_rows_of_generations_taken_in(model_draft) -> No
         first = run.hand_over(seqs)
         third = run.extend(GENERATIONS[2], 2, uniforms[2])
         assert sorted(s.index for s in third) == sorted(s.index for s in seqs), "the noise rows handed over, reused"
+        assert run.call.noise.shape[0] == 8
         run.finish()
         second, last = run.hand_over(later), run.hand_over(third)
     for out, ref in zip([first, second, last], alone, strict=True):
         assert out.completion_ids == ref.completion_ids
         for a, b in zip(out.hidden_states, ref.hidden_states, strict=True):
             torch.testing.assert_close(a, b)
+
+
+def test_a_generation_whose_completions_all_end_in_the_prefill_is_handed_over(model_draft) -> None:
+    """One token per completion: every generation ends as it is taken in, and each is handed over all the same."""
+    model, _ = model_draft
+    params = SamplingParams(max_new_tokens=1, temperature=0)
+    alone = [RolloutEngine(model, [EOS]).generate(p, params, 2) for p in GENERATIONS]
+    engine = RolloutEngine(model, [EOS])
+    engine.reserve(4, call_length(max(map(len, PROMPTS)), MAX_NEW))
+    with engine.decoding(GENERATIONS[0], params, 2) as run:
+        assert run.done and run.ended(list(run.call.seqs))
+        outputs = [run.hand_over(list(run.call.seqs))]
+        for generation in GENERATIONS[1:]:
+            seqs = run.extend(generation, 2, None)
+            run.step()  # (the intakes alone: no decoding step)
+            outputs.append(run.hand_over(seqs))
     assert [out.completion_ids for out in outputs] == [ref.completion_ids for ref in alone]
-    assert max(rows) <= 3 * 4
 
 
 def test_a_spanning_call_refuses_what_it_cannot_take(model_draft) -> None:
     model, _ = model_draft
-    params = SamplingParams(max_new_tokens=MAX_NEW, temperature=0)
     engine = RolloutEngine(model, [EOS])
-    with engine.decoding([[1, 2]], params, 2) as run:
+    with engine.decoding([[1, 2]], SamplingParams(max_new_tokens=MAX_NEW, temperature=0), 2) as run:
         with pytest.raises(ValueError, match="a prompt of 8 tokens does not fit the call's caches"):
             run.extend([[3] * 8], 2, None)
         with pytest.raises(RuntimeError, match="has not ended"):
             run.hand_over(list(run.call.seqs))
+        with run.paused(), pytest.raises(RuntimeError, match="paused already"), run.paused():
+            pass
+        run.finish()
+        seqs = list(run.call.seqs)
+        run.hand_over(seqs)
+        with pytest.raises(ValueError, match="each once"):
+            run.hand_over(seqs)
+    sampled = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0)
+    with engine.decoding(
+        [[1, 2]], sampled, 2, uniforms=torch.rand(2, MAX_NEW, dtype=torch.float64, device="cpu")
+    ) as run:
+        with pytest.raises(ValueError, match="takes completions in with their uniforms"):
+            run.extend([[3]], 2, None)
         run.finish()
 
 
@@ -163,8 +190,9 @@ def test_drafters_learn_between_the_steps_of_a_spanning_call(tmp_path, monkeypat
                     assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
                     learnt.append(rollouts.learn())
                     live += len(suffix.rows)
-                    for row in suffix.rows:  # each live row's own sequence in its memory, as it read it
+                    for row in suffix.rows:  # each live row's memory kept, its own sequence there as it read it
                         mem, start = row.memory, min(PREFIX, len(row.memory.prompt))
+                        assert suffix.learner.prompts[tuple(mem.prompt)] is mem
                         assert mem.store.read(mem.slots[row.sid], start) == row.completion[: row.read]
     assert all("draft/loss" in m for m in learnt) and live, learnt
     assert all(m["suffix/memory_tokens"] < 64 for m in learnt), "the budget applied (live rows' prompts kept)"

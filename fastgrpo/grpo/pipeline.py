@@ -68,8 +68,9 @@ def resume_point(trainer: Generating) -> tuple[int, int]:
 
 
 def version_runs(start: int, marks: list[tuple[int, list[int]]], lengths: list[int]) -> list[list[tuple[int, int]]]:
-    """Per row, ``(first position, weight version)`` runs of its ``lengths[row]`` tokens: the call began with weights
-    ``start``, and each mark ``(version, tokens of each row then)`` took new ones before a decoding step."""
+    """Per row, ``(first position, weight version)`` runs of its ``lengths[row]`` tokens: the rows were taken into the
+    call with weights ``start`` held, and each mark ``(version, tokens of each row then)`` took new ones before a
+    decoding step (a row with no token by then begins with them)."""
     runs: list[list[tuple[int, int]]] = []
     for row, length in enumerate(lengths):
         mine = [(0, start)]

@@ -43,8 +43,9 @@ from fastgrpo.training_rollouts import drafts_folder
 @dataclass
 class InFlight:
     """A generation a rollout process's engine call decodes: its ``seqs`` (the call's sequences of its completions),
-    the weight version ``start`` they began with and the ``marks`` of the weights taken since (`version_runs`); in a
-    call that spans generations, also its dataset ``rows`` and ``prompt_ids``."""
+    the weight version ``start`` held when it was taken in and the ``marks`` of the weights taken since
+    (`version_runs`: a completion that had not begun by a mark begins with the mark's weights); in a call that spans
+    generations, also its dataset ``rows`` and ``prompt_ids``."""
 
     generation: int
     start: int
@@ -72,7 +73,8 @@ class RolloutProcess:
         self.step_began: float | None = None  # when the decoding step under way began
         self.flight: list[InFlight] = []  # the generations the engine's call decodes, oldest first
         self.waited = self.received = 0.0
-        self.steps = self.overlapped = 0  # decoding steps since the last generation sent, those of several generations
+        self.steps = self.overlapped = 0  # decoding steps since the last generation sent; those that emitted tokens of
+        # several generations' completions
         self.done = threading.Event()
 
     def run(self) -> None:
@@ -114,8 +116,8 @@ class RolloutProcess:
         """Generations ``g``, ``g + K``, ... in one engine call (`fastgrpo.rollout.decoding.Decoding.extend`), so that
         none waits for the longest completion of the one before: the next is taken in once every completion in flight
         has begun and it is due (`_due`), its completions taking finished rows' places, and each is handed over, scored
-        and sent as soon as its completions all ended. Returns the first generation not begun, once none is in
-        flight (the next is not due yet)."""
+        and sent as soon as its completions all ended. Returns the first generation not taken in once the call has no
+        completion left (the next was not due while it had room for it)."""
         trainer, cfg = self.trainer, self.cfg
         rollouts, dist_info, n = trainer.rollouts, trainer.dist, cfg.num_generations
         where = (dist_info.rank, dist_info.world_size)
@@ -125,26 +127,33 @@ class RolloutProcess:
         with distributed.gathered(trainer.model), rollouts.decoding(*args) as run:
             first.seqs, self.flight = list(run.call.seqs), [first]
             g += self.count
-            while not run.done:
+            while True:
+                while self.flight and run.ended(self.flight[0].seqs):  # (all may end in the prefill)
+                    part = self.flight.pop(0)
+                    out = rollouts.hand_over(run, part.seqs, part.prompt_ids, n)
+                    seconds = time.perf_counter() - began  # since the generation handed over before
+                    with run.paused():  # (scoring and the drafters' learning in the modules' own modes)
+                        made = cfg.made_at(part.generation)
+                        produced = scored(
+                            trainer, part.generation, made, part.rows, part.prompt_ids, out, None, seconds
+                        )
+                        self._send(self._finished(produced, part))
+                    began = time.perf_counter()
+                if run.done:
+                    return g
                 self._between_steps(run.call)
                 if not run.waiting.pending and self._due(g):
                     part = self._part(g)
                     part.seqs = rollouts.extend(run, part.prompt_ids, n, g, *where)
                     self.flight.append(part)
                     g += self.count
-                self.steps, self.overlapped = self.steps + 1, self.overlapped + (len(self.flight) > 1)
+                before = [sum(len(s.completion_ids) for s in part.seqs) for part in self.flight]
                 run.step()
                 self.step_began = None
-                while self.flight and run.ended(self.flight[0].seqs):
-                    part = self.flight.pop(0)
-                    out = rollouts.hand_over(run, part.seqs, part.prompt_ids, n)
-                    with run.paused():  # (scoring and the drafters' learning in the modules' own modes)
-                        made = cfg.made_at(part.generation)
-                        produced = scored(trainer, part.generation, made, part.rows, part.prompt_ids, out, None, 0.0)
-                        produced.metrics["time/rollout"] = time.perf_counter() - began  # since the last hand-over
-                        self._send(self._finished(produced, part))
-                    began = time.perf_counter()
-        return g
+                grew = [
+                    sum(len(s.completion_ids) for s in p.seqs) != b for p, b in zip(self.flight, before, strict=True)
+                ]
+                self.steps, self.overlapped = self.steps + 1, self.overlapped + (sum(grew) > 1)
 
     def _part(self, generation: int) -> InFlight:
         rows = self.trainer.prompts.rows(generation)

@@ -5,14 +5,15 @@ spans generations, each handed over as it ends while the next ones decode."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from fastgrpo.rollout.cache import call_length
+from fastgrpo.rollout.call_setup import CallSetup
 from fastgrpo.rollout.host import host_to_device
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence
 from fastgrpo.rollout.stats import GenerationStats
@@ -99,30 +100,7 @@ class Refill:
         return rows
 
 
-class CallSetup:
-    """What the steps of a call run inside (`RolloutEngine.inside`: inference mode, the rollout's attention, linear
-    routes and merged LoRA, the modules in eval mode), entered at once; `paused` leaves it for a while."""
-
-    def __init__(self, enter: Callable[[], AbstractContextManager[Any]]):
-        self._enter, self._stack = enter, ExitStack()
-        self._stack.enter_context(enter())
-
-    def close(self) -> None:
-        self._stack.close()
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Outside the setup inside the block (the modules in their own modes and attention, LoRA unmerged, autograd
-        on), inside it again after."""
-        self._stack.close()
-        try:
-            yield
-        finally:
-            self._stack = ExitStack()
-            self._stack.enter_context(self._enter())
-
-
-@dataclass
+@dataclass(eq=False)
 class Decoding:
     """A generation call of `RolloutEngine.decoding` in progress: `step` decodes one step of its live rows, until
     `done`; `output` is its result (made once). Made by the engine with its ``step_fn`` (rows, call -> rows still
@@ -144,9 +122,9 @@ class Decoding:
     setup: CallSetup
     capacity: int
     handed_over: int = 0  # parts given back (`hand_over`)
-    _output: GenerationOutput | None = None
-    _free: list[int] = field(default_factory=list)  # noise rows of completions handed over, for those taken in later
-    _slots: int = -1  # noise rows (`Sequence.index`) so far
+    _output: GenerationOutput | None = field(default=None, init=False)
+    _free: list[int] = field(default_factory=list, init=False)  # noise rows of completions handed over, for reuse
+    _slots: int = field(init=False)  # noise rows (`Sequence.index`) so far
 
     def __post_init__(self) -> None:
         self._slots = len(self.call.seqs)
@@ -182,6 +160,10 @@ class Decoding:
         if call.parking is not None:
             raise ValueError("a call with tools takes no completions in after it began")
         check_prompts(prompt_ids, num_generations, call.params, uniforms)
+        if uniforms is None and not call.params.greedy:
+            raise ValueError(
+                "a sampled call takes completions in with their uniforms (one per completion and position)"
+            )
         longest = max(map(len, prompt_ids))
         if call_length(longest, call.params.max_new_tokens) > self.capacity:
             raise ValueError(
@@ -212,6 +194,9 @@ class Decoding:
     def hand_over(self, seqs: list[Sequence]) -> GenerationOutput:
         """The output of ``seqs``, completions of the call that all ended (`ended`), with the call's statistics since
         the part handed over before (begun afresh after); the call goes on without them."""
+        held = {id(s) for s in self.call.seqs}
+        if len({id(s) for s in seqs}) != len(seqs) or any(id(s) not in held for s in seqs):
+            raise ValueError("hand over completions of the call, each once (not those handed over already)")
         if not self.ended(seqs):
             raise RuntimeError("a completion handed over has not ended: step the call until it has")
         self._finish_stats()

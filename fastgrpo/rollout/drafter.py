@@ -43,7 +43,8 @@ class Prefill:
     prompt of each row, ``first`` ``[R]`` each row's first sampled token and ``first_hidden`` ``[R, H]`` the hidden
     state it was drawn from. On the host: ``prompts`` the prompts' tokens, ``row_prompt`` the prompt of each row and
     ``seqs`` the rows' sequences (their completions grow as the call goes; ``seqs[i]`` is the prefill's row ``i``);
-    at a call's start, ``waiting`` the prompts it takes in later (`fastgrpo.rollout.decoding.Refill`)."""
+    at a call's start, ``waiting`` the prompts it takes in later (`fastgrpo.rollout.decoding.Refill`; not those of
+    completions `fastgrpo.rollout.decoding.Decoding.extend` adds as the call goes)."""
 
     prompt_ids: torch.Tensor
     prompt_len: torch.Tensor

@@ -18,19 +18,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.cache import RowCache, cache_slots, call_length
-from fastgrpo.rollout.decoding import CallSetup, CompiledSoFar, Decoding, Refill, check_prompts
+from fastgrpo.rollout.call_setup import CallSetup
+from fastgrpo.rollout.decoding import CompiledSoFar, Decoding, Refill, check_prompts
 from fastgrpo.rollout.drafter import Drafter, DrafterTeams, Emitted, Proposal
 from fastgrpo.rollout.forward import decoder_and_head
 from fastgrpo.rollout.host import HostStep, Verified, host_to_device
 from fastgrpo.rollout.linear import LinearRoutes
-from fastgrpo.rollout.lora import MergedAdapters, merged_lora
+from fastgrpo.rollout.lora import MergedAdapters
 from fastgrpo.rollout.prefill import prefill
 from fastgrpo.rollout.scheduling import Controller, StaticController
 from fastgrpo.rollout.sequence import ActiveRows, Generation, GenerationOutput, Sequence, fill_holes
@@ -172,7 +172,7 @@ class RolloutEngine:
             raise ValueError("stop strings need the engine to be built with a tokenizer")
         if max_rows is not None and max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
-        setup = CallSetup(self.inside)
+        setup = CallSetup(self)
         try:
             total = len(prompt_ids) * num_generations
             noise = params.noise(total, generator, uniforms, self.device)
@@ -193,29 +193,6 @@ class RolloutEngine:
                 run.output()  # made inside the block, as the steps' tensors were
         finally:
             setup.close()
-
-    @contextmanager
-    def inside(self) -> Iterator[None]:
-        """What every step of a call runs inside: inference mode, merged LoRA adapters (`merge_lora`), the rollout's
-        attention and linear routes, and the model and the drafters in eval mode (restored after)."""
-        extra = tuple(m for d in self.drafters.values() for m in d.modules)
-        modes = [(m, m.training) for m in (self.model, *extra)]  # a draft learns in training mode between calls
-        for module, _ in modes:
-            module.eval()
-        outer = self.merged  # (a call inside another's block merges nothing more)
-        try:
-            with (
-                torch.inference_mode(),
-                merged_lora(self.model) if self.merge_lora else nullcontext(MergedAdapters()) as merged,
-                rollout_attention(self.model, *extra),
-                nullcontext() if self.target.compiled else self.routes.applied(self.model, *extra),
-            ):
-                self.merged = merged if merged else outer
-                yield
-        finally:
-            self.merged = outer
-            for module, training in modes:
-                module.train(training)
 
     def compiled_so_far(self) -> CompiledSoFar:
         """Wall time spent so far in steps that compiled a graph, the graphs they compiled, the shapes they met, and

@@ -176,7 +176,8 @@ class SuffixMemory:
         return sum(m.tokens for m in self.prompts.values())
 
     def evict(self) -> None:
-        """Drop the prompts used most recently, those of the current call excepted, until within the budget."""
+        """Drop the prompts used most recently, those used since the call began or the last `learn` excepted, until
+        within the budget."""
         total = self.tokens
         order = sorted((m for m in self.prompts.values() if m.last_used < self.calls), key=lambda m: -m.last_used)
         for mem in order:
@@ -298,6 +299,8 @@ class SuffixDrafter(Drafter):
 
     def rejoin(self, state: _Row, emitted: Emitted) -> None:
         state.done = False
+        if all(row is not state for row in self.learner.rows):  # (a `learn` while it waited let it go)
+            self.learner.rows.append(state)
         if not self.reads_tool_results:  # the next turn starts a sequence of its own (as a completion does)
             state.sid, state.read = state.memory.add([], room=ROW_CELLS), len(state.completion)
         self.rows.append(state)  # otherwise the tool turn is read from its completion, as any of its tokens
