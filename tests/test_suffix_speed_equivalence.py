@@ -265,12 +265,12 @@ def run_call(rng, drafter: SuffixDrafter, ref: RefDrafter, prompts, completions,
     while True:
         keep = [k for k, i in enumerate(live) if len(seqs[i].completion_ids) < len(completions[i])]
         if len(keep) < len(live):
-            if not keep:
-                break
             order = fill_holes(keep)
-            drafter.select(order, torch.tensor(order))
+            drafter.select(order, torch.tensor(order, dtype=torch.long))  # (as the engine does when none is left too)
             ref.select(order)
             live = [live[k] for k in order]
+            if not keep:
+                break
         shape = TreeShape(rng.choice(sizes), 1, 16, "suffix")
         active = [seqs[i] for i in live]
         zeros = torch.zeros(len(live), dtype=torch.long)
