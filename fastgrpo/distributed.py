@@ -31,7 +31,8 @@ class DistInfo:
     rank: int
     world_size: int
     device: torch.device
-    rollout: bool = False  # a rollout process (`rollout_processes`): it generates what training rank ``rank`` trains
+    rollout: bool = False  # a rollout process (`rollout_processes`): it generates for every training process
+    shares: int = 1  # a rollout process: the training processes each of its generations is cut into shares for
 
     @property
     def is_main(self) -> bool:
@@ -73,7 +74,7 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
 
 def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_processes: int = 0) -> DistInfo:
     """Join the job torchrun started (once per process; later calls return the same answer); with
-    ``rollout_processes``, rank 0 trains and the other ranks are rollout processes (its group is the one the
+    ``rollout_processes``, the last ranks are rollout processes and the others train (their group is the one the
     collectives here use)."""
     global _TRAINING, _MESSAGES, _ROLLOUT
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
@@ -90,18 +91,21 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_p
             device_id=device if device.type == "cuda" else None,
         )
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if rollout_processes and world != rollout_processes + 1:
+    if rollout_processes and world <= rollout_processes:
         raise ValueError(
-            f"rollout_processes: {rollout_processes} rollout processes train with one training process: start "
-            f"{rollout_processes + 1} processes with torchrun (--nproc_per_node), not {world}"
+            f"rollout_processes: {rollout_processes} rollout processes need a training process besides: start at "
+            f"least {rollout_processes + 1} processes with torchrun (--nproc_per_node), not {world}"
         )
     if not dist.is_initialized():
         return DistInfo(0, 1, device)
     if rollout_processes and _TRAINING is None:  # made by every process, once, in the same order
         _TRAINING = dist.new_group(list(range(world - rollout_processes)))
         _MESSAGES = dist.new_group(backend="gloo")
-    rollout = _ROLLOUT = dist.get_rank() >= world - rollout_processes
-    return DistInfo(0 if rollout else dist.get_rank(), world - rollout_processes, device, rollout)
+    training = world - rollout_processes
+    _ROLLOUT = dist.get_rank() >= training
+    if _ROLLOUT:  # it generates the whole job's generations, a share for each training process
+        return DistInfo(0, 1, device, rollout=True, shares=training)
+    return DistInfo(dist.get_rank(), training, device)
 
 
 def shutdown() -> None:

@@ -37,11 +37,11 @@ DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integr
 SCHEDULE = "schedule.json"
 
 
-def drafts_folder(rank: int) -> str:
-    """The folder of a checkpoint that the drafters of the job's rank ``rank`` are saved in: ``draft`` for the first
-    rollout process (and any run's only one), which a run without rollout processes reads; ``draft-rank{rank}`` for
-    the others."""
-    return DRAFT_DIR if rank <= 1 else f"{DRAFT_DIR}-rank{rank}"
+def drafts_folder(number: int) -> str:
+    """The folder of a checkpoint that the drafters of the job's ``number``-th rollout process (from 1; its rank where
+    one process trains) are saved in: ``draft`` for the first (and any run's only one), which a run without rollout
+    processes reads; ``draft-rank{number}`` for the others."""
+    return DRAFT_DIR if number <= 1 else f"{DRAFT_DIR}-rank{number}"
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:

@@ -121,11 +121,12 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
         distributed.shutdown()
 
 
-def run(model_dir: Path, root: Path, processes: int, slow: str = "", **overrides) -> list[dict]:
-    """A run of one process, or of a training process and ``processes - 1`` rollout processes; its logged steps."""
+def run(model_dir: Path, root: Path, processes: int, slow: str = "", trainers: int = 1, **overrides) -> list[dict]:
+    """A run of ``processes`` processes: ``trainers`` training processes (DDP) and the others rollout processes; its
+    logged steps."""
     out = root / "run"
-    if processes > 1:
-        overrides["rollout_processes"] = processes - 1
+    if processes > trainers:
+        overrides["rollout_processes"] = processes - trainers
     config = write_config(model_dir, out, **overrides)
     fork_ranks(_train, (processes, free_port(), str(config), slow), nprocs=processes)
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -152,6 +153,31 @@ def test_max_staleness_0_trains_exactly_what_one_synchronous_process_trains(
     initial = load_file(str(model_dir / "model.safetensors"))
     assert any(not torch.equal(one[k], initial[k]) for k in one), "the updates should move the weights"
     assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_two_training_processes_with_a_rollout_process_train_what_two_synchronous_processes_train(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Two training processes (DDP) and a rollout process that makes each generation for both, a share each (the
+    prompts and uniforms each would have sampled itself): with no sample stale, the rewards, losses and weights of two
+    synchronous processes; and at max_staleness 1, every sample within the bound, on both."""
+    (tmp_path / "async").mkdir()
+    (tmp_path / "sync").mkdir()
+    (tmp_path / "stale").mkdir()
+    expected = run(model_dir, tmp_path / "sync", 2, trainers=2)
+    logged = run(model_dir, tmp_path / "async", 3, trainers=2, max_staleness=0)
+    assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
+    assert [m["completions/mean_length"] for m in logged] == [m["completions/mean_length"] for m in expected]
+    assert [m["num_tokens"] for m in logged] == [m["num_tokens"] for m in expected]
+    torch.testing.assert_close([m["loss"] for m in logged], [m["loss"] for m in expected], rtol=0, atol=1e-12)
+    one, two = (
+        load_file(str(tmp_path / name / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
+        for name in ("sync", "async")
+    )
+    assert all(torch.allclose(one[k], two[k], rtol=0, atol=1e-12) for k in one)
+    stale = run(model_dir, tmp_path / "stale", 3, trainers=2, max_staleness=1, max_inflight_tasks=12)
+    assert all(m["async/staleness"] <= 1 and m["async/token_lag/max"] <= 1 for m in stale)
+    assert [m["step"] for m in stale] == list(range(1, STEPS + 1))
 
 
 def test_lora_adapters_alone_travel_and_max_staleness_0_trains_what_one_process_trains(
@@ -239,8 +265,8 @@ def test_a_sample_past_max_staleness_is_dropped_and_counted(monkeypatch: pytest.
     monkeypatch.setattr(feed, "_tell", lambda kind: told.append((kind, feed.next, feed.dropped)))
     batch = type("Batch", (), {"completion_mask": torch.ones(2, 3)})()
     feed.items = {
-        2: Produced(2, batch, {}, [], [3, 3], [[(0, 3)], [(0, 3)]]),  # two steps stale: dropped
-        3: Produced(3, batch, {}, [], [3, 3], [[(0, 4), (1, 5)], [(0, 4)]]),
+        2: Produced(2, batch, {}, [], [3, 3], [[(0, 3)], [(0, 3)]], oldest=3),  # two steps stale: dropped
+        3: Produced(3, batch, {}, [], [3, 3], [[(0, 4), (1, 5)], [(0, 4)]], oldest=4),
     }
     taken = feed.take()
     assert taken.generation == 3 and feed.next == 4 and feed.dropped == 1
@@ -273,7 +299,7 @@ def _job(rank: int, world: int, port: int, config: str, errors: str, resume: boo
     def staled(data: torch.Tensor) -> Produced:
         produced = received(data)
         if produced.generation == stale:
-            produced.versions = [[(0, -10)] for _ in produced.versions]
+            produced.versions, produced.oldest = [[(0, -10)] for _ in produced.versions], -10
         return produced
 
     def taking(self: RolloutFeed) -> Produced:
@@ -475,7 +501,7 @@ def test_asynchronous_options_are_checked(options: list[str], error: str) -> Non
 
 
 def test_rollout_processes_need_their_processes() -> None:
-    with pytest.raises(ValueError, match="start 3 processes with torchrun"):
+    with pytest.raises(ValueError, match="need a training process besides: start at least 3 processes with torchrun"):
         distributed.init("cpu", 60, rollout_processes=2)
 
 

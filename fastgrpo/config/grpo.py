@@ -209,8 +209,8 @@ class GRPOConfig(StepCounts, GRPOChecks):
     # asynchronous GRPO (as TRL's AsyncGRPOConfig)
     rollout_processes: int = option(
         0,
-        help="under torchrun with this many processes more, rank 0 trains and the others only generate, on the newest "
-        "weights they hold, taken between decoding steps (asynchronous GRPO); 0: every process generates, then trains",
+        help="under torchrun, the last this many processes only generate, on the newest weights they hold, taken "
+        "between decoding steps, and the others train (asynchronous GRPO); 0: every process generates, then trains",
         valid=Range(0),
     )
     max_staleness: int = option(
@@ -220,7 +220,7 @@ class GRPOConfig(StepCounts, GRPOChecks):
         valid=Range(0),
     )
     weight_sync_steps: int = option(1, help="optimizer steps between weights sent to rollout processes", valid=Range(1))
-    queue_maxsize: int = option(1024, help="completions generated ahead and not yet trained, at most", valid=Range(1))
+    queue_maxsize: int = option(1024, help="completions generated ahead, untrained, per trainer", valid=Range(1))
     heartbeat_stale_after_s: float = option(
         300.0,
         help="seconds a process waits for a rollout process that sends nothing before the run stops, naming it",

@@ -104,6 +104,14 @@ class StepCounts:
         per_epoch = max(math.ceil(micro_batches / self.gradient_accumulation_steps), 1)
         return dataclasses.replace(self, max_steps=max(math.ceil(self.num_train_epochs * per_epoch), 1))
 
+    def for_shares(self, shares: int) -> Any:
+        """This config as a rollout process reads it that makes each generation for ``shares`` training processes, a
+        share each (`fastgrpo.grpo.rollout_process`): one process of ``shares`` times their batch and queue."""
+        if shares == 1:
+            return self
+        per_device, queue = self.per_device_train_batch_size * shares, self.queue_maxsize * shares
+        return dataclasses.replace(self, per_device_train_batch_size=per_device, queue_maxsize=queue)
+
     @property
     def warmup_optimizer_steps(self) -> int:
         """Optimizer steps warming the learning rate up: ``warmup_steps`` as transformers reads it (a share of the

@@ -86,9 +86,9 @@ def windows(rows: int, count: int, seed: int, generation: int, rank: int) -> lis
 @dataclass
 class Produced:
     """A generation sampled and scored, before the update reads its log-probs (`prepare`): made by `produce`, on this
-    process or on a rollout process (`fastgrpo.grpo.pipeline`), which sends it whole with ``lengths``, each row's
-    completion tokens, and ``versions``, per row the weight version of its tokens as ``(first position, version)``
-    runs."""
+    process or on a rollout process (`fastgrpo.grpo.pipeline`), which sends it whole, or a share to each training
+    process, with ``lengths``, each row's completion tokens, ``versions``, per row the weight version of its tokens as
+    ``(first position, version)`` runs, and ``oldest``."""
 
     generation: int
     batch: RolloutBatch
@@ -96,6 +96,7 @@ class Produced:
     samples: list[tuple[Any, str, float, dict[str, Any]]]
     lengths: list[int] | None = None
     versions: list[list[tuple[int, int]]] | None = None
+    oldest: int = 0  # the weight version of the generation's oldest token (of every share)
 
 
 def generate(trainer: Generating, generation: int, step: int) -> Generation:

@@ -1,16 +1,17 @@
-"""Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training process trains.
+"""Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training processes train.
 
-Under torchrun with ``rollout_processes: K``, rank 0 trains and the job's other K ranks are rollout processes. A
-rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by rollout process ``1 + g mod
-K``) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
-sends each, whole (`Produced`), as soon as its completions all ended, to the training process, which trains on them in
-order and sends its weights to every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken
-between decoding steps: rows in flight go on with them (their cache from the older weights kept), and every token's
-weight version is recorded (`Produced.versions`). A sample's staleness is the optimizer steps between its oldest
-token's weights and those its update starts from. A rollout process starts no generation whose samples would train more
-than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions generated and not yet trained; a sample
-that comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the update
-corrects for the older weights with the sampler's log-probabilities.
+Under torchrun with ``rollout_processes: K``, the job's last K ranks are rollout processes and the others train (DDP).
+A rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by the rollout process ``1 + g
+mod K``) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
+sends each (`Produced`), as soon as its completions all ended, whole to the training process, or to each training
+process its share (the rows it would have sampled itself). They train on them in order, and rank 0 sends its weights to
+every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken between decoding steps: rows
+in flight go on with them (their cache from the older weights kept), and every token's weight version is recorded
+(`Produced.versions`). A sample's staleness is the optimizer steps between its oldest token's weights and those its
+update starts from. A rollout process starts no generation whose samples would train more than ``max_staleness`` steps
+late, nor one past ``queue_maxsize`` completions per training process generated and not yet trained; a sample that
+comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the update corrects
+for the older weights with the sampler's log-probabilities.
 
 Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting; apart
 for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
@@ -60,6 +61,12 @@ def _received(data: torch.Tensor) -> Any:
     return pickle.loads(data.numpy().tobytes())
 
 
+def share_box(rollout: int, trainer: int) -> str:
+    """The mailbox through which the rollout process of rank ``rollout`` tells the training process of rank
+    ``trainer`` of its shares, its failure and its goodbye; rank 0's also carries its heartbeats and the rest."""
+    return f"up/{rollout}" if trainer == TRAINER else f"up/{rollout}/{trainer}"
+
+
 def resume_point(trainer: Generating) -> tuple[int, int]:
     """The first generation of a run begun or resumed at ``trainer.start_step``, the drops before it (see
     `RolloutFeed.state`)."""
@@ -107,11 +114,13 @@ class RolloutFeed:
                 "the update's; importance_sampling_correction: true corrects for them",
                 cfg.max_staleness,
             )
-        self.group, self.ranks = distributed.message_group(), list(range(1, cfg.rollout_processes + 1))
+        self.group, world, me = distributed.message_group(), dist.get_world_size(), dist.get_rank()
+        self.ranks, self.main = list(range(world - cfg.rollout_processes, world)), me == TRAINER
         session = Mailbox.session(self.group)
         check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
-        self.up = {rank: Mailbox(f"up/{rank}", session) for rank in self.ranks}
-        self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks}
+        self.up = {rank: Mailbox(share_box(rank, me), session) for rank in self.ranks}  # (rank 0's: every message)
+        self.beating = {rank: Mailbox(share_box(rank, TRAINER), session) for rank in self.ranks}  # (its heartbeats)
+        self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks} if self.main else {}
         self.version = trainer.start_step
         self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
         self.params = synced_parameters(trainer.model)  # what `after_step` sends, as a rollout process receives it
@@ -141,7 +150,7 @@ class RolloutFeed:
                     raise self._failed(self.error)
                 produced, queued = self.items.pop(self.next), len(self.items)
             self.next += 1
-            oldest = min(runs[0][1] for runs in produced.versions)
+            oldest = produced.oldest  # (of the whole generation: every training process drops the same)
             if self.version - oldest <= self.cfg.max_staleness:
                 break
             self.dropped += 1
@@ -171,6 +180,8 @@ class RolloutFeed:
         dead or failed meanwhile (its sends would wait for the process group's timeout) stops the run."""
         t0 = time.monotonic()
         sending, self.sending = self.sending, []
+        if not sending:  # (no weights sent since: on other training processes than rank 0, always)
+            return
         done, failed = threading.Event(), []
 
         def wait() -> None:  # (a gloo send tells that it completed only to its `wait`)
@@ -193,7 +204,7 @@ class RolloutFeed:
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
         self.version = version
-        if version % self.cfg.weight_sync_steps == 0:
+        if self.main and version % self.cfg.weight_sync_steps == 0:
             t0 = time.monotonic()
             self._tell(WEIGHTS)
             for rank in self.ranks:
@@ -214,7 +225,12 @@ class RolloutFeed:
                 self.ready.wait(0.05)
 
     def close(self) -> None:
-        """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent)."""
+        """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent); on another
+        training process than rank 0, wait until each has said goodbye (rank 0 stops them)."""
+        if not self.main:  # its shares come until rank 0 stopped the rollout processes and each said goodbye
+            self.thread.join(self.cfg.heartbeat_stale_after_s)
+            self.closing = True
+            return
         self._tell(STOP)
         try:
             if self.error is None:
@@ -245,7 +261,7 @@ class RolloutFeed:
         try:
             while live and not self.closing:
                 for rank in sorted(live):
-                    messages, count = self.up[rank].poll(), self.up[rank].beats()
+                    messages, count = self.up[rank].poll(), self.beating[rank].beats()
                     if messages or count != beats[rank]:
                         seen[rank], beats[rank] = time.monotonic(), count
                     for kind, size, generation, _, text in messages:

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from fastgrpo import distributed
 from fastgrpo.device_memory import reset_peak_memory
+from fastgrpo.grpo.batch import select_rows
 from fastgrpo.grpo.generation import Generating, Produced, produce, scored
 from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.grpo.pipeline import (
@@ -32,6 +34,7 @@ from fastgrpo.grpo.pipeline import (
     Stopped,
     payload,
     resume_point,
+    share_box,
     version_runs,
 )
 from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
@@ -55,17 +58,38 @@ class InFlight:
     marks: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
+def share(produced: Produced, trainer: int, shares: int) -> Produced:
+    """The rows of ``produced`` that training process ``trainer`` of ``shares`` trains: the ones it would have sampled
+    itself (a generation's prompts and uniforms are cut into consecutive shares, `fastgrpo.grpo.prompts`). The
+    generation's metrics and samples go with the first share alone (a job's metrics are reduced over its training
+    processes, `distributed.reduce_metrics`: a figure only one holds is that one's)."""
+    rows = produced.batch.completion_mask.shape[0] // shares
+    index = torch.arange(trainer * rows, (trainer + 1) * rows, device="cpu")
+    first = trainer == 0
+    part = slice(trainer * rows, (trainer + 1) * rows)
+    return Produced(
+        produced.generation,
+        select_rows(produced.batch, index),
+        produced.metrics if first else {},
+        produced.samples if first else [],
+        produced.lengths[part],
+        produced.versions[part],
+        produced.oldest,
+    )
+
+
 class RolloutProcess:
     """The loop of a rollout process (`run`): ``trainer`` is the run's `GRPOTrainer` built on it."""
 
     def __init__(self, trainer: Generating):
         cfg = self.cfg = trainer.config
         self.trainer, self.group = trainer, distributed.message_group()
-        rank = dist.get_rank()
-        self.index, self.count = rank - 1, cfg.rollout_processes
+        rank, self.shares = dist.get_rank(), trainer.dist.shares  # (the job's ranks before this one's train)
+        self.index, self.count = rank - self.shares, cfg.rollout_processes
         session = Mailbox.session(self.group)
         check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
-        self.up, self.down = Mailbox(f"up/{rank}", session), Mailbox(f"down/{rank}", session)
+        self.boxes = [Mailbox(share_box(rank, to), session) for to in range(self.shares)]
+        self.up, self.down = self.boxes[0], Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
         self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
@@ -93,18 +117,23 @@ class RolloutProcess:
                     self._send(self._produce(g))
                     g += self.count
         except Stopped:
-            self.up.post(BYE)
+            for box in self.boxes:
+                box.post(BYE)
         except BaseException as e:
-            self.up.post(FAILED, text=f"{type(e).__name__}: {e}")
+            for box in self.boxes:
+                box.post(FAILED, text=f"{type(e).__name__}: {e}")
             self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
             raise
         finally:
             self.done.set()
 
     def _send(self, produced: Produced) -> None:
-        data = payload(produced)
-        self.up.post(GENERATION, data.numel(), produced.generation)
-        dist.send(data, TRAINER, group=self.group, tag=PAYLOAD_TAG)
+        """``produced`` to the training process, or a share of its rows to each (`share`)."""
+        produced.oldest = min(runs[0][1] for runs in produced.versions)
+        for trainer, box in enumerate(self.boxes):
+            data = payload(produced if self.shares == 1 else share(produced, trainer, self.shares))
+            box.post(GENERATION, data.numel(), produced.generation)
+            dist.send(data, trainer, group=self.group, tag=PAYLOAD_TAG)
 
     def _produce(self, generation: int) -> Produced:
         """Generation ``generation`` in an engine call of its own (`produce`)."""

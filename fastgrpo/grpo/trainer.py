@@ -99,8 +99,8 @@ class GRPOTrainer(TrlTrainerMethods):
         check_draft_training(config.speculation, config.draft_training)
         if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
             check_tokenizer_files(config.model)
-        self.config = config
         self.dist = distributed.init(config.device, config.ddp_timeout, config.rollout_processes)
+        self.config = config = config.for_shares(self.dist.shares)  # a rollout process makes every trainer's share
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
