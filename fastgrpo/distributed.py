@@ -4,9 +4,7 @@ each process.
 ``torchrun --nproc_per_node N -m fastgrpo train ...`` starts one process per device and sets ``RANK``, ``WORLD_SIZE``
 and ``LOCAL_RANK``; the processes join a group, also when N is 1 (DDP or FSDP2 over one process). Without them a run
 is a single process and every collective here returns its input. The backend is NCCL when the processes use GPUs and
-gloo on CPU; every collective gives up after the configured timeout, so a rank that died cannot leave the others
-waiting for ever.
-"""
+gloo on CPU; every collective gives up after the configured timeout, so that a dead rank holds no other for ever."""
 
 from __future__ import annotations
 
@@ -37,6 +35,10 @@ class DistInfo:
     @property
     def is_main(self) -> bool:
         return self.rank == 0 and not self.rollout
+
+    @property
+    def trainers(self) -> int:  # the job's training processes (a generation's prompts are cut into a share for each)
+        return self.world_size * self.shares
 
 
 _TRAINING: Any = None  # with rollout processes, the group of the training processes, which the collectives below use
@@ -74,8 +76,7 @@ def resolve_device(option: str, local_rank: int = 0) -> torch.device:
 
 def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_processes: int = 0) -> DistInfo:
     """Join the job torchrun started (once per process; later calls return the same answer); with
-    ``rollout_processes``, the last ranks are rollout processes and the others train (their group is the one the
-    collectives here use)."""
+    ``rollout_processes``, the last ranks only generate and the others train (the group the collectives here use)."""
     global _TRAINING, _MESSAGES, _ROLLOUT
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun: a group even of one process
     local_rank = env_int("LOCAL_RANK", 0)
@@ -98,14 +99,12 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_p
         )
     if not dist.is_initialized():
         return DistInfo(0, 1, device)
-    if rollout_processes and _TRAINING is None:  # made by every process, once, in the same order
-        _TRAINING = dist.new_group(list(range(world - rollout_processes)))
-        _MESSAGES = dist.new_group(backend="gloo")
     training = world - rollout_processes
-    _ROLLOUT = dist.get_rank() >= training
-    if _ROLLOUT:  # it generates the whole job's generations, a share for each training process
-        return DistInfo(0, 1, device, rollout=True, shares=training)
-    return DistInfo(dist.get_rank(), training, device)
+    if rollout_processes and _TRAINING is None:  # made by every process, once, in the same order
+        _TRAINING = dist.new_group(list(range(training)))
+        _MESSAGES = dist.new_group(backend="gloo")
+    _ROLLOUT = dist.get_rank() >= training  # a rollout process: one process of the training processes' joint batch
+    return DistInfo(0, 1, device, True, training) if _ROLLOUT else DistInfo(dist.get_rank(), training, device)
 
 
 def shutdown() -> None:
@@ -373,6 +372,7 @@ _COMBINE = {
     "rollout/tokens_per_second": sum,
     "train/rows_trained": sum,
     "num_tokens": sum,
+    "async/dropped_samples": sum,  # each training process counts its share's
     # NaN on a process none of whose completions ended
     "completions/min_terminated_length": lambda values: min((v for v in values if v == v), default=math.nan),
     "completions/max_terminated_length": lambda values: max((v for v in values if v == v), default=math.nan),

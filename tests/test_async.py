@@ -167,7 +167,9 @@ def test_two_training_processes_with_a_rollout_process_train_what_two_synchronou
     expected = run(model_dir, tmp_path / "sync", 2, trainers=2)
     logged = run(model_dir, tmp_path / "async", 3, trainers=2, max_staleness=0)
     assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
-    assert [m["completions/mean_length"] for m in logged] == [m["completions/mean_length"] for m in expected]
+    assert [m["completions/mean_length"] for m in logged] == pytest.approx(
+        [m["completions/mean_length"] for m in expected]
+    )
     assert [m["num_tokens"] for m in logged] == [m["num_tokens"] for m in expected]
     torch.testing.assert_close([m["loss"] for m in logged], [m["loss"] for m in expected], rtol=0, atol=1e-12)
     one, two = (
@@ -391,6 +393,38 @@ def test_a_resumed_run_trains_no_generation_twice_and_each_rollout_process_keeps
         assert json.loads(errors.with_suffix(f".memory{rank}").read_text()) == prompts
 
 
+def test_two_training_processes_drop_the_same_generation_and_resume_after_it(model_dir: Path, tmp_path: Path) -> None:
+    """Two training processes and a rollout process; generation 1 comes stale: both drop their shares of it (each
+    carries the generation's oldest weights), the drops are the job's sum, and the run trains generations 0 and 2.
+    Resumed from its checkpoint (the rollout process compares the options of one process of the joint batch), it
+    goes on with generation 3 on both."""
+    options = dict(rollout_processes=1, max_staleness=0, save_steps=1)
+    errors, run_dir = tmp_path / "error", tmp_path / "run"
+    assert job(write_config(model_dir, run_dir, max_steps=2, **options), errors, stale=1, world=3) == [0, 0, 0]
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["async/dropped_samples"] for m in logged] == [0, 16]
+    assert job(write_config(model_dir, run_dir, max_steps=3, **options), errors, resume=True, world=3) == [0, 0, 0]
+    assert sorted((tmp_path / "error.taken").read_text().split()) == ["0", "0", "2", "2", "3", "3"]
+
+
+def test_a_share_holds_the_rows_a_training_process_would_have_sampled() -> None:
+    """Rows ``r * n`` to ``(r + 1) * n`` of a generation, trimmed to their own widths, their lengths, weight versions
+    and samples; the generation's metrics with the first share alone."""
+    from fastgrpo.grpo.batch import build_batch
+    from fastgrpo.grpo.rollout_process import share
+
+    prompts, completions = [[1, 2, 3]] * 2 + [[4]] * 2, [[5] * 6, [6], [7, 8], [9]]
+    batch = build_batch(prompts, completions, 0, torch.arange(4.0), [[0.5] * len(c) for c in completions])
+    versions = [[(0, 3)], [(0, 3), (1, 4)], [(0, 4)], [(0, 4)]]
+    produced = Produced(7, batch, {"reward": 1.0}, ["a", "b", "c", "d"], [6, 1, 2, 1], versions, oldest=3)
+    first, second = share(produced, 0, 2), share(produced, 1, 2)
+    assert first.metrics == {"reward": 1.0} and second.metrics == {}
+    assert (first.samples, second.samples) == (["a", "b"], ["c", "d"])
+    assert second.lengths == [2, 1] and second.versions == versions[2:] and second.oldest == 3
+    assert second.batch.input_ids.tolist() == [[4, 7, 8], [4, 9, 0]]  # one prompt column, two completion columns
+    assert second.batch.advantages.tolist() == [2.0, 3.0] and first.batch.completion_mask.shape == (2, 6)
+
+
 @contextmanager
 def gloo_group(rank: int, world: int, port: int) -> Iterator[torch.distributed.ProcessGroup]:
     """A forked process's default gloo group of ``world`` processes on ``port``, destroyed when the block ends."""
@@ -449,20 +483,20 @@ def _compared(rank: int, world: int, port: int, case: str, out: str) -> None:
         (
             "frozen",
             2,
-            "rollout process 1 trains model.layers.1.mlp.up_proj.weight, which the training process does not (frozen "
-            "there, or no such parameter); every process must train the same parameters, frozen before training starts",
+            "rank 1 trains model.layers.1.mlp.up_proj.weight, which rank 0 does not (frozen there, or no such "
+            "parameter); every process must train the same parameters, frozen before training starts",
         ),
         (
             "rollout-frozen",
             3,
-            "the training process trains model.layers.1.mlp.up_proj.weight, which rollout process 2 does not (frozen "
-            "there, or no such parameter); every process must train the same parameters, frozen before training starts",
+            "rank 0 trains model.layers.1.mlp.up_proj.weight, which rank 2 does not (frozen there, or no such "
+            "parameter); every process must train the same parameters, frozen before training starts",
         ),
         (
             "dtype",
             2,
-            "model.embed_tokens.weight is [128, 32] float64 on the training process but [128, 32] float32 on rollout "
-            "process 1; every process must load the same model in the same dtype",
+            "model.embed_tokens.weight is [128, 32] float64 on rank 0 but [128, 32] float32 on rank 1; every "
+            "process must load the same model in the same dtype",
         ),
     ],
 )

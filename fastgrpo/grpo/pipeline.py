@@ -1,8 +1,8 @@
 """Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training processes train.
 
 Under torchrun with ``rollout_processes: K``, the job's last K ranks are rollout processes and the others train (DDP).
-A rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by the rollout process ``1 + g
-mod K``) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
+A rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by the ``g mod K``-th, counted
+from 0) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
 sends each (`Produced`), as soon as its completions all ended, whole to the training process, or to each training
 process its share (the rows it would have sampled itself). They train on them in order, and rank 0 sends its weights to
 every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken between decoding steps: rows
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
@@ -44,7 +45,7 @@ from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
 logger = logging.getLogger(__name__)
 
 GENERATION, FAILED, BYE, DRAFTS_SAVED = 1, 2, 3, 4  # from a rollout process
-WEIGHTS, PROGRESS, STOP, SAVE_DRAFTS = 5, 6, 7, 8  # from the training process (with its version, next and drops)
+WEIGHTS, PROGRESS, STOP, SAVE_DRAFTS = 5, 6, 7, 8  # from rank 0 (with its version, next and drops)
 PAYLOAD_TAG, WEIGHT_TAG = 1, 2
 TRAINER = 0
 
@@ -102,9 +103,9 @@ def token_lags(versions: list[list[tuple[int, int]]], lengths: list[int], versio
 
 
 class RolloutFeed:
-    """The training process's side: a thread receives what the rollout processes send; `take` hands the next
-    generation in order (dropping those past ``max_staleness``), `after_step` sends the weights every
-    ``weight_sync_steps`` steps, `close` stops the rollout processes."""
+    """A training process's side: a thread receives what the rollout processes send it; `take` hands the next
+    generation (or its share) in order, dropping those past ``max_staleness``; on rank 0, `after_step` sends the weights
+    every ``weight_sync_steps`` steps and `close` stops the rollout processes."""
 
     def __init__(self, trainer: Generating):
         cfg = self.cfg = trainer.config
@@ -129,9 +130,8 @@ class RolloutFeed:
         self.ready = threading.Condition()
         self.closing = False
         self.sending: list[Any] = []  # the weights' sends in flight (the weights must not change until they end)
-        self.figures = dict.fromkeys(
-            ("async/trainer_wait_seconds", "async/weight_send_seconds", "async/dropped_samples"), 0.0
-        )
+        sends = ("async/weight_send_seconds",) if self.main else ()  # (rank 0 alone sends weights)
+        self.figures = dict.fromkeys(("async/trainer_wait_seconds", *sends, "async/dropped_samples"), 0.0)
         self.drafts_saved = 0  # of the rollout processes asked to (`save_drafts`)
         self.thread = threading.Thread(target=self._receive, name="fastgrpo-rollout-feed", daemon=True)
         self.thread.start()
@@ -226,9 +226,13 @@ class RolloutFeed:
 
     def close(self) -> None:
         """Stop the rollout processes and wait until each has said goodbye (or failed, or stayed silent); on another
-        training process than rank 0, wait until each has said goodbye (rank 0 stops them)."""
+        training process than rank 0, wait until each has said goodbye (rank 0 stops them), unless closed as an error
+        leaves `train`."""
         if not self.main:  # its shares come until rank 0 stopped the rollout processes and each said goodbye
-            self.thread.join(self.cfg.heartbeat_stale_after_s)
+            if sys.exc_info()[1] is None:  # (closed as an error leaves `train`: rank 0 may never stop them)
+                self.thread.join(self.cfg.heartbeat_stale_after_s)
+                if self.thread.is_alive():
+                    logger.warning("a rollout process has not stopped after %g s", self.cfg.heartbeat_stale_after_s)
             self.closing = True
             return
         self._tell(STOP)

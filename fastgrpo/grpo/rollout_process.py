@@ -1,5 +1,5 @@
 """The loop of a rollout process (`RolloutProcess`, see `fastgrpo.grpo.pipeline`): it makes generations on the
-newest weights it holds, taking the training process's weights between decoding steps, and sends each as soon as its
+newest weights it holds, taking rank 0's weights between decoding steps, and sends each as soon as its
 completions all ended. Where it can (no tools, every drafter built), one engine call spans generations: the next is
 taken in once every completion in flight has begun and it is due, its completions taking finished rows' places, so
 that no generation waits for the longest completion of the one before."""
@@ -60,8 +60,8 @@ class InFlight:
 
 def share(produced: Produced, trainer: int, shares: int) -> Produced:
     """The rows of ``produced`` that training process ``trainer`` of ``shares`` trains: the ones it would have sampled
-    itself (a generation's prompts and uniforms are cut into consecutive shares, `fastgrpo.grpo.prompts`). The
-    generation's metrics and samples go with the first share alone (a job's metrics are reduced over its training
+    itself (a generation's prompts and uniforms are cut into consecutive shares, `fastgrpo.grpo.prompts`), and their
+    samples. The generation's metrics go with the first share alone (a job's metrics are reduced over its training
     processes, `distributed.reduce_metrics`: a figure only one holds is that one's)."""
     rows = produced.batch.completion_mask.shape[0] // shares
     index = torch.arange(trainer * rows, (trainer + 1) * rows, device="cpu")
@@ -71,7 +71,7 @@ def share(produced: Produced, trainer: int, shares: int) -> Produced:
         produced.generation,
         select_rows(produced.batch, index),
         produced.metrics if first else {},
-        produced.samples if first else [],
+        produced.samples[part],
         produced.lengths[part],
         produced.versions[part],
         produced.oldest,

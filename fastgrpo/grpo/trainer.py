@@ -100,20 +100,19 @@ class GRPOTrainer(TrlTrainerMethods):
         if tokenizer is None and not resume:  # a resumed run reads its checkpoint's tokenizer
             check_tokenizer_files(config.model)
         self.dist = distributed.init(config.device, config.ddp_timeout, config.rollout_processes)
-        self.config = config = config.for_shares(self.dist.shares)  # a rollout process makes every trainer's share
         self.output_dir = Path(config.output_dir)
         self.reward_funcs = resolve_reward_funcs(config.reward_funcs)
         self.dataset = dataset if dataset is not None else load_dataset(config.dataset)
         tools, environments = resolve_run_tools(config, self.reward_funcs, self.dataset)
         check_columns(self.reward_funcs, self.dataset)
         self.eval_rows = evaluation_rows(
-            config, self.reward_funcs, bool(tools), environments, eval_dataset, self.dist.world_size
+            config, self.reward_funcs, bool(tools), environments, eval_dataset, self.dist.trainers
         )
-        global_prompts = config.prompts_per_generation * self.dist.world_size
+        global_prompts = config.prompts_per_generation * self.dist.trainers
         if len(self.dataset) < global_prompts:
             raise ValueError(
                 f"the dataset has {len(self.dataset)} rows, fewer than the {global_prompts} prompts per generation "
-                f"({config.prompts_per_generation} on each of {self.dist.world_size} processes)"
+                f"({config.prompts_per_generation} on each of {self.dist.trainers} processes)"
             )
         self.start_step, self.num_tokens, self.resumed_from, self.generations_dropped = 0, 0.0, None, 0
         self.generation: Generation | None = None  # the one the next optimizer steps train on
@@ -131,7 +130,7 @@ class GRPOTrainer(TrlTrainerMethods):
         check_training_options(config, model_config)
         disk = checkpoint_bytes(config, model_config, self.dist.device) if self.dist.is_main else 0
         if config.check_memory and self.dist.device.type == "cuda":  # before any weight is read
-            plan_for_trainer(config, model_config, self.dist.device, self.dist.rollout)
+            plan_for_trainer(config.for_shares(self.dist.shares), model_config, self.dist.device, self.dist.rollout)
         # rank 0 holds the output directory's lock until `train` ends (or this trainer is gone)
         self.lock = lock or (DirectoryLock(self.output_dir) if self.dist.is_main else None)
         checkpoint, resume_state = None, None
@@ -152,6 +151,7 @@ class GRPOTrainer(TrlTrainerMethods):
             freed = check_output_dir(self.output_dir, resume, config.overwrite_output_dir)
             saves = checkpoints_written(0, config.max_steps, config.save_steps, config.save_total_limit)
             check_disk_space(self.output_dir, disk, saves, freed)
+        self.config = config = config.for_shares(self.dist.shares)  # a rollout process makes every trainer's share
         source = str(checkpoint) if checkpoint else config.model
         self.tokenizer = tokenizer or load_tokenizer(source)
         self.tools = RunTools(tools, environments, self.tokenizer, config) if tools or environments else None

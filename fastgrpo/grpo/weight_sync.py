@@ -29,8 +29,8 @@ def signature(model: torch.nn.Module) -> Signature:
 
 
 def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
-    """Raise ``ValueError`` on every process of ``group`` (rank 0 trains, the others roll out; a collective) unless
-    each one's `signature` is the training process's, naming the first rollout process and parameter that differ."""
+    """Raise ``ValueError`` on every process of ``group`` (every process of the job; a collective) unless each one's
+    `signature` is rank 0's (which sends the weights), naming the first rank and parameter that differ."""
     mine = signature(model)
     every: list[Signature] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(every, mine, group=group)
@@ -41,24 +41,24 @@ def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> N
 
 
 def difference(sent: Signature, received: Signature, rank: int) -> str:
-    """The first difference between the parameters the training process sends and those rank ``rank`` receives."""
+    """The first difference between the parameters rank 0 trains (and sends) and those rank ``rank`` trains."""
     ours, theirs = {s[0]: s for s in sent}, {s[0]: s for s in received}
     for name, shape, dtype in sent:
         if name not in theirs:
             return (
-                f"the training process trains {name}, which rollout process {rank} does not (frozen there, or no "
+                f"rank 0 trains {name}, which rank {rank} does not (frozen there, or no "
                 "such parameter); every process must train the same parameters, frozen before training starts"
             )
         if theirs[name][1:] != (shape, dtype):
             _, other_shape, other_dtype = theirs[name]
             return (
-                f"{name} is {list(shape)} {dtype} on the training process but {list(other_shape)} {other_dtype} on "
-                f"rollout process {rank}; every process must load the same model in the same dtype"
+                f"{name} is {list(shape)} {dtype} on rank 0 but {list(other_shape)} {other_dtype} on rank {rank}; "
+                "every process must load the same model in the same dtype"
             )
     extra = next((s[0] for s in received if s[0] not in ours), None)
     if extra is not None:
         return (
-            f"rollout process {rank} trains {extra}, which the training process does not (frozen there, or no such "
+            f"rank {rank} trains {extra}, which rank 0 does not (frozen there, or no such "
             "parameter); every process must train the same parameters, frozen before training starts"
         )
-    return f"rollout process {rank} holds the trained parameters in another order than the training process"
+    return f"rank {rank} holds the trained parameters in another order than rank 0"
