@@ -10,7 +10,7 @@ Per run: completion tokens trained per second (the steps' completion tokens over
 which the training process spends generating or waiting for a generation as well as training), the mean reward of
 the last half of the steps, and for the asynchronous runs the samples' mean staleness, the training process's
 seconds waiting for generations and the rollout process's waiting for weights, per step, and the share of the rollout
-process's decoding steps that decoded completions of two generations (the next one taking the last one's rows).
+process's decoding steps that decoded completions of several generations (the next one taking the last one's rows).
 
     python benchmarks/bench_async.py [--steps 20] [--max-staleness 1 4]
 """

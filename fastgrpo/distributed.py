@@ -24,7 +24,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 @dataclass(frozen=True)
 class DistInfo:
-    """Where this process stands in the job: ``rank`` of ``world_size`` processes, ``device`` it computes on."""
+    """This process: ``rank`` of ``world_size`` trainers (a rollout process: 0 of 1, their joint batch), ``device``."""
 
     rank: int
     world_size: int

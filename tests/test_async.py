@@ -94,7 +94,7 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
         def between_steps(self: RolloutProcess, call: Call | None) -> None:
             oldest = self.flight[0] if self.flight else None
             begun = oldest is not None and any(s.completion_ids for s in oldest.seqs)
-            if call is not None and oldest.generation == 1 and begun and not oldest.marks:
+            if call is not None and begun and oldest.generation == 1 and not oldest.marks:
                 deadline = time.monotonic() + 60  # generation 1 begun, and 0 sent: wait for the update's weights
                 while not oldest.marks and time.monotonic() < deadline:
                     if not self._poll():
@@ -179,6 +179,7 @@ def test_two_training_processes_with_a_rollout_process_train_what_two_synchronou
     assert all(torch.allclose(one[k], two[k], rtol=0, atol=1e-12) for k in one)
     stale = run(model_dir, tmp_path / "stale", 3, trainers=2, max_staleness=1, max_inflight_tasks=12)
     assert all(m["async/staleness"] <= 1 and m["async/token_lag/max"] <= 1 for m in stale)
+    assert all(m["async/dropped_samples"] == 0 for m in stale), "none sampled past the bound"
     assert [m["step"] for m in stale] == list(range(1, STEPS + 1))
 
 
@@ -279,14 +280,20 @@ def test_a_sample_past_max_staleness_is_dropped_and_counted(monkeypatch: pytest.
 
 def _job(rank: int, world: int, port: int, config: str, errors: str, resume: bool, dies: bool, stale: int) -> None:
     """A process of a ``world``-process job (``dies``: its rollout process dies as generation 2 begins; ``stale``:
-    generation ``stale`` comes as if sampled 10 steps before the run began, and is dropped); a failed process writes
+    the first row of generation ``stale`` comes as if sampled 10 steps before the run began, so that the generation
+    is dropped, every share of it by its training process, the first row's or not); a failed process writes
     its error to ``errors``, the training process the generations it trained to ``errors`` with the suffix
     ``.taken``, a resumed rollout process the prompts its suffix drafter remembers to the suffix ``.memory{rank}``."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank)
     )
     torch.set_num_threads(1)
-    part, produce, received, take = RolloutProcess._part, RolloutProcess._produce, pipeline._received, RolloutFeed.take
+    part, produce, finished, take = (
+        RolloutProcess._part,
+        RolloutProcess._produce,
+        RolloutProcess._finished,
+        RolloutFeed.take,
+    )
 
     def dying_part(self: RolloutProcess, g: int) -> InFlight:  # (generations of a call that spans them)
         if g == 2:
@@ -298,10 +305,10 @@ def _job(rank: int, world: int, port: int, config: str, errors: str, resume: boo
             os._exit(3)
         return produce(self, g)
 
-    def staled(data: torch.Tensor) -> Produced:
-        produced = received(data)
+    def staled(self: RolloutProcess, produced: Produced, flight: InFlight) -> Produced:
+        produced = finished(self, produced, flight)
         if produced.generation == stale:
-            produced.versions, produced.oldest = [[(0, -10)] for _ in produced.versions], -10
+            produced.versions[0] = [(0, -10)]
         return produced
 
     def taking(self: RolloutFeed) -> Produced:
@@ -312,7 +319,7 @@ def _job(rank: int, world: int, port: int, config: str, errors: str, resume: boo
 
     if dies:
         RolloutProcess._part, RolloutProcess._produce = dying_part, dying
-    pipeline._received, RolloutFeed.take = staled, taking
+    RolloutProcess._finished, RolloutFeed.take = staled, taking
     try:
         trainer = GRPOTrainer(load_config(config), resume=resume)
         suffix = trainer.rollouts.drafter("suffix")

@@ -187,7 +187,7 @@ class GRPOChecks:
         if self.weight_sync_steps > self.max_staleness + 1:
             raise ValueError(
                 f"weight_sync_steps ({self.weight_sync_steps}) must be at most max_staleness + 1 "
-                f"({self.max_staleness + 1}): the rollout processes would wait for weights the trainers send later"
+                f"({self.max_staleness + 1}): the rollout processes would wait for weights rank 0 sends later"
             )
         step = self.generation_batch_size * self.generations_per_step
         if self.queue_maxsize < step:

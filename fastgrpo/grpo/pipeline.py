@@ -17,7 +17,7 @@ Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numb
 for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
 weights over the job's own group, on the device (`synced_parameters`: with LoRA the adapters alone, taken apart from
 the base weights a call merged them into and merged again). A thread of each rollout process beats every quarter of
-``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it, so that the training
+``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it, so that each training
 process names a rollout process that stays silent longer (it died, or a step hangs), and one that failed, with its
 error. A checkpoint holds the generations dropped so far; a resumed run goes on after them.
 """
@@ -124,7 +124,7 @@ class RolloutFeed:
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks} if self.main else {}
         self.version = trainer.start_step
         self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
-        self.params = synced_parameters(trainer.model)  # what `after_step` sends, as a rollout process receives it
+        self.params = synced_parameters(trainer.model) if self.main else []  # what rank 0 sends (`after_step`)
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()

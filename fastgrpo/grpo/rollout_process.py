@@ -91,7 +91,7 @@ class RolloutProcess:
         self.boxes = [Mailbox(share_box(rank, to), session) for to in range(self.shares)]
         self.up, self.down = self.boxes[0], Mailbox(f"down/{rank}", session)
         self.version = trainer.start_step  # the optimizer steps of the weights held
-        self.next, self.dropped = resume_point(trainer)  # the next generation the training process takes, the drops
+        self.next, self.dropped = resume_point(trainer)  # the next generation the training processes take, the drops
         self.limit = cfg.queue_maxsize // cfg.generation_batch_size  # generations ahead at most
         self.params = synced_parameters(trainer.model)
         self.step_began: float | None = None  # when the decoding step under way began
@@ -102,7 +102,7 @@ class RolloutProcess:
         self.done = threading.Event()
 
     def run(self) -> None:
-        """Generate, send and take weights until the training process stops the run: generations one call each
+        """Generate, send and take weights until rank 0 stops the run: generations one call each
         while tools run or a drafter waits to be built, otherwise in calls that span generations (`_span`)."""
         self.trainer.rollouts.between_steps = self._between_steps
         beating = threading.Thread(target=self._beat, name="fastgrpo-heartbeat", daemon=True)
@@ -228,7 +228,7 @@ class RolloutProcess:
         self.waited += time.monotonic() - t0
 
     def _poll(self) -> bool:
-        """Handle the training process's messages that came; whether any did."""
+        """Handle rank 0's messages that came; whether any did."""
         messages = self.down.poll()
         for kind, version, self.next, self.dropped, text in messages:
             if kind == STOP:
@@ -250,7 +250,7 @@ class RolloutProcess:
         return bool(messages)
 
     def _await_stop(self) -> None:
-        """Wait until the training process stops the run, for ``heartbeat_stale_after_s`` at most."""
+        """Wait until rank 0 stops the run, for ``heartbeat_stale_after_s`` at most."""
         deadline = time.monotonic() + self.cfg.heartbeat_stale_after_s
         while time.monotonic() < deadline:
             try:

@@ -181,7 +181,7 @@ class GRPOTrainer(TrlTrainerMethods):
             config.speculation.draft,
         )
         self.rollouts.reserve(config.rollout_rows, config.max_prompt_length, config.max_completion_length)
-        # a rollout process trains nothing; the training process takes its generations (`fastgrpo.grpo.pipeline`)
+        # a rollout process trains nothing; the training processes take its generations (`fastgrpo.grpo.pipeline`)
         self.update = (
             None if self.dist.rollout else PolicyUpdate(self.model, self.ref_model, config, self.dist.world_size)
         )
@@ -324,7 +324,7 @@ class GRPOTrainer(TrlTrainerMethods):
                 self._rebuild_resumed(latest)
         elif self.held_run is not None:
             raise ValueError(self.held_run)
-        if self.dist.rollout:  # it generates until the training process stops the run
+        if self.dist.rollout:  # it generates until rank 0 stops the run
             try:
                 with self.threads or nullcontext(), tf32_matmuls(self.device):
                     RolloutProcess(self).run()

@@ -1,7 +1,7 @@
-"""What the training process sends of the policy to the rollout processes (`fastgrpo.grpo.pipeline`), and the check,
+"""What rank 0 sends of the policy to the rollout processes (`fastgrpo.grpo.pipeline`), and the check,
 before the first generation, that every rollout process would receive into the same parameters: the weights travel
 as bare tensors in order, so a parameter trained on one side and frozen on the other (a callback that freezes layers
-on the training process alone) would otherwise land in the wrong tensor, or leave a receive waiting until the process
+on the training processes alone) would otherwise land in the wrong tensor, or leave a receive waiting until the process
 group's timeout."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
 
 
 def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What the training process sends of ``model`` and a rollout process receives into its own (`_trained`)."""
+    """What rank 0 sends of ``model`` and a rollout process receives into its own (`_trained`)."""
     return [p.data for _, p in _trained(model)]
 
 

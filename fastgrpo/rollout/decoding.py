@@ -60,9 +60,9 @@ class Refill:
     prefilled once, however many of its completions join."""
 
     admit: Admit
-    prompts: dict[int, list[int]]
-    pending: list[tuple[int, Sequence]]
     max_rows: int
+    prompts: dict[int, list[int]] = field(default_factory=dict, init=False)
+    pending: list[tuple[int, Sequence]] = field(default_factory=list, init=False)
 
     def add(self, prompt_ids: list[list[int]], seqs: list[Sequence], num_generations: int) -> None:
         """``seqs`` wait after the others: ``num_generations`` completions of each of ``prompt_ids`` in turn."""

@@ -181,7 +181,7 @@ class RolloutEngine:
             call = Generation.start(total, params, eos, noise, self.tokenizer, capture_hidden, parking)
             compiled_before = self.compiled_so_far()  # what `settle` compiles counts towards the call
             at_once = total if max_rows is None else min(total, max_rows)
-            waiting = Refill(self.admit, {}, [], at_once)
+            waiting = Refill(self.admit, at_once)
             waiting.add(prompt_ids, call.seqs, num_generations)
             length = self._begin(call, at_once, max(map(len, prompt_ids)))
             begun, row_prompt, seqs = waiting.take(at_once)
@@ -189,7 +189,7 @@ class RolloutEngine:
             compiled = self.compiled_so_far, compiled_before, self.target.compiled
             run = Decoding(self.step, *compiled, call, rows, waiting, setup, length)
             yield run
-            if run.done:
+            if run.done and not run.handed_over:
                 run.output()  # made inside the block, as the steps' tensors were
         finally:
             setup.close()

@@ -122,8 +122,9 @@ class GenerationOutput:
 class Generation:
     """One `RolloutEngine.generate` call: its parameters, its sequences and what it measured.
 
-    ``noise`` ``[R, max_new_tokens]`` float64 holds one uniform per (completion, position) when sampling (None when
-    greedy); ``eos`` ``[E]`` the ids that end a completion."""
+    ``noise`` ``[R, max_new_tokens]`` float64 holds one uniform per (noise row, position) when sampling (None when
+    greedy), a completion's row its `Sequence.index` (a call that spans generations gives the rows of the completions
+    it handed over to those it takes in later); ``eos`` ``[E]`` the ids that end a completion."""
 
     params: SamplingParams
     seqs: list[Sequence]

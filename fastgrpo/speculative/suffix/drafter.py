@@ -299,8 +299,6 @@ class SuffixDrafter(Drafter):
 
     def rejoin(self, state: _Row, emitted: Emitted) -> None:
         state.done = False
-        if all(row is not state for row in self.learner.rows):  # (a `learn` while it waited let it go)
-            self.learner.rows.append(state)
         if not self.reads_tool_results:  # the next turn starts a sequence of its own (as a completion does)
             state.sid, state.read = state.memory.add([], room=ROW_CELLS), len(state.completion)
         self.rows.append(state)  # otherwise the tool turn is read from its completion, as any of its tokens
