@@ -84,7 +84,7 @@ class RolloutProcess:
     def __init__(self, trainer: Generating):
         cfg = self.cfg = trainer.config
         self.trainer, self.group = trainer, distributed.message_group()
-        rank, self.shares = dist.get_rank(), trainer.dist.shares  # (the job's ranks before this one's train)
+        rank, self.shares = dist.get_rank(), trainer.dist.shares  # (the ranks before the rollout processes train)
         self.index, self.count = rank - self.shares, cfg.rollout_processes
         session = Mailbox.session(self.group)
         check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
