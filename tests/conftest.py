@@ -156,6 +156,19 @@ def tiny_model(family: str) -> PreTrainedModel:
     return _MODELS[family]
 
 
+@pytest.fixture(scope="module")
+def model_draft() -> tuple[PreTrainedModel, torch.nn.Module]:
+    """`test_speculative`'s float64 tiny Qwen2 model and a fresh EAGLE head for it (seeded), which the tests of refilled
+    rows and of calls that span generations draft with."""
+    from test_speculative import tiny_model as float64_model
+
+    from fastgrpo.speculative.eagle.head import DraftHead
+
+    model = float64_model("qwen2")
+    torch.manual_seed(1)
+    return model, DraftHead(model.config).double()
+
+
 @pytest.fixture(params=FAMILIES)
 def family_model(request: pytest.FixtureRequest) -> PreTrainedModel:
     """The tiny model of each supported family in turn."""

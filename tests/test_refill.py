@@ -11,26 +11,17 @@ from unittest import mock
 import pytest
 import torch
 from parked_rows import LateTools, frequent_token, watch_parked
-from test_speculative import EOS, speculative_engine, tiny_model
+from test_speculative import EOS, speculative_engine
 from test_tool_turns import MAX_NEW, assert_logprobs_of_one_forward
-from transformers import PreTrainedModel
 
 from fastgrpo.rollout.engine import RolloutEngine
 from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.rollout.turns import Parking
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
 
 # prompts of other lengths, so that refilled rows prefill beside rows at other positions
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4], [40, 41, 42], [50, 51, 52, 53, 54, 55]]
 TREE = TreeShape(8, 3, 4)
-
-
-@pytest.fixture(scope="module")
-def model_draft() -> tuple[PreTrainedModel, DraftHead]:
-    model = tiny_model("qwen2")
-    torch.manual_seed(1)
-    return model, DraftHead(model.config).double()
 
 
 def refilled(out, max_rows: int) -> None:

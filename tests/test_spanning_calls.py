@@ -8,30 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_refill import PROMPTS, TREE
 from test_speculative import EOS, speculative_engine, tiny_model
-from transformers import PreTrainedModel
 
 from fastgrpo.config import DraftTrainConfig, SpeculationConfig
 from fastgrpo.rollout.cache import call_length
 from fastgrpo.rollout.engine import RolloutEngine
-from fastgrpo.rollout.tree import TreeShape
 from fastgrpo.sampling_params import SamplingParams
-from fastgrpo.speculative.eagle.head import DraftHead
 from fastgrpo.speculative.suffix.drafter import PREFIX
 from fastgrpo.training_rollouts import TrainingRollouts, step_uniforms
 
-PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [4], [40, 41, 42], [50, 51, 52, 53, 54, 55]]
 GENERATIONS = [PROMPTS[:2], PROMPTS[2:4], PROMPTS[4:]]  # three generations of 2 prompts x 2 completions
 MAX_NEW = 16
 AT_ONCE = 3  # fewer rows than a generation's 4 completions: each generation's last ones join the next one's
-TREE = TreeShape(8, 3, 4)
-
-
-@pytest.fixture(scope="module")
-def model_draft() -> tuple[PreTrainedModel, DraftHead]:
-    model = tiny_model("qwen2")
-    torch.manual_seed(1)
-    return model, DraftHead(model.config).double()
 
 
 def spanning(engine: RolloutEngine, params: SamplingParams, uniforms: list[torch.Tensor | None]):
