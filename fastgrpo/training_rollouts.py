@@ -37,11 +37,11 @@ DRAFT_DIR = "draft"  # a checkpoint's drafters: GRPOTrainer's and the TRL integr
 SCHEDULE = "schedule.json"
 
 
-def drafts_folder(number: int) -> str:
-    """The folder of a checkpoint that the drafters of the job's ``number``-th rollout process (from 1; its rank where
-    one process trains) are saved in: ``draft`` for the first (and any run's only one), which a run without rollout
-    processes reads; ``draft-rank{number}`` for the others."""
-    return DRAFT_DIR if number <= 1 else f"{DRAFT_DIR}-rank{number}"
+def drafts_folder(rank: int, trainers: int) -> str:
+    """The folder of a checkpoint that the drafters of the rollout process of job rank ``rank`` are saved in, the
+    job's first ``trainers`` ranks training: ``draft`` for the first rollout process (and any run's only one), which a
+    run without rollout processes reads; ``draft-rank{n}`` for the ``n``-th (from 1; its rank where one trains)."""
+    return DRAFT_DIR if rank - trainers < 1 else f"{DRAFT_DIR}-rank{rank - trainers + 1}"
 
 
 def step_uniforms(seed: int, step: int, rows: int, width: int, rank: int = 0, world_size: int = 1) -> torch.Tensor:
@@ -201,8 +201,7 @@ class TrainingRollouts:
         out = run.output()
         if waiting:
             self._build(rollout=out)
-        if any(d.learner is not None for d in self.drafters):
-            self.pending.append(Rollout(prompt_ids, out, num_generations))
+        self._keep(prompt_ids, out, num_generations)
 
     def extend(
         self,
@@ -225,16 +224,16 @@ class TrainingRollouts:
         """The completions ``seqs`` of ``run`` (the call's first ones, or those `extend` took in), all ended, kept for
         `learn` as `generate`'s are (`fastgrpo.rollout.decoding.Decoding.hand_over`)."""
         out = run.hand_over(seqs)
-        if any(d.learner is not None for d in self.drafters):
-            self.pending.append(Rollout(prompt_ids, out, num_generations))
+        self._keep(prompt_ids, out, num_generations)
         return out
 
-    def _uniforms(
-        self, params: SamplingParams, rows: int, step: int, rank: int, world_size: int
-    ) -> torch.Tensor | None:
-        if params.greedy:
-            return None
-        return step_uniforms(self.seed, step, rows, params.max_new_tokens, rank, world_size)
+    def _keep(self, prompt_ids: list[list[int]], out: GenerationOutput, num_generations: int) -> None:
+        """Keep a rollout for the learners' next `learn` (where a drafter learns)."""
+        if any(d.learner is not None for d in self.drafters):
+            self.pending.append(Rollout(prompt_ids, out, num_generations))
+
+    def _uniforms(self, params: SamplingParams, rows: int, step: int, rank: int, world: int) -> torch.Tensor | None:
+        return None if params.greedy else step_uniforms(self.seed, step, rows, params.max_new_tokens, rank, world)
 
     def learn(self) -> dict[str, float]:
         """Every drafter's online learning on the rollouts since the last call (the EAGLE head trains on their

@@ -36,8 +36,7 @@ def restore_run(trainer: Any, checkpoint: Path, state: dict[str, Any]) -> None:
         if "entropy_control" in state:
             update.entropy.load_state_dict(state["entropy_control"])
     # first: loading a draft draws from the random generators; a rollout process reads its own drafters
-    first_rollout = trainer.dist.shares  # (the rank of the first rollout process: one per training process before it)
-    folder = drafts_folder(torch.distributed.get_rank() - first_rollout + 1) if trainer.dist.rollout else DRAFT_DIR
+    folder = drafts_folder(torch.distributed.get_rank(), trainer.dist.shares) if trainer.dist.rollout else DRAFT_DIR
     trainer.rollouts.restore(checkpoint, folder)
     set_rng_state(state["rng"])
     trainer.start_step, trainer.num_tokens = state["step"], state.get("num_tokens", 0.0)

@@ -235,7 +235,7 @@ class RolloutProcess:
                 raise Stopped
             if kind == SAVE_DRAFTS:  # into the checkpoint rank 0 writes (``text``: learners or not, its directory)
                 if Path(text[1:]).is_dir():  # not when rank 0 gave up the checkpoint already
-                    folder = drafts_folder(self.index + 1)
+                    folder = drafts_folder(dist.get_rank(), self.shares)
                     self.trainer.rollouts.save(Path(text[1:]), learners=text[0] == "1", folder=folder)
                 self.up.post(DRAFTS_SAVED)
             if kind == WEIGHTS:

@@ -194,14 +194,13 @@ class Decoding:
     def hand_over(self, seqs: list[Sequence]) -> GenerationOutput:
         """The output of ``seqs``, completions of the call that all ended (`ended`), with the call's statistics since
         the part handed over before (begun afresh after); the call goes on without them."""
-        held = {id(s) for s in self.call.seqs}
-        if len({id(s) for s in seqs}) != len(seqs) or any(id(s) not in held for s in seqs):
+        handed, held = {id(s) for s in seqs}, {id(s) for s in self.call.seqs}
+        if len(handed) != len(seqs) or not handed <= held:
             raise ValueError("hand over completions of the call, each once (not those handed over already)")
         if not self.ended(seqs):
             raise RuntimeError("a completion handed over has not ended: step the call until it has")
         self._finish_stats()
         out = self.call.output(seqs)
-        handed = {id(s) for s in seqs}
         self.call.seqs = [s for s in self.call.seqs if id(s) not in handed]
         self._free += [s.index for s in seqs]
         self.call.stats, self.compiled_before = GenerationStats(), self.compiled_so_far()
