@@ -108,9 +108,8 @@ def init(device_option: str = "auto", timeout_seconds: float = 1800.0, rollout_p
 
 
 def shutdown() -> None:
-    """Destroy the process group. Free the modules wrapped in DistributedDataParallel first: a DDP reducer freed after
-    this holds the group's last reference, and on gloo the group's destructor, run by the reducer's with the GIL held,
-    waits for a worker thread that waits for the GIL (the process hangs)."""
+    """Destroy the process group; free the modules under DDP first: on gloo a DDP reducer freed later holds the group's
+    last reference, whose destructor, run with the GIL held, waits for a thread that waits for the GIL (a hang)."""
     global _TRAINING, _MESSAGES, _ROLLOUT
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -162,9 +161,9 @@ def is_sharded(module: torch.nn.Module) -> bool:
 
 
 def wrap_policy(policy: torch.nn.Module, fsdp: bool, float32_shards: bool = False) -> torch.nn.Module:
-    """The training forward of several processes: replicated under DDP, or sharded with FSDP2 (``fsdp``: one unit per
-    decoder layer, the root holding the embedding, final norm and LM head). ``policy`` holds the model as
-    ``policy.model``; in a single process it is returned as it is.
+    """The training forward of several processes: replicated under DDP, or sharded over the training processes with
+    FSDP2 (``fsdp``: a unit per decoder layer, the root holding the embedding, final norm and LM head). ``policy``
+    holds the model as ``policy.model``; in a single process it is returned as it is.
 
     With ``float32_shards`` (a bfloat16 or float16 policy whose run keeps float32 master weights), the shards are
     float32: they are the master weights AdamW updates, FSDP2 gathers them in the policy's dtype for every forward
@@ -174,8 +173,11 @@ def wrap_policy(policy: torch.nn.Module, fsdp: bool, float32_shards: bool = Fals
         return policy
     if not fsdp:
         return wrap_ddp(policy)
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    device = next(policy.parameters()).device
+    mesh = None if _TRAINING is None else DeviceMesh.from_group(_TRAINING, device.type)
     precision = MixedPrecisionPolicy()
     if float32_shards:
         compute = next(policy.parameters()).dtype
@@ -187,14 +189,13 @@ def wrap_policy(policy: torch.nn.Module, fsdp: bool, float32_shards: bool = Fals
                 for param in module.parameters():  # a unit sharded before is float32 already
                     if param.dtype != torch.float32:
                         param.data = param.data.to(torch.float32)  # in place: tied weights stay tied
-        fully_shard(module, mp_policy=precision)
+        fully_shard(module, mesh=mesh, mp_policy=precision)
 
     for layer in policy.model.get_decoder().layers:
         shard(layer)
     shard(policy)
     # FSDP sets itself up on the first forward through the root; rollouts call the decoder directly, so one
     # two-token forward (on every rank at once) runs through the root first.
-    device = next(policy.parameters()).device
     with torch.no_grad():
         policy(torch.zeros(1, 2, dtype=torch.long, device=device), torch.ones(1, 2, device=device), 1, 1.0, 1)
     policy.reshard()  # the root keeps its parameters gathered after a forward: register the sharded ones again
@@ -206,16 +207,15 @@ ROLLOUT_WEIGHTS = "rollout_weights"  # the policy's attribute holding the gather
 
 @contextlib.contextmanager
 def gathered(policy: torch.nn.Module) -> Iterator[None]:
-    """Full parameters on every rank inside the block (for rollouts and draft updates, whose forwards differ in
-    number between ranks and so must not run collectives); sharded again after it. A no-op without FSDP2.
+    """Full parameters on every rank inside the block (rollouts and draft updates, whose forwards differ in number
+    between ranks, must not run collectives); sharded again after it. A no-op without FSDP2.
 
-    FSDP2 frees a unit's gathered parameters when it reshards and allocates them anew when it gathers again, so they
-    would meet a rollout at new addresses each time, and a captured CUDA graph, which reads its parameters at fixed
-    addresses, would be recorded again in every rollout. Instead each unit is gathered once on entry, copied into
-    parameters the policy keeps for the whole run (`ROLLOUT_WEIGHTS`, allocated at the first gather: one full copy
-    of the weights in the policy's dtype on every rank, besides the shards) and sharded again at once, so that one
-    unit at a time is gathered in FSDP2's own memory; the modules compute with the kept copies inside the block and
-    get FSDP2's sharded parameters back after it.
+    FSDP2 frees a unit's gathered parameters when it reshards and gathers them anew at new addresses, where a captured
+    CUDA graph, which reads its parameters at fixed addresses, would be recorded again in every rollout. Instead each
+    unit is gathered once on entry, copied into parameters the policy keeps for the whole run (`ROLLOUT_WEIGHTS`,
+    allocated at the first gather: one full copy of the weights in the policy's dtype on every rank, besides the
+    shards) and sharded again at once, so that one unit at a time is gathered in FSDP2's own memory; the modules
+    compute with the kept copies inside the block and get FSDP2's sharded parameters back after it.
 
     Inside the block the sharded modules also run without FSDP2's forward hooks, which would gather the parameters
     again (a collective): a compiled decoding step then traces the plain modules (FSDP2 keeps its hooks out of

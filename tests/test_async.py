@@ -106,6 +106,8 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
         RolloutProcess._between_steps = between_steps
     try:
         trainer = GRPOTrainer(load_config(config))
+        if trainer.config.fsdp and not trainer.dist.rollout:  # the training processes hold shards
+            assert distributed.is_sharded(trainer.update.policy)
         trainer.train()
         if trainer.config.use_peft:  # the adapters alone travel
             sent = {p.data_ptr() for p in synced_parameters(trainer.model)}
@@ -158,26 +160,26 @@ def test_max_staleness_0_trains_exactly_what_one_synchronous_process_trains(
 def test_two_training_processes_with_a_rollout_process_train_what_two_synchronous_processes_train(
     model_dir: Path, tmp_path: Path
 ) -> None:
-    """Two training processes (DDP) and a rollout process that makes each generation for both, a share each (the
-    prompts and uniforms each would have sampled itself): with no sample stale, the rewards, losses and weights of two
-    synchronous processes; and at max_staleness 1, every sample within the bound, on both."""
-    (tmp_path / "async").mkdir()
-    (tmp_path / "sync").mkdir()
-    (tmp_path / "stale").mkdir()
+    """Two training processes (DDP, or FSDP2: gathered whole at each sync for rank 0 to send) and a rollout process
+    that makes each generation for both, a share each (the prompts and uniforms each would have sampled itself): with
+    no sample stale, the rewards, losses and weights of two synchronous processes; and at max_staleness 1, every
+    sample within the bound, on both, here sharded in bfloat16 over float32 master shards (sent in bfloat16)."""
+    for name in ("sync", "async", "fsdp", "stale"):
+        (tmp_path / name).mkdir()
     expected = run(model_dir, tmp_path / "sync", 2, trainers=2)
-    logged = run(model_dir, tmp_path / "async", 3, trainers=2, max_staleness=0)
-    assert [m["reward"] for m in logged] == [m["reward"] for m in expected]
-    assert [m["completions/mean_length"] for m in logged] == pytest.approx(
-        [m["completions/mean_length"] for m in expected]
-    )
-    assert [m["num_tokens"] for m in logged] == [m["num_tokens"] for m in expected]
-    torch.testing.assert_close([m["loss"] for m in logged], [m["loss"] for m in expected], rtol=0, atol=1e-12)
-    one, two = (
-        load_file(str(tmp_path / name / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
-        for name in ("sync", "async")
-    )
-    assert all(torch.allclose(one[k], two[k], rtol=0, atol=1e-12) for k in one)
-    stale = run(model_dir, tmp_path / "stale", 3, trainers=2, max_staleness=1, max_inflight_tasks=12)
+    one = load_file(str(tmp_path / "sync" / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
+    for name, sharded in (("async", False), ("fsdp", True)):
+        logged = run(model_dir, tmp_path / name, 3, trainers=2, max_staleness=0, fsdp=sharded)
+        assert [m["reward"] for m in logged] == [m["reward"] for m in expected], name
+        assert [m["completions/mean_length"] for m in logged] == pytest.approx(
+            [m["completions/mean_length"] for m in expected]
+        )
+        assert [m["num_tokens"] for m in logged] == [m["num_tokens"] for m in expected]
+        torch.testing.assert_close([m["loss"] for m in logged], [m["loss"] for m in expected], rtol=0, atol=1e-12)
+        two = load_file(str(tmp_path / name / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
+        assert all(torch.allclose(one[k], two[k], rtol=0, atol=1e-12) for k in one), name
+    options = {"fsdp": True, "dtype": "bfloat16", "master_weights": True, "max_inflight_tasks": 12}
+    stale = run(model_dir, tmp_path / "stale", 3, trainers=2, max_staleness=1, **options)
     assert all(m["async/staleness"] <= 1 and m["async/token_lag/max"] <= 1 for m in stale)
     assert all(m["async/dropped_samples"] == 0 for m in stale), "none sampled past the bound"
     assert [m["step"] for m in stale] == list(range(1, STEPS + 1))
@@ -532,7 +534,6 @@ def test_a_rollout_process_that_fails_is_named(model_dir: Path, tmp_path: Path) 
     [
         (["--rollout_processes=1", "--max_staleness=1", "--weight_sync_steps=3"], "weight_sync_steps (3) must be at"),
         (["--rollout_processes=1", "--queue_maxsize=4"], "queue_maxsize (4) must hold the 8 completions"),
-        (["--rollout_processes=1", "--fsdp=true"], "fsdp: rollout_processes do not take sharded weights"),
         (["--max_staleness=2"], "max_staleness has no effect with rollout_processes 0"),
     ],
 )

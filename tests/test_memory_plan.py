@@ -585,12 +585,18 @@ def test_an_asynchronous_job_plans_one_training_process_and_rollout_processes_wi
     assert set(rollout.items) < set(training.items) and rollout.item("KV cache")
     assert rollout.peak_bytes == rollout.rollout_bytes < training.peak_bytes
     assert "a rollout process beside 1 process training" in rollout.summary()
-    # what fits 1 byte less: LoRA, but never FSDP2, which rollout processes refuse, as a synchronous run is advised
-    alone = GRPOConfig(beta=0.04)
-    synchronous = [what for what, _ in fitting_options(training, training.peak_bytes - 1, alone)]
+    # what fits 1 byte less: LoRA, or FSDP2 over training processes (torchrun starts the rollout process besides);
+    # a rollout process holds the whole policy, sharded over the training processes or not
     advice = [what for what, _ in fitting_options(training, training.peak_bytes - 1, config)]
-    assert [what for what in synchronous if "fsdp" in what] and [what for what in advice if "use_peft" in what]
-    assert not [what for what in advice if "fsdp" in what]
+    assert [what for what in advice if "use_peft" in what]
+    sharded = next(what for what in advice if "fsdp" in what)
+    n = int(sharded.split()[3])
+    assert sharded == f"fsdp: true on {n} training and 1 rollout processes (torchrun --nproc_per_node {n + 1})"
+    assert not [what for what, _ in fitting_options(rollout, rollout.peak_bytes - 1, config) if "fsdp" in what]
+    fsdp = dataclasses.replace(config, fsdp=True)
+    whole = estimate_memory(config, shape, cpu, 2, rollout=True)
+    assert estimate_memory(fsdp, shape, cpu, 2, rollout=True).items == whole.items
+    assert estimate_memory(fsdp, shape, cpu, 2).item("weights sent to the rollout processes (float32)")
 
 
 def test_a_gpu_phase_reports_its_allocated_and_its_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:

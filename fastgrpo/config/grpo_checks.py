@@ -195,8 +195,6 @@ class GRPOChecks:
                 f"queue_maxsize ({self.queue_maxsize}) must hold the {step} completions of the generations an "
                 "optimizer step trains on"
             )
-        if self.fsdp:
-            raise ValueError("fsdp: rollout_processes do not take sharded weights yet; use rollout_processes: 0")
 
     def _check_inputs_outside_output_dir(self) -> None:
         """With ``overwrite_output_dir``, refuse a model, draft or dataset file inside ``output_dir`` (directly or

@@ -1,25 +1,26 @@
 """Asynchronous GRPO (``rollout_processes``): rollout processes sample while the training processes train.
 
-Under torchrun with ``rollout_processes: K``, the job's last K ranks are rollout processes and the others train (DDP).
-A rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by the ``g mod K``-th, counted
-from 0) on the newest weights it holds, the next one's completions taking the rows of the last one's as they end, and
-sends each (`Produced`), as soon as its completions all ended, whole to the training process, or to each training
-process its share (the rows it would have sampled itself). They train on them in order, and rank 0 sends its weights to
-every rollout process every ``weight_sync_steps`` optimizer steps. New weights are taken between decoding steps: rows
-in flight go on with them (their cache from the older weights kept), and every token's weight version is recorded
-(`Produced.versions`). A sample's staleness is the optimizer steps between its oldest token's weights and those its
-update starts from. A rollout process starts no generation whose samples would train more than ``max_staleness`` steps
-late, nor one past ``queue_maxsize`` completions per training process generated and not yet trained; a sample that
-comes past the bound all the same is dropped and counted. With ``importance_sampling_correction`` the update corrects
-for the older weights with the sampler's log-probabilities.
+Under torchrun with ``rollout_processes: K``, the job's last K ranks are rollout processes and the others train (DDP,
+or FSDP2 with ``fsdp``). A rollout process (`fastgrpo.grpo.rollout_process`) makes generations (generation ``g`` by
+the ``g mod K``-th, counted from 0) on the newest weights it holds, the next one's completions taking the rows of the
+last one's as they end, and sends each (`Produced`), as soon as its completions all ended, whole to the training
+process, or to each training process its share (the rows it would have sampled itself). They train on them in order,
+and rank 0 sends its weights to every rollout process every ``weight_sync_steps`` optimizer steps. New weights are
+taken between decoding steps: rows in flight go on with them (their cache from the older weights kept), and every
+token's weight version is recorded (`Produced.versions`). A sample's staleness is the optimizer steps between its
+oldest token's weights and those its update starts from. A rollout process starts no generation whose samples would
+train more than ``max_staleness`` steps late, nor one past ``queue_maxsize`` completions per training process
+generated and not yet trained; a sample that comes past the bound all the same is dropped and counted. With
+``importance_sampling_correction`` the update corrects for the older weights with the sampler's log-probabilities.
 
 Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting; apart
 for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
 weights over the job's own group, on the device (`synced_parameters`: with LoRA the adapters alone, taken apart from
-the base weights a call merged them into and merged again). A thread of each rollout process beats every quarter of
-``heartbeat_stale_after_s`` seconds, but while a decoding step has run longer than half of it, so that each training
-process names a rollout process that stays silent longer (it died, or a step hangs), and one that failed, with its
-error. A checkpoint holds the generations dropped so far; a resumed run goes on after them.
+the base weights a call merged them into and merged again; under FSDP2 gathered by every training process first,
+`gather_sent`). A thread of each rollout process beats every quarter of ``heartbeat_stale_after_s`` seconds, but
+while a decoding step has run longer than half of it, so that each training process names a rollout process that
+stays silent longer (it died, or a step hangs), and one that failed, with its error. A checkpoint holds the
+generations dropped so far; a resumed run goes on after them.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced
 from fastgrpo.grpo.mailbox import Mailbox
-from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
+from fastgrpo.grpo.weight_sync import check_same_parameters, gather_sent, synced_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -118,13 +119,14 @@ class RolloutFeed:
         self.group, world, me = distributed.message_group(), dist.get_world_size(), dist.get_rank()
         self.ranks, self.main = list(range(world - cfg.rollout_processes, world)), me == TRAINER
         session = Mailbox.session(self.group)
-        check_same_parameters(trainer.model, self.group)  # again: user code may freeze between the trainer and here
+        self.model, dtype = trainer.model, trainer.update.compute_dtype  # (sharded parameters travel in it)
+        check_same_parameters(self.model, self.group, dtype)  # again: user code may freeze between the trainer and here
         self.up = {rank: Mailbox(share_box(rank, me), session) for rank in self.ranks}  # (rank 0's: every message)
         self.beating = {rank: Mailbox(share_box(rank, TRAINER), session) for rank in self.ranks}  # (its heartbeats)
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks} if self.main else {}
         self.version = trainer.start_step
         self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
-        self.params = synced_parameters(trainer.model) if self.main else []  # what rank 0 sends (`after_step`)
+        self.params = synced_parameters(self.model, dtype) if self.main else []  # what rank 0 sends (`after_step`)
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()
@@ -204,8 +206,11 @@ class RolloutFeed:
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
         self.version = version
-        if self.main and version % self.cfg.weight_sync_steps == 0:
-            t0 = time.monotonic()
+        if version % self.cfg.weight_sync_steps:
+            return
+        t0 = time.monotonic()
+        gather_sent(self.model, self.params)  # under FSDP2, by every training process (the sends before have left)
+        if self.main:
             self._tell(WEIGHTS)
             for rank in self.ranks:
                 self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in self.params]

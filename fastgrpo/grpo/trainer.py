@@ -210,7 +210,7 @@ class GRPOTrainer(TrlTrainerMethods):
         )
         self.events = events if self.dist.rollout else events.bind(self)  # TRL's callbacks, where it trains
         if config.rollout_processes:  # a callback's freezes on the training process included
-            check_same_parameters(self.model, distributed.message_group())
+            check_same_parameters(self.model, distributed.message_group(), self.update and self.update.compute_dtype)
         if not resume and self.held_run is None:  # all that can refuse the run has: an overwrite deletes only now
             with distributed.main_first(self.dist):
                 _, _, self.run_id = prepare_output_dir(

@@ -2,12 +2,17 @@
 before the first generation, that every rollout process would receive into the same parameters: the weights travel
 as bare tensors in order, so a parameter trained on one side and frozen on the other (a callback that freezes layers
 on the training processes alone) would otherwise land in the wrong tensor, or leave a receive waiting until the process
-group's timeout."""
+group's timeout.
+
+Under FSDP2 each training process holds a shard of every parameter (float32 ones where they are the master weights):
+at each weight sync every training process gathers them (`gather_sent`) and rank 0 sends them whole, in the policy's
+dtype, from buffers it keeps for the run (a full copy of the trained parameters)."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 Signature = list[tuple[str, tuple[int, ...], str]]
 
@@ -18,20 +23,43 @@ def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
-def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
-    """What rank 0 sends of ``model`` and a rollout process receives into its own (`_trained`)."""
-    return [p.data for _, p in _trained(model)]
+def _sent_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``param`` travels in: a sharded one's (FSDP2's `DTensor`) is ``dtype``, the policy's, in which FSDP2
+    gathers float32 master shards for every forward too; any other travels as it is."""
+    return dtype if dtype is not None and isinstance(param, DTensor) else param.dtype
 
 
-def signature(model: torch.nn.Module) -> Signature:
-    """``(name, shape, dtype)`` of each of `synced_parameters`, in their order."""
-    return [(name, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for name, p in _trained(model)]
+def synced_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """What rank 0 sends of ``model`` and a rollout process receives into its own (`_trained`): the parameters'
+    own tensors, or, where FSDP2 shards them, buffers of their full shapes in ``dtype`` that `gather_sent` fills."""
+    return [
+        torch.empty(p.shape, dtype=_sent_dtype(p, dtype), device=p.device) if isinstance(p, DTensor) else p.data
+        for _, p in _trained(model)
+    ]
 
 
-def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup) -> None:
+def gather_sent(model: torch.nn.Module, buffers: list[torch.Tensor]) -> None:
+    """Gather each sharded trained parameter of ``model`` whole (a collective of the training processes, each calling
+    this at the same step) into its buffer of `synced_parameters` (``buffers``: rank 0's; empty on the others, which
+    drop what they gather). A no-op without FSDP2."""
+    with torch.no_grad():
+        for i, (_, p) in enumerate(_trained(model)):
+            if isinstance(p, DTensor):
+                full = p.full_tensor()
+                if buffers:
+                    buffers[i].copy_(full)
+
+
+def signature(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Signature:
+    """``(name, shape, dtype)`` of each of `synced_parameters` (``dtype``: the policy's, that of sharded ones)."""
+    return [(name, tuple(p.shape), str(_sent_dtype(p, dtype)).removeprefix("torch.")) for name, p in _trained(model)]
+
+
+def check_same_parameters(model: torch.nn.Module, group: dist.ProcessGroup, dtype: torch.dtype | None = None) -> None:
     """Raise ``ValueError`` on every process of ``group`` (every process of the job; a collective) unless each one's
-    `signature` is rank 0's (which sends the weights), naming the first rank and parameter that differ."""
-    mine = signature(model)
+    `signature` is rank 0's (which sends the weights), naming the first rank and parameter that differ; ``dtype``
+    is the policy's, in which sharded parameters travel."""
+    mine = signature(model, dtype)
     every: list[Signature] = [[] for _ in range(dist.get_world_size(group))]
     dist.all_gather_object(every, mine, group=group)
     sent = every[0]

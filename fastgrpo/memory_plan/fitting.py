@@ -123,7 +123,6 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     def single(candidate: GRPOConfig) -> Callable[[], tuple[GRPOConfig, MemoryPlan]]:
         return lambda: _largest(iter([candidate]), plan, free_bytes)
 
-    trains_apart = config.rollout_processes > 0  # then FSDP2 is not taken
     if not config.use_peft:
         attempt(single(dataclasses.replace(config, use_peft=True, fsdp=False)))
         if config.beta > 0:
@@ -134,12 +133,14 @@ def fitting_options(plan: MemoryPlan, free_bytes: int, config: GRPOConfig) -> li
     attempt(lambda: _largest(_fewer_completions(config), plan, free_bytes))
     if config.max_completion_length > 1:
         attempt(lambda: _shorter_completions(config, plan, free_bytes))
-    if not config.use_peft and not trains_apart:
+    if not config.use_peft and not plan.rollout:  # (a rollout process holds the whole policy all the same)
         sharded = dataclasses.replace(config, fsdp=True)
         for n in range(max(2, plan.world_size), 257):
             fitted = _fits(sharded, plan, free_bytes, world_size=n)
             if fitted is not None:
-                found.append((f"fsdp: true on {n} processes (torchrun --nproc_per_node {n})", fitted))
+                apart = f" training and {config.rollout_processes} rollout" if config.rollout_processes else ""
+                nproc = n + config.rollout_processes
+                found.append((f"fsdp: true on {n}{apart} processes (torchrun --nproc_per_node {nproc})", fitted))
                 break
     if config.speculation.mode != "off":
         off = dataclasses.replace(config, speculation=dataclasses.replace(config.speculation, mode="off"))

@@ -193,7 +193,7 @@ def estimate_memory(
     shape, w, dtype = run.shape, run.dtype_bytes, plan_dtype(config.dtype, device)
     h = shape.hidden_size
     params = shape.num_parameters()
-    shards = world_size if config.fsdp and world_size > 1 and not config.use_peft else 1
+    shards = world_size if config.fsdp and world_size > 1 and not config.use_peft and not rollout else 1
 
     # What trains: the whole policy, or LoRA adapters that peft keeps in float32 over 16-bit weights.
     lora = lora_shape(shape, config) if config.use_peft else None
@@ -208,7 +208,7 @@ def estimate_memory(
     # full copy kept for the whole run at fixed addresses (a captured graph reads them there), which each rollout
     # fills one gathered unit at a time (`distributed.gathered`); during the update one layer (and the next,
     # prefetched) is gathered besides the root's embedding and head. With master weights the shards are float32 (the
-    # masters) and are gathered in the policy's dtype.
+    # masters) and are gathered in the policy's dtype. With rollout processes, rank 0 keeps that copy to send from.
     sharded_masters = masters and shards > 1
     root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h  # FSDP2's root unit
     if shards == 1:
@@ -219,7 +219,8 @@ def estimate_memory(
         own = 0 if sharded_masters else params * w / shards
         what = "gathered from float32 shards" if sharded_masters else "sharded"
         items.add(f"policy weights ({dtype}, {what})", own + unit, own, own + gathered, own)
-        items.resident(f"rollout copy of the weights ({dtype})", params * w)
+        copy = "weights sent to the rollout processes" if config.rollout_processes else "rollout copy of the weights"
+        items.resident(f"{copy} ({dtype})", params * w)
     if lora:
         items.resident(f"LoRA adapters ({_dtype_name(grad_bytes, dtype)})", lora.params * grad_bytes)
 
