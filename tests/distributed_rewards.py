@@ -15,3 +15,11 @@ def fail_on_rank_1(completions: list[str], **kwargs) -> list[float]:
     if os.environ.get("RANK") == "1":
         raise RuntimeError("reward function failed on rank 1")
     return length_reward(completions)
+
+
+def length_reward_after_step_1(completions: list[str], trainer_state, **kwargs) -> list[float]:
+    """`length_reward`, but the same for every completion of step 1's generation: its advantages are 0 and its update
+    runs no backward."""
+    if trainer_state.global_step == 0:
+        return [0.0] * len(completions)
+    return length_reward(completions)

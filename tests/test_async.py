@@ -109,9 +109,12 @@ def _train(rank: int, world: int, port: int, config: str, slow: str) -> None:
         if trainer.config.fsdp and not trainer.dist.rollout:  # the training processes hold shards
             assert distributed.is_sharded(trainer.update.policy)
         trainer.train()
-        if trainer.config.use_peft:  # the adapters alone travel
-            sent = {p.data_ptr() for p in synced_parameters(trainer.model)}
+        if trainer.config.use_peft and trainer.feed is not None:  # the adapters alone travel
+            sent = {p.data_ptr() for p in trainer.feed.weights.tensors}
             assert sent == {p.data_ptr() for n, p in trainer.model.named_parameters() if "lora_" in n}
+        if trainer.config.use_peft and trainer.dist.rollout:  # and are received into the adapters
+            received = {p.data_ptr() for p in synced_parameters(trainer.model)}
+            assert received == {p.data_ptr() for n, p in trainer.model.named_parameters() if "lora_" in n}
         if trainer.dist.rollout and trainer.config.use_peft and slow == "decoding":  # merged while weights came
             assert MERGED and all(MERGED), MERGED  # and taken apart for them: the base ends as it began
             model = trainer.model.get_base_model().state_dict()
@@ -163,13 +166,17 @@ def test_two_training_processes_with_a_rollout_process_train_what_two_synchronou
     """Two training processes (DDP, or FSDP2: gathered whole at each sync for rank 0 to send) and a rollout process
     that makes each generation for both, a share each (the prompts and uniforms each would have sampled itself): with
     no sample stale, the rewards, losses and weights of two synchronous processes; and at max_staleness 1, every
-    sample within the bound, on both, here sharded in bfloat16 over float32 master shards (sent in bfloat16)."""
+    sample within the bound, on both, here sharded in bfloat16 over float32 master shards (sent in bfloat16). Step 1
+    trains nothing (its rewards are all equal), so FSDP2's root unit keeps the parameters its forward gathered
+    registered in place of its shards at the first weight sync."""
     for name in ("sync", "async", "fsdp", "stale"):
         (tmp_path / name).mkdir()
-    expected = run(model_dir, tmp_path / "sync", 2, trainers=2)
+    flat_first = {"reward_funcs": ["distributed_rewards:length_reward_after_step_1"]}
+    expected = run(model_dir, tmp_path / "sync", 2, trainers=2, **flat_first)
+    assert expected[0]["reward"] == 0 and expected[1]["reward"] > 0
     one = load_file(str(tmp_path / "sync" / "run" / f"checkpoint-{STEPS}" / "model.safetensors"))
     for name, sharded in (("async", False), ("fsdp", True)):
-        logged = run(model_dir, tmp_path / name, 3, trainers=2, max_staleness=0, fsdp=sharded)
+        logged = run(model_dir, tmp_path / name, 3, trainers=2, max_staleness=0, fsdp=sharded, **flat_first)
         assert [m["reward"] for m in logged] == [m["reward"] for m in expected], name
         assert [m["completions/mean_length"] for m in logged] == pytest.approx(
             [m["completions/mean_length"] for m in expected]

@@ -596,7 +596,12 @@ def test_an_asynchronous_job_plans_one_training_process_and_rollout_processes_wi
     fsdp = dataclasses.replace(config, fsdp=True)
     whole = estimate_memory(config, shape, cpu, 2, rollout=True)
     assert estimate_memory(fsdp, shape, cpu, 2, rollout=True).items == whole.items
-    assert estimate_memory(fsdp, shape, cpu, 2).item("weights sent to the rollout processes (float32)")
+    sending = estimate_memory(fsdp, shape, cpu, 2)
+    assert sending.item("weights sent to the rollout processes (float32)")
+    evaluating = estimate_memory(dataclasses.replace(fsdp, eval_strategy="steps"), shape, cpu, 2)
+    assert evaluating.item("rollout copy of the weights (float32)") and not [
+        item for item in sending.items if item.name.startswith("rollout copy")
+    ]
 
 
 def test_a_gpu_phase_reports_its_allocated_and_its_reserved_peak(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -180,8 +180,8 @@ class GRPOChecks:
         resolve_reward_funcs(self.reward_funcs)
 
     def _check_asynchronous(self) -> None:
-        """Rollout processes: weights sent often enough for the staleness bound, a queue that holds an optimizer step's
-        generations, and what they do not support yet refused by name."""
+        """Rollout processes: weights sent often enough for the staleness bound, and a queue that holds an optimizer
+        step's generations."""
         if not self.rollout_processes:
             return
         if self.weight_sync_steps > self.max_staleness + 1:

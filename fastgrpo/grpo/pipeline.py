@@ -15,12 +15,12 @@ generated and not yet trained; a sample that comes past the bound all the same i
 
 Messages go through the job's store (`fastgrpo.grpo.mailbox.Mailbox`: a few numbers, checked without waiting; apart
 for each `train` call), payloads point to point over a gloo group of every process (`distributed.message_group`), the
-weights over the job's own group, on the device (`synced_parameters`: with LoRA the adapters alone, taken apart from
-the base weights a call merged them into and merged again; under FSDP2 gathered by every training process first,
-`gather_sent`). A thread of each rollout process beats every quarter of ``heartbeat_stale_after_s`` seconds, but
-while a decoding step has run longer than half of it, so that each training process names a rollout process that
-stays silent longer (it died, or a step hangs), and one that failed, with its error. A checkpoint holds the
-generations dropped so far; a resumed run goes on after them.
+weights over the job's own group, on the device (`SentWeights`: with LoRA the adapters alone, taken apart from the
+base weights a call merged them into and merged again; under FSDP2 gathered by every training process first). A
+thread of each rollout process beats every quarter of ``heartbeat_stale_after_s`` seconds, but while a decoding step
+has run longer than half of it, so that each training process names a rollout process that stays silent longer (it
+died, or a step hangs), and one that failed, with its error. A checkpoint holds the generations dropped so far; a
+resumed run goes on after them.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced
 from fastgrpo.grpo.mailbox import Mailbox
-from fastgrpo.grpo.weight_sync import check_same_parameters, gather_sent, synced_parameters
+from fastgrpo.grpo.weight_sync import SentWeights, check_same_parameters, gathered_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -119,14 +119,14 @@ class RolloutFeed:
         self.group, world, me = distributed.message_group(), dist.get_world_size(), dist.get_rank()
         self.ranks, self.main = list(range(world - cfg.rollout_processes, world)), me == TRAINER
         session = Mailbox.session(self.group)
-        self.model, dtype = trainer.model, trainer.update.compute_dtype  # (sharded parameters travel in it)
-        check_same_parameters(self.model, self.group, dtype)  # again: user code may freeze between the trainer and here
+        dtype = gathered_dtype(trainer.update)
+        check_same_parameters(trainer.model, self.group, dtype)  # again: user code may freeze after the trainer's
         self.up = {rank: Mailbox(share_box(rank, me), session) for rank in self.ranks}  # (rank 0's: every message)
         self.beating = {rank: Mailbox(share_box(rank, TRAINER), session) for rank in self.ranks}  # (its heartbeats)
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks} if self.main else {}
         self.version = trainer.start_step
         self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
-        self.params = synced_parameters(self.model, dtype) if self.main else []  # what rank 0 sends (`after_step`)
+        self.weights = SentWeights(trainer.update.policy, trainer.model, dtype, self.main)  # (`after_step`)
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()
@@ -209,11 +209,11 @@ class RolloutFeed:
         if version % self.cfg.weight_sync_steps:
             return
         t0 = time.monotonic()
-        gather_sent(self.model, self.params)  # under FSDP2, by every training process (the sends before have left)
+        self.weights.gather()  # under FSDP2, by every training process (the sends before have left)
         if self.main:
             self._tell(WEIGHTS)
             for rank in self.ranks:
-                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in self.params]
+                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in self.weights.tensors]
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def save_drafts(self, checkpoint: Path, learners: bool) -> None:

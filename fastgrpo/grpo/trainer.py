@@ -39,7 +39,7 @@ from fastgrpo.grpo.run_log import RunLog, logged_record
 from fastgrpo.grpo.tool_use import RunTools, ToolTurns, resolve_run_tools, rollout_prompts
 from fastgrpo.grpo.trl_callbacks import TrlCallbacks
 from fastgrpo.grpo.trl_form import FastgrpoArguments, TrlTrainerMethods, train_summary, trl_call
-from fastgrpo.grpo.weight_sync import check_same_parameters
+from fastgrpo.grpo.weight_sync import check_same_parameters, gathered_dtype
 from fastgrpo.memory_plan.fitting import check_training_options, plan_for_trainer, read_model_config
 from fastgrpo.models import (
     check_cache_dir,
@@ -210,7 +210,7 @@ class GRPOTrainer(TrlTrainerMethods):
         )
         self.events = events if self.dist.rollout else events.bind(self)  # TRL's callbacks, where it trains
         if config.rollout_processes:  # a callback's freezes on the training process included
-            check_same_parameters(self.model, distributed.message_group(), self.update and self.update.compute_dtype)
+            check_same_parameters(self.model, distributed.message_group(), gathered_dtype(self.update))
         if not resume and self.held_run is None:  # all that can refuse the run has: an overwrite deletes only now
             with distributed.main_first(self.dist):
                 _, _, self.run_id = prepare_output_dir(

@@ -5,14 +5,21 @@ on the training processes alone) would otherwise land in the wrong tensor, or le
 group's timeout.
 
 Under FSDP2 each training process holds a shard of every parameter (float32 ones where they are the master weights):
-at each weight sync every training process gathers them (`gather_sent`) and rank 0 sends them whole, in the policy's
-dtype, from buffers it keeps for the run (a full copy of the trained parameters)."""
+at each weight sync every training process gathers them (`SentWeights.gather`) and rank 0 sends them whole, in the
+policy's dtype, from buffers it keeps for the run (a full copy of the trained parameters)."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+
+from fastgrpo import distributed
+
+if TYPE_CHECKING:
+    from fastgrpo.grpo.policy_update import PolicyUpdate
 
 Signature = list[tuple[str, tuple[int, ...], str]]
 
@@ -23,31 +30,49 @@ def _trained(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
 
 
+def gathered_dtype(update: PolicyUpdate | None) -> torch.dtype | None:
+    """The dtype the update's float32 master shards travel in (FSDP2 gathers them in the policy's for every forward
+    too); None where each parameter travels in its own."""
+    return update.compute_dtype if update is not None and update.float32_shards else None
+
+
 def _sent_dtype(param: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
-    """The dtype ``param`` travels in: a sharded one's (FSDP2's `DTensor`) is ``dtype``, the policy's, in which FSDP2
-    gathers float32 master shards for every forward too; any other travels as it is."""
+    """The dtype ``param`` travels in: a sharded one's (FSDP2's `DTensor`) is ``dtype`` where given (`gathered_dtype`),
+    any other's its own."""
     return dtype if dtype is not None and isinstance(param, DTensor) else param.dtype
 
 
-def synced_parameters(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
-    """What rank 0 sends of ``model`` and a rollout process receives into its own (`_trained`): the parameters'
-    own tensors, or, where FSDP2 shards them, buffers of their full shapes in ``dtype`` that `gather_sent` fills."""
-    return [
-        torch.empty(p.shape, dtype=_sent_dtype(p, dtype), device=p.device) if isinstance(p, DTensor) else p.data
-        for _, p in _trained(model)
-    ]
+def synced_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """What a rollout process receives into of ``model`` (`_trained`), in the order rank 0 sends it."""
+    return [p.data for _, p in _trained(model)]
 
 
-def gather_sent(model: torch.nn.Module, buffers: list[torch.Tensor]) -> None:
-    """Gather each sharded trained parameter of ``model`` whole (a collective of the training processes, each calling
-    this at the same step) into its buffer of `synced_parameters` (``buffers``: rank 0's; empty on the others, which
-    drop what they gather). A no-op without FSDP2."""
-    with torch.no_grad():
-        for i, (_, p) in enumerate(_trained(model)):
-            if isinstance(p, DTensor):
-                full = p.full_tensor()
-                if buffers:
-                    buffers[i].copy_(full)
+class SentWeights:
+    """What a training process sends of the policy (``sender``: rank 0) or gathers for it at each weight sync: the
+    trained parameters as the update holds them, taken once (FSDP2's sharded parameters, which AdamW updates, stay the
+    same objects for the run, while its root unit registers gathered copies in their place from a forward to the
+    next backward), and rank 0's tensors to send (`tensors`): the parameters' own, or, for sharded ones, buffers of
+    their full shapes in ``dtype`` (`gathered_dtype`) that `gather` fills."""
+
+    def __init__(self, policy: torch.nn.Module, model: torch.nn.Module, dtype: torch.dtype | None, sender: bool):
+        if distributed.is_sharded(policy):
+            policy.reshard()  # (registers every sharded parameter again: the root unit may hold gathered copies)
+        self.params = [p for _, p in _trained(model)]
+        self.tensors = [
+            torch.empty(p.shape, dtype=_sent_dtype(p, dtype), device=p.device) if isinstance(p, DTensor) else p.data
+            for p in (self.params if sender else [])
+        ]
+
+    def gather(self) -> None:
+        """Gather every sharded parameter whole (a collective of the training processes, each calling this at the
+        same step, in the same order) into its buffer on rank 0; the others drop what they gather. A no-op without
+        FSDP2."""
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if isinstance(p, DTensor):
+                    full = p.full_tensor()
+                    if self.tensors:
+                        self.tensors[i].copy_(full)
 
 
 def signature(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Signature:

@@ -208,7 +208,7 @@ def estimate_memory(
     # full copy kept for the whole run at fixed addresses (a captured graph reads them there), which each rollout
     # fills one gathered unit at a time (`distributed.gathered`); during the update one layer (and the next,
     # prefetched) is gathered besides the root's embedding and head. With master weights the shards are float32 (the
-    # masters) and are gathered in the policy's dtype. With rollout processes, rank 0 keeps that copy to send from.
+    # masters) and are gathered in the policy's dtype. With rollout processes, rank 0 keeps a full copy to send from.
     sharded_masters = masters and shards > 1
     root = shape.embedding_params * (1 if shape.tied_embeddings else 2) + h  # FSDP2's root unit
     if shards == 1:
@@ -219,8 +219,10 @@ def estimate_memory(
         own = 0 if sharded_masters else params * w / shards
         what = "gathered from float32 shards" if sharded_masters else "sharded"
         items.add(f"policy weights ({dtype}, {what})", own + unit, own, own + gathered, own)
-        copy = "weights sent to the rollout processes" if config.rollout_processes else "rollout copy of the weights"
-        items.resident(f"{copy} ({dtype})", params * w)
+        if not config.rollout_processes or config.eval_strategy != "no":  # (there, evaluations alone roll out)
+            items.resident(f"rollout copy of the weights ({dtype})", params * w)
+        if config.rollout_processes:
+            items.resident(f"weights sent to the rollout processes ({dtype})", params * w)
     if lora:
         items.resident(f"LoRA adapters ({_dtype_name(grad_bytes, dtype)})", lora.params * grad_bytes)
 
