@@ -566,12 +566,17 @@ def test_timings_wait_on_the_compute_stream_not_on_weights_leaving(monkeypatch: 
 
 def test_weights_that_cannot_leave_for_a_dead_rollout_process_stop_the_run_once_it_is_named(tmp_path: Path) -> None:
     """A send to a rollout process that died never completes: the update's wait ends as soon as the process is named
-    (not at the process group's timeout), with the run's one-line error."""
+    (not at the process group's timeout), with the run's one-line error. Where rank 0 sends copies (FSDP2), the update
+    does not wait for them."""
     feed = RolloutFeed.__new__(RolloutFeed)
     feed.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
     feed.figures, feed.error = {"async/weight_send_seconds": 0.0}, None
     stuck = type("Work", (), {"wait": lambda self: pipeline.threading.Event().wait(10)})()  # (never completes)
     feed.sending = [stuck]
+    feed.weights = type("Weights", (), {"copies": True})()
+    feed.before_update()
+    assert feed.sending == [stuck]
+    feed.weights.copies = False  # the parameters themselves are being sent
     pipeline.threading.Timer(0.05, lambda: setattr(feed, "error", "rollout process rank 1: sent nothing")).start()
     with pytest.raises(pipeline.RolloutFailed, match="^rollout process rank 1: sent nothing; the run stops"):
         feed.before_update()

@@ -178,8 +178,14 @@ class RolloutFeed:
         return {"generations_dropped": self.dropped}
 
     def before_update(self) -> None:
-        """Wait until the weights sent last have left (the update is about to change them); a rollout process named
-        dead or failed meanwhile (its sends would wait for the process group's timeout) stops the run."""
+        """Before the update changes the parameters: wait until the weights sent last have left, unless rank 0 sends
+        copies of them (under FSDP2), which only the next sync writes."""
+        if not self.weights.copies:
+            self._sent()
+
+    def _sent(self) -> None:
+        """Wait until the weights sent last have left; a rollout process named dead or failed meanwhile (its sends
+        would wait for the process group's timeout) stops the run."""
         t0 = time.monotonic()
         sending, self.sending = self.sending, []
         if not sending:  # (no weights sent since: on other training processes than rank 0, always)
@@ -208,8 +214,9 @@ class RolloutFeed:
         self.version = version
         if version % self.cfg.weight_sync_steps:
             return
+        self._sent()  # (copies are written again below)
         t0 = time.monotonic()
-        self.weights.gather()  # under FSDP2, by every training process (the sends before have left)
+        self.weights.gather()  # under FSDP2, by every training process
         if self.main:
             self._tell(WEIGHTS)
             for rank in self.ranks:
@@ -243,7 +250,7 @@ class RolloutFeed:
         self._tell(STOP)
         try:
             if self.error is None:
-                self.before_update()
+                self._sent()
                 self.thread.join(self.cfg.heartbeat_stale_after_s)
                 if self.thread.is_alive():
                     logger.warning("a rollout process has not stopped after %g s", self.cfg.heartbeat_stale_after_s)
