@@ -573,8 +573,8 @@ def test_an_asynchronous_job_plans_one_training_process_and_rollout_processes_wi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """With ``rollout_processes: 1`` in a job of 2, the training process is planned alone (no DDP buckets: it has no
-    peer to reduce with) and the rollout process holds nothing of the update, each of its items one of the
-    training process's."""
+    peer to reduce with) and rolls out for evaluations alone, and the rollout process holds nothing of the update,
+    each of its other items one of the training process's."""
     config, shape, cpu = GRPOConfig(rollout_processes=1, beta=0.04), CONFIGS["qwen2.5-0.5b"], torch.device("cpu")
     monkeypatch.setattr(fitting, "world_size", lambda: 2)
     training = plan_for_trainer(config, shape, cpu)
@@ -582,7 +582,11 @@ def test_an_asynchronous_job_plans_one_training_process_and_rollout_processes_wi
     assert estimate_memory(config, shape, cpu, 2).item("DDP gradient buckets")  # what a second trainer would add
     rollout = plan_for_trainer(config, shape, cpu, rollout=True)
     assert not [item.name for item in rollout.items if item.name.startswith(UPDATE_ITEMS)]
-    assert set(rollout.items) < set(training.items) and rollout.item("KV cache")
+    rolling = {"KV cache", "captured hidden states", "rollout forward temporaries"}
+    assert {item for item in rollout.items if item.name not in rolling} < set(training.items)
+    assert rollout.item("KV cache") and not [item for item in training.items if item.name in rolling]
+    evaluating = estimate_memory(dataclasses.replace(config, eval_strategy="steps"), shape, cpu, 1)
+    assert evaluating.item("KV cache") == rollout.item("KV cache")
     assert rollout.peak_bytes == rollout.rollout_bytes < training.peak_bytes
     assert "a rollout process beside 1 process training" in rollout.summary()
     # what fits 1 byte less: LoRA, or FSDP2 over training processes (torchrun starts the rollout process besides);

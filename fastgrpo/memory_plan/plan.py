@@ -17,9 +17,8 @@ model, reward models, the LoRA adapters and the drafters' networks are resident 
 rollout's KV caches (the target's and the draft's): the first rollout allocates them for the run's largest rollout,
 and they stay through every policy update, so that compiled steps meet the same addresses in every rollout. A
 rollout compiled on a GPU also keeps, from its first step on, the memory pool of its CUDA graphs (`graph_pool_bytes`),
-which the allocator cannot give back. The peak is the largest moment. Every prompt is taken at
-``max_prompt_length`` and every completion at ``max_completion_length``: the estimate bounds a run whose rows are
-shorter.
+which the allocator cannot give back. A training process beside rollout processes rolls out for evaluations alone.
+The peak is the largest moment. Prompts count ``max_prompt_length`` tokens, completions ``max_completion_length``.
 
 The rollout's sizes are the engine's own (`fastgrpo.rollout.cache`: the cache's rows, slots and bytes), and each
 drafter's items come from its plugin (`fastgrpo.speculative.plugin.DrafterPlugin.memory`). `estimate_memory` makes a
@@ -260,9 +259,10 @@ def estimate_memory(
         if count is not None:
             items.resident(f"reward model {scorer.__name__} ({dtype})", count * w)
 
-    _rollout_items(items, run, lora)
-    if device.type == "cuda" and compile_backend(config.compile, device) == "inductor":
-        items.resident("CUDA graph pool", graph_pool_bytes(run))
+    if rollout or not config.rollout_processes or config.eval_strategy != "no":  # (else the caches are never made)
+        _rollout_items(items, run, lora)
+        if device.type == "cuda" and compile_backend(config.compile, device) == "inductor":
+            items.resident("CUDA graph pool", graph_pool_bytes(run))
     for plugin in plugins(config.speculation):
         items.items += plugin.memory(run)
     _update_items(train, config, shape, w, lora, grad_bytes, run.cuda, autocast_bf16(config.bf16, device))
