@@ -58,7 +58,7 @@ class SentWeights:
         if distributed.is_sharded(policy):
             policy.reshard()  # (registers every sharded parameter again: the root unit may hold gathered copies)
         self.params = [p for _, p in _trained(model)]
-        self.copies = any(isinstance(p, DTensor) for p in self.params)  # rank 0 sends buffers the update never writes
+        self.copies = bool(self.params) and all(isinstance(p, DTensor) for p in self.params)  # (none the update's)
         self.tensors = [
             torch.empty(p.shape, dtype=_sent_dtype(p, dtype), device=p.device) if isinstance(p, DTensor) else p.data
             for p in (self.params if sender else [])
