@@ -120,13 +120,13 @@ class RolloutFeed:
         self.ranks, self.main = list(range(world - cfg.rollout_processes, world)), me == TRAINER
         session = Mailbox.session(self.group)
         dtype = gathered_dtype(trainer.update)
+        self.weights = SentWeights(trainer.update.policy, trainer.model, dtype, self.main)  # (`after_step`)
         check_same_parameters(trainer.model, self.group, dtype)  # again: user code may freeze after the trainer's
         self.up = {rank: Mailbox(share_box(rank, me), session) for rank in self.ranks}  # (rank 0's: every message)
         self.beating = {rank: Mailbox(share_box(rank, TRAINER), session) for rank in self.ranks}  # (its heartbeats)
         self.down = {rank: Mailbox(f"down/{rank}", session) for rank in self.ranks} if self.main else {}
         self.version = trainer.start_step
         self.next, self.dropped = resume_point(trainer)  # the drops so far: those of the checkpoint resumed from
-        self.weights = SentWeights(trainer.update.policy, trainer.model, dtype, self.main)  # (`after_step`)
         self.items: dict[int, Produced] = {}
         self.error: str | None = None
         self.ready = threading.Condition()

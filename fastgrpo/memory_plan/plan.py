@@ -190,8 +190,7 @@ def estimate_memory(
     device = torch.device(device)
     run = planned_run(config, model_config, device, world_size)
     shape, w, dtype = run.shape, run.dtype_bytes, plan_dtype(config.dtype, device)
-    h = shape.hidden_size
-    params = shape.num_parameters()
+    h, params = shape.hidden_size, shape.num_parameters()
     shards = world_size if config.fsdp and world_size > 1 and not config.use_peft and not rollout else 1
 
     # What trains: the whole policy, or LoRA adapters that peft keeps in float32 over 16-bit weights.
@@ -202,6 +201,7 @@ def estimate_memory(
     moment_bytes = 4 if masters else grad_bytes
     items = MemoryItems()
     train = items if not rollout else MemoryItems()  # the update's items (a rollout process's are dropped)
+    rolls_out = rollout or not config.rollout_processes or config.eval_strategy != "no"  # (see the module docstring)
 
     # Policy weights. Under FSDP2 each rank keeps its shard, and the rollout and the draft update compute with a
     # full copy kept for the whole run at fixed addresses (a captured graph reads them there), which each rollout
@@ -218,7 +218,7 @@ def estimate_memory(
         own = 0 if sharded_masters else params * w / shards
         what = "gathered from float32 shards" if sharded_masters else "sharded"
         items.add(f"policy weights ({dtype}, {what})", own + unit, own, own + gathered, own)
-        if not config.rollout_processes or config.eval_strategy != "no":  # (there, evaluations alone roll out)
+        if rolls_out:
             items.resident(f"rollout copy of the weights ({dtype})", params * w)
         if config.rollout_processes:
             items.resident(f"weights sent to the rollout processes ({dtype})", params * w)
@@ -259,7 +259,7 @@ def estimate_memory(
         if count is not None:
             items.resident(f"reward model {scorer.__name__} ({dtype})", count * w)
 
-    if rollout or not config.rollout_processes or config.eval_strategy != "no":  # (else the caches are never made)
+    if rolls_out:
         _rollout_items(items, run, lora)
         if device.type == "cuda" and compile_backend(config.compile, device) == "inductor":
             items.resident("CUDA graph pool", graph_pool_bytes(run))
