@@ -568,18 +568,58 @@ def test_weights_that_cannot_leave_for_a_dead_rollout_process_stop_the_run_once_
     """A send to a rollout process that died never completes: the update's wait ends as soon as the process is named
     (not at the process group's timeout), with the run's one-line error. Where rank 0 sends copies (FSDP2), the update
     does not wait for them."""
-    feed = RolloutFeed.__new__(RolloutFeed)
-    feed.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
-    feed.figures, feed.error = {"async/weight_send_seconds": 0.0}, None
+    feed = bare_feed(tmp_path)
     stuck = type("Work", (), {"wait": lambda self: pipeline.threading.Event().wait(10)})()  # (never completes)
-    feed.sending = [stuck]
+    feed.sending = [(1, stuck)]
     feed.weights = type("Weights", (), {"copies": True})()
     feed.before_update()
-    assert feed.sending == [stuck]
+    assert feed.sending == [(1, stuck)]
     feed.weights.copies = False  # the parameters themselves are being sent
     pipeline.threading.Timer(0.05, lambda: setattr(feed, "error", "rollout process rank 1: sent nothing")).start()
     with pytest.raises(pipeline.RolloutFailed, match="^rollout process rank 1: sent nothing; the run stops"):
         feed.before_update()
+
+
+GLOO_CLOSED = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+    "[127.0.0.1]:40338. This is typically caused by a remote worker crashing."
+)
+
+
+def test_weights_whose_send_fails_name_the_rollout_process_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gloo fails a send to a process that died, when it is issued or while it waits: the run stops at once, naming
+    the process it went to, with the run's one-line error, and closing the feed waits for no other send."""
+    named = (
+        "^rollout process rank 2: weights could not be sent to it \\(Connection closed by peer \\[127.0.0.1\\]:40338\\)"
+    )
+    feed = bare_feed(tmp_path)
+    done = type("Work", (), {"wait": lambda self: None})()
+    failing = type("Work", (), {"wait": lambda self: (_ for _ in ()).throw(RuntimeError(GLOO_CLOSED))})()
+    feed.sending, feed.weights = [(1, done), (2, failing)], type("Weights", (), {"copies": False})()
+    with pytest.raises(pipeline.RolloutFailed, match=named + "; the run stops \\(no checkpoint was written yet\\)$"):
+        feed.before_update()
+    assert feed.error.startswith("rollout process rank 2: ")
+
+    def isend(tensor: torch.Tensor, rank: int, tag: int) -> None:
+        raise RuntimeError(GLOO_CLOSED)
+
+    feed = bare_feed(tmp_path)
+    feed.cfg = load_config(None, ["--rollout_processes=2", f"--output_dir={tmp_path}"])
+    feed.main, feed.ranks, feed.down, feed.sending = True, [2, 3], {}, []
+    feed.weights = type("Weights", (), {"copies": False, "tensors": [torch.zeros(2)], "gather": lambda self: None})()
+    monkeypatch.setattr(pipeline.dist, "isend", isend)
+    with pytest.raises(pipeline.RolloutFailed, match=named):
+        feed.after_step(1)
+
+
+def bare_feed(tmp_path: Path) -> RolloutFeed:
+    """A feed of one rollout process without its process group or thread: its waits and error alone."""
+    feed = RolloutFeed.__new__(RolloutFeed)
+    feed.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
+    feed.figures, feed.error, feed.ready = {"async/weight_send_seconds": 0.0}, None, pipeline.threading.Condition()
+    return feed
 
 
 def test_a_checkpoint_is_sized_with_every_rollout_process_drafters() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import sys
 import threading
 import time
@@ -131,7 +132,8 @@ class RolloutFeed:
         self.error: str | None = None
         self.ready = threading.Condition()
         self.closing = False
-        self.sending: list[Any] = []  # the weights' sends in flight (the weights must not change until they end)
+        # The weights' sends in flight, each with the rank it goes to (the weights must not change until they end).
+        self.sending: list[tuple[int, Any]] = []
         sends = ("async/weight_send_seconds",) if self.main else ()  # (rank 0 alone sends weights)
         self.figures = dict.fromkeys(("async/trainer_wait_seconds", *sends, "async/dropped_samples"), 0.0)
         self.drafts_saved = 0  # of the rollout processes asked to (`save_drafts`)
@@ -185,7 +187,7 @@ class RolloutFeed:
 
     def _sent(self) -> None:
         """Wait until the weights sent last have left; a rollout process named dead or failed meanwhile (its sends
-        would wait for the process group's timeout) stops the run."""
+        would wait for the process group's timeout), or one whose send failed, stops the run."""
         t0 = time.monotonic()
         sending, self.sending = self.sending, []
         if not sending:  # (no weights sent since: on other training processes than rank 0, always)
@@ -194,10 +196,12 @@ class RolloutFeed:
 
         def wait() -> None:  # (a gloo send tells that it completed only to its `wait`)
             try:
-                for work in sending:
-                    work.wait()
-            except Exception as e:
-                failed.append(e)
+                for rank, work in sending:
+                    try:
+                        work.wait()
+                    except Exception as e:
+                        failed.append((rank, e))
+                        break
             finally:
                 done.set()
 
@@ -206,8 +210,17 @@ class RolloutFeed:
             if self.error is not None:
                 raise self._failed(self.error)
         if failed:
-            raise failed[0]
+            raise self._send_failed(*failed[0])
         self.figures["async/weight_send_seconds"] += time.monotonic() - t0
+
+    def _send_failed(self, rank: int, error: Exception) -> RolloutFailed:
+        """The run's error for weights that could not be sent to rollout process ``rank`` (gloo: its connection
+        closed, as when the process died), which then counts as named."""
+        with self.ready:
+            if self.error is None:
+                self.error = f"rollout process rank {rank}: weights could not be sent to it ({_reason(error)})"
+            self.ready.notify()
+        return self._failed(self.error)
 
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
@@ -220,7 +233,10 @@ class RolloutFeed:
         if self.main:
             self._tell(WEIGHTS)
             for rank in self.ranks:
-                self.sending += [dist.isend(p, rank, tag=WEIGHT_TAG) for p in self.weights.tensors]
+                try:
+                    self.sending += [(rank, dist.isend(p, rank, tag=WEIGHT_TAG)) for p in self.weights.tensors]
+                except RuntimeError as e:  # (gloo raises here once it knows the connection closed)
+                    raise self._send_failed(rank, e) from e
             self.figures["async/weight_send_seconds"] += time.monotonic() - t0
 
     def save_drafts(self, checkpoint: Path, learners: bool) -> None:
@@ -305,5 +321,13 @@ class RolloutFeed:
                 time.sleep(0.005)
         except Exception as e:  # named, for `take` to raise
             with self.ready:
-                self.error = f"rollout process rank {rank}: {e}"
+                self.error = f"rollout process rank {rank}: {_reason(e)}"
                 self.ready.notify()
+
+
+def _reason(error: Exception) -> str:
+    """``error``'s text; of one that gloo's transport raised (it begins with its source location), what happened
+    alone, without the location and the advice after it."""
+    text = str(error)
+    located = re.match(r"\[[^\]]*\]\s*", text)
+    return text[located.end() :].split(". ")[0] if located else text
