@@ -1,6 +1,7 @@
 """The bad-input matrix: what a user can get wrong on the command line, each case with the outcome it must have.
 
-A case runs ``fastgrpo ARGV`` in this process on a tiny random Llama (with the SmolLM2 tokenizer) and is classified:
+A case runs ``fastgrpo ARGV`` in this process, or as a job of processes forked from it (a rollout process killed
+mid-run), on a tiny random Llama (with the SmolLM2 tokenizer) and is classified:
 ``message`` (exit 2, no traceback, the expected words), ``other message`` (exit 2, other words), ``late message``
 (the expected words, but after a model loaded though the fact was knowable before), ``warned`` and ``correct`` (ran,
 saying what it should), ``silent`` (ran although it should have refused, or without the warning), ``traceback``.
@@ -24,6 +25,7 @@ import shutil
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import save_tiny_llama
+from conftest import free_port, save_tiny_llama
 
 REFUSED, WARNS, RUNS = "refused", "warns", "runs"
 GOOD = {REFUSED: "message", WARNS: "warned", RUNS: "correct"}
@@ -324,6 +326,14 @@ def tiny_run(**options: Any) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Kill:
+    """SIGKILL for process ``rank`` of a job once ``{tmp}/after`` exists."""
+
+    rank: int
+    after: str
+
+
+@dataclass(frozen=True)
 class Case:
     """``fastgrpo ARGV`` (``{tmp}`` and ``{model}`` filled in), after ``files`` are written under ``{tmp}``, the
     command ``first`` has run (a run to resume, overwrite or damage), ``setup`` has run and ``env`` is set; with
@@ -339,6 +349,8 @@ class Case:
     setup: Callable[[Path], None] | None = None
     needs_model: bool = False  # the fact can only be known once the model has loaded
     first: tuple[str, ...] = ()  # a command run (with the same config) before the case, after ``files``
+    processes: int = 1  # the case's command runs as a job of this many processes, as torchrun starts them
+    kill: Kill | None = None  # a process of that job killed mid-run
 
 
 def train(name: str, expect: str, says: str, needs_model: bool = False, **options: Any) -> Case:
@@ -625,6 +637,17 @@ def link(name: str, target: str) -> Callable[[Path], None]:
     return setup
 
 
+# A run of one training and one rollout process that cannot end before generation 2, which the rollout process makes
+# only after the first checkpoint (no sample may be stale).
+KILLED = dict(rollout_processes=1, max_staleness=0, max_steps=3, heartbeat_stale_after_s=3, ddp_timeout=60)
+
+
+def killed_rollout_process(tmp: Path) -> None:
+    """The case's run, its rollout process killed once the first checkpoint is written."""
+    code, err, _ = run_job(["train", "--config", str(tmp / "c.yaml")], {}, tmp, 2, Kill(1, "run/checkpoint-1"))
+    assert code not in (0, None), err[-2000:]
+
+
 def no_checkpoint_yet(tmp: Path) -> None:
     """The run as a kill during its first rollout leaves it: claimed, with no checkpoint."""
     shutil.rmtree(tmp / "run" / "checkpoint-1")
@@ -719,6 +742,11 @@ CASES: list[Case] = [
     train("a rollout queue too short for one step", REFUSED, "queue_maxsize (2) must hold", rollout_processes=1,
           queue_maxsize=2),
     train("a staleness bound without rollout processes", REFUSED, "max_staleness has no effect", max_staleness=2),
+    Case("a rollout process killed mid-run", ("train",), REFUSED,
+         "rollout process rank 1: ", config=tiny_run(**KILLED), processes=2,
+         kill=Kill(1, "run/checkpoint-1"), needs_model=True),
+    Case("resuming a run whose rollout process was killed", ("train", "--resume"), RUNS,
+         "resumed from {tmp}/run/checkpoint-", config=tiny_run(**KILLED), processes=2, setup=killed_rollout_process),
     train("no completion decoding at once", REFUSED, "max_inflight_tasks must be at least 1", max_inflight_tasks=0),
     train("LoRA dropout above 1", REFUSED, "lora_dropout", use_peft=True, lora_dropout=1.5),
     train("log completions every 0 steps", REFUSED, "log_completions_steps", log_completions_steps=0),
@@ -1431,7 +1459,6 @@ class _Records(logging.Handler):
 def run_case(case: Case, tmp: Path, model: Path) -> Result:
     """Run ``case`` in ``tmp`` (an empty directory) against the tiny ``model`` and classify what it did."""
     import fastgrpo.models
-    from fastgrpo.cli import main
 
     for name, content in case.files.items():
         path = tmp / name
@@ -1455,32 +1482,19 @@ def run_case(case: Case, tmp: Path, model: Path) -> Result:
         return real_load(*args, **kwargs)
 
     env = _fill(case.env, tmp, model)
-    saved_env = {k: os.environ.get(k) for k in env}
-    records, root = _Records(), logging.getLogger()
-    err, out = io.StringIO(), io.StringIO()
-    root.addHandler(records)
-    old_level = root.level
-    root.setLevel(logging.INFO)
-    os.environ.update(env)
     patched = _patch(load_model)
-    code: int | None
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-            main(argv)
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 2
-    except Exception:
-        return Result("traceback", None, traceback.format_exc(limit=-3))
+        if case.processes > 1:
+            code, err, rest = run_job(argv, env, tmp, case.processes, case.kill)
+        else:
+            code, err, rest = _invoke(argv, env)
     finally:
         _unpatch(patched)
-        root.removeHandler(records)
-        root.setLevel(old_level)
-        for k, v in saved_env.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-    text = err.getvalue() + "\n".join(records.lines) + out.getvalue()
+    if code is None:
+        return Result("traceback", None, err)
+    text = err + rest
     says = _fill(case.says, tmp, model)
-    if "Traceback" in err.getvalue():
+    if "Traceback" in err:
         outcome = "traceback"
     elif code != 0:
         if case.expect != REFUSED:
@@ -1494,6 +1508,81 @@ def run_case(case: Case, tmp: Path, model: Path) -> Result:
     else:
         outcome = GOOD[case.expect] if says in text else "silent"
     return Result(outcome, code, text)
+
+
+def _invoke(argv: list[str], env: dict[str, str]) -> tuple[int | None, str, str]:
+    """``fastgrpo ARGV`` in this process with ``env`` set: its exit code (None: it raised, and the traceback is
+    returned as its standard error), its standard error, and its log records and standard output."""
+    from fastgrpo.cli import main
+
+    saved_env = {k: os.environ.get(k) for k in env}
+    records, root = _Records(), logging.getLogger()
+    err, out = io.StringIO(), io.StringIO()
+    root.addHandler(records)
+    old_level = root.level
+    root.setLevel(logging.INFO)
+    os.environ.update(env)
+    code: int | None
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            main(argv)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 2
+    except Exception:
+        return None, traceback.format_exc(limit=-3), ""
+    finally:
+        root.removeHandler(records)
+        root.setLevel(old_level)
+        for k, v in saved_env.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+    return code, err.getvalue(), "\n".join(records.lines) + out.getvalue()
+
+
+def run_job(
+    argv: list[str], env: dict[str, str], tmp: Path, processes: int, kill: Kill | None = None
+) -> tuple[int | None, str, str]:
+    """``fastgrpo ARGV`` as a job of ``processes`` processes forked from this one, each given the variables torchrun
+    gives its workers (no torchrun agent: none stops the others when one dies, as on several machines); ``kill``: a
+    process killed once its file exists. What `_invoke` returns for rank 0 (exit code None also when it did not end
+    within 300 s, killed then)."""
+    import multiprocessing
+
+    port, context = free_port(), multiprocessing.get_context("fork")
+    outputs = [tmp / f"rank{rank}.json" for rank in range(processes)]
+    jobs = [
+        context.Process(target=_job_process, args=(argv, env, rank, processes, port, outputs[rank]))
+        for rank in range(processes)
+    ]
+    for process in jobs:
+        process.start()
+    deadline = time.monotonic() + 300
+    if kill is not None:
+        victim = jobs[kill.rank]
+        while not (tmp / kill.after).exists() and victim.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        victim.kill()
+    for process in jobs:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
+    if not outputs[0].exists():
+        return None, f"rank 0 ended without a result (exit code {jobs[0].exitcode})", ""
+    code, err, rest = json.loads(outputs[0].read_text())
+    return code, err, rest
+
+
+def _job_process(argv: list[str], env: dict[str, str], rank: int, world: int, port: int, output: Path) -> None:
+    """Process ``rank`` of `run_job`'s job: `_invoke`'s result written to ``output``."""
+    import torch
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    logging.getLogger().handlers.clear()  # the parent's handlers report the parent's tests
+    output.write_text(json.dumps(_invoke(argv, env)))
+    os._exit(0)
 
 
 def _run_first(argv: list[str]) -> None:
