@@ -745,6 +745,9 @@ CASES: list[Case] = [
     Case("a rollout process killed mid-run", ("train",), REFUSED,
          "rollout process rank 1: ", config=tiny_run(**KILLED), processes=2,
          kill=Kill(1, "run/checkpoint-1"), needs_model=True),
+    Case("the training process killed mid-run", ("train",), REFUSED,
+         "rollout process rank 1: the training processes are gone (", config=tiny_run(**KILLED), processes=2,
+         kill=Kill(0, "run/checkpoint-1"), needs_model=True),
     Case("resuming a run whose rollout process was killed", ("train", "--resume"), RUNS,
          "resumed from {tmp}/run/checkpoint-", config=tiny_run(**KILLED), processes=2, setup=killed_rollout_process),
     train("no completion decoding at once", REFUSED, "max_inflight_tasks must be at least 1", max_inflight_tasks=0),
@@ -1544,8 +1547,8 @@ def run_job(
 ) -> tuple[int | None, str, str]:
     """``fastgrpo ARGV`` as a job of ``processes`` processes forked from this one, each given the variables torchrun
     gives its workers (no torchrun agent: none stops the others when one dies, as on several machines); ``kill``: a
-    process killed once its file exists. What `_invoke` returns for rank 0 (exit code None also when it did not end
-    within 300 s, killed then)."""
+    process killed once its file exists. What `_invoke` returns for the first process not killed (exit code None also
+    when it did not end within 300 s, killed then)."""
     import multiprocessing
 
     port, context = free_port(), multiprocessing.get_context("fork")
@@ -1567,9 +1570,10 @@ def run_job(
         if process.is_alive():
             process.kill()
             process.join()
-    if not outputs[0].exists():
-        return None, f"rank 0 ended without a result (exit code {jobs[0].exitcode})", ""
-    code, err, rest = json.loads(outputs[0].read_text())
+    judged = 1 if kill is not None and kill.rank == 0 else 0
+    if not outputs[judged].exists():
+        return None, f"rank {judged} ended without a result (exit code {jobs[judged].exitcode})", ""
+    code, err, rest = json.loads(outputs[judged].read_text())
     return code, err, rest
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrpo import distributed
+from fastgrpo.config import GRPOConfig
 from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced
@@ -218,7 +219,7 @@ class RolloutFeed:
         closed, as when the process died), which then counts as named."""
         with self.ready:
             if self.error is None:
-                self.error = f"rollout process rank {rank}: weights could not be sent to it ({_reason(error)})"
+                self.error = f"rollout process rank {rank}: weights could not be sent to it ({error_text(error)})"
             self.ready.notify()
         return self._failed(self.error)
 
@@ -276,9 +277,7 @@ class RolloutFeed:
             self.closing = True
 
     def _failed(self, error: str) -> RolloutFailed:
-        latest = latest_checkpoint(Path(self.cfg.output_dir))
-        where = f"continue from {latest} with --resume" if latest else "no checkpoint was written yet"
-        return RolloutFailed(f"{error}; the run stops ({where})")
+        return run_stops(self.cfg, error)
 
     def _tell(self, kind: int) -> None:
         for box in self.down.values():
@@ -321,11 +320,18 @@ class RolloutFeed:
                 time.sleep(0.005)
         except Exception as e:  # named, for `take` to raise
             with self.ready:
-                self.error = f"rollout process rank {rank}: {_reason(e)}"
+                self.error = f"rollout process rank {rank}: {error_text(e)}"
                 self.ready.notify()
 
 
-def _reason(error: Exception) -> str:
+def run_stops(cfg: GRPOConfig, error: str) -> RolloutFailed:
+    """The run's one-line error for ``error``, with the checkpoint to continue from."""
+    latest = latest_checkpoint(Path(cfg.output_dir))
+    where = f"continue from {latest} with --resume" if latest else "no checkpoint was written yet"
+    return RolloutFailed(f"{error}; the run stops ({where})")
+
+
+def error_text(error: Exception) -> str:
     """``error``'s text; of one that gloo's transport raised (it begins with its source location), what happened
     alone, without the location and the advice after it."""
     text = str(error)

@@ -32,8 +32,10 @@ from fastgrpo.grpo.pipeline import (
     WEIGHT_TAG,
     WEIGHTS,
     Stopped,
+    error_text,
     payload,
     resume_point,
+    run_stops,
     share_box,
     version_runs,
 )
@@ -120,8 +122,16 @@ class RolloutProcess:
             for box in self.boxes:
                 box.post(BYE)
         except BaseException as e:
-            for box in self.boxes:
-                box.post(FAILED, text=f"{type(e).__name__}: {e}")
+            try:
+                for box in self.boxes:
+                    box.post(FAILED, text=f"{type(e).__name__}: {e}")
+            except Exception as lost:  # the job's store is rank 0's: the training processes are gone
+                if isinstance(e, Exception):  # (a signal ends the process as it would have)
+                    gone = (
+                        f"rollout process rank {dist.get_rank()}: the training processes are gone ({error_text(lost)})"
+                    )
+                    raise run_stops(self.cfg, gone) from e
+                raise
             self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
             raise
         finally:
@@ -267,4 +277,7 @@ class RolloutProcess:
         while not self.done.wait(period):
             began = self.step_began
             if began is None or time.monotonic() - began < 2 * period:
-                self.up.beat()
+                try:
+                    self.up.beat()
+                except Exception:  # the job's store is gone with rank 0: the run's own loop ends on it
+                    return
