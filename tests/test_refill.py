@@ -49,7 +49,7 @@ def test_greedy_with_refilled_rows_equals_one_call(model_draft, drafter: str | N
         assert out.stats.tree_nodes, "trees should be drafted for the refilled rows"
 
 
-@pytest.mark.parametrize("drafter", ["suffix", "eagle+suffix"])
+@pytest.mark.parametrize("drafter", ["eagle", "suffix", "eagle+suffix"])
 def test_sampled_with_refilled_rows_equals_plain_sampling(model_draft, drafter: str) -> None:
     model, draft = model_draft
     params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.9)
