@@ -23,6 +23,7 @@ from transformers import LlamaConfig
 from fastgrpo import distributed
 from fastgrpo.config import load_config
 from fastgrpo.device_memory import synchronized
+from fastgrpo.errors import Terminated
 from fastgrpo.grpo import pipeline
 from fastgrpo.grpo.generation import Produced
 from fastgrpo.grpo.mailbox import Mailbox
@@ -612,6 +613,39 @@ def test_weights_whose_send_fails_name_the_rollout_process_at_once(
     monkeypatch.setattr(pipeline.dist, "isend", isend)
     with pytest.raises(pipeline.RolloutFailed, match=named):
         feed.after_step(1)
+
+
+@pytest.mark.parametrize("cause", ["error", "signal"])
+def test_a_rollout_process_whose_training_processes_are_gone_stops_with_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
+) -> None:
+    """Its error cannot be posted (the job's store is rank 0's, gone with it): an error in the rollout process
+    becomes the run's one-line error saying so; a signal (torchrun's SIGTERM once rank 0 died) ends it as it would
+    have, not as the failed post."""
+
+    class Gone:
+        def post(self, *args: object, **kwargs: object) -> None:
+            raise torch.distributed.DistNetworkError("Broken pipe")
+
+    def fail(g: int) -> None:
+        raise torch.distributed.DistNetworkError("Connection reset by peer") if cause == "error" else Terminated
+
+    process = RolloutProcess.__new__(RolloutProcess)
+    process.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
+    process.trainer = type("Trainer", (), {"rollouts": type("Rollouts", (), {})()})()
+    process.next, process.index, process.count, process.done = 0, 0, 1, pipeline.threading.Event()
+    process.step_began = None
+    process.up, process.boxes, process._wait_until_due = Gone(), [Gone()], fail
+    monkeypatch.setattr(pipeline.dist, "get_rank", lambda group=None: 1)
+    if cause == "signal":
+        with pytest.raises(Terminated):
+            process.run()
+    else:
+        gone = (
+            "^rollout process rank 1: the training processes are gone \\(Broken pipe\\); the run stops \\(no checkpoint"
+        )
+        with pytest.raises(pipeline.RolloutFailed, match=gone):
+            process.run()
 
 
 def bare_feed(tmp_path: Path) -> RolloutFeed:

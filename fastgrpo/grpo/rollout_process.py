@@ -126,12 +126,10 @@ class RolloutProcess:
                 for box in self.boxes:
                     box.post(FAILED, text=f"{type(e).__name__}: {e}")
             except Exception as lost:  # the job's store is rank 0's: the training processes are gone
-                if isinstance(e, Exception):  # (a signal ends the process as it would have)
-                    gone = (
-                        f"rollout process rank {dist.get_rank()}: the training processes are gone ({error_text(lost)})"
-                    )
-                    raise run_stops(self.cfg, gone) from e
-                raise
+                if not isinstance(e, Exception):  # a signal: it ends the process as it would have
+                    raise e from None
+                gone = f"rollout process rank {dist.get_rank()}: the training processes are gone ({error_text(lost)})"
+                raise run_stops(self.cfg, gone) from e
             self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
             raise
         finally:
