@@ -1,7 +1,7 @@
 """The bad-input matrix: what a user can get wrong on the command line, each case with the outcome it must have.
 
-A case runs ``fastgrpo ARGV`` in this process, or as a job of processes forked from it (a rollout process killed
-mid-run), on a tiny random Llama (with the SmolLM2 tokenizer) and is classified:
+A case runs ``fastgrpo ARGV`` in this process, or as a job of processes forked from it (one of them killed mid-run),
+on a tiny random Llama (with the SmolLM2 tokenizer) and is classified:
 ``message`` (exit 2, no traceback, the expected words), ``other message`` (exit 2, other words), ``late message``
 (the expected words, but after a model loaded though the fact was knowable before), ``warned`` and ``correct`` (ran,
 saying what it should), ``silent`` (ran although it should have refused, or without the warning), ``traceback``.
@@ -342,14 +342,14 @@ class Case:
     name: str
     argv: tuple[str, ...]
     expect: str
-    says: str
+    says: str | tuple[str, ...]  # words the output must hold (each of them)
     config: dict[str, Any] | None = None
     files: dict[str, str | bytes] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     setup: Callable[[Path], None] | None = None
     needs_model: bool = False  # the fact can only be known once the model has loaded
     first: tuple[str, ...] = ()  # a command run (with the same config) before the case, after ``files``
-    processes: int = 1  # the case's command runs as a job of this many processes, as torchrun starts them
+    processes: int = 1  # the case's command runs as a job of this many processes (`run_job`: loads not counted)
     kill: Kill | None = None  # a process of that job killed mid-run
 
 
@@ -637,9 +637,9 @@ def link(name: str, target: str) -> Callable[[Path], None]:
     return setup
 
 
-# A run of one training and one rollout process that cannot end before generation 2, which the rollout process makes
-# only after the first checkpoint (no sample may be stale).
-KILLED = dict(rollout_processes=1, max_staleness=0, max_steps=3, heartbeat_stale_after_s=3, ddp_timeout=60)
+# A run of one training and one rollout process, of more steps than it makes before a kill ends it: no sample may be
+# stale, so the rollout process makes each generation only once the weights of the step before it came.
+KILLED = dict(rollout_processes=1, max_staleness=0, max_steps=20, heartbeat_stale_after_s=10, ddp_timeout=60)
 
 
 def killed_rollout_process(tmp: Path) -> None:
@@ -743,13 +743,14 @@ CASES: list[Case] = [
           queue_maxsize=2),
     train("a staleness bound without rollout processes", REFUSED, "max_staleness has no effect", max_staleness=2),
     Case("a rollout process killed mid-run", ("train",), REFUSED,
-         "rollout process rank 1: ", config=tiny_run(**KILLED), processes=2,
-         kill=Kill(1, "run/checkpoint-1"), needs_model=True),
+         ("rollout process rank 1: ", "; the run stops (continue from {tmp}/run/checkpoint-"),
+         config=tiny_run(**KILLED), processes=2, kill=Kill(1, "run/checkpoint-1"), needs_model=True),
     Case("the training process killed mid-run", ("train",), REFUSED,
-         "rollout process rank 1: the training processes are gone (", config=tiny_run(**KILLED), processes=2,
-         kill=Kill(0, "run/checkpoint-1"), needs_model=True),
-    Case("resuming a run whose rollout process was killed", ("train", "--resume"), RUNS,
-         "resumed from {tmp}/run/checkpoint-", config=tiny_run(**KILLED), processes=2, setup=killed_rollout_process),
+         ("rollout process rank 1: the training processes are gone (", "; the run stops (continue from {tmp}/run/"),
+         config=tiny_run(**KILLED), processes=2, kill=Kill(0, "run/checkpoint-1"), needs_model=True),
+    Case("resuming a run whose rollout process was killed", ("train", "--resume", "--max_steps", "3"), RUNS,
+         ("resumed from {tmp}/run/checkpoint-", "done: "), config=tiny_run(**KILLED), processes=2,
+         setup=killed_rollout_process),
     train("no completion decoding at once", REFUSED, "max_inflight_tasks must be at least 1", max_inflight_tasks=0),
     train("LoRA dropout above 1", REFUSED, "lora_dropout", use_peft=True, lora_dropout=1.5),
     train("log completions every 0 steps", REFUSED, "log_completions_steps", log_completions_steps=0),
@@ -1497,19 +1498,20 @@ def run_case(case: Case, tmp: Path, model: Path) -> Result:
         return Result("traceback", None, err)
     text = err + rest
     says = _fill(case.says, tmp, model)
+    said = all(part in text for part in ((says,) if isinstance(says, str) else says))
     if "Traceback" in err:
         outcome = "traceback"
     elif code != 0:
         if case.expect != REFUSED:
             outcome = "refused wrongly"
-        elif says not in text:
+        elif not said:
             outcome = "other message"
         else:
             outcome = "late message" if loaded and not case.needs_model else "message"
     elif case.expect == REFUSED:
         outcome = "silent"
     else:
-        outcome = GOOD[case.expect] if says in text else "silent"
+        outcome = GOOD[case.expect] if said else "silent"
     return Result(outcome, code, text)
 
 
@@ -1545,35 +1547,52 @@ def _invoke(argv: list[str], env: dict[str, str]) -> tuple[int | None, str, str]
 def run_job(
     argv: list[str], env: dict[str, str], tmp: Path, processes: int, kill: Kill | None = None
 ) -> tuple[int | None, str, str]:
-    """``fastgrpo ARGV`` as a job of ``processes`` processes forked from this one, each given the variables torchrun
-    gives its workers (no torchrun agent: none stops the others when one dies, as on several machines); ``kill``: a
-    process killed once its file exists. What `_invoke` returns for the first process not killed (exit code None also
-    when it did not end within 300 s, killed then)."""
+    """``fastgrpo ARGV`` as a job of ``processes`` processes forked from this one, each given RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT as a launcher without an agent gives them (srun, mpirun): rank 0 holds the job's store,
+    and nothing stops the others when one dies. ``kill``: a process killed once its file exists. What `_invoke`
+    returns for the first process not killed; exit code None (a failure) also when a process did not end within
+    300 s, the kill did not land while the file existed, or another process not killed raised, or failed where the
+    judged one succeeded."""
     import multiprocessing
 
     port, context = free_port(), multiprocessing.get_context("fork")
     outputs = [tmp / f"rank{rank}.json" for rank in range(processes)]
+    for output in outputs:
+        output.unlink(missing_ok=True)
     jobs = [
         context.Process(target=_job_process, args=(argv, env, rank, processes, port, outputs[rank]))
         for rank in range(processes)
     ]
-    for process in jobs:
-        process.start()
-    deadline = time.monotonic() + 300
-    if kill is not None:
-        victim = jobs[kill.rank]
-        while not (tmp / kill.after).exists() and victim.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        victim.kill()
-    for process in jobs:
-        process.join(max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            process.kill()
-            process.join()
+    deadline, landed = time.monotonic() + 300, kill is None
+    try:
+        for process in jobs:
+            process.start()
+        if kill is not None:
+            victim = jobs[kill.rank]
+            while not (tmp / kill.after).exists() and victim.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            landed = victim.is_alive() and (tmp / kill.after).exists()
+            victim.kill()
+        for process in jobs:
+            process.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for process in jobs:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    if not landed:
+        return None, f"the kill of rank {kill.rank} did not land once {kill.after} existed", ""
+    results = {rank: json.loads(output.read_text()) for rank, output in enumerate(outputs) if output.exists()}
     judged = 1 if kill is not None and kill.rank == 0 else 0
-    if not outputs[judged].exists():
+    if judged not in results:
         return None, f"rank {judged} ended without a result (exit code {jobs[judged].exitcode})", ""
-    code, err, rest = json.loads(outputs[judged].read_text())
+    code, err, rest = results[judged]
+    for rank in range(processes):
+        if rank == judged or (kill is not None and rank == kill.rank):
+            continue
+        other, other_err, _ = results.get(rank, (None, f"no result (exit code {jobs[rank].exitcode})", ""))
+        if other is None or "Traceback" in other_err or (code == 0 and other != 0):
+            return None, f"rank {rank} (exit code {other}): {other_err}", ""
     return code, err, rest
 
 

@@ -591,7 +591,7 @@ def test_weights_whose_send_fails_name_the_rollout_process_at_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gloo fails a send to a process that died, when it is issued or while it waits: the run stops at once, naming
-    the process it went to, with the run's one-line error, and closing the feed waits for no other send."""
+    the process it went to, with the run's one-line error."""
     named = (
         "^rollout process rank 2: weights could not be sent to it \\(Connection closed by peer \\[127.0.0.1\\]:40338\\)"
     )
@@ -615,27 +615,32 @@ def test_weights_whose_send_fails_name_the_rollout_process_at_once(
         feed.after_step(1)
 
 
-@pytest.mark.parametrize("cause", ["error", "signal"])
+@pytest.mark.parametrize("cause", ["error", "error, the store gone while it waits", "signal"])
 def test_a_rollout_process_whose_training_processes_are_gone_stops_with_one_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
-    """Its error cannot be posted (the job's store is rank 0's, gone with it): an error in the rollout process
-    becomes the run's one-line error saying so; a signal (torchrun's SIGTERM once rank 0 died) ends it as it would
-    have, not as the failed post."""
+    """The job's store fails (it is rank 0's, or the first machine's torchrun agent's, gone with the training
+    processes) as the rollout process posts its error or waits to be named: an error in the rollout process becomes
+    the run's one-line error saying so; a signal (a launcher's SIGTERM) ends it as it would have, not as the store's
+    error."""
 
-    class Gone:
+    class Store:
         def post(self, *args: object, **kwargs: object) -> None:
+            if cause != "error, the store gone while it waits":
+                raise torch.distributed.DistNetworkError("Broken pipe")
+
+        def poll(self) -> list:
             raise torch.distributed.DistNetworkError("Broken pipe")
 
     def fail(g: int) -> None:
-        raise torch.distributed.DistNetworkError("Connection reset by peer") if cause == "error" else Terminated
+        raise Terminated if cause == "signal" else torch.distributed.DistNetworkError("Connection reset by peer")
 
     process = RolloutProcess.__new__(RolloutProcess)
     process.cfg = load_config(None, ["--rollout_processes=1", f"--output_dir={tmp_path}"])
     process.trainer = type("Trainer", (), {"rollouts": type("Rollouts", (), {})()})()
     process.next, process.index, process.count, process.done = 0, 0, 1, pipeline.threading.Event()
     process.step_began = None
-    process.up, process.boxes, process._wait_until_due = Gone(), [Gone()], fail
+    process.up, process.down, process.boxes, process._wait_until_due = Store(), Store(), [Store()], fail
     monkeypatch.setattr(pipeline.dist, "get_rank", lambda group=None: 1)
     if cause == "signal":
         with pytest.raises(Terminated):

@@ -32,18 +32,20 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from fastgrpo import distributed
-from fastgrpo.config import GRPOConfig
 from fastgrpo.errors import RolloutFailed
 from fastgrpo.grpo.checkpoint import latest_checkpoint
 from fastgrpo.grpo.generation import Generating, Produced
 from fastgrpo.grpo.mailbox import Mailbox
 from fastgrpo.grpo.weight_sync import SentWeights, check_same_parameters, gathered_dtype
+
+if TYPE_CHECKING:
+    from fastgrpo.config import GRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,10 +151,10 @@ class RolloutFeed:
             with self.ready:
                 while self.next not in self.items and self.error is None:
                     if not self.thread.is_alive():
-                        raise self._failed("the rollout processes ended before the run did")
+                        raise stop_error(self.cfg, "the rollout processes ended before the run did")
                     self.ready.wait(0.05)
                 if self.error is not None:
-                    raise self._failed(self.error)
+                    raise stop_error(self.cfg, self.error)
                 produced, queued = self.items.pop(self.next), len(self.items)
             self.next += 1
             oldest = produced.oldest  # (of the whole generation: every training process drops the same)
@@ -193,7 +195,8 @@ class RolloutFeed:
         sending, self.sending = self.sending, []
         if not sending:  # (no weights sent since: on other training processes than rank 0, always)
             return
-        done, failed = threading.Event(), []
+        done = threading.Event()
+        failed: list[tuple[int, Exception]] = []  # the first send that failed, and its rank
 
         def wait() -> None:  # (a gloo send tells that it completed only to its `wait`)
             try:
@@ -209,7 +212,7 @@ class RolloutFeed:
         threading.Thread(target=wait, name="fastgrpo-weight-sends", daemon=True).start()
         while not done.wait(0.05):
             if self.error is not None:
-                raise self._failed(self.error)
+                raise stop_error(self.cfg, self.error)
         if failed:
             raise self._send_failed(*failed[0])
         self.figures["async/weight_send_seconds"] += time.monotonic() - t0
@@ -221,7 +224,7 @@ class RolloutFeed:
             if self.error is None:
                 self.error = f"rollout process rank {rank}: weights could not be sent to it ({error_text(error)})"
             self.ready.notify()
-        return self._failed(self.error)
+        return stop_error(self.cfg, self.error)
 
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
@@ -250,7 +253,7 @@ class RolloutFeed:
         with self.ready:
             while self.drafts_saved < len(self.ranks):
                 if self.error is not None:
-                    raise self._failed(self.error)
+                    raise stop_error(self.cfg, self.error)
                 self.ready.wait(0.05)
 
     def close(self) -> None:
@@ -275,9 +278,6 @@ class RolloutFeed:
             logger.warning("%s", e)
         finally:
             self.closing = True
-
-    def _failed(self, error: str) -> RolloutFailed:
-        return run_stops(self.cfg, error)
 
     def _tell(self, kind: int) -> None:
         for box in self.down.values():
@@ -324,10 +324,15 @@ class RolloutFeed:
                 self.ready.notify()
 
 
-def run_stops(cfg: GRPOConfig, error: str) -> RolloutFailed:
+def stop_error(cfg: GRPOConfig, error: str) -> RolloutFailed:
     """The run's one-line error for ``error``, with the checkpoint to continue from."""
     latest = latest_checkpoint(Path(cfg.output_dir))
-    where = f"continue from {latest} with --resume" if latest else "no checkpoint was written yet"
+    if latest:
+        where = f"continue from {latest} with --resume"
+    elif Path(cfg.output_dir).is_dir():
+        where = "no checkpoint was written yet"
+    else:  # (a rollout process on a machine that does not share the training processes' files)
+        where = f"continue from the latest checkpoint in the training processes' {cfg.output_dir} with --resume"
     return RolloutFailed(f"{error}; the run stops ({where})")
 
 
@@ -336,4 +341,4 @@ def error_text(error: Exception) -> str:
     alone, without the location and the advice after it."""
     text = str(error)
     located = re.match(r"\[[^\]]*\]\s*", text)
-    return text[located.end() :].split(". ")[0] if located else text
+    return text[located.end() :].split(". ")[0].splitlines()[0] if located else text

@@ -6,6 +6,7 @@ that no generation waits for the longest completion of the one before."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,14 +36,16 @@ from fastgrpo.grpo.pipeline import (
     error_text,
     payload,
     resume_point,
-    run_stops,
     share_box,
+    stop_error,
     version_runs,
 )
 from fastgrpo.grpo.weight_sync import check_same_parameters, synced_parameters
 from fastgrpo.rollout.sequence import Generation as Call
 from fastgrpo.rollout.sequence import Sequence
 from fastgrpo.training_rollouts import drafts_folder
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -122,15 +125,10 @@ class RolloutProcess:
             for box in self.boxes:
                 box.post(BYE)
         except BaseException as e:
-            try:
-                for box in self.boxes:
-                    box.post(FAILED, text=f"{type(e).__name__}: {e}")
-            except Exception as lost:  # the job's store is rank 0's: the training processes are gone
-                if not isinstance(e, Exception):  # a signal: it ends the process as it would have
-                    raise e from None
+            lost = self._report(e)
+            if lost is not None and isinstance(e, Exception):  # (a signal ends the process as it would have)
                 gone = f"rollout process rank {dist.get_rank()}: the training processes are gone ({error_text(lost)})"
-                raise run_stops(self.cfg, gone) from e
-            self._await_stop()  # rank 0 names this process before torchrun ends the job for its exit
+                raise stop_error(self.cfg, gone) from e
             raise
         finally:
             self.done.set()
@@ -257,16 +255,22 @@ class RolloutProcess:
                     part.marks.append((version, [len(s.completion_ids) for s in part.seqs]))
         return bool(messages)
 
-    def _await_stop(self) -> None:
-        """Wait until rank 0 stops the run, for ``heartbeat_stale_after_s`` at most."""
-        deadline = time.monotonic() + self.cfg.heartbeat_stale_after_s
-        while time.monotonic() < deadline:
-            try:
+    def _report(self, error: BaseException) -> Exception | None:
+        """Post ``error`` to the training processes and, unless it is a signal (the launcher ending the job, or one
+        sent to this process alone), wait until rank 0 stops the run (it names this process before the launcher ends
+        the job for its exit), for ``heartbeat_stale_after_s`` at most. The job's store failing meanwhile is returned:
+        the store is rank 0's, or the first machine's torchrun agent's, so the training processes are gone."""
+        try:
+            for box in self.boxes:
+                box.post(FAILED, text=f"{type(error).__name__}: {error_text(error)}")
+            deadline = time.monotonic() + (self.cfg.heartbeat_stale_after_s if isinstance(error, Exception) else 0)
+            while time.monotonic() < deadline:
                 if any(kind == STOP for kind, *_ in self.down.poll()):
-                    return
-            except Exception:  # the store is gone with rank 0
-                return
-            time.sleep(0.05)
+                    return None
+                time.sleep(0.05)
+        except Exception as lost:
+            return lost
+        return None
 
     def _beat(self) -> None:
         """The heartbeat thread: a beat every quarter of ``heartbeat_stale_after_s``, but while a decoding step has
@@ -277,5 +281,6 @@ class RolloutProcess:
             if began is None or time.monotonic() - began < 2 * period:
                 try:
                     self.up.beat()
-                except Exception:  # the job's store is gone with rank 0: the run's own loop ends on it
+                except Exception as e:  # the job's store is gone with the training processes, or failing
+                    logger.warning("rollout process rank %d: its heartbeat stops (%s)", dist.get_rank(), error_text(e))
                     return
