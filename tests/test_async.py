@@ -620,9 +620,9 @@ def test_a_rollout_process_whose_training_processes_are_gone_stops_with_one_line
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cause: str
 ) -> None:
     """The job's store fails (it is rank 0's, or the first machine's torchrun agent's, gone with the training
-    processes) as the rollout process posts its error or waits to be named: an error in the rollout process becomes
-    the run's one-line error saying so; a signal (a launcher's SIGTERM) ends it as it would have, not as the store's
-    error."""
+    processes) as the rollout process posts its error: an error in the rollout process becomes the run's one-line
+    error saying so; a signal (a launcher's SIGTERM) ends it as it would have, not as the store's error. Posted, the
+    error is the process's own once the store goes while it waits to be named (rank 0 may end on hearing of it)."""
 
     class Store:
         def post(self, *args: object, **kwargs: object) -> None:
@@ -644,6 +644,9 @@ def test_a_rollout_process_whose_training_processes_are_gone_stops_with_one_line
     monkeypatch.setattr(pipeline.dist, "get_rank", lambda group=None: 1)
     if cause == "signal":
         with pytest.raises(Terminated):
+            process.run()
+    elif cause == "error, the store gone while it waits":
+        with pytest.raises(torch.distributed.DistNetworkError, match="^Connection reset by peer$"):
             process.run()
     else:
         gone = (

@@ -258,18 +258,22 @@ class RolloutProcess:
     def _report(self, error: BaseException) -> Exception | None:
         """Post ``error`` to the training processes and, unless it is a signal (the launcher ending the job, or one
         sent to this process alone), wait until rank 0 stops the run (it names this process before the launcher ends
-        the job for its exit), for ``heartbeat_stale_after_s`` at most. The job's store failing meanwhile is returned:
-        the store is rank 0's, or the first machine's torchrun agent's, so the training processes are gone."""
+        the job for its exit), for ``heartbeat_stale_after_s`` at most. The job's store failing as ``error`` is posted
+        is returned: the store is rank 0's, or the first machine's torchrun agent's, so the training processes are
+        gone. (Once posted, the store may go with rank 0 ending on it: the wait ends then.)"""
         try:
             for box in self.boxes:
                 box.post(FAILED, text=f"{type(error).__name__}: {error_text(error)}")
-            deadline = time.monotonic() + (self.cfg.heartbeat_stale_after_s if isinstance(error, Exception) else 0)
-            while time.monotonic() < deadline:
-                if any(kind == STOP for kind, *_ in self.down.poll()):
-                    return None
-                time.sleep(0.05)
         except Exception as lost:
             return lost
+        deadline = time.monotonic() + (self.cfg.heartbeat_stale_after_s if isinstance(error, Exception) else 0)
+        while time.monotonic() < deadline:
+            try:
+                if any(kind == STOP for kind, *_ in self.down.poll()):
+                    break
+            except Exception:
+                break
+            time.sleep(0.05)
         return None
 
     def _beat(self) -> None:
