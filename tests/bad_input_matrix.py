@@ -640,11 +640,12 @@ def link(name: str, target: str) -> Callable[[Path], None]:
 # A run of one training and one rollout process, of more steps than it makes before a kill ends it: no sample may be
 # stale, so the rollout process makes each generation only once the weights of the step before it came.
 KILLED = dict(rollout_processes=1, max_staleness=0, max_steps=20, heartbeat_stale_after_s=10, ddp_timeout=60)
+ROLLOUT_KILLED = Kill(1, "run/checkpoint-1")  # its rollout process, once the first checkpoint is written
 
 
 def killed_rollout_process(tmp: Path) -> None:
     """The case's run, its rollout process killed once the first checkpoint is written."""
-    code, err, _ = run_job(["train", "--config", str(tmp / "c.yaml")], {}, tmp, 2, Kill(1, "run/checkpoint-1"))
+    code, err, _ = run_job(["train", "--config", str(tmp / "c.yaml")], {}, tmp, 2, ROLLOUT_KILLED)
     assert code not in (0, None), err[-2000:]
 
 
@@ -744,7 +745,7 @@ CASES: list[Case] = [
     train("a staleness bound without rollout processes", REFUSED, "max_staleness has no effect", max_staleness=2),
     Case("a rollout process killed mid-run", ("train",), REFUSED,
          ("rollout process rank 1: ", "; the run stops (continue from {tmp}/run/checkpoint-"),
-         config=tiny_run(**KILLED), processes=2, kill=Kill(1, "run/checkpoint-1"), needs_model=True),
+         config=tiny_run(**KILLED), processes=2, kill=ROLLOUT_KILLED, needs_model=True),
     Case("the training process killed mid-run", ("train",), REFUSED,
          ("rollout process rank 1: the training processes are gone (", "; the run stops (continue from {tmp}/run/"),
          config=tiny_run(**KILLED), processes=2, kill=Kill(0, "run/checkpoint-1"), needs_model=True),

@@ -220,11 +220,16 @@ class RolloutFeed:
     def _send_failed(self, rank: int, error: Exception) -> RolloutFailed:
         """The run's error for weights that could not be sent to rollout process ``rank`` (gloo: its connection
         closed, as when the process died), which then counts as named."""
+        self._name(rank, f"weights could not be sent to it ({error_text(error)})")
+        return stop_error(self.cfg, self.error)
+
+    def _name(self, rank: int, what: str) -> None:
+        """Name rollout process ``rank`` as failed, dead or silent (``what``), for every wait to raise; the first
+        process named stays the run's error."""
         with self.ready:
             if self.error is None:
-                self.error = f"rollout process rank {rank}: weights could not be sent to it ({error_text(error)})"
+                self.error = f"rollout process rank {rank}: {what}"
             self.ready.notify()
-        return stop_error(self.cfg, self.error)
 
     def after_step(self, version: int) -> None:
         """The weights of ``version`` optimizer steps are the module's: send them every ``weight_sync_steps``."""
@@ -319,9 +324,7 @@ class RolloutFeed:
                         )
                 time.sleep(0.005)
         except Exception as e:  # named, for `take` to raise
-            with self.ready:
-                self.error = f"rollout process rank {rank}: {error_text(e)}"
-                self.ready.notify()
+            self._name(rank, error_text(e))
 
 
 def stop_error(cfg: GRPOConfig, error: str) -> RolloutFailed:
